@@ -1,0 +1,1 @@
+"""The KV pool (Redis index, events, payload tiers) and the KV transfer layer."""

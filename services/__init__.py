@@ -1,0 +1,1 @@
+"""The running system: Ray workers, the launcher, the gateway and the CLI."""
