@@ -1,0 +1,180 @@
+"""KV pool benchmark: the Redis index and payload tier against redis-benchmark on the same server, and
+the router's in-memory mirror at cluster scale.
+
+    python benchmarks/pool_bench.py [--json out.json] [--quick]
+
+1. ``redis-benchmark`` GET/SET (one client, like ours) with small values and with block-sized values,
+   on a private redis-server this script starts: the server's own ceiling for this machine.
+2. ``KVPool.longest_prefix`` on 100-block chains over 8 workers: lookups/s and latency (one Lua call each).
+3. ``RedisTier.put_blocks`` / ``get_blocks`` of KV blocks (default Llama-3-8B-sized, 2 MiB bf16): MB/s.
+4. ``PoolMirror.longest_prefix`` with 1,000 workers and 1M indexed blocks, loaded into Redis and rebuilt
+   by the mirror: p50/p99 latency (goal p99 < 1 ms) and the rebuild time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvstore.events import PoolMirror  # noqa: E402
+from kvstore.payload import RedisTier  # noqa: E402
+from kvstore.pool import KVPool  # noqa: E402
+from services.local_redis import LocalRedis  # noqa: E402
+
+
+def percentiles(samples_s: list[float], prefix: str = "") -> dict[str, float]:
+    xs = sorted(samples_s)
+    pick = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3  # noqa: E731
+    return {f"{prefix}p50_ms": pick(0.50), f"{prefix}p99_ms": pick(0.99), f"{prefix}max_ms": xs[-1] * 1e3}
+
+
+def timed_lookups(lookup, queries) -> dict[str, float]:
+    """Wall-clock percentiles, and the thread's CPU time per lookup (what is left when other processes
+    on a busy machine preempt the benchmark mid-lookup)."""
+    wall, cpu = [], []
+    for q in queries:
+        t, c = time.perf_counter(), time.thread_time()
+        lookup(q)
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - t)
+    return {**percentiles(wall), **percentiles(cpu, "cpu_")}
+
+
+def redis_benchmark(port: int, value_bytes: int, requests: int) -> dict[str, dict[str, float]]:
+    """redis-benchmark GET/SET with one client: {"SET": {rps, MB_s, p50_ms, p99_ms}, "GET": {...}}."""
+    out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-n", str(requests), "-c", "1",
+                          "-d", str(value_bytes), "--csv"], check=True, capture_output=True, text=True).stdout
+    rows = {}
+    for row in csv.DictReader(io.StringIO(out)):
+        rps = float(row["rps"])
+        rows[row["test"]] = {"rps": rps, "MB_s": rps * value_bytes / 1e6,
+                             "p50_ms": float(row["p50_latency_ms"]), "p99_ms": float(row["p99_latency_ms"])}
+    return rows
+
+
+def bench_lookup(url: str, lookups: int) -> dict[str, float]:
+    pool = KVPool(url, "bench", 16, ttl_s=600)
+    rng = random.Random(0)
+    chains = [[rng.getrandbits(64) for _ in range(100)] for _ in range(64)]
+    workers = [f"w{i}" for i in range(8)]
+    for w in workers:
+        pool.heartbeat(w)
+    for c in chains:  # each chain fully on one worker, a prefix of it on two others
+        pool.publish_stored(rng.choice(workers), c)
+        for w in rng.sample(workers, 2):
+            pool.publish_stored(w, c[:rng.randrange(1, 100)])
+    start = time.perf_counter()
+    latency = timed_lookups(pool.longest_prefix, [chains[i % len(chains)] for i in range(lookups)])
+    wall = time.perf_counter() - start
+    pool.close()
+    return {"lookups_per_s": lookups / wall, "blocks_per_s": 100 * lookups / wall, **latency}
+
+
+def bench_payload(url: str, shape: tuple[int, ...], total_bytes: int, batch: int) -> dict[str, float]:
+    pool = KVPool(url, "bench-payload", shape[2], ttl_s=600)
+    tier = RedisTier(pool, max_bytes=4 * total_bytes)
+    block = torch.randn(shape).to(torch.bfloat16)
+    block_bytes = block.numel() * block.element_size()
+    n = max(batch, total_bytes // block_bytes // batch * batch)
+    hashes = [random.getrandbits(64) for _ in range(n)]
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        assert tier.put_blocks(hashes[i:i + batch], [block] * batch)
+    put_s = time.perf_counter() - start
+    start = time.perf_counter()
+    for i in range(0, n, batch):
+        assert all(b is not None for b in tier.get_blocks(hashes[i:i + batch]))
+    get_s = time.perf_counter() - start
+    pool.client.flushdb()
+    pool.close()
+    moved = n * block_bytes / 1e6
+    return {"block_bytes": block_bytes, "blocks": n, "batch": batch,
+            "put_MB_s": moved / put_s, "get_MB_s": moved / get_s}
+
+
+def bench_mirror(url: str, workers: int, blocks: int, lookups: int) -> dict[str, float]:
+    """Chains of 100 blocks: each fully on one worker, a random prefix of it on up to two others; the
+    first 8 blocks of chain 0 (a shared system prompt) on every worker."""
+    pool = KVPool(url, "bench-mirror", 16, ttl_s=3600)
+    rng = random.Random(1)
+    names = [f"worker-{i:04d}" for i in range(workers)]
+    chains = [[rng.getrandbits(64) for _ in range(100)] for _ in range(blocks // 100)]
+    holdings: list[dict[int, int]] = [{} for _ in names]
+    for i, c in enumerate(chains):
+        holdings[i % workers].update(dict.fromkeys(c, 1))
+        for w in rng.sample(range(workers), rng.randrange(3)):
+            holdings[w].update(dict.fromkeys(c[:rng.randrange(1, 100)], 1))
+    for h in holdings:
+        h.update(dict.fromkeys(chains[0][:8], 1))
+    start = time.perf_counter()
+    pipe = pool.client.pipeline(transaction=False)
+    for w in names:
+        pipe.zadd(pool.ns + "hb", {w: int(time.time() * 1000)})  # heartbeats, without 1,000 round trips
+    pipe.execute()
+    for w, h in zip(names, holdings, strict=True):
+        assert pool.replace_holdings(w, h)
+    load_s = time.perf_counter() - start
+    del holdings
+
+    mirror = PoolMirror(url, "bench-mirror", 16, ttl_s=3600)
+    start = time.perf_counter()
+    mirror.poll()
+    rebuild_s = time.perf_counter() - start
+    indexed = mirror.indexed_blocks
+    assert len(mirror.longest_prefix(chains[0])) == workers and len(mirror.workers()) == workers
+    chain_lookups = timed_lookups(mirror.longest_prefix, [rng.choice(chains) for _ in range(lookups)])
+    # the shared prefix: every worker matches 8 blocks, then one holder goes on
+    hot = timed_lookups(mirror.longest_prefix, [chains[0]] * max(100, lookups // 10))
+    mirror.stop()
+    pool.client.flushdb()
+    pool.close()
+    return {"workers": workers, "indexed_blocks": indexed, "redis_load_s": load_s, "rebuild_s": rebuild_s,
+            "lookups": lookups, **chain_lookups, "hot_prefix": hot}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="small sizes (100 workers, 100k blocks)")
+    ap.add_argument("--block-shape", default="32,2,16,8,128", help="layers,2,block_size,kv_heads,head_dim (bf16)")
+    ap.add_argument("--payload-mib", type=int, default=256)
+    args = ap.parse_args()
+    if shutil.which("redis-benchmark") is None:
+        sys.exit("redis-benchmark not found (apt-get install redis-tools)")
+    shape = tuple(int(x) for x in args.block_shape.split(","))
+    block_bytes = 2 * int(torch.tensor(shape).prod())
+    lookups = 2000 if args.quick else 20000
+    results: dict = {"quick": args.quick, "block_shape": list(shape), "cpus": os.cpu_count(),
+                     "loadavg_before": os.getloadavg()}
+    with LocalRedis() as server:
+        results["redis_benchmark_small"] = redis_benchmark(server.port, 16, 20000)
+        results["redis_benchmark_block"] = redis_benchmark(server.port, block_bytes,
+                                                           max(50, (args.payload_mib << 20) // block_bytes))
+        server_client = KVPool(server.url, "x", 1).client
+        server_client.flushdb()
+        results["pool_longest_prefix_100_blocks"] = bench_lookup(server.url, lookups // 4)
+        results["payload"] = bench_payload(server.url, shape, args.payload_mib << 20, batch=8)
+        workers, blocks = (100, 100_000) if args.quick else (1000, 1_000_000)
+        results["mirror"] = bench_mirror(server.url, workers, blocks, lookups)
+        server_client.close()
+    results["loadavg_after"] = os.getloadavg()
+    print(json.dumps(results, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

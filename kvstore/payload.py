@@ -1,0 +1,297 @@
+"""KV block bytes in two tiers: a bounded LRU in the worker's host memory, and Redis bounded by
+``max_bytes`` with LRU eviction published as pool events (holder ``POOL_HOLDER``, tier ``redis``).
+
+A stored block is ``b"TPKV" | u32 header length | JSON header | raw bytes``; the header names the model,
+block hash, layers, dtype and shape, and carries a CRC-32 of the raw bytes. A block whose header does not
+match what the reader asked for, or whose checksum fails, is logged as an error and treated as a miss:
+it is never returned. Tensors go in and come out; the stored form is plain bytes (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from kvstore.pool import POOL_HOLDER, PRELUDE, TIERS, KVPool, execute, hex_of, new_epoch
+from kvstore.transfer.wire import DTYPES, as_bytes, checksum, dtype_name, tensor_from_bytes
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TPKV"
+_PREFIX = struct.Struct("<4sI")
+
+
+class BlockError(ValueError):
+    """A stored block failed its header or checksum check."""
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What a reader expects of every block: dtype name and shape ``[layers, 2, block_size, heads, dim]``."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def encode_block(model_id: str, block_hash: int, tensor: torch.Tensor) -> bytes:
+    raw = as_bytes(tensor)
+    header = json.dumps({"model": model_id, "hash": hex_of(block_hash), "layers": tensor.shape[0],
+                         "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
+                         "crc32": checksum(raw)}).encode()
+    return b"".join((_PREFIX.pack(MAGIC, len(header)), header, raw))
+
+
+def decode_block(data: bytes, model_id: str, block_hash: int, layout: BlockLayout | None = None) -> torch.Tensor:
+    """The block's tensor; raises ``BlockError`` unless header and checksum match."""
+    try:
+        magic, size = _PREFIX.unpack_from(data)
+        header = json.loads(data[_PREFIX.size:_PREFIX.size + size])
+        model, h, layers, dtype = header["model"], header["hash"], header["layers"], header["dtype"]
+        shape, crc = tuple(header["shape"]), header["crc32"]
+    except (struct.error, ValueError, KeyError, TypeError) as e:
+        raise BlockError(f"unreadable block header: {e}") from e
+    if magic != MAGIC or model != model_id or h != hex_of(block_hash):
+        raise BlockError(f"header names model {model!r} block {h}, expected {model_id!r} {hex_of(block_hash)}")
+    if dtype not in DTYPES or not shape or not all(type(d) is int and d >= 0 for d in shape) or layers != shape[0]:
+        raise BlockError(f"bad header layout: dtype {dtype}, layers {layers}, shape {shape}")
+    if layout is not None and (dtype, shape) != (layout.dtype, layout.shape):
+        raise BlockError(f"block is {dtype}{list(shape)}, reader expects {layout.dtype}{list(layout.shape)}")
+    raw = memoryview(data)[_PREFIX.size + size:]
+    if len(raw) != math.prod(shape) * DTYPES[dtype].itemsize or checksum(raw) != crc:
+        raise BlockError("checksum or length mismatch")
+    return tensor_from_bytes(raw, dtype, shape)
+
+
+class BlockTier(Protocol):
+    def get_prefix(self, hashes: Sequence[int]) -> list[torch.Tensor]: ...
+
+
+def fetch_prefix(hashes: Sequence[int], tiers: Sequence[BlockTier]) -> list[torch.Tensor]:
+    """Blocks for the longest leading run of ``hashes`` the tiers hold, in order: each tier continues
+    where the previous one missed (e.g. ``[host, redis]``)."""
+    out: list[torch.Tensor] = []
+    for tier in tiers:
+        if len(out) == len(hashes):
+            break
+        out.extend(tier.get_prefix(hashes[len(out):]))
+    return out
+
+
+def _prefix(blocks: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    n = next((i for i, b in enumerate(blocks) if b is None), len(blocks))
+    return blocks[:n]  # type: ignore[return-value]
+
+
+class HostTier:
+    """A bounded LRU of encoded blocks in this process's memory. ``on_stored``/``on_removed`` (e.g. from
+    ``PoolPublisher.callbacks("host")``) hear which hashes entered and left it."""
+
+    def __init__(self, model_id: str, max_bytes: int, layout: BlockLayout | None = None,
+                 on_stored: Callable[[list[int]], None] | None = None,
+                 on_removed: Callable[[list[int]], None] | None = None) -> None:
+        self.model_id, self.max_bytes, self.layout = model_id, max_bytes, layout
+        self.on_stored, self.on_removed = on_stored, on_removed
+        self.nbytes = 0
+        self._blocks: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._blocks
+
+    def put_blocks(self, hashes: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
+        encoded = [(h, encode_block(self.model_id, h, t)) for h, t in zip(hashes, tensors, strict=True)]
+        stored: list[int] = []
+        with self._lock:
+            for h, data in encoded:
+                old = self._blocks.pop(h, None)
+                self.nbytes += len(data) - (len(old) if old is not None else 0)
+                self._blocks[h] = data
+                if old is None:
+                    stored.append(h)
+            evicted = self._evict_locked()
+        self._notify(stored, evicted)
+
+    def get_blocks(self, hashes: Sequence[int]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        bad: list[int] = []
+        with self._lock:
+            found = [self._blocks.get(h) for h in hashes]
+            for h, data in zip(hashes, found, strict=True):
+                if data is not None:
+                    self._blocks.move_to_end(h)
+        for h, data in zip(hashes, found, strict=True):
+            out.append(None if data is None else self._decode(h, data, bad))
+        if bad:
+            with self._lock:
+                for h in bad:
+                    self.nbytes -= len(self._blocks.pop(h, b""))
+            self._notify([], bad)
+        return out
+
+    def get_prefix(self, hashes: Sequence[int]) -> list[torch.Tensor]:
+        return _prefix(self.get_blocks(hashes))
+
+    def _decode(self, h: int, data: bytes, bad: list[int]) -> torch.Tensor | None:
+        try:
+            return decode_block(data, self.model_id, h, self.layout)
+        except BlockError as e:
+            log.error("host tier: block %s rejected (%s); treating it as a miss", hex_of(h), e)
+            bad.append(h)
+            return None
+
+    def _evict_locked(self) -> list[int]:
+        evicted = []
+        while self.nbytes > self.max_bytes and self._blocks:
+            h, data = self._blocks.popitem(last=False)
+            self.nbytes -= len(data)
+            evicted.append(h)
+        return evicted
+
+    def _notify(self, stored: list[int], removed: list[int]) -> None:
+        if stored and self.on_stored:
+            self.on_stored(stored)
+        if removed and self.on_removed:
+            self.on_removed(removed)
+
+
+# Payload keys: p:{hash} the bytes, psize HASH hash -> bytes, plru ZSET hash -> access clock, pbytes total.
+_PAYLOAD_PRELUDE = PRELUDE + f"""
+local holder, tierbit = '{POOL_HOLDER}', {TIERS["redis"]}
+local function drop_payload(hex, now, removed)
+  local size = redis.call('HGET', ns .. 'psize', hex)
+  if not size then return end
+  redis.call('DEL', ns .. 'p:' .. hex)
+  redis.call('HDEL', ns .. 'psize', hex)
+  redis.call('ZREM', ns .. 'plru', hex)
+  redis.call('DECRBY', ns .. 'pbytes', size)
+  local old, new = update(holder, hex, tierbit, 'removed', now)
+  if old ~= 0 and new == 0 then removed[#removed + 1] = hex end
+end
+"""
+
+# ARGV: ns, maxlen, epoch, max_bytes, hash... -> blocks evicted. The same pipeline SET the bytes just
+# before (natively: no copies through Lua), with a TTL in case this commit never runs; here they count.
+_COMMIT = _PAYLOAD_PRELUDE + """
+redis.call('SADD', ns .. 'workers', holder)
+local now, stored, evicted = now_ms(), {}, {}
+for i = 5, #ARGV do
+  local hex, key = ARGV[i], ns .. 'p:' .. ARGV[i]
+  local size = redis.call('STRLEN', key)
+  if size > 0 then
+    redis.call('PERSIST', key)
+    local old_size = tonumber(redis.call('HGET', ns .. 'psize', hex) or '0')
+    redis.call('HSET', ns .. 'psize', hex, size)
+    redis.call('INCRBY', ns .. 'pbytes', size - old_size)
+    redis.call('ZADD', ns .. 'plru', redis.call('INCR', ns .. 'pclock'), hex)
+    local old = update(holder, hex, tierbit, 'stored', now)
+    if old == 0 then stored[#stored + 1] = hex end
+  end
+end
+while tonumber(redis.call('GET', ns .. 'pbytes') or '0') > tonumber(ARGV[4]) do
+  local coldest = redis.call('ZRANGE', ns .. 'plru', 0, 0)
+  if #coldest == 0 then break end
+  drop_payload(coldest[1], now, evicted)
+end
+emit(holder, 'stored', 'redis', stored, ARGV[2], ARGV[3])
+emit(holder, 'removed', 'redis', evicted, ARGV[2], ARGV[3])
+return #evicted
+"""
+
+# ARGV: ns, hash...: the blocks a pipeline just read count as most recently used.
+_TOUCH = _PAYLOAD_PRELUDE + """
+for i = 2, #ARGV do
+  redis.call('ZADD', ns .. 'plru', 'XX', redis.call('INCR', ns .. 'pclock'), ARGV[i])
+end
+"""
+
+# ARGV: ns, maxlen, epoch, hash... -> number of blocks removed.
+_DISCARD = _PAYLOAD_PRELUDE + """
+local now, removed = now_ms(), {}
+for i = 4, #ARGV do drop_payload(ARGV[i], now, removed) end
+emit(holder, 'removed', 'redis', removed, ARGV[2], ARGV[3])
+return #removed
+"""
+
+
+class RedisTier:
+    """Blocks in Redis under the pool's namespace, shared by every worker of the model. Writes that
+    push the total past ``max_bytes`` evict the least recently used blocks; each put and eviction is
+    published in the pool index. A batch is one pipeline: native SET/GET for the bytes plus one Lua
+    call for the accounting, index and events."""
+
+    ORPHAN_TTL_S = 600  # bytes whose commit never ran (a connection lost mid-batch) expire
+
+    def __init__(self, pool: KVPool, max_bytes: int, layout: BlockLayout | None = None) -> None:
+        self.pool, self.max_bytes, self.layout = pool, max_bytes, layout
+        self._commit = pool.script(_COMMIT)
+        self._touch = pool.script(_TOUCH)
+        self._discard = pool.script(_DISCARD)
+
+    def _key(self, h: int) -> str:
+        return f"{self.pool.ns}p:{hex_of(h)}"
+
+    def put_blocks(self, hashes: Sequence[int], tensors: Sequence[torch.Tensor]) -> bool:
+        """Store blocks in one round trip; False (and logged) when Redis dropped them."""
+        encoded = [encode_block(self.pool.model_id, h, t) for h, t in zip(hashes, tensors, strict=True)]
+        if not encoded:
+            return True
+
+        def send() -> bool:
+            pipe = self.pool.client.pipeline(transaction=False)
+            for h, data in zip(hashes, encoded, strict=True):
+                pipe.set(self._key(h), data, ex=self.ORPHAN_TTL_S)
+            pipe.evalsha(self._commit.sha, 0, self.pool.ns, self.pool.stream_maxlen, new_epoch(), self.max_bytes,
+                         *map(hex_of, hashes))
+            execute(pipe)
+            return True
+        return self.pool.run(send, False)
+
+    def get_blocks(self, hashes: Sequence[int]) -> list[torch.Tensor | None]:
+        """Each block, or None for a miss, a bad block, or Redis unreachable; one round trip."""
+        if not hashes:
+            return []
+
+        def fetch() -> list:
+            pipe = self.pool.client.pipeline(transaction=False)
+            for h in hashes:
+                pipe.get(self._key(h))
+            pipe.evalsha(self._touch.sha, 0, self.pool.ns, *map(hex_of, hashes))
+            return execute(pipe)[:-1]
+        raw = self.pool.run(fetch, [None] * len(hashes))
+        out: list[torch.Tensor | None] = [None] * len(hashes)
+        bad = []
+        for i, data in enumerate(raw):
+            if data is not None:
+                try:
+                    out[i] = decode_block(data, self.pool.model_id, hashes[i], self.layout)
+                except BlockError as e:
+                    log.error("redis tier: block %s rejected (%s); treating it as a miss", hex_of(hashes[i]), e)
+                    bad.append(hashes[i])
+        if bad:
+            self.discard(bad)
+        return out
+
+    def get_prefix(self, hashes: Sequence[int]) -> list[torch.Tensor]:
+        """The leading blocks up to the first miss."""
+        return _prefix(self.get_blocks(hashes))
+
+    def discard(self, hashes: Sequence[int]) -> bool:
+        """Remove blocks (e.g. ones that failed their check) and publish their removal."""
+        args = [self.pool.ns, self.pool.stream_maxlen, new_epoch(), *map(hex_of, hashes)]
+        return self.pool.run(lambda: self.pool.client.evalsha(self._discard.sha, 0, *args) is not None, False)
+
+    def nbytes(self) -> int | None:
+        """Payload bytes stored in Redis (None while unreachable)."""
+        return self.pool.run(lambda: int(self.pool.client.get(self.pool.ns + "pbytes") or 0), None)
