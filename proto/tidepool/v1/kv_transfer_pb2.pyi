@@ -29,14 +29,16 @@ class KVHeader(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layerwise: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("header", "offset", "data")
+    __slots__ = ("header", "offset", "data", "checksum")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     header: KVHeader
     offset: int
     data: bytes
-    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    checksum: int
+    def __init__(self, header: _Optional[_Union[KVHeader, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class KVAck(_message.Message):
     __slots__ = ("request_id", "received_bytes", "ok", "error")

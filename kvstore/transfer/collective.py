@@ -1,0 +1,209 @@
+"""KV transfer over torch.distributed point-to-point: one two-rank process group per prefill-decode pair.
+
+Each channel builds its own store and group (``ProcessGroupGloo`` / ``ProcessGroupNCCL`` on a TCPStore)
+instead of the process-wide default group, so a worker can hold channels to several peers and a peer's
+death breaks only its own channel. The decode side (rank 0) hosts the store, so its address exists
+before the prefill side connects; the group itself is created lazily, on the first transfer.
+
+The header travels out of band (the caller hands it over, e.g. in a Ray call); the collective carries
+the payload (one message per layer when ``header.layerwise``, else runs of whole layers of up to 4 MiB;
+sends pipelined, receives all posted up front, checksums computed while later pieces are in flight) and
+then a trailer ``[checksum, status, tag]``. A sender whose layer producer fails still sends the remaining layers (as
+zeros) with status "aborted", so the channel stays aligned for the next request. A timeout or lost
+connection mid-transfer leaves the two sides out of step: the channel is torn down and every later call
+raises ``PeerLost``; the caller opens a new channel (or picks another pair).
+
+Limits: one transfer at a time per channel, and both sides must handle the pair's transfers in the same
+order (NCCL ignores tags; the trailer's tag catches a mix-up). The checksum reads the bytes on the host,
+so on CUDA it costs a device-to-host copy per layer. Gloo picks its network interface from the hostname
+(``GLOO_SOCKET_IFNAME`` overrides it on multi-homed nodes).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from kvstore.transfer import ChecksumMismatch, PeerLost, TransferCancelled, TransferError, TransferTimeout
+from kvstore.transfer.wire import (
+    MAX_CHUNK_BYTES,
+    TransferHeader,
+    as_bytes,
+    checksum,
+    payload_pieces,
+    piece_ranges,
+)
+
+ROLES = {"decode": 0, "prefill": 1}
+_OK, _ABORTED = 0, 1
+_MAX_IN_FLIGHT = 4  # pieces sent but not yet confirmed, per transfer
+
+
+def pick_transport(mode: str, prefill_device: str | torch.device, decode_device: str | torch.device) -> str:
+    """``--kv-transport``: "grpc" or "collective" as given; "auto" is collective only where NCCL can run."""
+    if mode in ("grpc", "collective"):
+        return mode
+    if mode != "auto":
+        raise ValueError(f"unknown KV transport {mode!r} (grpc|collective|auto)")
+    on_cuda = torch.device(prefill_device).type == "cuda" and torch.device(decode_device).type == "cuda"
+    return "collective" if on_cuda and dist.is_nccl_available() else "grpc"
+
+
+def backend_for(device: str | torch.device) -> str:
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def _new_group(backend: str, store: dist.Store, rank: int, timeout: timedelta):
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if backend == "nccl" and dist.is_nccl_available():
+        options = dist.ProcessGroupNCCL.Options()
+        # Above every transfer deadline, so our wait notices a stalled peer and aborts the pair before
+        # NCCL's watchdog would end the whole process.
+        options._timeout = 2 * timeout + timedelta(seconds=60)
+        return dist.ProcessGroupNCCL(store, rank, 2, options)
+    raise ValueError(f"backend {backend!r} is not available in this torch build")
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of a contiguous tensor, so every dtype travels alike (bfloat16 included)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class CollectiveChannel:
+    """One end of a prefill-decode pair. ``role`` "decode" binds ``init_method`` (port 0: any free port)."""
+
+    def __init__(self, role: str, init_method: str, backend: str = "gloo", timeout_s: float = 60.0,
+                 device: str | torch.device = "cpu") -> None:
+        self.role, self.rank = role, ROLES[role]
+        self.backend, self.device = backend, torch.device(device)
+        self.timeout_s = timeout_s
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or not url.hostname or url.port is None:
+            raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+        self._host = url.hostname
+        store_timeout = timedelta(seconds=timeout_s)
+        self._store = (dist.TCPStore(self._host, url.port, is_master=True, wait_for_workers=False,
+                                     timeout=store_timeout) if self.rank == 0 else None)
+        self.init_method = f"tcp://{self._host}:{self._store.port if self._store else url.port}"
+        self._group = None
+        self._broken: str | None = None
+        self._lock = threading.Lock()  # one transfer at a time: point-to-point messages pair up in order
+
+    def send(self, header: TransferHeader, payload: torch.Tensor | Iterable[torch.Tensor],
+             timeout_s: float | None = None) -> None:
+        """Send the payload: per layer when ``header.layerwise`` (layers pulled as they are produced),
+        else the whole tensor in runs of whole layers of up to 4 MiB. Blocks until every piece is out."""
+        with self._transfer(timeout_s) as deadline:
+            group, tag = self._connect(), _tag(header)
+            pieces = payload_pieces(header, payload, MAX_CHUNK_BYTES)
+            in_flight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # keeps each piece alive until sent
+            crc, failure = 0, None
+            for start, end in piece_ranges(header, MAX_CHUNK_BYTES):
+                try:
+                    data = _flat_bytes(next(pieces).to(self.device).contiguous())
+                except Exception as exc:  # StopIteration too: a generator that raised is exhausted
+                    # The receiver is waiting for these bytes: send zeros and flag the trailer instead.
+                    failure = failure or exc
+                    data = torch.zeros((end - start) * header.layer_bytes, dtype=torch.uint8, device=self.device)
+                in_flight.append((group.send([data], 1 - self.rank, tag), data))
+                crc = checksum(as_bytes(data), crc)  # overlaps the send in flight
+                while len(in_flight) > _MAX_IN_FLIGHT:
+                    self._wait(in_flight.popleft()[0], deadline)
+            trailer = torch.tensor([crc, _OK if failure is None else _ABORTED, tag],
+                                   dtype=torch.int64, device=self.device)
+            in_flight.append((group.send([trailer], 1 - self.rank, tag), trailer))
+            for work, _ in in_flight:
+                self._wait(work, deadline)
+        if failure is not None:
+            raise TransferCancelled(f"{header.request_id}: payload failed, receiver told: {failure}") \
+                from failure
+
+    def recv(self, header: TransferHeader, out: torch.Tensor | None = None,
+             timeout_s: float | None = None) -> torch.Tensor:
+        """Receive the payload described by ``header`` into ``out`` (allocated on the channel's device)."""
+        if out is None:
+            out = torch.empty(header.shape, dtype=header.torch_dtype, device=self.device)
+        if tuple(out.shape) != header.shape or out.dtype != header.torch_dtype or not out.is_contiguous():
+            raise TransferError(f"{header.request_id}: out is {out.dtype} {list(out.shape)}, header says "
+                                f"{header.dtype} {list(header.shape)}")
+        with self._transfer(timeout_s) as deadline:
+            group, tag = self._connect(), _tag(header)
+            # Views: the bytes land in ``out``, in the pieces the sender derives from the same header.
+            pieces = [_flat_bytes(out[start:end]) for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
+            trailer = torch.zeros(3, dtype=torch.int64, device=self.device)
+            # Post every receive up front, so the sender never waits for us between pieces.
+            works = [group.recv([data], 1 - self.rank, tag) for data in [*pieces, trailer]]
+            crc = 0
+            for work, data in zip(works, pieces, strict=False):
+                self._wait(work, deadline)
+                crc = checksum(as_bytes(data), crc)  # overlaps the next layer's arrival
+            self._wait(works[-1], deadline)
+        sent_crc, status, tag = trailer.tolist()
+        if tag != _tag(header):
+            raise TransferError(f"{header.request_id}: received another request's KV (tag {tag})")
+        if status == _ABORTED:
+            raise TransferCancelled(f"{header.request_id}: the sender's layer producer failed")
+        if crc != sent_crc or header.checksum not in (0, crc):
+            raise ChecksumMismatch(f"{header.request_id}: received {crc:#x}, sender said {sent_crc:#x} "
+                                   f"(header {header.checksum:#x})")
+        return out
+
+    def close(self) -> None:
+        """Tear the group down; later calls raise PeerLost."""
+        with self._lock:
+            self._teardown("closed")
+
+    @contextmanager
+    def _transfer(self, timeout_s: float | None) -> Iterator[float]:
+        with self._lock:
+            if self._broken is not None:
+                raise PeerLost(f"channel {self.init_method} is down: {self._broken}")
+            yield time.monotonic() + min(self.timeout_s, self.timeout_s if timeout_s is None else timeout_s)
+
+    def _connect(self):
+        """The pair's group, created on first use (blocks until the peer joins, up to the timeout)."""
+        if self._group is None:
+            try:
+                if self.backend == "nccl":
+                    torch.cuda.set_device(self.device)
+                store = self._store or dist.TCPStore(self._host, int(self.init_method.rsplit(":", 1)[1]),
+                                                     is_master=False, timeout=timedelta(seconds=self.timeout_s))
+                self._group = _new_group(self.backend, store, self.rank, timedelta(seconds=self.timeout_s))
+                self._store = store  # keep the client store alive as long as the group
+            except RuntimeError as exc:
+                self._teardown(f"could not join the peer: {exc}")
+                raise PeerLost(f"{self.init_method}: could not join the peer: {exc}") from exc
+        return self._group
+
+    def _wait(self, work: dist.Work, deadline: float) -> None:
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise RuntimeError("Timed out: the transfer's deadline passed")
+            work.wait(timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            # The two sides are out of step now (a message half sent or half received): end the pair.
+            timed_out = time.monotonic() >= deadline - 0.1  # by the clock, not the backend's wording
+            self._teardown(f"{'timeout' if timed_out else 'peer lost'}: {exc}")
+            raise (TransferTimeout if timed_out else PeerLost)(f"{self.init_method}: {exc}") from exc
+
+    def _teardown(self, reason: str) -> None:
+        self._broken = self._broken or reason
+        if self._group is not None:
+            self._group.abort()  # the peer's pending and later operations fail at once
+        self._group = self._store = None
+
+
+def _tag(header: TransferHeader) -> int:
+    """A per-request message tag, so gloo never matches one request's bytes with another's receive."""
+    return zlib.crc32(header.request_id.encode()) & 0x7FFFFFFF
