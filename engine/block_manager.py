@@ -1,0 +1,249 @@
+"""Paged KV block allocation: free lists, reference counts, prefix caching, LRU reuse, copy-on-write.
+
+Modelled on vLLM v1's block pool + KV cache manager. A full block whose K/V has been computed is
+registered under its chained hash (``kvstore.hashing``), together with its token ids so that a hash
+hit is confirmed before it is trusted. A freed registered block keeps its contents and hash: it waits
+in an LRU list and a later prompt with the same prefix picks it up again; it is only overwritten when
+no never-registered block is free, least recently freed first. Registering and evicting are reported
+through ``on_stored(hashes)`` / ``on_removed(hashes)``, which the worker forwards to the KV pool.
+
+Blocks are reference counted: samples of an ``n > 1`` request share the prompt's blocks after a fork,
+and the first write into a shared, partly filled block copies it (``take_copies`` hands the pending
+(src, dst) copies to the engine, which applies them to the cache before the next forward pass).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from engine.errors import OutOfBlocksError
+from kvstore.hashing import hash_block
+
+HashCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chain hashes of the table's first full blocks
+    num_slots: int = 0  # token positions the table holds (for the waste count)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes, enable_prefix_caching: bool = True,
+                 on_stored: HashCallback | None = None, on_removed: HashCallback | None = None):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
+        self.num_blocks, self.block_size, self.salt = num_blocks, block_size, salt
+        self.enable_prefix_caching = enable_prefix_caching
+        self.on_stored, self.on_removed = on_stored, on_removed
+        self.ref = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id, for registered blocks
+        self.free_plain = list(range(num_blocks - 1, -1, -1))  # stack; block 0 is handed out first
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; LRU first
+        self.seqs: dict[Hashable, _SeqBlocks] = {}
+        self._copies: list[tuple[int, int]] = []
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_plain) + len(self.free_cached)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self.seqs[seq_id].table
+
+    def hashes_of(self, block_ids: Sequence[int]) -> list[int | None]:
+        """Registered hash of each block (None for a partial or unregistered block)."""
+        return [self.block_hash[b] for b in block_ids]
+
+    def cached_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None
+                      ) -> tuple[list[int], list[int]]:
+        """(block ids, hashes) of the longest run of leading full blocks found in the prefix cache;
+        no side effects (``allocate(..., prefix=...)`` takes the references)."""
+        blocks: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        B = self.block_size
+        n = len(token_ids) // B if max_blocks is None else min(max_blocks, len(token_ids) // B)
+        parent = None
+        for i in range(n):
+            tokens = tuple(token_ids[i * B:(i + 1) * B])
+            parent = hash_block(parent, tokens, self.salt)
+            block = self.cached.get(parent)
+            if block is None or self.block_tokens[block] != tokens:  # miss, or a hash collision
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return blocks, hashes
+
+    def usage(self) -> tuple[int, int]:
+        """(allocated slots, used slots) over referenced blocks; waste = 1 - used / allocated."""
+        B = self.block_size
+        used: dict[int, int] = {}
+        for s in self.seqs.values():
+            for i, b in enumerate(s.table):
+                used[b] = max(used.get(b, 0), min(B, max(0, s.num_slots - i * B)))
+        allocated = sum(1 for r in self.ref if r > 0) * B
+        return allocated, sum(used.values())
+
+    # -- allocation ------------------------------------------------------------------------------
+    def allocate(self, seq_id: Hashable, num_computed: int, num_new: int,
+                 prefix: tuple[list[int], list[int]] | None = None) -> bool:
+        """Grow ``seq_id``'s table to hold ``num_computed + num_new`` tokens, writes starting at
+        ``num_computed``. A sequence's first call may adopt a cached ``prefix`` (from
+        ``cached_prefix``). False, with nothing changed, when the free blocks don't suffice."""
+        s = self.seqs.get(seq_id)
+        total = self.blocks_for(num_computed + num_new)
+        if s is None:
+            blocks, hashes = prefix or ([], [])
+            revived = sum(1 for b in blocks if self.ref[b] == 0)  # free-cached blocks we take back
+            if total - len(blocks) + revived > self.num_free_blocks:
+                return False
+            for b in blocks:
+                self._take(b)
+            s = self.seqs[seq_id] = _SeqBlocks(list(blocks), list(hashes))
+        else:
+            B, table = self.block_size, s.table
+            cow = num_computed % B != 0 and self.ref[table[num_computed // B]] > 1
+            if total - len(table) + cow > self.num_free_blocks:
+                return False
+            if cow:  # the next write lands in a block another sample still reads: copy it first
+                i = num_computed // B
+                src, (dst,) = table[i], self._pop_free(1)
+                self._copies.append((src, dst))
+                self._release(src)
+                table[i] = dst
+        if total > len(s.table):
+            s.table.extend(self._pop_free(total - len(s.table)))
+        s.num_slots = max(s.num_slots, num_computed + num_new)
+        return True
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Blocks for ``num_tokens`` positions that K/V will be imported into (disaggregated decode)."""
+        needed = self.blocks_for(num_tokens)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(needed, self.num_free_blocks)
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds blocks")
+        s = self.seqs[seq_id] = _SeqBlocks(self._pop_free(needed), [], num_tokens)
+        return list(s.table)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """``child_id`` shares every block of ``parent_id`` (copy-on-write on the first divergent write)."""
+        p = self.seqs[parent_id]
+        for b in p.table:
+            self.ref[b] += 1
+        self.seqs[child_id] = _SeqBlocks(list(p.table), list(p.hashes), p.num_slots)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Drop the sequence's references; the tail is freed first so it is evicted before its prefix."""
+        s = self.seqs.pop(seq_id, None)
+        if s is not None:
+            for b in reversed(s.table):
+                self._release(b)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Pending copy-on-write (src, dst) block copies, to apply before the next forward pass."""
+        copies, self._copies = self._copies, []
+        return copies
+
+    # -- prefix cache ----------------------------------------------------------------------------
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the sequence's full blocks whose K/V is now computed (positions < num_computed)."""
+        if not self.enable_prefix_caching:
+            return
+        s, B = self.seqs[seq_id], self.block_size
+        full = min(num_computed // B, len(s.table))
+        if full <= len(s.hashes):
+            return
+        parent = s.hashes[-1] if s.hashes else None
+        stored: list[int] = []
+        for i in range(len(s.hashes), full):
+            tokens = tuple(token_ids[i * B:(i + 1) * B])
+            parent = hash_block(parent, tokens, self.salt)
+            s.hashes.append(parent)
+            block = s.table[i]
+            if self.block_hash[block] is not None:
+                continue
+            existing = self.cached.get(parent)
+            if existing is None:
+                self.cached[parent] = block
+                self.block_hash[block], self.block_tokens[block] = parent, tokens
+                stored.append(parent)
+            elif self.ref[block] == 1 and self.block_tokens[existing] == tokens:
+                # computed twice (two prompts raced): keep the registered copy, free the duplicate
+                self._take(existing)
+                s.table[i] = existing
+                self._release(block)
+        if stored and self.on_stored:
+            self.on_stored(stored)
+
+    def insert(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
+        """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced
+        blocks (fetched from the KV pool). Returns (index among those blocks, block id) for each block
+        that was not cached yet; the caller writes their K/V. Stops early when blocks run out."""
+        B = self.block_size
+        parent, held, placed, stored = None, [], [], []
+        if not self.enable_prefix_caching:
+            return placed
+        for i in range(min(num_blocks, len(token_ids) // B)):
+            tokens = tuple(token_ids[i * B:(i + 1) * B])
+            parent = hash_block(parent, tokens, self.salt)
+            existing = self.cached.get(parent)
+            if existing is not None and self.block_tokens[existing] == tokens:
+                self._take(existing)
+                held.append(existing)
+                continue
+            if existing is not None or not self.free_plain and not self.free_cached:
+                break  # a colliding hash, or no room: the rest of the chain is useless without this block
+            (block,) = self._pop_free(1)
+            self.cached[parent] = block
+            self.block_hash[block], self.block_tokens[block] = parent, tokens
+            held.append(block)
+            placed.append((i, block))
+            stored.append(parent)
+        for b in reversed(held):
+            self._release(b)
+        if stored and self.on_stored:
+            self.on_stored(stored)
+        return placed
+
+    # -- internals -------------------------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref[block] == 0:
+            del self.free_cached[block]
+        self.ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        self.ref[block] -= 1
+        if self.ref[block] == 0:
+            if self.block_hash[block] is None:
+                self.free_plain.append(block)
+            else:
+                self.free_cached[block] = None  # most recently freed: evicted last
+
+    def _pop_free(self, n: int) -> list[int]:
+        """``n`` free blocks: never-registered ones first, then the least recently freed cached ones."""
+        out, evicted = [], []
+        for _ in range(n):
+            if self.free_plain:
+                block = self.free_plain.pop()
+            else:
+                block, _ = self.free_cached.popitem(last=False)
+                h = self.block_hash[block]
+                del self.cached[h]
+                self.block_hash[block] = self.block_tokens[block] = None
+                evicted.append(h)
+            self.ref[block] = 1
+            out.append(block)
+        if evicted and self.on_removed:
+            self.on_removed(evicted)
+        return out

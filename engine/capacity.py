@@ -1,0 +1,153 @@
+"""KV-cache capacity planner behind ``tidepool kv-calc``.
+
+KV bytes per token = 2 (K, V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md section 3).
+From that: bytes per request at a context length, bytes for a batch, and how many such requests fit in
+a device after the weights and a reserve for activations and the runtime. Deliberately free of torch so
+the command answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engine.config import ModelConfig, UnsupportedModelError, dtype_bytes
+
+GIB = 1024**3
+RESERVE_FRACTION = 0.10  # of device memory kept for activations, CUDA context, fragmentation
+
+
+@dataclass
+class ModelShape:
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_parameters: int
+
+
+PRESETS: dict[str, ModelShape] = {s.name: s for s in (
+    ModelShape("llama-7b", 32, 32, 32, 128, 6_738_415_616),
+    ModelShape("llama-13b", 40, 40, 40, 128, 13_015_864_320),
+    ModelShape("opt-13b", 40, 40, 40, 128, 12_853_954_560),  # hidden 5120 = 40 heads x 128, MHA
+    ModelShape("llama-2-7b", 32, 32, 32, 128, 6_738_415_616),
+    ModelShape("llama-2-13b", 40, 40, 40, 128, 13_015_864_320),
+    ModelShape("llama-2-70b", 80, 64, 8, 128, 68_976_648_192),
+    ModelShape("llama-3-8b", 32, 32, 8, 128, 8_030_261_248),
+    ModelShape("llama-3-70b", 80, 64, 8, 128, 70_553_706_496),
+    ModelShape("mistral-7b", 32, 32, 8, 128, 7_241_732_096),
+    ModelShape("qwen2-7b", 28, 28, 4, 128, 7_615_616_512),
+    ModelShape("tiny", 8, 12, 4, 64, 50_762_496),
+)}
+
+
+@dataclass
+class Capacity:
+    model: str
+    dtype: str
+    context: int
+    batch: int
+    kv_bytes_per_token: int
+    mha_kv_bytes_per_token: int  # the same model with one KV head per query head
+    gqa_saving: float  # MHA bytes / actual bytes (num_heads / num_kv_heads)
+    kv_bytes_per_request: int
+    kv_bytes_for_batch: int
+    weight_bytes: int
+    gpu_mem_bytes: int | None = None
+    reserve_bytes: int | None = None
+    kv_budget_bytes: int | None = None  # device memory - weights - reserve
+    max_concurrent_requests: int | None = None  # at ``context`` tokens each
+    batch_fits: bool | None = None
+
+
+def shape_from_dir(path: str | Path) -> ModelShape:
+    cfg = ModelConfig.from_dir(path)
+    return ModelShape(Path(path).resolve().name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim, cfg.num_parameters())
+
+
+def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: float | None) -> Capacity:
+    width = dtype_bytes(dtype)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * width
+    mha = 2 * shape.num_layers * shape.num_heads * shape.head_dim * width
+    cap = Capacity(shape.name, dtype, context, batch, per_token, mha, mha / per_token,
+                   per_token * context, per_token * context * batch, shape.num_parameters * width)
+    if gpu_mem_gib is not None:
+        cap.gpu_mem_bytes = int(gpu_mem_gib * GIB)
+        cap.reserve_bytes = int(cap.gpu_mem_bytes * RESERVE_FRACTION)
+        cap.kv_budget_bytes = max(0, cap.gpu_mem_bytes - cap.reserve_bytes - cap.weight_bytes)
+        cap.max_concurrent_requests = cap.kv_budget_bytes // cap.kv_bytes_per_request
+        cap.batch_fits = cap.kv_bytes_for_batch <= cap.kv_budget_bytes
+    return cap
+
+
+def _size(n: int) -> str:
+    return f"{n:,} B ({n / 1e9:.2f} GB, {n / GIB:.2f} GiB)"
+
+
+def format_report(c: Capacity) -> str:
+    lines = [
+        f"model {c.model}, {c.dtype}, context {c.context} tokens, batch {c.batch}",
+        f"KV bytes per token        {c.kv_bytes_per_token:,} B",
+        f"  same model as MHA       {c.mha_kv_bytes_per_token:,} B (GQA saves {c.gqa_saving:g}x)",
+        f"KV per request            {_size(c.kv_bytes_per_request)}",
+        f"KV for the batch          {_size(c.kv_bytes_for_batch)}",
+        f"weights                   {_size(c.weight_bytes)}",
+    ]
+    if c.gpu_mem_bytes is not None:
+        lines += [
+            f"device memory             {_size(c.gpu_mem_bytes)}",
+            f"  reserve ({RESERVE_FRACTION:.0%})           {_size(c.reserve_bytes)}",
+            f"  left for KV             {_size(c.kv_budget_bytes)}",
+            f"max concurrent requests   {c.max_concurrent_requests} at {c.context} tokens each",
+            f"{f'batch of {c.batch} fits':<26}{'yes' if c.batch_fits else 'no'}",
+        ]
+    return "\n".join(lines)
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+        return value
+    return parse
+
+
+def run_kv_calc(args: argparse.Namespace) -> int:
+    try:
+        shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model)
+        cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib)
+    except (OSError, KeyError, ValueError, UnsupportedModelError, json.JSONDecodeError) as e:
+        print(f"tidepool kv-calc: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(cap)) if args.json else format_report(cap))
+    return 0
+
+
+def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``kv-calc``; argument errors print one line and exit 2 (no usage dump, no traceback)."""
+    p = subparsers.add_parser("kv-calc", help="KV-cache memory per token/request/batch and how many fit",
+                              description=__doc__.splitlines()[0])
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint directory (reads its config.json)")
+    source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape")
+    p.add_argument("--context", type=_positive(int), default=2048, help="tokens per request")
+    p.add_argument("--batch", type=_positive(int), default=1, help="concurrent requests")
+    p.add_argument("--dtype", default="float16", help="KV and weight dtype (float16, bfloat16, float32, fp8)")
+    p.add_argument("--gpu-mem-gib", type=_positive(float), default=None, help="device memory in GiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_kv_calc)
+
+    def one_line_error(message: str) -> None:
+        p.exit(2, f"tidepool kv-calc: error: {message}\n")
+
+    p.error = one_line_error  # argparse's default prints the whole usage block first
+    return p

@@ -1,0 +1,183 @@
+"""ModelConfig read from a Hugging Face ``config.json``; EngineConfig for the limits an engine runs under.
+
+Only what the Llama-family decoder in ``model.py`` implements is accepted; everything else is refused
+with an ``UnsupportedModelError`` that names the field, so a checkpoint never runs with silently
+different math.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# architecture -> (q/k/v projections carry a bias, q/k RMSNorm per head)
+ARCHITECTURES: dict[str, tuple[bool, bool]] = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+# Bytes per element by dtype name; torch dtypes are accepted through their str() ("torch.float16").
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+}
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint config this engine does not implement; ``field`` names the config.json key."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a dtype given by name ("bfloat16", "fp16") or as a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; supported: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def _eos_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def special_token_ids(raw: dict, generation: dict | None) -> tuple[int | None, list[int]]:
+    """(bos id, eos ids): generation_config.json wins over config.json (it lists chat EOS ids too)."""
+    generation = generation or {}
+    eos = _eos_list(generation.get("eos_token_id")) or _eos_list(raw.get("eos_token_id"))
+    bos = generation.get("bos_token_id", raw.get("bos_token_id"))
+    return (None if bos is None else int(bos)), eos
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(rope_theta, llama3 scaling or None) from either transformers-4 or transformers-5 keys."""
+    # transformers 5: rope_parameters = {"rope_type", "rope_theta", ...scaling keys}
+    # transformers 4: rope_theta at top level, rope_scaling = {"type" | "rope_type", ...} or null
+    params = raw.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = raw.get("rope_scaling"), "rope_scaling"
+    params = dict(params or {})
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{key}.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UnsupportedModelError(f"{key}.partial_rotary_factor", "only 1.0 (full rotary) is supported")
+    if rope_type == "default":
+        return theta, None
+    missing = [k for k in LLAMA3_KEYS if k not in params]
+    if missing:
+        raise UnsupportedModelError(f"{key}", f"llama3 rope scaling needs {', '.join(missing)}")
+    scaling = {"rope_type": "llama3", **{k: float(params[k]) for k in LLAMA3_KEYS}}
+    scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    return theta, scaling
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", factor, low/high_freq_factor, original_max...}
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one here
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = archs[0] if len(archs) == 1 else None
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                "architectures", f"{archs!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        qkv_bias, qk_norm = ARCHITECTURES[arch]
+        if raw.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError("hidden_act", f"{raw['hidden_act']!r}; only 'silu' is supported")
+        if raw.get("mlp_bias"):
+            raise UnsupportedModelError("mlp_bias", "MLP biases are not supported")
+        if arch != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+            raise UnsupportedModelError("attention_bias", f"attention biases are not supported for {arch}")
+        max_pos = int(raw.get("max_position_embeddings", 4096))
+        window = raw.get("sliding_window")
+        uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        if uses_window and window is not None and int(window) < max_pos:
+            raise UnsupportedModelError(
+                "sliding_window", f"{window} < max_position_embeddings {max_pos}: sliding-window "
+                "attention is not implemented; supported: null or >= max_position_embeddings")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
+        theta, scaling = _rope(raw)
+        bos, eos = special_token_ids(raw, generation)
+        return cls(
+            architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]), num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=int(raw.get("head_dim") or hidden // heads),
+            rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
+            qk_norm=qk_norm, max_position_embeddings=max_pos,
+            bos_token_id=bos, eos_token_ids=eos,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        """Read ``config.json`` (and ``generation_config.json`` for EOS ids when present)."""
+        path = Path(path)
+        return cls.from_dict(json.loads((path / "config.json").read_text()),
+                             read_json(path / "generation_config.json"))
+
+    def kv_bytes_per_token(self, dtype: Any) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md section 3)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+
+    def num_parameters(self) -> int:
+        """Parameter count implied by the config (weights memory in the capacity planner)."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        layer = attn + 3 * h * self.intermediate_size + norms
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + embed + h
+
+
+@dataclass
+class EngineConfig:
+    model: str  # "tiny" or a checkpoint directory
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True

@@ -1,0 +1,370 @@
+"""The engine: the one object a worker drives.
+
+``add_request`` queues a prompt, ``step`` runs one forward pass over whatever the scheduler picked and
+returns each sampled token, ``abort`` drops a request at any point. Disaggregated serving adds:
+a prefill-only request stops after its first token (finish reason "prefilled") and keeps its blocks
+for ``export_blocks``; the decode side ``reserve_blocks``, ``import_blocks`` and continues with
+``add_imported_request``; ``release`` frees what either side still holds. ``insert_cached_blocks``
+turns prefix blocks fetched from the KV pool into local prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import takewhile
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCache
+from engine.loader import load_model, model_id_for, resolve_model_dir
+from engine.runner import ModelRunner, SeqChunk
+from engine.sampler import SamplingParams, make_generator, sample, top_logprobs
+from engine.scheduler import Scheduler, Sequence
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kvstore.hashing import salt_for
+
+HashCallback = Callable[[list[int]], None]
+DETOKENIZER_CONTEXT = 4  # prompt tokens decoded ahead of the output so the first word spaces right
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    index: int  # which of the request's n samples
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}
+    # New text (when the model has a tokenizer). A matched stop string and what follows it are cut
+    # (OpenAI semantics), and text that could still become a stop string is held back until it can't.
+    text: str = ""
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+
+
+@dataclass
+class EngineStats:
+    free_blocks: int
+    total_blocks: int
+    num_waiting: int
+    waiting_prompt_tokens: int  # prompt tokens queued for prefill (waiting + rest of partial prefills)
+    waiting_prefills: list[tuple[int, int]]  # per queued prompt: (tokens to compute, tokens cached)
+    num_running: int
+    running_context_tokens: int
+    recent_step_times_s: list[float]
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, on_blocks_stored: HashCallback | None = None,
+                 on_blocks_removed: HashCallback | None = None):
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        self.model_id = model_id_for(config.model)
+        self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        self.block_size = config.block_size
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // (config.block_size * self.model_config.kv_bytes_per_token(config.dtype)))
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.dtype, config.device)
+        self.device = self.kv_cache.device
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache)
+        self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
+                                          config.enable_prefix_caching, on_blocks_stored, on_blocks_removed)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        eos = set(self.model_config.eos_token_ids)
+        self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
+        self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
+        self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
+        # Prefill-only requests whose prompt completes in the step now running -> their block tables:
+        # read it from step()'s on_layer_done to send layer l of their KV as soon as it is written.
+        self.prefill_completing: dict[str, list[int]] = {}
+        self.prompt_tokens_computed = 0
+        self._next_seq_id = 0
+        self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
+        self._step_times: deque[float] = deque(maxlen=64)
+
+    # -- requests --------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    prefill_only: bool = False) -> None:
+        """Queue a request; raises InvalidRequestError (before taking any block) when it can't run."""
+        self._check(request_id, prompt_ids, params, prefill_only)
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0)
+        seq.fanout, seq.prefill_only = params.n, prefill_only
+        # an estimate for load reports until admission sets the real figure (stops at the first miss)
+        seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
+            seq.token_ids, (seq.num_tokens - 1) // self.block_size)[0])
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request wherever it is; the next step() reports each live sample as "abort"."""
+        seqs = self.requests.pop(request_id, [])
+        self.scheduler.remove(seqs)
+        for s in seqs:
+            self.block_manager.free(s.seq_id)
+            self._pending.append(RequestOutput(request_id, s.index, [], True, "abort", s.num_prompt_tokens,
+                                               s.num_cached_tokens))
+        self.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step --------------------------------------------------------------------------------
+    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[RequestOutput]:
+        """Run one batch (decode rows, then prefill chunks) and sample where a sequence is complete."""
+        outputs, self._pending = self._pending, []
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs
+        start = time.perf_counter()
+        bm = self.block_manager
+        for src, dst in bm.take_copies():
+            self.kv_cache.copy_block(src, dst)
+        chunks = []
+        self.prefill_completing = {}
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            pos = seq.num_computed_tokens
+            table = bm.block_table(seq.seq_id)
+            chunks.append(SeqChunk(seq.token_ids[pos:pos + n], pos, table))
+            if seq.prefill_only and pos + n == seq.num_tokens:
+                self.prefill_completing[seq.request_id] = table
+        logits = self.runner.run(chunks, on_layer_done)
+        self.prefill_completing = {}
+        rows: list[int] = []
+        sampled: list[Sequence] = []
+        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            pos = seq.num_computed_tokens
+            if pos < seq.num_prompt_tokens:
+                self.prompt_tokens_computed += min(n, seq.num_prompt_tokens - pos)
+            seq.num_computed_tokens = pos + n
+            bm.commit(seq.seq_id, seq.token_ids, pos + n)
+            if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
+                for s in self._fork(seq) if seq.fanout > 1 else (seq,):
+                    rows.append(row)
+                    sampled.append(s)
+        if sampled:
+            outputs += self._sample(logits if len(rows) == len(chunks) else logits[rows], sampled)
+        self._step_times.append(time.perf_counter() - start)
+        return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
+        token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            entries = top_logprobs(logits[want], [token_ids[i] for i in want],
+                                   [seqs[i].params.logprobs for i in want])
+            for i, entry in zip(want, entries, strict=True):
+                logprobs[i] = entry
+        outputs, finished = [], []
+        for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True):
+            out = self._append(seq, tok, lp)
+            outputs.append(out)
+            if out.finished:
+                finished.append(seq)
+        if finished:
+            self.scheduler.remove(finished)
+            for seq in finished:
+                live = self.requests[seq.request_id]
+                live.remove(seq)
+                if not live:
+                    del self.requests[seq.request_id]
+                if seq.finish_reason == "prefilled":
+                    self.held[seq.request_id] = seq.seq_id
+                else:
+                    self.block_manager.free(seq.seq_id)
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None) -> RequestOutput:
+        """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""
+        seq.token_ids.append(tok)
+        p = seq.params
+        reason: str | None = None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+            reason, seq.stop_reason = "stop", tok  # a stop token's text is not output
+        elif seq.detokenizer is not None:
+            before = len(seq.text)
+            seq.text += seq.detokenizer.push([tok])
+            if p.stop and len(seq.text) > before and self._match_stop(seq, before):
+                reason = "stop"
+        if reason is None and seq.num_output_tokens >= p.max_tokens:
+            reason = "length"
+            if seq.detokenizer is not None:
+                seq.text += seq.detokenizer.flush()
+        if reason is None and seq.prefill_only:
+            reason = "prefilled"
+        seq.finish_reason = reason
+        final = reason is not None and reason != "prefilled"
+        visible = len(seq.text) if final else self._emittable(seq)
+        text = seq.text[seq.sent_text_len:visible]
+        seq.sent_text_len = max(seq.sent_text_len, visible)
+        return RequestOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, None if logprobs is None else [logprobs], text,
+                             seq.stop_reason)
+
+    @staticmethod
+    def _match_stop(seq: Sequence, before: int) -> bool:
+        """Cut ``seq.text`` at the earliest stop string that text from ``before`` on completes."""
+        longest = max(len(s) for s in seq.params.stop)
+        lo = max(0, before - longest + 1)
+        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, lo)) >= 0]
+        if hits:
+            i, s = min(hits)
+            seq.text, seq.stop_reason = seq.text[:i], s
+        return bool(hits)
+
+    @staticmethod
+    def _emittable(seq: Sequence) -> int:
+        """Characters of text safe to hand out: all but a tail that might begin a stop string."""
+        hold = max((len(s) for s in seq.params.stop), default=1) - 1
+        return max(seq.sent_text_len, len(seq.text) - hold)
+
+    # -- disaggregation: prefill side --------------------------------------------------------------
+    def request_block_ids(self, request_id: str) -> list[int]:
+        """Blocks held by a prefilled (or reserved) request, in position order."""
+        return list(self.block_manager.block_table(self.held[request_id]))
+
+    def export_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """(K/V ``[layers, 2, n, block_size, kv_heads, head_dim]``, chain hashes of the leading full
+        blocks that are registered in the prefix cache)."""
+        hashes = list(takewhile(lambda h: h is not None, self.block_manager.hashes_of(block_ids)))
+        return self.kv_cache.export_blocks(block_ids), hashes
+
+    def release(self, request_id: str) -> None:
+        """Free blocks a prefilled request or an unused reservation still holds (no-op otherwise)."""
+        seq_id = self.held.pop(request_id, None)
+        if seq_id is not None:
+            self.block_manager.free(seq_id)
+
+    # -- disaggregation: decode side ---------------------------------------------------------------
+    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported; OutOfBlocksError."""
+        if request_id in self.requests or request_id in self.held:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        seq_id = self._new_seq_id()
+        block_ids = self.block_manager.reserve(seq_id, num_tokens)
+        self.held[request_id] = seq_id
+        return block_ids
+
+    def import_blocks(self, block_ids: list[int], tensor: torch.Tensor) -> None:
+        self.kv_cache.import_blocks(block_ids, tensor)
+
+    def add_imported_request(self, request_id: str, prompt_ids: list[int], first_token_id: int,
+                             params: SamplingParams, block_ids: list[int]) -> None:
+        """Continue decoding a request whose prompt K/V was imported into its reserved ``block_ids``
+        and whose first token the prefill side sampled."""
+        seq_id = self.held.get(request_id)
+        if seq_id is None or self.block_manager.block_table(seq_id)[:len(block_ids)] != list(block_ids):
+            raise InvalidRequestError("block_ids", f"no reservation of these blocks for {request_id!r}")
+        self._check(request_id, prompt_ids, params, False, reserved=True)
+        if first_token_id in params.stop_token_ids or params.max_tokens <= 1 or (
+                not params.ignore_eos and first_token_id in self.eos_token_ids):
+            raise InvalidRequestError("first_token_id", "the request already finished at its first token")
+        del self.held[request_id]
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id)
+        seq.token_ids.append(first_token_id)
+        seq.num_computed_tokens = len(prompt_ids)
+        if seq.generator is not None and not params.greedy:
+            # the prefill side drew one row of exponentials for the first token; skip the same draw
+            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
+                generator=seq.generator)
+        if seq.detokenizer is not None:
+            seq.text = seq.detokenizer.push([first_token_id])
+            if params.stop:
+                self._match_stop(seq, 0)
+            seq.sent_text_len = self._emittable(seq)  # what the prefill side already handed out
+        self.requests[request_id] = [seq]
+        self.block_manager.commit(seq_id, seq.token_ids, len(prompt_ids))
+        self.scheduler.add_running(seq)
+
+    # -- KV pool ---------------------------------------------------------------------------------
+    def cached_prefix_len(self, prompt_ids: list[int]) -> int:
+        """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks)."""
+        return len(self.block_manager.cached_prefix(prompt_ids)[0]) * self.block_size
+
+    def insert_cached_blocks(self, token_ids: list[int], tensor: torch.Tensor) -> int:
+        """Put K/V of the first ``tensor.shape[2]`` full blocks of ``token_ids`` (fetched from the pool)
+        into the prefix cache; returns how many blocks were newly placed."""
+        placed = self.block_manager.insert(token_ids, tensor.shape[2])
+        if placed:
+            index = torch.tensor([i for i, _ in placed], device=tensor.device)
+            self.kv_cache.import_blocks([b for _, b in placed], tensor.index_select(2, index))
+        return len(placed)
+
+    # -- introspection ---------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Load figures for the router (cheap: called after every step)."""
+        sch = self.scheduler
+        queued = [(s.num_tokens - s.num_cached_tokens, s.num_cached_tokens) for s in sch.waiting]
+        queued += [(s.num_tokens - s.num_computed_tokens, 0) for s in sch.running
+                   if s.num_computed_tokens < s.num_tokens - 1]
+        return EngineStats(
+            free_blocks=self.block_manager.num_free_blocks, total_blocks=self.block_manager.num_blocks,
+            num_waiting=len(sch.waiting), waiting_prompt_tokens=sum(new for new, _ in queued),
+            waiting_prefills=queued,
+            num_running=len(sch.running), running_context_tokens=sum(s.num_tokens for s in sch.running),
+            recent_step_times_s=list(self._step_times), prompt_tokens_computed=self.prompt_tokens_computed,
+            prompt_tokens_cached=sch.prompt_tokens_cached,
+        )
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
+               reserved: bool = False) -> None:
+        params.validate()
+        if not reserved and (request_id in self.requests or request_id in self.held):
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_model_len}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens")
+        if (prefill_only or reserved) and params.n != 1:
+            raise InvalidRequestError("n", "disaggregated requests take n = 1")
+        need = self.block_manager.blocks_for(len(prompt_ids) + (1 if prefill_only else params.max_tokens))
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"needs {need} KV blocks, the cache has {self.block_manager.num_blocks}")
+
+    def _new_seq_id(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
+
+    def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
+                 seq_id: int | None = None) -> Sequence:
+        seq = Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, token_ids, len(token_ids), params, index,
+                       generator=make_generator(params.seed, index, self.device))
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            seq.detokenizer.push(token_ids[-DETOKENIZER_CONTEXT:])  # context only; its text is not output
+        return seq
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""
+        samples = [parent]
+        for index in range(1, parent.fanout):
+            child = self._new_seq(parent.request_id, list(parent.token_ids), parent.params, index)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            self.requests[parent.request_id].append(child)
+            samples.append(child)
+        parent.fanout = 1
+        return samples

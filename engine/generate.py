@@ -1,0 +1,84 @@
+"""``tidepool generate``: offline generation with the engine in this process.
+
+Every prompt goes through the scheduler together (continuous batching), so this is also the quickest
+way to check the engine against a reference. With ``--json`` it prints one object per prompt, one per
+line: ``{"prompt_ids": [...], "token_ids": [...], "text": "..."}``; with ``--n`` > 1 the object also
+has ``"samples": [{"token_ids", "text"}, ...]`` (the top-level fields are sample 0). Keep this stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.sampler import SamplingParams
+
+
+def _ids(value: str) -> list[int]:
+    try:
+        return [int(t) for t in value.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {value!r}") from None
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate text offline with the engine in this process")
+    p.add_argument("--model", default="tiny", help="'tiny' (built-in) or a Hugging Face checkpoint directory")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    prompts.add_argument("--prompt-ids", action="append", type=_ids, help="prompt token ids 1,2,3 (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    if args.prompt is not None:
+        if engine.tokenizer is None:
+            print("tidepool generate: this checkpoint has no tokenizer.json; use --prompt-ids", file=sys.stderr)
+            return 2
+        prompts = [engine.tokenizer.encode(text, add_special_tokens=True) for text in args.prompt]
+    else:
+        prompts = args.prompt_ids
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                            n=args.n)
+    tokens: dict[tuple[int, int], list[int]] = {}
+    texts: dict[tuple[int, int], str] = {}
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), ids, params)
+    except InvalidRequestError as err:
+        print(f"tidepool generate: prompt {i}: {err}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished():
+        for out in engine.step():
+            key = (int(out.request_id), out.index)
+            tokens.setdefault(key, []).extend(out.new_token_ids)
+            texts[key] = texts.get(key, "") + out.text
+    for i, ids in enumerate(prompts):
+        samples = [{"token_ids": tokens.get((i, j), []), "text": texts.get((i, j), "")} for j in range(args.n)]
+        if args.json:
+            record = {"prompt_ids": ids, **samples[0]}
+            if args.n > 1:
+                record["samples"] = samples
+            print(json.dumps(record), flush=True)
+        else:
+            for j, sample in enumerate(samples):
+                label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
+                print(f"{label} {sample['text']!r}  ({len(sample['token_ids'])} tokens)", flush=True)
+    return 0

@@ -1,0 +1,209 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Tokens of every sequence in a batch are flattened into one ``[T, hidden]`` row set, so the linear layers
+run once for the whole batch with no padding. Only attention looks at sequence boundaries: each prefill
+chunk attends over its own context with SDPA, and all 1-token decode rows (placed first) share one
+batched SDPA call over their context, gathered block by block and padded to the longest table. Parameter names follow Hugging Face except that q/k/v and
+gate/up are packed into one matrix each (one matmul instead of three or two); the loader packs them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+
+
+@dataclass
+class PrefillMeta:
+    """One multi-token chunk: rows [begin, end) of the flattened batch."""
+
+    begin: int
+    end: int
+    ctx_blocks: torch.Tensor | None  # blocks holding positions [0, end position) if some were cached
+    mask: torch.Tensor | None  # [n, len(ctx_blocks) * block_size] causal mask offset by the cached length
+
+
+@dataclass
+class AttentionMetadata:
+    """Rows [0, num_decode) are the 1-token decode chunks; prefill chunks follow."""
+
+    slot_mapping: torch.Tensor  # [T] cache slot (block * block_size + offset) for each row's K/V
+    prefills: list[PrefillMeta]
+    num_decode: int = 0
+    decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks] block tables, padded with 0
+    decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] real context
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama 3's wavelength-dependent scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv_freq
+    old_len = s["original_max_position_embeddings"]
+    low_wavelen = old_len / s["low_freq_factor"]
+    high_wavelen = old_len / s["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s["factor"], inv_freq)
+    smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
+    smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def gather(blocks: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    """[blocks, block_size, kv_heads, D] cache view -> [batch, kv_heads, S, D] context of each sequence.
+
+    Whole blocks are copied with index_select (several times faster on CPU than ``[]`` indexing)."""
+    return blocks.index_select(0, block_ids).view(batch, -1, *blocks.shape[2:]).transpose(1, 2)
+
+
+class Linear(nn.Module):
+    """``nn.Linear`` minus its random init: the loader overwrites every weight, and skipping the init
+    keeps model construction instant (even under ``torch.device``)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Same order of operations as transformers (float32 statistics, cast back, then scale).
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, block_size: int, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        # k_cache/v_cache: [num_blocks * block_size, kv_heads, head_dim] views of this layer's cache
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_blocks = k_cache.view(-1, block_size, self.num_kv_heads, self.head_dim)
+        v_blocks = v_cache.view(-1, block_size, self.num_kv_heads, self.head_dim)
+        out = torch.empty_like(q)
+        for p in meta.prefills:
+            # 4-D [1, heads, n, D] views: CPU SDPA only takes its fused (flash) kernel for 4-D inputs.
+            qs = q[None, p.begin:p.end].transpose(1, 2)
+            if p.ctx_blocks is None:  # nothing cached before this chunk: its own K/V is the context
+                ks, vs = k[None, p.begin:p.end].transpose(1, 2), v[None, p.begin:p.end].transpose(1, 2)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                ks, vs = gather(k_blocks, p.ctx_blocks, 1), gather(v_blocks, p.ctx_blocks, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+            out[p.begin:p.end] = o[0].transpose(0, 1)
+        if meta.num_decode:
+            n = meta.num_decode
+            kd, vd = gather(k_blocks, meta.decode_blocks, n), gather(v_blocks, meta.decode_blocks, n)
+            o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=meta.decode_mask,
+                                               enable_gqa=True)  # [n, H, 1, D]
+            out[:n] = o[:, :, 0]
+        return self.o_proj(out.view(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)  # used as a lookup table
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+
+class CausalLM(nn.Module):
+    """Create under ``torch.device(device)``, fill with the loader, then call ``init_rope``."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg, dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq: torch.Tensor | None = None
+
+    def init_rope(self, device: torch.device | str) -> None:
+        self.inv_freq = rope_inv_freq(self.config).to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor, last_rows: torch.Tensor,
+                on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden rows -> float32 logits of ``last_rows``; writes every row's K/V into ``kv_cache``."""
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        # cos/sin exactly as transformers builds them: float32 position * inv_freq, then cast.
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D] broadcast over heads
+        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        block_size = kv_cache.shape[3]
+        slots = kv_cache.shape[2] * block_size
+        for i, layer in enumerate(self.model.layers):
+            k_cache = kv_cache[i, 0].view(slots, *kv_cache.shape[4:])
+            v_cache = kv_cache[i, 1].view(slots, *kv_cache.shape[4:])
+            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, block_size, meta)
+            if on_layer_done is not None:
+                on_layer_done(i)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = self.model.norm(h[last_rows])
+        return self.lm_head(h).float()

@@ -1,0 +1,138 @@
+"""Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p, per-request seeds.
+
+Every row is sampled independently of the others in the batch: temperature, top-k and top-p act per
+row, and random draws come from the row's own ``torch.Generator`` when the request has a seed, so a
+seeded request gives the same tokens whatever it is batched with. Sampling uses the exponential-race
+form ``argmax(p / q)`` with ``q ~ Exp(1)``, which draws from ``p`` with one random number per
+vocabulary entry and no cumulative sums (the same trick vLLM uses).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import InvalidRequestError
+
+# Temperatures below this are greedy (dividing by ~0 only overflows).
+GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output text
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # OpenAI accepts one string or a list
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    def validate(self) -> None:
+        """Raise ``InvalidRequestError(field, message)`` for the first bad parameter."""
+        def bad(name: str, message: str) -> InvalidRequestError:
+            return InvalidRequestError(name, message)
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
+            raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
+            raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "stop strings must not be empty")
+        if not isinstance(self.stop_token_ids, list | tuple) or not all(is_int(t) for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
+        if not is_int(self.n) or self.n < 1:
+            raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+
+
+def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
+    """The private random stream of sample ``index`` of a seeded request (None: the global stream)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed((seed + index * 0x9E3779B97F4A7C15) & 0x7FFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
+    vocab = logits.shape[-1]
+    ordered, order = logits.sort(dim=-1)  # ascending: the kept tokens are at the end
+    if any(k > 0 for k in top_k):
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        kth = ordered.gather(1, (vocab - k).unsqueeze(1))
+        ordered.masked_fill_(ordered < kth, float("-inf"))
+    if any(p < 1.0 for p in top_p):
+        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
+        cum = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always survives
+        ordered.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of float32 ``logits [rows, vocab]``."""
+    greedy = [p.greedy for p in params]
+    if all(greedy):
+        return logits.argmax(dim=-1).tolist()
+    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                         dtype=logits.dtype, device=logits.device)
+    scaled = logits / temps.unsqueeze(1)
+    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    q = torch.empty_like(probs).exponential_()
+    for row, g in enumerate(generators):
+        if g is not None:  # seeded rows draw only from their own stream
+            q[row].exponential_(generator=g)
+    tokens = (probs / q).argmax(dim=-1)
+    if any(greedy):
+        mask = torch.tensor(greedy, device=logits.device)
+        tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
+    return tokens.tolist()
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int]) -> list[dict[int, float]]:
+    """Per row: {sampled token: logprob} plus the row's ``counts[row]`` most likely tokens, from the
+    model's raw distribution (before temperature / top-k / top-p, as vLLM reports them)."""
+    logprobs = logits.log_softmax(dim=-1)
+    k = max(counts)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1)).squeeze(1)
+    out = []
+    for row, (tok, n) in enumerate(zip(token_ids, counts, strict=True)):
+        entry = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)) if n else {}
+        entry[tok] = chosen[row].item()
+        out.append(entry)
+    return out

@@ -1,0 +1,154 @@
+"""Continuous batching: which sequences run this step and how many of their tokens.
+
+Each step spends a token budget (``max_num_batched_tokens``): first one token for every running
+sequence that is decoding, then the rest of any partly prefilled prompt, then new prompts from the
+waiting queue (after their prefix-cache hits), a long prompt being cut into chunks (chunked prefill).
+When a running sequence needs a block and none is free, the most recently admitted running sequence
+is preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
+with every token it has, to be prefilled again later (its prefix blocks are then usually still cached).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.sampler import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of one request: its tokens so far and how many of them have K/V in the cache."""
+
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    index: int = 0  # which of the request's n samples
+    fanout: int = 1  # samples this sequence forks into when its prompt is done (n > 1)
+    prefill_only: bool = False
+    generator: torch.Generator | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    admitted: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer, when text is tracked
+    text: str = ""
+    sent_text_len: int = 0  # characters of ``text`` already handed out
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    preempted: list[Sequence]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prompt_tokens_cached = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose blocks already hold its K/V (imported): it decodes from the next step."""
+        seq.status, seq.admitted = SeqStatus.RUNNING, True
+        self.running.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, seqs: list[Sequence]) -> None:
+        """Take sequences out of both queues (finish or abort); their blocks are the caller's business."""
+        gone = {id(s) for s in seqs}
+        self.running = [s for s in self.running if id(s) not in gone]
+        if any(id(s) in gone for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+        for s in seqs:
+            s.status = SeqStatus.FINISHED
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted: list[Sequence] = []
+        # decode rows first, then the remainder of partly prefilled prompts; preempt from the back
+        order = [s for s in self.running if s.num_computed_tokens == s.num_tokens - 1]
+        order += [s for s in self.running if s.num_computed_tokens < s.num_tokens - 1]
+        i = 0
+        while i < len(order) and budget > 0:
+            seq = order[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq.seq_id, seq.num_computed_tokens, n):
+                victim = order.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+                i += 1
+        if preempted:
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        # admit waiting prompts (none while blocks are so short that we had to preempt)
+        while self.waiting and budget > 0 and not preempted:
+            seq = self.waiting[0]
+            if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
+                break
+            # at least one token is computed, so the last position always yields logits
+            prefix = self.bm.cached_prefix(seq.token_ids, (seq.num_tokens - 1) // self.bm.block_size)
+            num_cached = len(prefix[0]) * self.bm.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.bm.allocate(seq.seq_id, num_cached, n, prefix):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if not seq.admitted:
+                seq.num_cached_tokens, seq.admitted = min(num_cached, seq.num_prompt_tokens), True
+                self.prompt_tokens_cached += seq.num_cached_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        self.bm.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)

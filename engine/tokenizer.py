@@ -1,0 +1,112 @@
+"""Hugging Face ``tokenizer.json`` (``tokenizers`` package) + the jinja2 chat template of
+``tokenizer_config.json``; EOS ids from generation_config / config / tokenizer_config; streaming
+detokenization that never emits half a UTF-8 character.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.config import read_json, special_token_ids
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, eos_token_ids: list[int], bos_token_id: int | None):
+        self._tok = tokenizer
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.eos_token_ids = eos_token_ids
+        self.bos_token_id = bos_token_id
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template = None
+        if chat_template:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        path = Path(path)
+        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        tc = read_json(path / "tokenizer_config.json") or {}
+        template = tc.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        jinja_path = path / "chat_template.jinja"
+        if template is None and jinja_path.exists():
+            template = jinja_path.read_text()
+        bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
+        bos_id, eos_ids = special_token_ids(read_json(path / "config.json") or {},
+                                            read_json(path / "generation_config.json"))
+        if bos_id is None and bos:
+            bos_id = tok.token_to_id(bos)
+        eos_id = tok.token_to_id(eos) if eos else None
+        if eos_id is not None and eos_id not in eos_ids:
+            eos_ids.append(eos_id)
+        return cls(tok, template, bos, eos, eos_ids, bos_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in it (as a chat template writes them) become
+        their ids. BOS is left to the chat template unless ``add_special_tokens``."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     **kwargs)
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing token sequence: ``push`` returns only newly completed text.
+
+    Decodes a short window (the previously emitted tokens and the new ones) rather than the whole
+    sequence, and holds text back while it ends in an incomplete UTF-8 character ("\\ufffd")."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window whose text was already emitted up to _read
+        self._read = 0  # tokens before this index are emitted
+
+    def push(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        seen = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        if len(text) <= len(seen) or text.endswith("\ufffd"):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(seen):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (e.g. an incomplete character at the end of generation)."""
+        seen = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
+        text = self._tok.decode(self._ids[self._prefix:], self._skip)
+        self._prefix = self._read = len(self._ids)
+        return text[len(seen):]

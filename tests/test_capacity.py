@@ -1,0 +1,80 @@
+"""kv-calc: the DESIGN.md section 3 worked examples, GQA's saving, device fit, and one-line errors."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.capacity import PRESETS, add_kv_calc_parser, plan
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def kv_calc(argv: list[str], capsys) -> tuple[int, str, str]:
+    parser = argparse.ArgumentParser(prog="tidepool")
+    add_kv_calc_parser(parser.add_subparsers(dest="command", required=True))
+    try:
+        args = parser.parse_args(["kv-calc", *argv])
+        code = args.func(args)
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_llama_13b_at_2048_tokens_is_1_68_gb(capsys):
+    code, out, _ = kv_calc(["--preset", "llama-13b", "--context", "2048", "--dtype", "float16", "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0
+    assert result["kv_bytes_per_token"] == 819_200
+    assert result["kv_bytes_per_request"] == 1_677_721_600  # 1.68 GB (the papers round to 1.7 GB)
+
+
+def test_opt_13b_and_llama_3_70b_bytes_per_token():
+    assert plan(PRESETS["opt-13b"], "float16", 1, 1, None).kv_bytes_per_token == 819_200
+    assert plan(PRESETS["llama-3-70b"], "float16", 1, 1, None).kv_bytes_per_token == 327_680
+
+
+def test_llama_2_70b_gqa_is_8x_smaller_than_mha(capsys):
+    code, out, _ = kv_calc(["--preset", "llama-2-70b", "--dtype", "fp16"], capsys)
+    assert code == 0
+    assert "2,621,440 B (GQA saves 8x)" in out
+    assert "KV bytes per token        327,680 B" in out
+
+
+def test_model_dir_and_device_fit(tmp_path, capsys):
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "max_position_embeddings": 4096}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, out, _ = kv_calc(["--model", str(tmp_path), "--context", "4096", "--batch", "8",
+                            "--gpu-mem-gib", "80", "--json"], capsys)
+    r = json.loads(out)
+    assert code == 0
+    assert r["weight_bytes"] == PRESETS["llama-2-7b"].num_parameters * 2  # Llama-2-7B's shape
+    per_request = 2 * 32 * 32 * 128 * 2 * 4096
+    assert r["max_concurrent_requests"] == (int(80 * 1024**3 * 0.9) - r["weight_bytes"]) // per_request
+    assert r["batch_fits"] is True
+
+
+@pytest.mark.parametrize("argv", [
+    ["--preset", "gpt-5"],
+    ["--preset", "llama-13b", "--context", "-5"],
+    ["--preset", "llama-13b", "--context", "abc"],
+    ["--preset", "llama-13b", "--dtype", "float13"],
+    ["--model", "/nonexistent/checkpoint"],
+    ["--context", "10"],
+])
+def test_bad_arguments_give_one_line_error(argv, capsys):
+    code, out, err = kv_calc(argv, capsys)
+    assert code == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1 and "error" in err and "Traceback" not in err
+
+
+def test_unsupported_architecture_names_the_field(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    code, _, err = kv_calc(["--model", str(tmp_path)], capsys)
+    assert code == 2 and "architectures" in err and "LlamaForCausalLM" in err

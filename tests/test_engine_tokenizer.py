@@ -1,0 +1,60 @@
+"""The tiny model's byte-level tokenizer: round trips, chat template, EOS ids, streaming detokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.loader import resolve_model_dir
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+pytestmark = pytest.mark.timeout(60)
+TEXTS = ["Hello, world!", "naïve café — 東京 🌊🐙\n\ttabs", "", " leading and trailing spaces  ",
+         "bytes like <| and |> and \x00 stay text"]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIDEPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    yield Tokenizer.from_dir(resolve_model_dir("tiny"))
+    mp.undo()
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_any_text_round_trips(tok, text):
+    ids = tok.encode(text)
+    assert len(ids) == len(text.encode("utf-8"))  # one token per byte
+    assert tok.decode(ids) == text
+
+
+def test_chat_template_uses_special_tokens(tok):
+    prompt = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": "Hi"}])
+    assert prompt == "<|begin_of_text|><|system|>Be brief.<|eot|><|user|>Hi<|eot|><|assistant|>"
+    ids = tok.encode(prompt)
+    assert ids[0] == tok.bos_token_id == 256
+    assert ids[-1] == tok.token_to_id("<|assistant|>")
+    assert tok.decode(ids) == "Be brief.Hi"  # special tokens skipped
+    no_gen = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert not no_gen.endswith("<|assistant|>")
+
+
+def test_eos_ids(tok):
+    assert set(tok.eos_token_ids) == {tok.token_to_id("<|end_of_text|>"), tok.token_to_id("<|eot|>")}
+
+
+def test_incremental_detokenizer_streams_whole_characters(tok):
+    text = "naïve café — 東京 🌊🐙!"
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push([i]) for i in tok.encode(text)]
+    assert "".join(pieces) + detok.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    wave = tok.encode("🌊")
+    held = IncrementalDetokenizer(tok)
+    assert [held.push([i]) for i in wave] == ["", "", "", "🌊"]
+
+
+def test_incremental_detokenizer_skips_special_tokens(tok):
+    detok = IncrementalDetokenizer(tok)
+    out = detok.push(tok.encode("ok")) + detok.push([tok.token_to_id("<|eot|>")])
+    assert out == "ok"

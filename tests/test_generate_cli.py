@@ -1,0 +1,69 @@
+"""``tidepool generate``: --json output shape (one object per prompt), agreement with the engine, text
+prompts through the tokenizer, --n with a seed, and a one-line error for a bad request."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.generate import add_generate_parser
+from engine.sampler import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def generate(argv: list[str], capsys) -> tuple[int, list[str], str]:
+    parser = argparse.ArgumentParser(prog="tidepool")
+    add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["generate", *argv])
+    code = args.func(args)
+    out = capsys.readouterr()
+    return code, out.out.splitlines(), out.err
+
+
+def test_json_prompt_ids_one_object_per_prompt_matching_the_engine(serving_model_dir, capsys):
+    model = str(serving_model_dir)
+    code, lines, _ = generate(["--model", model, "--prompt-ids", "1,2,3,4,5", "--prompt-ids", "72,105,33",
+                               "--max-tokens", "6", "--ignore-eos", "--json"], capsys)
+    assert code == 0 and len(lines) == 2
+    records = [json.loads(line) for line in lines]
+    assert [r["prompt_ids"] for r in records] == [[1, 2, 3, 4, 5], [72, 105, 33]]
+    engine = Engine(EngineConfig(model=model))
+    for r in records:
+        assert set(r) == {"prompt_ids", "token_ids", "text"}
+        engine.add_request("x", r["prompt_ids"], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        expected = []
+        while engine.has_unfinished():
+            expected += [t for o in engine.step() for t in o.new_token_ids]
+        assert r["token_ids"] == expected
+        assert r["text"] == engine.tokenizer.decode(expected)
+
+
+def test_text_prompt_is_tokenized_and_a_single_prompt_prints_one_object(serving_model_dir, capsys):
+    code, lines, _ = generate(["--model", str(serving_model_dir), "--prompt", "Hello tide", "--max-tokens", "4",
+                               "--ignore-eos", "--json"], capsys)
+    assert code == 0 and len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["prompt_ids"] == list(b"Hello tide")  # the byte-level tokenizer: one id per byte
+    assert len(record["token_ids"]) == 4
+
+
+def test_n_samples_with_a_seed_reproduce(serving_model_dir, capsys):
+    argv = ["--model", str(serving_model_dir), "--prompt-ids", "9,8,7", "--max-tokens", "8", "--ignore-eos",
+            "--temperature", "1.0", "--seed", "5", "--n", "2", "--json"]
+    _, first, _ = generate(argv, capsys)
+    _, again, _ = generate(argv, capsys)
+    assert first == again
+    record = json.loads(first[0])
+    assert len(record["samples"]) == 2 and record["token_ids"] == record["samples"][0]["token_ids"]
+
+
+def test_bad_request_is_a_one_line_error(serving_model_dir, capsys):
+    code, lines, err = generate(["--model", str(serving_model_dir), "--prompt-ids", "1,2", "--max-tokens", "0"],
+                                capsys)
+    assert code == 2 and lines == []
+    assert err.strip().count("\n") == 0 and "max_tokens" in err

@@ -1,0 +1,129 @@
+"""Config parsing (both RoPE config forms, refusals) and checkpoint loading (sharded, bad checkpoints)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from engine.config import ModelConfig, UnsupportedModelError
+from engine.loader import CheckpointError, load_model, model_id_for, resolve_model_dir
+
+pytestmark = pytest.mark.timeout(60)
+
+BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256}
+LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def save_hf(path, **overrides) -> None:
+    config = transformers.LlamaConfig(**{**{k: v for k, v in BASE.items() if k != "architectures"},
+                                         **overrides})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path, max_shard_size="100KB")
+
+
+def test_llama3_rope_scaling_reads_the_same_from_transformers_4_and_5_keys():
+    v4 = ModelConfig.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **LLAMA3}})
+    v4_old = ModelConfig.from_dict({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", **LLAMA3}})
+    v5 = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, **LLAMA3}})
+    assert v4 == v4_old == v5
+    assert v5.rope_theta == 500000.0 and v5.rope_scaling["factor"] == 8.0
+    assert v5.head_dim == 16 and v5.num_kv_heads == 2
+
+
+def test_eos_ids_prefer_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2, "bos_token_id": 1}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == [2]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.eos_token_ids == [2, 7] and cfg.bos_token_id == 1
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, "sliding_window"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_config_is_refused_naming_the_field(overrides, field):
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_dict({**BASE, **overrides})
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_sliding_window_covering_the_context_or_disabled_is_accepted():
+    mistral = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 256})
+    qwen2 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
+                                   "use_sliding_window": False})
+    assert mistral.architecture == "MistralForCausalLM" and qwen2.attention_bias
+
+
+def test_sharded_checkpoint_loads_and_matches_transformers(tmp_path):
+    save_hf(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    model, cfg = load_model(tmp_path, "float32", "cpu")
+    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    q = ref.model.layers[1].self_attn.q_proj.weight
+    assert torch.equal(model.model.layers[1].self_attn.qkv_proj.weight[:q.shape[0]], q)
+    assert cfg.num_layers == 2
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_weights(tmp_path, dtype):
+    save_hf(tmp_path)
+    model, _ = load_model(tmp_path, dtype, "cpu")
+    assert {p.dtype for p in model.parameters()} == {getattr(torch, dtype)}
+
+
+def test_missing_shard_names_the_file(tmp_path):
+    save_hf(tmp_path)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        load_model(tmp_path, "float32", "cpu")
+
+
+def test_wrong_shape_names_the_tensor(tmp_path):
+    save_hf(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    name = "model.layers.0.mlp.up_proj.weight"
+    shard = tmp_path / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name][:, :32].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"{shard.name}.*{name}.*\(128, 32\)"):
+        load_model(tmp_path, "float32", "cpu")
+
+
+def test_missing_tensor_names_the_tensor(tmp_path):
+    save_hf(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.self_attn.k_proj.weight"
+    shard = tmp_path / index["weight_map"][name]
+    tensors = load_file(shard)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=name):
+        load_model(tmp_path, "float32", "cpu")
+
+
+def test_unsupported_architecture_checkpoint_is_refused(tmp_path):
+    save_hf(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(UnsupportedModelError, match="architectures.*FalconForCausalLM"):
+        load_model(tmp_path, "float32", "cpu")
+
+
+def test_not_a_checkpoint_dir_and_model_ids(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        resolve_model_dir(str(tmp_path / "nope"))
+    assert model_id_for("tiny") == "tiny"
+    assert model_id_for(str(tmp_path / "my-model")) == "my-model"
