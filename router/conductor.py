@@ -1,0 +1,87 @@
+"""The conductor: picks the prefill and decode worker for each request, or rejects it early.
+
+`route` reads the latest worker load reports and the prefix index (the KV pool's in-memory mirror, or
+the simulator's own index), adds what it routed since each report (so a burst between two reports does
+not pile onto one worker), and asks the configured policy. Measured prefill and decode-step times refit
+the estimator online.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from router.estimator import Estimator
+from router.loads import LoadTable, WorkerLoad
+from router.policies import make_policy
+from router.view import SLO, ClusterView, Decision, Reject, RouteRequest
+
+__all__ = ["SLO", "Conductor", "Decision", "PrefixIndex", "Reject", "RouteRequest", "WorkerLoad"]
+
+
+
+def is_pool_holder(holder: str) -> bool:
+    """Index holders that are the shared pool tier, not a worker: "@..." (kvstore.pool.POOL_HOLDER is
+    "@redis"), or plain "redis" / "pool"."""
+    return holder.startswith("@") or holder in ("redis", "pool")
+
+
+class PrefixIndex(Protocol):
+    def longest_prefix(self, hashes: Sequence[int]) -> dict[str, int]: ...
+
+
+class Conductor:
+    def __init__(self, policy_name: str = "tidepool", estimator: Estimator | None = None, slo: SLO = SLO(),
+                 *, block_size: int = 16, seed: int = 0, pending_ttl_s: float = 30.0, **policy_options):
+        if estimator is None:
+            raise ValueError("Conductor needs an Estimator (Profile.estimator() or a preset's)")
+        self.policy_name, self.estimator, self.slo, self.block_size = policy_name, estimator, slo, block_size
+        self.policy = make_policy(policy_name, seed=seed, **policy_options)
+        self.pending_ttl_s = pending_ttl_s
+        self.mean_output_tokens = 256.0  # running mean of max_tokens: the expected decode length
+        self._table = LoadTable()
+
+    def route(self, req: RouteRequest, loads: Sequence[WorkerLoad], index: PrefixIndex,
+              now: float | None = None) -> Decision | Reject:
+        now = time.time() if now is None else now
+        table = self._table
+        table.update(loads)
+        table.expire(now - self.pending_ttl_s)
+        if len(table.p_rows) == 0 or len(table.d_rows) == 0:
+            return Reject("no live prefill or decode worker", 1.0)
+        matches = index.longest_prefix(req.block_hashes) if req.block_hashes else {}
+        pool = max((n for k, n in matches.items() if is_pool_holder(k)), default=0)
+        view = ClusterView(req, self.estimator, self.slo, self.block_size, now, self.mean_output_tokens, table,
+                           matches, pool)
+        out = self.policy(view)
+        self.mean_output_tokens += 0.01 * (req.max_tokens - self.mean_output_tokens)
+        if isinstance(out, Decision):
+            self._remember(out, req, view, now)
+        return out
+
+    def observe_prefill(self, worker: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A measured prefill (all workers share one model: they run the same model on the same kind
+        of device; `worker` is kept for the record)."""
+        self.estimator.observe_prefill(new_tokens, cached_tokens, seconds)
+
+    def observe_decode_step(self, worker: str, batch_size: int, context_tokens: int, seconds: float) -> None:
+        self.estimator.observe_decode_step(batch_size, context_tokens, seconds)
+
+    def observe_transfer(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
+        self.estimator.transfer.observe(src, dst, nbytes, seconds, "pool" if src == "pool" else "peer")
+
+    def _remember(self, dec: Decision, req: RouteRequest, view: ClusterView, now: float) -> None:
+        """Count this request on its workers until their reports include it."""
+        cached = float(view.cached_tokens(dec.cached_blocks))
+        new = req.prompt_len - cached
+        blocks = float(view.decode_need()[self._table.d_pos[self._table.row[dec.decode]]])
+        prefill = np.array([new * cached + new * (new + 1) / 2, new, 1.0, 1.0, 0.0, 0.0, 0.0])  # features, 1 prefill
+        decode = np.array([0.0, 0.0, 0.0, 0.0, blocks, 1.0, req.prompt_len])
+        if dec.prefill == dec.decode:
+            self._table.add_pending(dec.prefill, now, prefill + decode)
+        else:
+            self._table.add_pending(dec.prefill, now, prefill)
+            self._table.add_pending(dec.decode, now, decode)

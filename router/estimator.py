@@ -1,0 +1,206 @@
+"""Time estimates the conductor ranks workers by: prefill, queue, KV transfer and decode step (TBT).
+
+Every model is linear in its coefficients, so profiling samples fit it by least squares and measured
+timings refit it online. Online refits are ridge-regularized toward the profile's coefficients, so a
+handful of noisy measurements nudges the model instead of swinging it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+
+def least_squares(features: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None,
+                  prior_weight: float = 0.0) -> np.ndarray:
+    """Least squares on relative error (timing noise is proportional to the time), clipped at zero,
+    optionally pulled toward ``prior`` (ridge; prior_weight counts as that many samples)."""
+    w = 1.0 / np.maximum(y, 1e-9)
+    features, y = features * w[:, None], y * w
+    # Columns span ~1e10 (attention pairs) down to 1 (constant): scale to unit RMS so lstsq is stable.
+    scale = np.sqrt(np.mean(features**2, axis=0)) if len(features) else np.ones(features.shape[1])
+    scale[scale == 0] = 1.0
+    a, b = features / scale, y
+    if prior is not None and prior_weight > 0:
+        k = features.shape[1]
+        a = np.vstack([a, np.sqrt(prior_weight) * np.eye(k)])
+        b = np.concatenate([b, np.sqrt(prior_weight) * prior * scale])
+    coef = np.linalg.lstsq(a, b, rcond=None)[0] / scale
+    return np.maximum(coef, 0.0)  # a negative time coefficient is noise, never physics
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """``T = per_pair_s * attention_pairs + per_token_s * new + fixed_s``.
+
+    attention_pairs = new*cached + new*(new+1)/2 is the number of (query, key) pairs causal attention
+    computes; the per-token term covers the dense layers. Identifiable from prompts without any cache.
+    """
+
+    per_pair_s: float
+    per_token_s: float
+    fixed_s: float
+
+    @staticmethod
+    def features(new, cached) -> np.ndarray:
+        new, cached = np.asarray(new, dtype=float), np.asarray(cached, dtype=float)
+        return np.stack([new * cached + new * (new + 1) / 2, new, np.ones_like(new)], axis=-1)
+
+    @cached_property
+    def coef(self) -> np.ndarray:
+        return np.array([self.per_pair_s, self.per_token_s, self.fixed_s])
+
+    def predict(self, new, cached):
+        """Seconds to prefill ``new`` tokens on top of ``cached`` ones (scalars or arrays)."""
+        return self.per_pair_s * (new * cached + new * (new + 1) / 2) + self.per_token_s * new + self.fixed_s
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]], prior: PrefillModel | None = None,
+            prior_weight: float = 0.0) -> PrefillModel:
+        """Fit from ``(new_tokens, cached_tokens, seconds)`` samples."""
+        arr = np.asarray(list(samples), dtype=float).reshape(-1, 3)
+        coef = least_squares(cls.features(arr[:, 0], arr[:, 1]), arr[:, 2],
+                             None if prior is None else prior.coef, prior_weight)
+        return cls(*map(float, coef))
+
+
+@dataclass(frozen=True)
+class DecodeModel:
+    """One decode step: ``T = fixed_s + per_seq_s * batch + per_context_token_s * context_tokens``.
+
+    The fixed part is reading the weights once per step; the context part is reading every running
+    sequence's KV cache, which grows by ``batch`` tokens each step.
+    """
+
+    fixed_s: float
+    per_seq_s: float
+    per_context_token_s: float
+
+    @staticmethod
+    def features(batch, context) -> np.ndarray:
+        batch, context = np.asarray(batch, dtype=float), np.asarray(context, dtype=float)
+        return np.stack([np.ones_like(batch), batch, context], axis=-1)
+
+    @cached_property
+    def coef(self) -> np.ndarray:
+        return np.array([self.fixed_s, self.per_seq_s, self.per_context_token_s])
+
+    def predict(self, batch, context):
+        """Seconds of one step with ``batch`` sequences holding ``context`` tokens in all."""
+        return self.fixed_s + self.per_seq_s * batch + self.per_context_token_s * context
+
+    def run_time(self, batch: int, context: int, steps: int) -> float:
+        """Seconds of ``steps`` consecutive steps of a fixed batch (context grows by batch per step)."""
+        return steps * self.predict(batch, context) + self.per_context_token_s * batch * steps * (steps - 1) / 2
+
+    def steps_to_reach(self, batch: int, context: int, seconds: float) -> int:
+        """Smallest step count whose ``run_time`` is at least ``seconds`` (0 when seconds <= 0)."""
+        if seconds <= 0:
+            return 0
+        a, b = self.predict(batch, context), self.per_context_token_s * batch
+        # run_time(k) = (b/2) k^2 + (a - b/2) k: take the positive root, then fix float rounding.
+        k = seconds / a if b == 0 else (-(a - b / 2) + np.sqrt((a - b / 2) ** 2 + 2 * b * seconds)) / b
+        k = max(int(np.ceil(k)), 1)
+        while k > 1 and self.run_time(batch, context, k - 1) >= seconds:
+            k -= 1
+        while self.run_time(batch, context, k) < seconds:
+            k += 1
+        return k
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[int, int, float]], prior: DecodeModel | None = None,
+            prior_weight: float = 0.0) -> DecodeModel:
+        """Fit from ``(batch_size, context_tokens, seconds)`` samples of single steps."""
+        arr = np.asarray(list(samples), dtype=float).reshape(-1, 3)
+        coef = least_squares(cls.features(arr[:, 0], arr[:, 1]), arr[:, 2],
+                             None if prior is None else prior.coef, prior_weight)
+        return cls(*map(float, coef))
+
+
+@dataclass(frozen=True)
+class Link:
+    """A transport between two holders: ``seconds = latency_s + bytes / bandwidth_Bps``."""
+
+    bandwidth_Bps: float
+    latency_s: float
+
+    def time(self, nbytes):
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+class TransferModel:
+    """Per-kind default links ("peer": worker to worker, "pool": the shared pool tier), refined per
+    (source, destination) pair by an exponential average of measured bandwidth."""
+
+    def __init__(self, peer: Link, pool: Link, alpha: float = 0.2):
+        self.defaults = {"peer": peer, "pool": pool}
+        self.pairs: dict[str, dict[str, Link]] = {}  # src -> dst -> measured link
+        self.alpha = alpha
+
+    def link(self, src: str, dst: str, kind: str = "peer") -> Link:
+        return self.pairs.get(src, {}).get(dst) or self.defaults[kind]
+
+    def observe(self, src: str, dst: str, nbytes: int, seconds: float, kind: str = "peer") -> None:
+        old = self.link(src, dst, kind)
+        measured = nbytes / max(seconds - old.latency_s, 1e-6)
+        bw = (1 - self.alpha) * old.bandwidth_Bps + self.alpha * measured
+        self.pairs.setdefault(src, {})[dst] = Link(bw, old.latency_s)
+
+
+class _OnlineFit:
+    """A sliding window of measured samples; refits every ``every`` samples, ridge-pulled to the prior."""
+
+    def __init__(self, prior, window: int, every: int, prior_weight: float):
+        self.prior, self.every, self.prior_weight = prior, every, prior_weight
+        self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self.pending = 0
+
+    def observe(self, x1: float, x2: float, seconds: float):
+        """Returns a refitted model when it is time to refit, else None."""
+        self.samples.append((x1, x2, seconds))
+        self.pending += 1
+        if self.pending < self.every:
+            return None
+        self.pending = 0
+        return type(self.prior).fit(self.samples, self.prior, self.prior_weight)
+
+
+class Estimator:
+    """The bundle the conductor asks: prefill, queue, transfer and decode-step times."""
+
+    def __init__(self, prefill: PrefillModel, decode: DecodeModel, transfer: TransferModel,
+                 kv_bytes_per_token: int, *, window: int = 512, refit_every: int = 32,
+                 prior_weight: float = 16.0):
+        self.prefill, self.decode, self.transfer = prefill, decode, transfer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self._prefill_fit = _OnlineFit(prefill, window, refit_every, prior_weight)
+        self._decode_fit = _OnlineFit(decode, window, refit_every, prior_weight)
+
+    @classmethod
+    def from_samples(cls, prefill_samples: Iterable[tuple[int, int, float]],
+                     decode_samples: Iterable[tuple[int, int, float]], kv_bytes_per_token: int,
+                     peer: Link = Link(1e9, 1e-3), pool: Link = Link(5e8, 2e-3)) -> Estimator:
+        """Fit from workers' start-up profiling: (new, cached, seconds) prefills and (batch, context,
+        seconds) decode steps. The default links are loopback gRPC-class guesses; measured transfers
+        (`Conductor.observe_transfer`) replace them per pair."""
+        prefill, decode = list(prefill_samples), list(decode_samples)
+        if not prefill or not decode:
+            raise ValueError("profiling gave no prefill or no decode samples")
+        return cls(PrefillModel.fit(prefill), DecodeModel.fit(decode), TransferModel(peer, pool), kv_bytes_per_token)
+
+    def queue_time(self, feature_sums: np.ndarray):
+        """Seconds of prefill work waiting: the model is linear, so summed features give summed time."""
+        return feature_sums @ self.prefill.coef
+
+    def transfer_time(self, tokens, src: str, dst: str, kind: str = "peer"):
+        return self.transfer.link(src, dst, kind).time(np.asarray(tokens) * self.kv_bytes_per_token)
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        self.prefill = self._prefill_fit.observe(new_tokens, cached_tokens, seconds) or self.prefill
+
+    def observe_decode_step(self, batch_size: int, context_tokens: int, seconds: float) -> None:
+        self.decode = self._decode_fit.observe(batch_size, context_tokens, seconds) or self.decode

@@ -1,0 +1,158 @@
+"""Worker load reports and the table the conductor keeps of them.
+
+`LoadTable` holds the latest reports as one numpy matrix and refreshes only the rows whose `WorkerLoad`
+object changed since the last decision (workers report every ~100 ms; requests arrive far more often),
+so a decision over 1,000 workers is a handful of vector operations. On top of the reports it keeps what
+the conductor routed since each worker's last report, so a burst between two reports does not pile onto
+one worker; a report stamped after a decision is assumed to include it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+PREFILL_ROLES = ("prefill", "colocated")
+DECODE_ROLES = ("decode", "colocated")
+
+
+@dataclass
+class WorkerLoad:
+    """One worker's load report.
+
+    queued_prefills: (new_tokens, cached_tokens) of each prefill not yet finished on the worker (a
+    partly done one may count its remaining new tokens). num_running: prefills in progress on a prefill
+    worker, decoding sequences on a decode worker. free/total_blocks: KV blocks (prefix cache on a
+    prefill worker), with blocks reserved for requests already routed there counted as used.
+    updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
+    queued_features: optional sums of `PrefillModel.features` over queued_prefills, for callers that
+    keep them incrementally (the simulator); None means "sum queued_prefills".
+    A report is a snapshot: make a new object for each new report and never mutate one already passed
+    to `Conductor.route` (the conductor spots new reports by object identity).
+    """
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    alive: bool = True
+    queued_prefills: Sequence[tuple[int, int]] = ()
+    num_running: int = 0
+    running_context_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 16
+    updated_at: float = 0.0
+    queued_features: tuple[float, float, float] | None = None
+
+    def row(self) -> tuple:
+        """The report as one LoadTable row (see the column constants below)."""
+        if self.queued_features is not None:
+            pairs, new, count = self.queued_features
+        else:  # PrefillModel.features summed, in plain Python: queues are short
+            pairs = new = count = 0.0
+            for n, c in self.queued_prefills:
+                pairs, new, count = pairs + n * c + n * (n + 1) / 2, new + n, count + 1
+        return (self.alive, self.alive and self.role in PREFILL_ROLES, self.alive and self.role in DECODE_ROLES,
+                pairs, new, count, len(self.queued_prefills), self.num_running, self.running_context_tokens,
+                self.free_blocks, self.total_blocks, max(self.block_size, 1), self.updated_at)
+
+
+# LoadTable.data columns
+ALIVE, IS_P, IS_D, QF, NQUEUED, RUNNING, CTX, FREE, TOTAL, BS, UPDATED = 0, 1, 2, slice(3, 6), 6, 7, 8, 9, 10, 11, 12
+# LoadTable.pending columns: routed prefills' summed features and count; routed decode blocks, seqs, ctx
+P_QF, P_PREFILLS, P_BLOCKS, P_SEQS, P_CTX = slice(0, 3), 3, 4, 5, 6
+
+
+class LoadTable:
+    """The latest report of every worker (``data``) and the work routed since (``pending``), one row a
+    worker in the order of the ``loads`` list last passed."""
+
+    def __init__(self) -> None:
+        self.loads: list[WorkerLoad] = []
+        self.ids: list[str] = []
+        self.row: dict[str, int] = {}
+        self.data = np.zeros((0, 13))
+        self.pending = np.zeros((0, 7))
+        self._entries: dict[str, deque[tuple[float, np.ndarray]]] = {}  # worker -> (decided_at, vector)
+        self._order: deque[tuple[float, str]] = deque()  # every entry in decision order, for the TTL
+        self._derive()
+
+    def update(self, loads: Sequence[WorkerLoad]) -> None:
+        n = len(loads)
+        changed = [] if n != len(self.loads) else list(
+            itertools.compress(range(n), map(operator.is_not, loads, self.loads)))
+        if n != len(self.loads) or any(loads[i].worker_id != self.ids[i] for i in changed):
+            self._rebuild(loads)
+        elif changed:
+            roles = self.data[changed, IS_P:IS_D + 1].copy()
+            self.data[changed] = [loads[i].row() for i in changed]
+            self.loads = list(loads)
+            for i in changed:
+                self._settle(self.ids[i])
+            if not np.array_equal(roles, self.data[changed, IS_P:IS_D + 1]):
+                self._derive()
+
+    def add_pending(self, worker_id: str, decided_at: float, vector: np.ndarray) -> None:
+        r = self.row.get(worker_id)
+        if r is None:
+            return
+        self._entries.setdefault(worker_id, deque()).append((decided_at, vector))
+        self._order.append((decided_at, worker_id))
+        self.pending[r] += vector
+
+    def expire(self, before: float) -> None:
+        """Forget routed work older than ``before`` whatever the reports say (a worker that stopped
+        reporting must not look busy forever)."""
+        while self._order and self._order[0][0] < before:
+            t, wid = self._order.popleft()
+            self._settle(wid, t)
+
+    def _settle(self, worker_id: str, older_than: float = -np.inf) -> None:
+        """Drop routed entries the worker's report already covers (or older than the TTL cut)."""
+        q = self._entries.get(worker_id)
+        if not q:
+            return
+        r = self.row[worker_id]
+        cut = max(self.data[r, UPDATED], older_than)
+        while q and q[0][0] <= cut:
+            self.pending[r] -= q.popleft()[1]
+        if not q:
+            self.pending[r] = 0.0  # no float residue
+            del self._entries[worker_id]
+
+    def _rebuild(self, loads: Sequence[WorkerLoad]) -> None:
+        self.loads, self.ids = list(loads), [w.worker_id for w in loads]
+        self.row = {w: i for i, w in enumerate(self.ids)}
+        self.data = np.array([w.row() for w in loads], dtype=float).reshape(len(loads), 13)
+        self.pending = np.zeros((len(loads), 7))
+        for wid in list(self._entries):
+            if wid not in self.row:
+                del self._entries[wid]
+                continue
+            self._settle(wid)
+            for _, v in self._entries.get(wid, ()):
+                self.pending[self.row[wid]] += v
+        self._derive()
+
+    def _derive(self) -> None:
+        self.alive = self.data[:, ALIVE] > 0
+        self.p_rows, self.d_rows = np.flatnonzero(self.data[:, IS_P]), np.flatnonzero(self.data[:, IS_D])
+        self.p_ids = [self.ids[i] for i in self.p_rows]
+        self.d_ids = [self.ids[i] for i in self.d_rows]
+        self.p_pos = np.full(len(self.ids), -1)
+        self.p_pos[self.p_rows] = np.arange(len(self.p_rows))
+        self.d_pos = np.full(len(self.ids), -1)
+        self.d_pos[self.d_rows] = np.arange(len(self.d_rows))
+        self.p_sel, self.d_sel = _selector(self.p_rows), _selector(self.d_rows)
+
+
+def _selector(rows: np.ndarray) -> slice | np.ndarray:
+    """A slice when the rows are contiguous (callers usually list prefill then decode workers): indexing
+    with it is a view, not a copy of the matrix."""
+    if len(rows) and rows[-1] - rows[0] + 1 == len(rows):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows

@@ -1,0 +1,144 @@
+"""Simulation runs: one policy or all of them on a trace, the sweep for the highest request rate that
+keeps 90% of requests within both SLOs, and the ``tidepool simulate`` command. The discrete-event model
+itself is router/simulator.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+from router.conductor import SLO
+from router.policies import POLICIES
+from router.profile import PRESETS, Profile, resolve_profile
+from router.sim_metrics import policy_label
+from router.simulator import SimConfig, simulate
+from router.trace import TraceError, TraceRequest, load_trace
+
+SLO_TARGET = 0.9  # --sweep: the share of requests that must meet both SLOs
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="trace-driven simulation of the routing policies",
+                              description=__doc__)
+    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    p.add_argument("--prefill", type=int, default=16, help="prefill workers")
+    p.add_argument("--decode", type=int, default=16, help="decode workers")
+    p.add_argument("--policy", default="tidepool", choices=[*POLICIES, "all"])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--preset", choices=list(PRESETS), help="analytic cost profile")
+    src.add_argument("--profile", help="profile JSON written by live profiling")
+    p.add_argument("--speed", type=float, default=1.0, help="compress trace time by this factor")
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--ttft-slo-s", type=float, default=30.0)
+    p.add_argument("--tbt-slo-ms", type=float, default=100.0)
+    p.add_argument("--sweep", action="store_true", help="find the max request rate with >= 90%% meeting both SLOs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--noise", type=float, default=0.05, help="sigma of log-normal jitter on true prefill times")
+    p.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel processes")
+    p.add_argument("--json", dest="json_path", help="write the results here")
+    p.set_defaults(func=run_simulate)
+    return p
+
+
+def sweep(trace: list[TraceRequest], profile: Profile, cfg: SimConfig, iterations: int = 5) -> dict:
+    """The highest request rate (trace time compressed by ``speed``) at which at least 90% of the
+    requests meet both SLOs: double or halve from cfg.speed to bracket it, then bisect geometrically."""
+    runs: list[dict] = []
+
+    def passes(speed: float) -> bool:
+        res = simulate(trace, profile, replace(cfg, speed=speed))
+        runs.append(res)
+        return res["slo_attainment"] >= SLO_TARGET
+
+    lo = hi = None
+    s = cfg.speed
+    for _ in range(12):
+        if passes(s):
+            lo = s
+        else:
+            hi = s
+        if lo is not None and hi is not None:
+            break
+        s = s * 2 if hi is None else s / 2
+    for _ in range(iterations if lo is not None and hi is not None else 0):
+        mid = math.sqrt(lo * hi)
+        if passes(mid):
+            lo = mid
+        else:
+            hi = mid
+    best = max((r for r in runs if r["slo_attainment"] >= SLO_TARGET), key=lambda r: r["request_rate"],
+               default=None)
+    return {
+        "policy": policy_label(cfg),
+        "max_rate_at_90pct_slo": None if best is None else best["request_rate"],
+        "speed": None if best is None else best["speed"],
+        "at_max_rate": best,
+        "runs": [{"speed": r["speed"], "request_rate": r["request_rate"], "slo_attainment": r["slo_attainment"]}
+                 for r in runs],
+    }
+
+
+def run_one(trace: list[TraceRequest], profile: Profile, cfg: SimConfig, do_sweep: bool) -> dict:
+    """One policy's metrics at cfg.speed, or (do_sweep) at the highest rate meeting 90% of SLOs."""
+    if not do_sweep:
+        return simulate(trace, profile, cfg)
+    res = sweep(trace, profile, cfg)
+    return {**(res["at_max_rate"] or {"policy": res["policy"]}),
+            "max_rate_at_90pct_slo": res["max_rate_at_90pct_slo"], "sweep_runs": res["runs"]}
+
+
+def run_configs(trace: list[TraceRequest], profile: Profile, cfgs: list[SimConfig], do_sweep: bool,
+                jobs: int = 1) -> list[dict]:
+    """run_one for each config, in ``jobs`` processes (each simulation is single-threaded)."""
+    if jobs <= 1 or len(cfgs) == 1:
+        return [run_one(trace, profile, c, do_sweep) for c in cfgs]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(run_one, [trace] * len(cfgs), [profile] * len(cfgs), cfgs, [do_sweep] * len(cfgs)))
+
+
+def _fmt(v, scale: float = 1.0, digits: int = 2) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def format_table(results: list[dict]) -> str:
+    w = max([13] + [len(r["policy"]) + 1 for r in results])
+    head = (f"{'policy':<{w}}{'rate/s':>8}{'TTFT mean':>10}{'p50':>7}{'p99':>8}{'TBT ms mean':>12}{'p99':>7}"
+            f"{'SLO ok':>8}{'goodput':>9}{'cache hit':>10}{'rejected':>9}{'max@90%':>9}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        t, b = r.get("ttft_s", {}), r.get("tbt_s", {})
+        lines.append(
+            f"{r['policy']:<{w}}{_fmt(r.get('request_rate')):>8}{_fmt(t.get('mean')):>10}{_fmt(t.get('p50')):>7}"
+            f"{_fmt(t.get('p99')):>8}{_fmt(b.get('mean'), 1e3, 1):>12}{_fmt(b.get('p99'), 1e3, 1):>7}"
+            f"{_fmt(r.get('slo_attainment'), 100, 1) + '%':>8}{_fmt(r.get('goodput_rps')):>9}"
+            f"{_fmt(r.get('cache_hit_rate'), 100, 1) + '%':>10}{r.get('rejected', 0):>9}"
+            f"{_fmt(r.get('max_rate_at_90pct_slo')):>9}")
+    return "\n".join(lines)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    try:
+        profile = resolve_profile(args.preset, args.profile)
+        trace = load_trace(args.trace, args.max_requests)
+    except (TraceError, ValueError, OSError) as e:
+        print(f"simulate: {e}", file=sys.stderr)
+        return 2
+    cfg = SimConfig(prefill=args.prefill, decode=args.decode, speed=args.speed,
+                    slo=SLO(args.ttft_slo_s, args.tbt_slo_ms / 1000), seed=args.seed, noise=args.noise)
+    policies = list(POLICIES) if args.policy == "all" else [args.policy]
+    results = run_configs(trace, profile, [replace(cfg, policy=name) for name in policies], args.sweep, args.jobs)
+    print(f"{len(trace)} requests, {args.prefill}P+{args.decode}D, profile {profile.name}, "
+          f"SLO TTFT {args.ttft_slo_s:g} s / TBT {args.tbt_slo_ms:g} ms"
+          + ("" if args.sweep else f", speed {args.speed:g}x"))
+    print(format_table(results))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"profile": profile.to_dict(), "config": {
+                "prefill": args.prefill, "decode": args.decode, "speed": args.speed, "requests": len(trace),
+                "ttft_slo_s": args.ttft_slo_s, "tbt_slo_ms": args.tbt_slo_ms, "seed": args.seed,
+                "noise": args.noise, "sweep": args.sweep}, "results": results}, f, indent=2)
+    return 0

@@ -1,0 +1,211 @@
+"""Hand-built routing decisions for every policy: a long prefix on a busy worker against an idle worker,
+a remote fetch worth it against not, a full decode side, and overload rejected with a retry-after."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.conductor import SLO, Conductor, Decision, Reject, RouteRequest, WorkerLoad
+from router.estimator import Link
+from router.policies import POLICIES
+from router.prefix_cache import PrefixIndex
+from router.profile import llama3_70b_a800
+
+NOW = 1000.0
+BS = 512  # tokens per index block (the Mooncake trace's block)
+HASHES = list(range(1, 33))  # a 32-block prompt: 16,384 tokens, about 2.7 s of prefill without cache
+REQ = RouteRequest("r1", prompt_len=32 * BS, block_hashes=HASHES, max_tokens=256)
+JOB = (32 * BS, 0)  # one queued uncached prompt of the same size
+
+
+def prefill(wid: str, queued: int = 0, role: str = "prefill", free: int = 1000) -> WorkerLoad:
+    return WorkerLoad(wid, role, True, [JOB] * queued, 0, 0, free, 1000, BS, NOW)
+
+
+def decode(wid: str, running: int = 4, ctx: int = 40_000, free: int = 80_000) -> WorkerLoad:
+    return WorkerLoad(wid, "decode", True, [], running, ctx, free, 83_000, 16, NOW)
+
+
+def conductor(policy: str, pool_link: Link | None = None, **options) -> Conductor:
+    prof = llama3_70b_a800()
+    if pool_link is not None:
+        prof.pool_link = pool_link
+    return Conductor(policy, prof.estimator(), SLO(30.0, 0.1), block_size=BS, **options)
+
+
+def index(**holders: int) -> PrefixIndex:
+    idx = PrefixIndex()
+    for holder, n in holders.items():
+        idx.add(holder, HASHES[:n])
+    return idx
+
+
+def route(policy: str, loads, idx, **kw) -> Decision | Reject:
+    return conductor(policy, **kw).route(REQ, loads, idx, now=NOW)
+
+
+# ----- a long prefix on a busy worker against an idle worker -----
+BUSY_HOLDER = [prefill("p0", queued=3), prefill("p1"), decode("d0")]  # p0: 31/32 blocks, ~8 s of queue
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["mooncake", "tidepool"])
+def test_estimating_policies_fetch_the_prefix_to_the_idle_worker(policy):
+    dec = route(policy, BUSY_HOLDER, index(p0=31))
+    assert isinstance(dec, Decision)
+    assert (dec.prefill, dec.fetch_from, dec.fetch_blocks, dec.cached_blocks) == ("p1", "p0", 31, 31)
+    assert dec.est_ttft_s < 1.0  # RDMA copy of 31 blocks + 512 new tokens, instead of ~8 s of queue
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["mooncake", "tidepool"])
+def test_estimating_policies_use_the_local_prefix_when_its_holder_is_idle(policy):
+    dec = route(policy, [prefill("p0"), prefill("p1"), decode("d0")], index(p0=31))
+    assert (dec.prefill, dec.fetch_from, dec.cached_blocks) == ("p0", None, 31)
+
+
+@pytest.mark.timeout(30)
+def test_cache_aware_follows_the_prefix_until_the_imbalance_passes_both_thresholds():
+    dec = route("cache_aware", BUSY_HOLDER, index(p0=31))
+    assert (dec.prefill, dec.fetch_from, dec.cached_blocks) == ("p0", None, 31)
+    overloaded = [prefill("p0", queued=40), prefill("p1"), decode("d0")]  # 40 - 0 > 32 and 40 > 0 x 1.0001
+    assert route("cache_aware", overloaded, index(p0=31)).prefill == "p1"
+    # a short match (< 50% of the prompt) goes to the worker with the most free cache instead
+    low_match = [prefill("p0", free=10), prefill("p1", free=900), decode("d0")]
+    assert route("cache_aware", low_match, index(p0=10)).prefill == "p1"
+
+
+@pytest.mark.timeout(30)
+def test_least_loaded_ignores_the_cache_and_round_robin_cycles():
+    dec = route("least_loaded", BUSY_HOLDER, index(p0=31))
+    assert (dec.prefill, dec.fetch_from, dec.cached_blocks) == ("p1", None, 0)
+    rr = conductor("round_robin")
+    loads = [prefill("p0"), prefill("p1"), prefill("p2"), decode("d0"), decode("d1")]
+    picks = [rr.route(REQ, loads, index(), now=NOW) for _ in range(4)]
+    assert [d.prefill for d in picks] == ["p0", "p1", "p2", "p0"]
+    assert [d.decode for d in picks] == ["d0", "d1", "d0", "d1"]
+
+
+@pytest.mark.timeout(30)
+def test_random_is_reproducible_for_a_seed():
+    loads = [prefill(f"p{i}") for i in range(8)] + [decode("d0")]
+    a, b = conductor("random", seed=3), conductor("random", seed=3)
+    assert [a.route(REQ, loads, index(), now=NOW).prefill for _ in range(10)] == \
+           [b.route(REQ, loads, index(), now=NOW).prefill for _ in range(10)]
+
+
+# ----- a remote fetch worth it against not -----
+@pytest.mark.timeout(30)
+def test_tidepool_fetches_from_the_pool_only_when_it_beats_recomputing():
+    loads = [prefill("p0"), prefill("p1"), decode("d0")]
+    fast = route("tidepool", loads, index(**{"@redis": 31}))  # kvstore's name for the Redis tier
+    assert (fast.fetch_from, fast.cached_blocks) == ("pool", 31)
+    assert route("tidepool", loads, index(redis=31)).fetch_from == "pool"  # a plain "redis" key too
+    slow_pool = Link(bandwidth_Bps=100e6, latency_s=0.002)  # 5 GB at 100 MB/s: ~50 s, recompute ~2.7 s
+    slow = route("tidepool", loads, index(redis=31), pool_link=slow_pool)
+    assert (slow.fetch_from, slow.cached_blocks) == (None, 0)
+    assert slow.est_ttft_s < 5
+    # Mooncake's rule fetches whenever best_len > threshold x local_len, so it waits on the slow copy
+    # and (TTFT ~ 50 s > 30 s) turns the request away.
+    assert isinstance(route("mooncake", loads, index(redis=31), pool_link=slow_pool), Reject)
+
+
+@pytest.mark.timeout(30)
+def test_tidepool_prefers_a_shorter_peer_prefix_over_a_slow_longer_pool_one():
+    loads = [prefill("p0", queued=3), prefill("p1"), decode("d0")]
+    slow_pool = Link(bandwidth_Bps=1e9, latency_s=0.002)  # 31 blocks: ~5.2 s; 28 from the peer: ~47 ms
+    dec = route("tidepool", loads, index(p0=28, redis=31), pool_link=slow_pool)
+    assert (dec.prefill, dec.fetch_from, dec.cached_blocks) == ("p1", "p0", 28)
+
+
+# ----- the decode side full -----
+@pytest.mark.timeout(30)
+def test_tidepool_skips_a_decode_worker_without_room_for_the_kv():
+    # d0 looks idle but its KV memory is reserved; d1 is busier but has room.
+    loads = [prefill("p0"), decode("d0", running=1, ctx=2000, free=100), decode("d1", running=60, ctx=700_000)]
+    assert route("tidepool", loads, index()).decode == "d1"
+    assert route("mooncake", loads, index()).decode == "d0"  # Alg. 1 picks by TBT, blind to memory
+    assert route("mooncake", loads, index(), decode_by="free_blocks").decode == "d1"  # the ablation
+    assert route("least_loaded", loads, index()).decode == "d0"
+    with pytest.raises(ValueError, match="decode_by"):
+        conductor("mooncake", decode_by="memory")
+
+
+@pytest.mark.timeout(30)
+def test_tidepool_rejects_when_no_decode_worker_will_have_room_with_a_retry_after():
+    loads = [prefill("p0"), decode("d0", running=2, ctx=2000, free=100), decode("d1", running=2, ctx=2000, free=50)]
+    out = route("tidepool", loads, index())
+    assert isinstance(out, Reject) and out.reason == "decode"
+    assert out.retry_after_s > 0
+    # what frees up before this prefill ends counts: a worker whose long-running batch is about to
+    # release most of its blocks is accepted even though it is full right now
+    ending = decode("d2", running=100, ctx=1_200_000, free=100)
+    assert route("tidepool", [*loads, ending], index()).decode == "d2"
+
+
+# ----- overload rejected with a retry-after -----
+OVERLOADED = [prefill("p0", queued=12), prefill("p1", queued=12), decode("d0")]  # ~33 s of queue each
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["mooncake", "tidepool"])
+def test_overload_is_rejected_early_with_the_time_until_the_slo_fits(policy):
+    out = route(policy, OVERLOADED, index())
+    assert isinstance(out, Reject) and out.reason == "ttft"
+    c = conductor(policy)
+    queue = c.estimator.prefill.predict(*JOB) * 12
+    assert out.retry_after_s == pytest.approx(queue + c.estimator.prefill.predict(REQ.prompt_len, 0) - 30.0, rel=1e-6)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["round_robin", "random", "least_loaded", "cache_aware"])
+def test_baselines_never_reject(policy):
+    out = route(policy, OVERLOADED, index())
+    assert isinstance(out, Decision) and out.est_ttft_s > 30
+
+
+# ----- cluster shapes and bookkeeping -----
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_colocated_workers_decode_what_they_prefill(policy):
+    loads = [WorkerLoad(f"w{i}", "colocated", True, [], 2, 20_000, 50_000, 83_000, 16, NOW) for i in range(3)]
+    dec = route(policy, loads, index(w2=31))
+    assert isinstance(dec, Decision) and dec.prefill == dec.decode
+
+
+@pytest.mark.timeout(30)
+def test_dead_workers_and_unknown_holders_are_ignored():
+    loads = [WorkerLoad("p0", "prefill", False, [], 0, 0, 1000, 1000, BS, NOW), prefill("p1"), decode("d0")]
+    for policy in POLICIES:
+        dec = route(policy, loads, index(p0=31, ghost=31))
+        assert dec.prefill == "p1" and dec.fetch_from is None
+    assert isinstance(route("tidepool", [prefill("p0"), WorkerLoad("d0", "decode", alive=False)], index()), Reject)
+
+
+@pytest.mark.timeout(30)
+def test_requests_routed_since_the_last_report_count_as_load():
+    c = conductor("least_loaded")
+    loads = [prefill("p0"), prefill("p1"), decode("d0")]  # reports from NOW, routing a little later
+    first, second = (c.route(REQ, loads, index(), now=NOW + 0.001) for _ in range(2))
+    assert (first.prefill, second.prefill) == ("p0", "p1")
+    fresh = [prefill("p0"), prefill("p1"), decode("d0")]  # new reports (at NOW) already include them
+    fresh[0].updated_at = fresh[1].updated_at = NOW + 0.002
+    assert c.route(REQ, fresh, index(), now=NOW + 0.002).prefill == "p0"
+
+
+@pytest.mark.timeout(30)
+def test_routed_work_is_forgotten_after_the_ttl_even_without_reports():
+    c = conductor("least_loaded", pending_ttl_s=5.0)
+    loads = [prefill("p0"), prefill("p1"), decode("d0")]
+    assert c.route(REQ, loads, index(), now=NOW + 1).prefill == "p0"
+    assert c.route(REQ, loads, index(), now=NOW + 2).prefill == "p1"  # p0 still counts the first one
+    # no report for 10 s: both routed prefills expire, and the (stale, drained) reports say idle again
+    assert c.route(REQ, loads, index(), now=NOW + 12).prefill == "p0"
+
+
+@pytest.mark.timeout(30)
+def test_a_reported_queue_drains_with_time_since_the_report():
+    c = conductor("least_loaded")
+    # p0 reported ~8 s of prefills 30 s ago, done by now; p1 reported one just now
+    stale = WorkerLoad("p0", "prefill", True, [JOB] * 3, 1, 0, 1000, 1000, BS, NOW - 30)
+    assert c.route(REQ, [stale, prefill("p1", queued=1), decode("d0")], index(), now=NOW).prefill == "p0"

@@ -1,0 +1,201 @@
+"""The trace-driven simulator: accounts for every request, is deterministic for a seed, times decode
+correctly without per-token events, and refuses malformed traces before running."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from router.policies import POLICIES
+from router.profile import llama3_70b_a800
+from router.sim import add_simulate_parser, sweep
+from router.simulator import SimConfig, Simulation, simulate
+from router.trace import TraceError, load_trace
+
+REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+def write_trace(path: Path, n: int = 200, gap_ms: int = 150, seed: int = 0) -> Path:
+    """Synthetic conversations: each turn extends the previous turn's prefix by a few blocks."""
+    import random
+
+    rng = random.Random(seed)
+    lines, convs, next_id = [], [], 0
+    for i in range(n):
+        if not convs or rng.random() < 0.4:
+            convs.append([])
+        conv = rng.choice(convs)
+        for _ in range(rng.randint(2, 12)):
+            conv.append(next_id)
+            next_id += 1
+        ids = list(conv)
+        length = len(ids) * 512 - rng.randint(0, 511)
+        lines.append(json.dumps({"timestamp": i * gap_ms, "input_length": length,
+                                 "output_length": rng.randint(1, 400), "hash_ids": ids}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture
+def trace(tmp_path):
+    return load_trace(write_trace(tmp_path / "t.jsonl"))
+
+
+def small_profile():
+    prof = llama3_70b_a800()
+    prof.prefill_cache_tokens = 40 * 512  # small caches: LRU eviction happens in a 200-request run
+    return prof
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_request_is_served_or_rejected(trace, policy):
+    cfg = SimConfig(prefill=3, decode=2, policy=policy, speed=4.0)
+    res = simulate(trace, small_profile(), cfg)
+    assert res["arrived"] == len(trace)
+    assert res["served"] + res["rejected"] == res["arrived"]
+    assert sum(res["rejected_by_reason"].values()) == res["rejected"]
+    assert 0 <= res["slo_attainment"] <= 1 and 0 <= res["cache_hit_rate"] < 1
+
+
+@pytest.mark.timeout(120)
+def test_overload_makes_the_early_rejecting_policies_reject(trace):
+    res = simulate(trace, small_profile(), SimConfig(prefill=1, decode=1, policy="tidepool", speed=20.0))
+    assert res["rejected"] > 0 and res["served"] + res["rejected"] == res["arrived"]
+
+
+@pytest.mark.timeout(120)
+def test_same_seed_same_result_and_the_seed_matters(trace):
+    cfg = SimConfig(prefill=3, decode=2, policy="tidepool", speed=4.0, seed=7)
+    assert simulate(trace, small_profile(), cfg) == simulate(trace, small_profile(), cfg)
+    other = simulate(trace, small_profile(), SimConfig(prefill=3, decode=2, policy="tidepool", speed=4.0, seed=8))
+    assert other["ttft_s"] != simulate(trace, small_profile(), cfg)["ttft_s"]
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_request_decodes_at_the_models_step_times(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 4096, "output_length": 21,
+                                "hash_ids": list(range(8))}) + "\n")
+    prof = llama3_70b_a800()
+    sim = Simulation(load_trace(path), prof, SimConfig(prefill=1, decode=1, policy="tidepool", noise=0.0))
+    (r,) = sim.run()
+    assert r.ttft == pytest.approx(prof.prefill.predict(4096, 0))
+    # 20 decode steps of a batch of one whose context grows by one token a step; the slowest 10% of the
+    # 20 gaps is 2 gaps: the first (KV hand-off + first step) and the last step.
+    steps = [prof.decode.predict(1, 4097 + i) for i in range(20)]
+    first_gap = prof.peer_link.latency_s + steps[0]
+    assert r.tbt == pytest.approx((first_gap + steps[-1]) / 2, rel=1e-9)
+
+
+@pytest.mark.timeout(60)
+def test_batched_decode_slows_every_member(tmp_path):
+    path = tmp_path / "two.jsonl"
+    rows = [{"timestamp": 0, "input_length": 2048, "output_length": 200, "hash_ids": [1, 2, 3, 4]},
+            {"timestamp": 0, "input_length": 2048, "output_length": 200, "hash_ids": [5, 6, 7, 8]}]
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n")
+    prof = llama3_70b_a800()
+    alone = Simulation(load_trace(path, max_requests=1), prof, SimConfig(1, 1, "tidepool", noise=0.0)).run()[0]
+    pair = Simulation(load_trace(path), prof, SimConfig(1, 1, "tidepool", noise=0.0)).run()
+    assert all(r.tbt > alone.tbt for r in pair)
+    assert pair[1].ttft > pair[0].ttft  # one prefill worker: the second waits for the first
+
+
+@pytest.mark.timeout(120)
+def test_sweep_brackets_the_rate_where_90_percent_meet_the_slos(trace):
+    res = sweep(trace, small_profile(), SimConfig(prefill=2, decode=2, policy="tidepool"), iterations=3)
+    rate = res["max_rate_at_90pct_slo"]
+    assert rate is not None and rate > 0
+    passing = [r for r in res["runs"] if r["slo_attainment"] >= 0.9]
+    failing = [r for r in res["runs"] if r["slo_attainment"] < 0.9]
+    assert failing and max(r["request_rate"] for r in passing) == rate
+    assert min(r["request_rate"] for r in failing) > rate
+
+
+def _bad_trace(tmp_path) -> Path:
+    good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([
+        good,
+        "{not json",
+        json.dumps({"timestamp": 5, "input_length": 600, "hash_ids": [1, 2]}),  # no output_length
+        good,
+        json.dumps({"timestamp": 9, "input_length": 600, "output_length": 5, "hash_ids": [1]}),  # 1 id, needs 2
+        json.dumps({"timestamp": -1, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}),
+    ]) + "\n")
+    return path
+
+
+@pytest.mark.timeout(30)
+def test_malformed_lines_are_reported_with_their_line_numbers(tmp_path):
+    path = _bad_trace(tmp_path)
+    with pytest.raises(TraceError) as e:
+        load_trace(path)
+    msg = str(e.value)
+    assert "4 malformed" in msg
+    for line, why in [(2, "Expecting"), (3, "output_length"), (5, "needs 2"), (6, "timestamp")]:
+        assert f"{path}:{line}: " in msg and why in msg
+    assert f"{path}:1:" not in msg and f"{path}:4:" not in msg
+
+
+@pytest.mark.timeout(30)
+def test_simulate_command_stops_before_running_on_a_bad_trace(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    out = tmp_path / "r.json"
+    args = parser.parse_args(["simulate", "--trace", str(_bad_trace(tmp_path)), "--preset", "llama3-70b-a800",
+                              "--json", str(out)])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert "bad.jsonl:2:" in captured.err and "policy" not in captured.out and not out.exists()
+
+
+@pytest.mark.timeout(120)
+def test_simulate_command_compares_all_policies_and_writes_json(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    out = tmp_path / "r.json"
+    args = parser.parse_args(["simulate", "--trace", str(write_trace(tmp_path / "t.jsonl", n=80)),
+                              "--prefill", "2", "--decode", "2", "--policy", "all", "--preset", "llama3-70b-a800",
+                              "--speed", "2", "--tbt-slo-ms", "80", "--json", str(out)])
+    assert args.func(args) == 0
+    data = json.loads(out.read_text())
+    assert [r["policy"] for r in data["results"]] == list(POLICIES)
+    assert data["config"]["tbt_slo_ms"] == 80 and data["profile"]["name"] == "llama3-70b-a800"
+    printed = capsys.readouterr().out
+    assert all(name in printed for name in POLICIES)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not REAL_TRACE.exists(), reason="the shared Mooncake trace is not checked out")
+def test_a_slice_of_the_conversation_trace_replays():
+    reqs = load_trace(REAL_TRACE, max_requests=300)
+    res = simulate(reqs, llama3_70b_a800(), SimConfig(prefill=4, decode=4, policy="tidepool"))
+    assert res["served"] + res["rejected"] == 300 and not math.isnan(res["ttft_s"]["mean"])
+    assert res["cache_hit_rate"] > 0.05  # the trace's requests share prefixes
+
+
+@pytest.mark.timeout(30)
+def test_prefix_index_matches_each_holder_up_to_its_first_missing_block():
+    from router.prefix_cache import BlockCache, PrefixIndex
+
+    idx = PrefixIndex()
+    idx.add("a", [1, 2, 3, 4])
+    idx.add("b", [1, 2])
+    idx.add("c", [2, 3])  # no first block: matches nothing
+    assert idx.longest_prefix([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert idx.longest_prefix([9, 1]) == {} and idx.longest_prefix([]) == {}
+    idx.remove("a", [3])
+    assert idx.longest_prefix([1, 2, 3, 4]) == {"a": 2, "b": 2}
+
+    cache = BlockCache("w", capacity_blocks=4, index=idx)
+    cache.insert([10, 11, 12])
+    cache.insert([20, 21])  # over capacity: the least recently used block goes, children before parents
+    assert len(cache) == 4 and idx.longest_prefix([10, 11, 12]) == {"w": 2}
+    cache.touch([10, 11])
+    cache.insert([30])
+    assert idx.longest_prefix([10, 11]) == {"w": 2} and idx.longest_prefix([20, 21]) == {"w": 1}
