@@ -48,3 +48,61 @@ def ray_session():
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serving_model_dir(tmp_path_factory):
+    """A small Llama checkpoint (random weights, the built-in tiny model's byte-level tokenizer) that the
+    service tests serve: the same loading path as a user's checkpoint, a fraction of the compute."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.config import ModelConfig
+    from engine.loader import resolve_model_dir
+
+    tiny = resolve_model_dir("tiny")
+    tiny_cfg = ModelConfig.from_dir(tiny)
+    out = tmp_path_factory.mktemp("serving-model") / "small-llama"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=tiny_cfg.vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=tiny_cfg.bos_token_id, eos_token_id=tiny_cfg.eos_token_ids,
+    )
+    LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny / name).exists():
+            shutil.copy(tiny / name, out / name)
+    return out
+
+
+_redis_db = iter(range(1, 16))
+
+
+@pytest.fixture(scope="session")
+def start_server(ray_session, redis_url, serving_model_dir):
+    """Factory: start a Tidepool server (cluster + gateways on free loopback ports) sharing the session's Ray.
+
+    Each server gets its own Redis database so pools never mix; every server started is stopped at the end.
+    """
+    from services.cluster import ClusterConfig
+    from services.local_redis import free_port
+    from services.serve import GatewayConfig, ThreadedServer
+
+    started: list[ThreadedServer] = []
+
+    def start(api_key: str | None = None, **cluster_kwargs) -> ThreadedServer:
+        base = redis_url.rsplit("/", 1)[0]
+        cluster_kwargs.setdefault("model", str(serving_model_dir))
+        cluster_kwargs.setdefault("threads_per_worker", 1)
+        cluster_kwargs.setdefault("num_blocks", 512)
+        config = ClusterConfig(redis_url=f"{base}/{next(_redis_db)}", **cluster_kwargs)
+        gateway = GatewayConfig(http_port=free_port(), grpc_port=free_port(), api_key=api_key)
+        server = ThreadedServer(config, gateway).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()

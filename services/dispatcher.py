@@ -1,0 +1,337 @@
+"""The path of one request through the cluster: route, reserve, prefill + transfer, stream decode.
+
+The gateway hands a tokenized request to ``Dispatcher.generate``; the dispatcher asks the conductor for a
+prefill/decode pair (or rejects early), has the decode worker reserve blocks (a lease with a deadline),
+has the prefill worker compute the prompt and push its KV into that lease, then streams tokens from the
+decode worker's Ray streaming generator. Every step has a deadline, and whatever fails or is cancelled
+frees the blocks on both sides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from engine.errors import InvalidRequestError
+from engine.sampler import SamplingParams
+from engine.tokenizer import Tokenizer
+from kvstore.hashing import block_hashes, salt_for
+from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLoad
+from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerFailedError
+from services.metrics import Metrics
+from services.worker import PrefillResult, TokenEvent
+
+log = logging.getLogger(__name__)
+
+_LOAD_REFRESH_S = 0.05
+
+
+@dataclass
+class GenerateRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class WorkerRef:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    actor: ray.actor.ActorHandle
+    info: dict  # what the worker reported at start: node, device, kv address, blocks
+
+
+@dataclass
+class Deadlines:
+    reserve_s: float = 10.0
+    prefill_s: float = 120.0  # queueing + compute + transfer of the prompt
+    lease_s: float = 150.0  # a decode reservation that is never filled is freed after this
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        workers: list[WorkerRef],
+        conductor: Conductor,
+        index: object,  # PoolMirror: longest_prefix(hashes) -> {holder: blocks}
+        tokenizer: Tokenizer,
+        model_id: str,
+        block_size: int,
+        max_model_len: int,
+        metrics: Metrics,
+        kv_transport: str,
+        deadlines: Deadlines | None = None,
+    ) -> None:
+        self.workers = {w.worker_id: w for w in workers}
+        self.conductor = conductor
+        self.index = index
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.metrics = metrics
+        self.kv_transport = kv_transport
+        self.deadlines = deadlines or Deadlines()
+        self._salt = salt_for(model_id)
+        self._loads: dict[str, WorkerLoad] = {}
+        self._refresher: asyncio.Task | None = None
+
+    # ---- worker state -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.refresh_loads()
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def stop(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(_LOAD_REFRESH_S)
+            try:
+                await self.refresh_loads()
+            except Exception:  # the refresher must outlive any one bad report
+                log.exception("load refresh failed")
+
+    async def refresh_loads(self) -> None:
+        refs = [w.actor.load.remote() for w in self.workers.values()]
+        results = await asyncio.gather(*refs, return_exceptions=True)
+        for worker, result in zip(self.workers.values(), results, strict=True):
+            if isinstance(result, WorkerLoad):
+                self._loads[worker.worker_id] = result
+                self.metrics.set_worker_load(result)
+            else:
+                self._mark_dead(worker.worker_id)
+
+    def _mark_dead(self, worker_id: str) -> None:
+        load = self._loads.get(worker_id)
+        if load is not None and load.alive:
+            log.warning("worker %s is dead", worker_id)
+            self._loads[worker_id] = dataclasses.replace(load, alive=False)
+            self.metrics.set_worker_load(self._loads[worker_id])
+
+    def alive_workers(self) -> int:
+        return sum(1 for load in self._loads.values() if load.alive)
+
+    async def worker_stats(self) -> list[dict]:
+        out = []
+        for worker in self.workers.values():
+            load = self._loads.get(worker.worker_id)
+            out.append({
+                "id": worker.worker_id, "role": worker.role, "alive": bool(load and load.alive),
+                "node": worker.info.get("node"), "device": worker.info.get("device"),
+                "free_blocks": load.free_blocks if load else 0, "total_blocks": load.total_blocks if load else 0,
+                "waiting": len(load.queued_prefills) if load else 0, "running": load.num_running if load else 0,
+            })
+        return out
+
+    # ---- one request ----------------------------------------------------------------------------------------
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        """Yield the request's token events; n > 1 runs n sub-requests whose events interleave."""
+        req.params.validate()
+        if not req.prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len)
+        if self.alive_workers() == 0:
+            raise NoWorkersError("no worker is alive")
+        if req.params.n == 1:
+            async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0):
+                yield event
+            return
+        async for event in self._generate_fanout(req):
+            yield event
+
+    async def _generate_fanout(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
+        # Each choice is its own request (seed + i keeps seeded runs reproducible); the prompt's blocks are
+        # computed once and hit the prefix cache for the others.
+        streams = []
+        for i in range(req.params.n):
+            seed = None if req.params.seed is None else req.params.seed + i
+            params = dataclasses.replace(req.params, n=1, seed=seed)
+            streams.append(self._generate_one(f"{req.request_id}-{i}", req.prompt_ids, params, i))
+        # Route every choice before yielding, so a rejection surfaces before the first event.
+        firsts = [await anext(s) for s in streams]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(stream: AsyncIterator[TokenEvent]) -> None:
+            try:
+                async for event in stream:
+                    await queue.put(event)
+                await queue.put(None)
+            except BaseException as exc:
+                await queue.put(exc)
+
+        tasks = [asyncio.create_task(pump(s)) for s in streams]
+        try:
+            for event in firsts:
+                yield event
+            pending = len(tasks)  # every pump sends an end marker, even for a stream already finished
+            while pending:
+                item = await queue.get()
+                if item is None:
+                    pending -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            for stream in streams:
+                await stream.aclose()
+
+    async def _generate_one(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
+    ) -> AsyncIterator[TokenEvent]:
+        hashes = block_hashes(prompt_ids, self.block_size, self._salt)
+        route_req = RouteRequest(request_id, len(prompt_ids), hashes, params.max_tokens)
+        started = time.monotonic()
+        excluded: set[str] = set()
+        while True:
+            decision = self._route(route_req, excluded)
+            if decision.prefill == decision.decode:
+                stream = self._run_colocated(decision, request_id, prompt_ids, params, index)
+            else:
+                stream = self._run_disaggregated(decision, request_id, prompt_ids, params, index)
+            first_time = None
+            last_time = None
+            count = 0
+            try:
+                async for event in stream:
+                    now = time.monotonic()
+                    if first_time is None:
+                        first_time = now
+                        self.metrics.observe_ttft(now - started)
+                        self.metrics.add_cached_tokens(event.num_cached_tokens)
+                    last_time = now
+                    count += len(event.token_ids)
+                    yield event
+            except _RetryElsewhere as retry:
+                # Only before the first token: nothing has reached the client yet.
+                if first_time is not None or retry.worker_id in excluded:
+                    raise WorkerFailedError(str(retry)) from None
+                excluded.add(retry.worker_id)
+                log.warning("request %s: %s; routing again", request_id, retry)
+                continue
+            finally:
+                await stream.aclose()
+            if count > 1 and first_time is not None and last_time is not None:
+                self.metrics.observe_tpot((last_time - first_time) / (count - 1))
+            return
+
+    def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
+        loads = list(self._loads.values())
+        if excluded:  # workers that failed this request are out for its retry
+            loads = [dataclasses.replace(ld, alive=False) if ld.worker_id in excluded else ld for ld in loads]
+        if not any(load.alive for load in loads):
+            raise NoWorkersError("no worker is alive")
+        decision = self.conductor.route(route_req, loads, self.index)
+        if isinstance(decision, Reject):
+            self.metrics.inc_rejection(decision.reason)
+            raise RequestRejected(decision.reason, decision.retry_after_s)
+        return decision
+
+    async def _run_colocated(
+        self, decision: Decision, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
+    ) -> AsyncIterator[TokenEvent]:
+        worker = self.workers[decision.prefill]
+        gen = worker.actor.generate.remote(request_id, prompt_ids, params, index, decision.fetch_from)
+        async for event in self._stream(gen, worker, request_id):
+            yield event
+
+    async def _run_disaggregated(
+        self, decision: Decision, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
+    ) -> AsyncIterator[TokenEvent]:
+        prefill = self.workers[decision.prefill]
+        decode = self.workers[decision.decode]
+        try:
+            await self._call(
+                decode, decode.actor.reserve.remote(request_id, len(prompt_ids), self.deadlines.lease_s),
+                self.deadlines.reserve_s,
+            )
+        except _RetryElsewhere:
+            raise
+        handed_off = False
+        try:
+            result: PrefillResult = await self._call(
+                prefill,
+                prefill.actor.prefill.remote(
+                    request_id, prompt_ids, params, decode.info["kv_target"], decision.fetch_from,
+                    self.deadlines.prefill_s,
+                ),
+                self.deadlines.prefill_s + 5.0,
+            )
+            self.metrics.observe_transfer(self.kv_transport, result.transfer_bytes, result.transfer_s)
+            first = TokenEvent(index, [result.first_token_id], result.finish_reason, len(prompt_ids),
+                               result.num_cached_tokens)
+            if result.finish_reason is not None:
+                yield first
+                return
+            gen = decode.actor.generate.remote(request_id, prompt_ids, result.first_token_id, params, index,
+                                               result.num_cached_tokens)
+            handed_off = True
+            yield first
+            async for event in self._stream(gen, decode, request_id):
+                yield event
+        finally:
+            if not handed_off:
+                # The lease is freed whether or not the KV arrived; the prefill side cleans itself up.
+                with contextlib.suppress(RayActorError, RayTaskError):
+                    await decode.actor.release.remote(request_id)
+                with contextlib.suppress(RayActorError, RayTaskError):
+                    await prefill.actor.abort.remote(request_id)
+
+    async def _call(self, worker: WorkerRef, ref: ray.ObjectRef, timeout_s: float):
+        try:
+            return await asyncio.wait_for(ref, timeout=timeout_s)
+        except RayActorError as exc:
+            self._mark_dead(worker.worker_id)
+            raise _RetryElsewhere(worker.worker_id, f"worker {worker.worker_id} died") from exc
+        except (TimeoutError, GetTimeoutError) as exc:
+            ray.cancel(ref)
+            raise WorkerFailedError(f"worker {worker.worker_id} did not answer within {timeout_s:.0f}s") from exc
+        except RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+
+    async def _stream(self, gen, worker: WorkerRef, request_id: str) -> AsyncIterator[TokenEvent]:
+        finished = False
+        try:
+            async for ref in gen:
+                event: TokenEvent = await ref
+                finished = event.finish_reason is not None
+                yield event
+        except RayActorError as exc:
+            self._mark_dead(worker.worker_id)
+            raise WorkerFailedError(f"worker {worker.worker_id} died mid-stream") from exc
+        except RayTaskError as exc:
+            raise exc.as_instanceof_cause() from None
+        finally:
+            if not finished:
+                # The client went away (or the stream broke): stop the request and free its blocks.
+                ray.cancel(gen)
+                with contextlib.suppress(RayActorError, RayTaskError):
+                    await worker.actor.abort.remote(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.gather(
+            *(w.actor.abort.remote(request_id) for w in self.workers.values()), return_exceptions=True
+        )
+
+
+class _RetryElsewhere(Exception):
+    """A worker died before anything reached the client; the router may pick another one."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id

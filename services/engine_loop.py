@@ -1,0 +1,112 @@
+"""Drives one ``engine.Engine`` on a dedicated thread, so a Ray actor's event loop never blocks on a step.
+
+The engine is not thread-safe: every call into it (add, abort, export, import, stats) runs on the engine
+thread through ``call``/``acall``; step outputs are delivered to per-request asyncio queues on the actor's
+event loop. Step times are kept for the load reports the router reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from engine.engine import Engine, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._layer_hooks: list[Callable[[int], None]] = []
+        self.step_times_s: collections.deque[float] = collections.deque(maxlen=32)
+        self.stats = engine.stats()  # refreshed on the engine thread, read by load reports without a call
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- calls from other threads -------------------------------------------------------------------
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+        """Run ``fn(*args)`` on the engine thread; the future holds its result or exception."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, args, future))
+        return future
+
+    async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.wrap_future(self.call(fn, *args))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        """Register the queue that receives ``request_id``'s outputs (before the request is added)."""
+        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._streams[request_id] = stream
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def add_layer_hook(self, hook: Callable[[int], None]) -> None:
+        """``hook(layer)`` runs on the engine thread after each layer's KV of a step is written."""
+        self._layer_hooks.append(hook)
+
+    def remove_layer_hook(self, hook: Callable[[int], None]) -> None:
+        self._layer_hooks.remove(hook)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread ------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._drain_commands(block=not self.engine.has_unfinished()):
+                self.stats = self.engine.stats()
+            if not self.engine.has_unfinished():
+                continue
+            start = time.perf_counter()
+            try:
+                outputs = self.engine.step(on_layer_done=self._on_layer_done if self._layer_hooks else None)
+            except Exception:  # a failed step must not kill the thread that every request depends on
+                log.exception("engine step failed")
+                continue
+            self.step_times_s.append(time.perf_counter() - start)
+            self.stats = self.engine.stats()
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:
+                    self._loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _on_layer_done(self, layer: int) -> None:
+        for hook in list(self._layer_hooks):
+            hook(layer)
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Run every queued command; True when there was at least one."""
+        try:
+            item = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            fn, args, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # delivered to the caller, who knows what it means
+                    future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return True

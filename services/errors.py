@@ -1,0 +1,29 @@
+"""Errors the serving path raises where the cause is known; only the gateway maps them to statuses."""
+
+from __future__ import annotations
+
+
+class RequestRejected(Exception):
+    """The router predicts the SLOs can't be met (or no worker has room): try again later."""
+
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+class NoWorkersError(Exception):
+    """No worker of a needed role is alive."""
+
+
+class PromptTooLongError(Exception):
+    """The prompt (plus max_tokens) does not fit the model's context or the server's prompt limit."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(f"prompt has {prompt_tokens} tokens; the limit is {limit}")
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit
+
+
+class WorkerFailedError(Exception):
+    """A worker died or a handoff step failed for this request (the request was not completed)."""

@@ -1,0 +1,122 @@
+"""``tidepool serve``: the cluster plus the HTTP and gRPC gateways, stopped together on Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+
+import uvicorn
+
+from services.cluster import Cluster, ClusterConfig
+from services.gateway.grpc import start_grpc_server
+from services.gateway.http import create_app
+from services.sessions import SessionStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    max_prompt_tokens: int | None = None
+    session_ttl_s: float = 3600.0
+
+
+class Server:
+    """One running Tidepool: ``await start()``, then ``await serve_until_stopped()`` or ``await stop()``."""
+
+    def __init__(self, cluster_config: ClusterConfig, gateway: GatewayConfig) -> None:
+        self.cluster = Cluster(cluster_config)
+        self.gateway = gateway
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task | None = None
+        self._grpc = None
+        self.sessions: SessionStore | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.gateway.host}:{self.gateway.http_port}"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.gateway.host}:{self.gateway.grpc_port}"
+
+    async def start(self, install_signal_handlers: bool = True) -> None:
+        try:
+            dispatcher = await self.cluster.start()
+            self.sessions = SessionStore(self.cluster.redis_url, ttl_s=self.gateway.session_ttl_s)
+            app = create_app(
+                dispatcher, self.sessions, api_key=self.gateway.api_key,
+                max_body_bytes=self.gateway.max_body_bytes, max_prompt_tokens=self.gateway.max_prompt_tokens,
+            )
+            self._grpc = await start_grpc_server(
+                dispatcher, self.sessions, self.gateway.grpc_port, api_key=self.gateway.api_key
+            )
+            config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
+                                    log_level="warning", lifespan="off")
+            self._http = uvicorn.Server(config)
+            if not install_signal_handlers:
+                self._http.install_signal_handlers = lambda: None  # the owner of the thread handles them
+            self._http_task = asyncio.create_task(self._http.serve())
+            while not self._http.started:
+                if self._http_task.done():
+                    self._http_task.result()  # surfaces a bind error
+                await asyncio.sleep(0.02)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def serve_until_stopped(self) -> None:
+        """Serve until uvicorn sees Ctrl-C/SIGTERM, then stop everything this server started."""
+        try:
+            if self._http_task is not None:
+                await self._http_task
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        if self._http is not None:
+            self._http.should_exit = True
+            if self._http_task is not None:
+                with contextlib.suppress(Exception):
+                    await self._http_task
+            self._http = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+            self._grpc = None
+        if self.sessions is not None:
+            await self.sessions.close()
+            self.sessions = None
+        await self.cluster.stop()
+
+
+class ThreadedServer:
+    """A ``Server`` on its own event loop thread, for tests and benchmarks in one process."""
+
+    def __init__(self, cluster_config: ClusterConfig, gateway: GatewayConfig) -> None:
+        self.server = Server(cluster_config, gateway)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tidepool-server", daemon=True)
+        self._thread.start()
+
+    def start(self, timeout_s: float = 300.0) -> ThreadedServer:
+        self.run(self.server.start(install_signal_handlers=False), timeout_s)
+        return self
+
+    def run(self, coro, timeout_s: float = 60.0):
+        """Run a coroutine on the server's loop (e.g. a dispatcher call) and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def stop(self) -> None:
+        if not self._thread.is_alive():
+            return  # stopped already
+        self.run(self.server.stop(), 120.0)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

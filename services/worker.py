@@ -1,0 +1,291 @@
+"""Ray actors wrapping ``engine.Engine``: the prefill, decode and colocated workers.
+
+Each worker owns one engine, driven on its own thread by ``EngineLoop``; actor methods are async, so a
+worker serves many requests at once. Token streams go back through Ray streaming generators (async
+generator methods). A request's blocks are owned by exactly one side at a time: the prefill worker until
+its KV is acknowledged by the decode worker, the decode worker's lease from ``reserve`` until the request
+joins its batch (or the lease expires); every exit path frees them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine, RequestOutput
+from engine.sampler import SamplingParams
+from kvstore.transfer.wire import TransferHeader
+from router.conductor import WorkerLoad
+from services.engine_loop import EngineLoop
+from services.kv_handoff import HandoffReceiver, HandoffSender
+from services.pool_link import PoolLink
+
+log = logging.getLogger(__name__)
+
+_PROFILE_PROMPT_LENS = (16, 64, 128, 256, 512)
+_PROFILE_DECODE_BATCHES = (1, 4, 8)
+
+
+@dataclass
+class WorkerSpec:
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    engine: EngineConfig
+    redis_url: str | None = None
+    num_threads: int = 1
+    kv_transport: str = "grpc"  # grpc | collective | auto
+    layerwise: bool = True
+    pool_max_bytes: int = 256 << 20
+
+
+@dataclass
+class TokenEvent:
+    index: int  # which of the n choices
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass
+class PrefillResult:
+    first_token_id: int
+    finish_reason: str | None  # set when the first token already ends the request
+    num_cached_tokens: int
+    transfer_bytes: int
+    transfer_s: float
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        torch.set_num_threads(spec.num_threads)
+        self.spec = spec
+        self.pool: PoolLink | None = None
+        self.engine = Engine(spec.engine, on_blocks_stored=self._on_stored, on_blocks_removed=self._on_removed)
+        self.loop: EngineLoop | None = None
+
+    # ---- lifecycle and reports -------------------------------------------------------------------------------
+    async def start(self) -> dict:
+        """Start the engine thread, profile the engine for the router, and say where this worker runs."""
+        self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
+        profile = await self.loop.acall(self._profile)
+        if self.spec.redis_url:
+            # Connected after profiling, so the throwaway profile prompts are never published.
+            self.pool = PoolLink(self.spec.redis_url, self.spec.worker_id, self.engine, self.spec.pool_max_bytes)
+        device = str(self.engine.device)
+        return {
+            "worker_id": self.spec.worker_id, "role": self.spec.role, "node": ray.util.get_node_ip_address(),
+            "device": device, "model_id": self.engine.model_id, "block_size": self.engine.block_size,
+            "max_model_len": self.engine.max_model_len,
+            "kv_bytes_per_token": self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
+            "total_blocks": self.engine.stats().total_blocks, "profile": profile,
+        }
+
+    def _profile(self) -> dict:
+        """Time prefills of several lengths and decode steps of several batch sizes (engine thread)."""
+        rng = random.Random(0)
+        vocab = self.engine.model_config.vocab_size
+        greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        prefill: list[tuple[int, int, float]] = []
+        for n in _PROFILE_PROMPT_LENS:
+            if n + 1 > self.engine.max_model_len:
+                break
+            prompt = [rng.randrange(vocab) for _ in range(n)]
+            self.engine.add_request(f"profile-p{n}", prompt, greedy_one)
+            start = time.perf_counter()
+            while self.engine.has_unfinished():
+                self.engine.step()
+            prefill.append((n, 0, time.perf_counter() - start))
+        decode: list[tuple[int, int, float]] = []
+        steps = 4
+        for batch in _PROFILE_DECODE_BATCHES:
+            params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                self.engine.add_request(f"profile-d{batch}-{i}", [rng.randrange(vocab) for _ in range(32)], params)
+            self.engine.step()  # the prefills
+            for step in range(steps):
+                start = time.perf_counter()
+                self.engine.step()
+                decode.append((batch, batch * (33 + step), time.perf_counter() - start))
+            while self.engine.has_unfinished():
+                self.engine.step()
+        return {"prefill": prefill, "decode": decode}
+
+    async def load(self) -> WorkerLoad:
+        stats = self.loop.stats
+        return WorkerLoad(
+            worker_id=self.spec.worker_id, role=self.spec.role, alive=True,
+            queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
+            running_context_tokens=stats.running_context_tokens, free_blocks=stats.free_blocks,
+            total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=time.time(),
+        )
+
+    async def stats(self) -> dict:
+        stats = self.loop.stats
+        return {"worker_id": self.spec.worker_id, "role": self.spec.role, **stats.__dict__,
+                "recent_step_times_s": list(self.loop.step_times_s)}
+
+    async def abort(self, request_id: str) -> None:
+        await self.loop.acall(self.engine.abort, request_id)
+
+    # ---- the KV pool ---------------------------------------------------------------------------------------------
+    def _on_stored(self, hashes: list[int]) -> None:
+        if self.pool is not None:
+            self.pool.blocks_stored(hashes)
+
+    def _on_removed(self, hashes: list[int]) -> None:
+        if self.pool is not None:
+            self.pool.blocks_removed(hashes)
+
+    async def _load_prefix_from_pool(self, prompt_ids: list[int], fetch_from: str | None) -> None:
+        """Take missing prefix blocks from the pool's tiers when the router said fetching beats recompute."""
+        if self.pool is None or fetch_from is None:
+            return
+        await self.pool.load_prefix(self.loop, prompt_ids)
+
+    # ---- streaming a request's tokens ------------------------------------------------------------------------
+    async def _stream(
+        self, request_id: str, index: int, start: Callable[[], None]
+    ) -> AsyncIterator[TokenEvent]:
+        """Run ``start`` on the engine thread, then yield the request's outputs until it finishes.
+
+        If the consumer goes away first (Ray cancels the generator), the request is aborted.
+        """
+        queue = self.loop.open_stream(request_id)
+        finished = False
+        try:
+            await self.loop.acall(start)
+            while not finished:
+                outputs = [await queue.get()]
+                while not queue.empty():  # coalesce what piled up while the caller was slow
+                    outputs.append(queue.get_nowait())
+                event = _merge(outputs, index)
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            self.loop.close_stream(request_id)
+            if not finished:
+                await self.loop.acall(self.engine.abort, request_id)
+
+
+def _merge(outputs: list[RequestOutput], index: int) -> TokenEvent:
+    last = outputs[-1]
+    return TokenEvent(
+        index=index, token_ids=[t for o in outputs for t in o.new_token_ids], finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
+    )
+
+
+class ColocatedWorker(Worker):
+    """Prefill and decode in one engine: the comparison baseline, and the single-worker deployment."""
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
+        fetch_from: str | None = None,
+    ) -> AsyncIterator[TokenEvent]:
+        await self._load_prefix_from_pool(prompt_ids, fetch_from)
+        async for event in self._stream(
+            request_id, index, lambda: self.engine.add_request(request_id, prompt_ids, params)
+        ):
+            yield event
+
+
+class PrefillWorker(Worker):
+    """Computes prompts, samples the first token and pushes the KV into a decode worker's lease."""
+
+    async def start(self) -> dict:
+        info = await super().start()
+        self.sender = HandoffSender(self.spec.worker_id, self.spec.kv_transport, self.spec.layerwise, self.engine,
+                                    self.loop)
+        return info
+
+    async def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: dict,
+        fetch_from: str | None, deadline_s: float,
+    ) -> PrefillResult:
+        deadline = time.monotonic() + deadline_s
+        await self._load_prefix_from_pool(prompt_ids, fetch_from)
+        queue = self.loop.open_stream(request_id)
+        handoff = self.sender.open(request_id, prompt_ids, kv_target, deadline)
+        try:
+            await self.loop.acall(self.engine.add_request, request_id, prompt_ids, params, True)
+            output: RequestOutput = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+            first = output.new_token_ids[0]
+            if output.finish_reason != "prefilled":  # the first token already ends it: nothing to send
+                handoff.cancel()
+                return PrefillResult(first, output.finish_reason, output.num_cached_tokens, 0, 0.0)
+            nbytes, seconds = await handoff.finish()
+            if self.pool is not None:
+                await self.pool.store_request_blocks(self.loop, request_id)
+            return PrefillResult(first, None, output.num_cached_tokens, nbytes, seconds)
+        except BaseException:
+            handoff.cancel()
+            await self.loop.acall(self.engine.abort, request_id)
+            raise
+        finally:
+            self.loop.close_stream(request_id)
+            handoff.close()
+            # Blocks go back to the free list with their contents and hashes: a later prompt still hits them.
+            await self.loop.acall(self.engine.release, request_id)
+
+
+class DecodeWorker(Worker):
+    """Holds leases of reserved blocks, receives KV into them, and decodes in a continuous batch."""
+
+    async def start(self) -> dict:
+        info = await super().start()
+        self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop)
+        info["kv_target"] = self.receiver.target()
+        self._reaper = asyncio.create_task(self._reap_expired_leases())
+        return info
+
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> None:
+        """Reserve blocks for ``num_tokens`` of prompt KV; raises OutOfBlocksError when they don't fit."""
+        block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens)
+        self.receiver.add_lease(request_id, block_ids, time.monotonic() + lease_s)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
+        index: int = 0, num_cached_tokens: int = 0,
+    ) -> AsyncIterator[TokenEvent]:
+        lease = self.receiver.take_filled_lease(request_id)
+
+        def join() -> None:
+            self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids)
+
+        async for event in self._stream(request_id, index, join):
+            # The prefix-cache hit happened on the prefill side; report it with the decode stream.
+            event.num_cached_tokens = num_cached_tokens
+            yield event
+
+    async def open_collective(self, prefill_id: str) -> str:
+        """A collective channel for ``prefill_id``'s transfers; returns the address it connects to."""
+        return self.receiver.open_collective(prefill_id)
+
+    async def receive_collective(self, prefill_id: str, header: dict, timeout_s: float) -> int:
+        """Receive one collective transfer into its lease (the header travels in this call)."""
+        parsed = TransferHeader(**{**header, "shape": tuple(header["shape"])})
+        parsed.validate()
+        return await asyncio.to_thread(self.receiver.receive_collective, prefill_id, parsed, timeout_s)
+
+    async def release(self, request_id: str) -> None:
+        """Free a lease that never joined the batch (the handoff failed or was cancelled)."""
+        if self.receiver.drop_lease(request_id):
+            await self.loop.acall(self.engine.release, request_id)
+
+    async def _reap_expired_leases(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            for request_id in self.receiver.expired_leases(time.monotonic()):
+                log.warning("lease of %s expired before its KV arrived; freeing it", request_id)
+                with contextlib.suppress(Exception):
+                    await self.release(request_id)
