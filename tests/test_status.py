@@ -1,0 +1,68 @@
+"""`tidepool status`: the table it prints from a cluster status, and its one-line error when nothing answers."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.local_redis import free_port
+from services.status import add_status_parser, render_status
+
+STATUS = {
+    "model": "tiny",
+    "policy": "tidepool",
+    "kv_transport": "grpc",
+    "redis": {"url": "redis://:***@10.0.0.10:6380/0", "up": True, "indexed_blocks": 4096},
+    "router": {"policy": "tidepool", "rejections": 3},
+    "workers": [
+        {"id": "prefill-0", "role": "prefill", "alive": True, "node": "10.0.0.11", "device": "cuda",
+         "waiting": 2, "running": 1, "free_blocks": 750, "total_blocks": 1000},
+        {"id": "decode-0", "role": "decode", "alive": True, "node": "10.0.0.21", "device": "cuda",
+         "waiting": 0, "running": 12, "free_blocks": 600, "total_blocks": 1000},
+        {"id": "decode-1", "role": "decode", "alive": False, "node": "10.0.0.22", "device": "cuda",
+         "waiting": None, "running": None, "free_blocks": None, "total_blocks": 1000},
+    ],
+}
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in text.splitlines() if line.split()[:1]
+            and line.split()[0] in {w["id"] for w in STATUS["workers"]}}
+
+
+@pytest.mark.timeout(60)
+def test_table_shows_each_worker_role_node_device_queue_and_kv_blocks():
+    rows = _rows(render_status(STATUS))
+    assert rows["prefill-0"] == ["prefill-0", "prefill", "10.0.0.11", "cuda", "2/1", "250/1000", "(25%)", "alive"]
+    assert rows["decode-0"] == ["decode-0", "decode", "10.0.0.21", "cuda", "0/12", "400/1000", "(40%)", "alive"]
+
+
+@pytest.mark.timeout(60)
+def test_dead_worker_is_marked_dead_not_healthy():
+    text = render_status(STATUS)
+    dead = _rows(text)["decode-1"]
+    assert dead[-1] == "DEAD" and "alive" not in dead
+    assert "3 workers: 2 alive, 1 dead" in text
+
+
+@pytest.mark.timeout(60)
+def test_redis_and_router_state_are_shown():
+    text = render_status(STATUS)
+    assert "redis://:***@10.0.0.10:6380/0   up   4096 indexed blocks" in text
+    assert "router  policy tidepool   3 rejections" in text
+    down = render_status({**STATUS, "redis": {**STATUS["redis"], "up": False}})
+    assert "DOWN" in down.splitlines()[1]
+
+
+@pytest.mark.timeout(60)
+def test_connection_refused_is_one_line_and_exit_1(capsys):
+    parser = argparse.ArgumentParser(prog="tidepool")
+    add_status_parser(parser.add_subparsers(dest="command", required=True))
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    args = parser.parse_args(["status", "--url", url])
+    assert args.func(args) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("tidepool status: cannot connect to " + url)
