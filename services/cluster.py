@@ -152,7 +152,7 @@ class Cluster:
         self.mirror.start()
         self.dispatcher = Dispatcher(
             self.workers, conductor, self.mirror, tokenizer, first["model_id"], first["block_size"],
-            first["max_model_len"], Metrics(), self.config.kv_transport,
+            first["max_model_len"], Metrics(), self.config.kv_transport, self.redis_url,
         )
         await self.dispatcher.start()
         return self.dispatcher

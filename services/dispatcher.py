@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -68,6 +69,7 @@ class Dispatcher:
         max_model_len: int,
         metrics: Metrics,
         kv_transport: str,
+        redis_url: str = "",
         deadlines: Deadlines | None = None,
     ) -> None:
         self.workers = {w.worker_id: w for w in workers}
@@ -79,6 +81,8 @@ class Dispatcher:
         self.max_model_len = max_model_len
         self.metrics = metrics
         self.kv_transport = kv_transport
+        self.redis_url = redis_url
+        self.rejections = 0
         self.deadlines = deadlines or Deadlines()
         self._salt = salt_for(model_id)
         self._loads: dict[str, WorkerLoad] = {}
@@ -134,6 +138,18 @@ class Dispatcher:
                 "waiting": len(load.queued_prefills) if load else 0, "running": load.num_running if load else 0,
             })
         return out
+
+    async def cluster_status(self) -> dict:
+        """What ``tidepool status`` shows: the workers, the pool's Redis and the router."""
+        url = urlsplit(self.redis_url)
+        shown = url._replace(netloc=f"***@{url.hostname}:{url.port}") if url.password else url
+        return {
+            "model": self.model_id, "policy": self.conductor.policy_name, "kv_transport": self.kv_transport,
+            "redis": {"url": urlunsplit(shown), "up": bool(self.index.pool.up),
+                      "indexed_blocks": self.index.indexed_blocks},
+            "router": {"policy": self.conductor.policy_name, "rejections": self.rejections},
+            "workers": await self.worker_stats(),
+        }
 
     # ---- one request ----------------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
@@ -238,6 +254,7 @@ class Dispatcher:
             raise NoWorkersError("no worker is alive")
         decision = self.conductor.route(route_req, loads, self.index)
         if isinstance(decision, Reject):
+            self.rejections += 1
             self.metrics.inc_rejection(decision.reason)
             raise RequestRejected(decision.reason, decision.retry_after_s)
         return decision
@@ -274,7 +291,7 @@ class Dispatcher:
             )
             self.metrics.observe_transfer(self.kv_transport, result.transfer_bytes, result.transfer_s)
             first = TokenEvent(index, [result.first_token_id], result.finish_reason, len(prompt_ids),
-                               result.num_cached_tokens)
+                               result.num_cached_tokens, result.text)
             if result.finish_reason is not None:
                 yield first
                 return

@@ -57,7 +57,8 @@ class Server:
                 max_body_bytes=self.gateway.max_body_bytes, max_prompt_tokens=self.gateway.max_prompt_tokens,
             )
             self._grpc = await start_grpc_server(
-                dispatcher, self.sessions, self.gateway.grpc_port, api_key=self.gateway.api_key
+                dispatcher, self.sessions, self.gateway.grpc_port, api_key=self.gateway.api_key,
+                host=self.gateway.host, max_prompt_tokens=self.gateway.max_prompt_tokens,
             )
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
                                     log_level="warning", lifespan="off")
@@ -109,6 +110,34 @@ class ThreadedServer:
     def start(self, timeout_s: float = 300.0) -> ThreadedServer:
         self.run(self.server.start(install_signal_handlers=False), timeout_s)
         return self
+
+    # what a client of this server needs
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+    @property
+    def grpc_target(self) -> str:
+        return self.server.grpc_target
+
+    @property
+    def api_key(self) -> str | None:
+        return self.server.gateway.api_key
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.server.gateway.max_body_bytes
+
+    @property
+    def dispatcher(self):
+        return self.server.cluster.dispatcher
+
+    @property
+    def model_id(self) -> str:
+        return self.dispatcher.model_id
+
+    def worker_stats(self) -> list[dict]:
+        return self.run(self.dispatcher.worker_stats())
 
     def run(self, coro, timeout_s: float = 60.0):
         """Run a coroutine on the server's loop (e.g. a dispatcher call) and return its result."""

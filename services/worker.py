@@ -54,11 +54,13 @@ class TokenEvent:
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    text: str = ""  # new text: the engine detokenizes, holds back a possible stop string and cuts a matched one
 
 
 @dataclass
 class PrefillResult:
     first_token_id: int
+    text: str  # the first token's text as the engine released it
     finish_reason: str | None  # set when the first token already ends the request
     num_cached_tokens: int
     transfer_bytes: int
@@ -182,6 +184,7 @@ def _merge(outputs: list[RequestOutput], index: int) -> TokenEvent:
     return TokenEvent(
         index=index, token_ids=[t for o in outputs for t in o.new_token_ids], finish_reason=last.finish_reason,
         num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
+        text="".join(o.text for o in outputs),
     )
 
 
@@ -222,11 +225,11 @@ class PrefillWorker(Worker):
             first = output.new_token_ids[0]
             if output.finish_reason != "prefilled":  # the first token already ends it: nothing to send
                 handoff.cancel()
-                return PrefillResult(first, output.finish_reason, output.num_cached_tokens, 0, 0.0)
+                return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0)
             nbytes, seconds = await handoff.finish()
             if self.pool is not None:
                 await self.pool.store_request_blocks(self.loop, request_id)
-            return PrefillResult(first, None, output.num_cached_tokens, nbytes, seconds)
+            return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)

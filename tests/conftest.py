@@ -106,3 +106,38 @@ def start_server(ray_session, redis_url, serving_model_dir):
     yield start
     for server in started:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(start_server):
+    """The default server the API tests talk to: one prefill and one decode worker over gRPC transfer."""
+    return start_server(prefill=1, decode=1, kv_transport="grpc")
+
+
+@pytest.fixture(scope="module")
+def secured_server(start_server):
+    server = start_server(api_key="test-key", colocated=1)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def overloaded_server(start_server):
+    """A TTFT SLO no request can meet: the router rejects everything early."""
+    server = start_server(colocated=1, ttft_slo_s=1e-6)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def dead_server(start_server):
+    """Every worker killed, and the dispatcher has noticed."""
+    import ray
+    from live_helpers import wait_until
+
+    server = start_server(colocated=1)
+    for worker in server.dispatcher.workers.values():
+        ray.kill(worker.actor)
+    assert wait_until(lambda: server.dispatcher.alive_workers() == 0, 30)
+    yield server
+    server.stop()

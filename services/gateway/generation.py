@@ -1,0 +1,104 @@
+"""One running request as the APIs see it: dispatcher token events in, per-choice text deltas out.
+
+The dispatcher's event generator is driven by its own asyncio task (the pump), not by the HTTP or gRPC
+handler. A handler that is cancelled (client gone) then only has to cancel the pump: the cancellation
+reaches the dispatcher generator once, at the point where it waits, and its cleanup (abort, free blocks)
+runs to completion. Driven directly from Starlette's streaming task instead, that cleanup would be
+cancelled again at its first await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+_END = object()  # the dispatcher's generator is exhausted, or the generation was closed
+
+
+@dataclass
+class Delta:
+    """New text for one choice; ``finish_reason`` is set on the choice's last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class Generation:
+    """Iterate it for `Delta`s; `start()` first, which raises the dispatcher's up-front errors."""
+
+    def __init__(self, request_id: str, events: AsyncIterator, n: int,
+                 on_complete: Callable[[Generation], Awaitable[None]] | None = None) -> None:
+        self.request_id = request_id
+        self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
+        self.finish_reasons: list[str | None] = [None] * n
+        self.usage = Usage()
+        self._on_complete = on_complete
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pump_task = asyncio.get_running_loop().create_task(self._pump(events))
+        self._first: object = _END
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has its finish reason."""
+        return all(r is not None for r in self.finish_reasons)
+
+    async def _pump(self, events: AsyncIterator) -> None:
+        try:
+            async for event in events:
+                self._queue.put_nowait(event)
+            self._queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(_END)  # closed: a consumer still waiting stops too
+            raise
+        except Exception as exc:  # handed to the consumer, which maps it to a status
+            self._queue.put_nowait(exc)
+
+    async def _next(self) -> object:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def start(self) -> None:
+        """Wait for the first event, so rejections and errors surface before any response is sent."""
+        self._first = await self._next()
+
+    async def __aiter__(self) -> AsyncIterator[Delta]:
+        event = self._first
+        while event is not _END:
+            yield self._apply(event)
+            if self.finished:
+                break
+            event = await self._next()
+        self.close()
+        if self.finished and self._on_complete is not None and "abort" not in self.finish_reasons:
+            await self._on_complete(self)
+
+    def _apply(self, event) -> Delta:
+        i = event.index
+        self.usage.prompt_tokens = event.num_prompt_tokens
+        if i == 0:  # with n > 1 the later choices hit the blocks choice 0 computed: report the prompt's own hit
+            self.usage.cached_tokens = event.num_cached_tokens
+        self.usage.completion_tokens += len(event.token_ids)
+        self.texts[i] += event.text
+        self.finish_reasons[i] = event.finish_reason
+        return Delta(i, event.text, list(event.token_ids), event.finish_reason)
+
+    def close(self) -> None:
+        """Stop the request if it is still running (the dispatcher aborts it and frees its blocks)."""
+        if not self._pump_task.done():
+            self._pump_task.cancel()

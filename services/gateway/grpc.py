@@ -1,0 +1,121 @@
+"""The gRPC API (`tidepool.v1.Serving`): Chat and Complete, server-streamed, plus health and reflection.
+
+Same `Frontend` and the same error mapping as HTTP, so a request gets the same answer on either API.
+A client that cancels its call cancels this handler; closing the `Generation` aborts the request.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
+from services.dispatcher import Dispatcher
+from services.gateway import errors
+from services.gateway.frontend import Frontend, Options
+from services.gateway.generation import Generation
+from services.sessions import SessionStore
+
+SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
+
+
+def _options(s: serving_pb2.SamplingOptions) -> Options:
+    def opt(name: str):
+        return getattr(s, name) if s.HasField(name) else None
+
+    return Options(max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
+                   top_k=opt("top_k"), seed=opt("seed"), stop=list(s.stop), n=s.n if s.HasField("n") else 1,
+                   ignore_eos=s.ignore_eos)
+
+
+class ServingServicer(serving_pb2_grpc.ServingServicer):
+    def __init__(self, frontend: Frontend, api_key: str | None, metrics) -> None:
+        self.frontend, self.api_key, self.metrics = frontend, api_key, metrics
+
+    async def Chat(self, request: serving_pb2.ChatRequest, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
+        async def start() -> Generation:
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            return await self.frontend.chat(request.model or self.frontend.model_id, messages,
+                                            _options(request.sampling), request.session_id or None)
+
+        async for chunk in self._serve("Chat", start, context):
+            yield chunk
+
+    async def Complete(self, request: serving_pb2.CompleteRequest,
+                       context) -> AsyncIterator[serving_pb2.GenerateChunk]:
+        async def start() -> Generation:
+            prompt = list(request.prompt_token_ids) or request.prompt
+            return await self.frontend.complete(request.model or self.frontend.model_id, prompt,
+                                                _options(request.sampling))
+
+        async for chunk in self._serve("Complete", start, context):
+            yield chunk
+
+    async def _serve(self, method: str, start, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
+        gen = None
+        try:
+            self._authorize(context)
+            gen = await start()
+            # A cancel that lands while gRPC is sending abandons this generator without running its
+            # `finally`, so the request is also stopped when the call ends, however it ends.
+            context.add_done_callback(lambda _: gen.close())
+            async for d in gen:
+                chunk = serving_pb2.GenerateChunk(index=d.index, text=d.text, token_ids=d.token_ids,
+                                                  finish_reason=d.finish_reason or "", request_id=gen.request_id)
+                if gen.finished:  # the delta that ends the last open choice carries the usage
+                    u = gen.usage
+                    chunk.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=u.prompt_tokens,
+                                                           completion_tokens=u.completion_tokens,
+                                                           cached_tokens=u.cached_tokens))
+                yield chunk
+            self.metrics.inc_request(f"grpc:{method}", grpc.StatusCode.OK.name)
+        except Exception as exc:
+            err = errors.classify(exc)
+            self.metrics.inc_request(f"grpc:{method}", err.grpc_code.name)
+            await errors.grpc_abort(context, exc)
+        finally:
+            if gen is not None:
+                gen.close()
+
+    def _authorize(self, context) -> None:
+        if self.api_key is None:
+            return
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise errors.UnauthorizedError("missing or invalid API key")
+
+
+class _Health(health.aio.HealthServicer):
+    """Standard health service; SERVING while at least one worker is alive (checked on each call)."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        super().__init__()
+        self.dispatcher = dispatcher
+
+    async def Check(self, request, context):
+        status = (health_pb2.HealthCheckResponse.SERVING if self.dispatcher.alive_workers() > 0
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE_NAME):
+            await self.set(service, status)
+        return await super().Check(request, context)
+
+
+async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | None, port: int, *,
+                            api_key: str | None = None, host: str = "0.0.0.0",
+                            max_prompt_tokens: int | None = None) -> grpc.aio.Server:
+    """Start the gRPC gateway on ``host:port`` (call ``await server.stop(grace)`` to end it)."""
+    server = grpc.aio.server()
+    serving_pb2_grpc.add_ServingServicer_to_server(
+        ServingServicer(Frontend(dispatcher, sessions, max_prompt_tokens), api_key, dispatcher.metrics), server)
+    health_pb2_grpc.add_HealthServicer_to_server(_Health(dispatcher), server)
+    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME), server)
+    if server.add_insecure_port(f"{host}:{port}") == 0:
+        raise OSError(f"gRPC gateway cannot listen on {host}:{port}")
+    await server.start()
+    return server

@@ -1,0 +1,246 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat and completions, streamed (SSE) or not.
+
+Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prompt, limits, session) ->
+`Generation` (dispatcher events -> text) -> JSON or SSE. Every error goes through `errors.classify`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from services.dispatcher import Dispatcher
+from services.gateway import errors
+from services.gateway.frontend import Frontend
+from services.gateway.generation import Generation, Usage
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.sessions import SessionStore
+
+_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
+
+
+class _Guard:
+    """ASGI middleware: the API key check and the body size limit, before any parsing.
+
+    The body is buffered up to the limit and replayed; after it, `receive` goes to the server again so
+    the streaming response still hears the client disconnect. It also counts answers per path and status.
+    """
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+
+        async def counted_send(message) -> None:
+            if message["type"] == "http.response.start":
+                # The route's template, not the path: session ids must not become label values.
+                route = getattr(scope.get("route"), "path", "unrouted")
+                self.metrics.inc_request(route, str(message["status"]))
+            await send(message)
+
+        if self.api_key is not None and not path.startswith(_OPEN_PATHS) and not self._authorized(scope):
+            return await errors.http_response(errors.UnauthorizedError("missing or invalid API key"))(
+                scope, receive, counted_send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_body_bytes:
+                return await errors.http_response(errors.BodyTooLargeError(self.max_body_bytes))(
+                    scope, receive, counted_send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, counted_send)
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, key = given.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+
+
+class _GenerationStream(StreamingResponse):
+    """A streaming response that stops its generation however the response ends (done, error, disconnect).
+
+    The disconnect closes the generation as soon as the server reports it, rather than through
+    Starlette's cancellation of the streaming task: that cancellation is only delivered while the task
+    waits, and a task woken by a token on every loop turn may never be seen waiting.
+    """
+
+    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watched_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gen.close()
+            return message
+
+        try:
+            await super().__call__(scope, watched_receive, send)
+        finally:
+            self.gen.close()
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _usage(usage: Usage) -> dict:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, *, api_key: str | None = None,
+               max_body_bytes: int = 4 << 20, max_prompt_tokens: int | None = None) -> FastAPI:
+    """The HTTP gateway; serve it with uvicorn."""
+    frontend = Frontend(dispatcher, sessions, max_prompt_tokens)
+    app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
+                  version="0.1.0")
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=dispatcher.metrics)
+
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        return errors.http_response(exc)
+
+    # Known errors are answered by the router's handlers; anything else reaches Starlette's outermost
+    # handler, which answers in the same shape (a 500) and re-raises so the server logs the traceback.
+    for cls in (*errors.KNOWN_ERRORS, Exception):
+        app.add_exception_handler(cls, on_error)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest,
+                               x_session_id: str | None = Header(None)) -> Response:
+        messages = [m.as_dict() for m in body.messages]
+        gen = await frontend.chat(body.model, messages, body.chat_options(), body.session_id or x_session_id)
+        shape = _Shape(gen, body.model, chat=True)
+        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Response:
+        gen = await frontend.complete(body.model, body.prompt, body.options())
+        shape = _Shape(gen, body.model, chat=False)
+        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [_model_card(dispatcher)]}
+
+    @app.get("/v1/models/{model}")
+    async def get_model(model: str) -> dict:
+        frontend.check_model(model)
+        return _model_card(dispatcher)
+
+    @app.delete("/v1/sessions/{session_id}")
+    async def delete_session(session_id: str) -> dict:
+        if sessions is None or not await sessions.delete(session_id):
+            raise errors.NotFoundError("session", session_id, None)
+        return {"id": session_id, "object": "session", "deleted": True}
+
+    @app.get("/v1/cluster/status")
+    async def cluster_status() -> dict:
+        return await dispatcher.cluster_status()
+
+    @app.get("/health")
+    async def health() -> dict:
+        alive = dispatcher.alive_workers()
+        if alive == 0:
+            raise errors.NoWorkersError("no worker is alive")
+        return {"status": "ok", "workers": alive}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(dispatcher.metrics.render(), media_type=dispatcher.metrics.content_type)
+
+    return app
+
+
+def _model_card(dispatcher: Dispatcher) -> dict:
+    return {"id": dispatcher.model_id, "object": "model", "created": 0, "owned_by": "tidepool",
+            "max_model_len": dispatcher.max_model_len}
+
+
+class _Shape:
+    """OpenAI response objects: `chat.completion(.chunk)` for chat, `text_completion` for completions."""
+
+    def __init__(self, gen: Generation, model: str, chat: bool) -> None:
+        self.gen, self.chat = gen, chat
+        self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
+
+    def _choice(self, index: int, text: str, finish_reason: str | None, *, streaming: bool) -> dict:
+        if not self.chat:
+            body = {"text": text}
+        elif streaming:
+            body = {"delta": {"content": text} if text else {}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+
+    def opening(self) -> list[dict]:
+        """Chat streams announce the assistant role first, one chunk choice per index."""
+        if not self.chat:
+            return []
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(len(self.gen.texts))]
+
+    def chunk(self, choices: list[dict], usage: Usage | None = None, *, with_usage: bool) -> dict:
+        out = {**self.base, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "choices": choices}
+        # With include_usage, every chunk has "usage": null except the last, which has no choices.
+        return {**out, "usage": _usage(usage) if usage else None} if with_usage else out
+
+    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
+        return self._choice(index, text, finish_reason, streaming=True)
+
+    def complete(self) -> dict:
+        choices = [self._choice(i, text, self.gen.finish_reasons[i], streaming=False)
+                   for i, text in enumerate(self.gen.texts)]
+        return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
+                "choices": choices, "usage": _usage(self.gen.usage)}
+
+
+async def _collect(gen: Generation, shape: _Shape) -> JSONResponse:
+    try:
+        async for _ in gen:
+            pass
+    finally:
+        gen.close()
+    return JSONResponse(shape.complete())
+
+
+def _stream(gen: Generation, shape: _Shape, include_usage: bool) -> StreamingResponse:
+    async def events() -> AsyncIterator[str]:
+        try:
+            opening = shape.opening()
+            if opening:
+                yield _sse(shape.chunk(opening, with_usage=include_usage))
+            async for d in gen:
+                if d.text or d.finish_reason:
+                    yield _sse(shape.chunk([shape.delta(d.index, d.text, d.finish_reason)], with_usage=include_usage))
+            if include_usage:
+                yield _sse(shape.chunk([], gen.usage, with_usage=True))
+        except Exception as exc:  # headers are gone: report in-band, as OpenAI does
+            yield _sse(errors.classify(exc).body())
+        yield _sse("[DONE]")
+
+    return _GenerationStream(gen, events())

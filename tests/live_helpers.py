@@ -1,0 +1,23 @@
+"""Helpers the live-server tests share: worker block counters and bounded waiting (never timing asserts)."""
+
+from __future__ import annotations
+
+import time
+
+
+def free_blocks(server) -> int:
+    return sum(w["free_blocks"] for w in server.worker_stats() if w["alive"])
+
+
+def idle(server) -> bool:
+    """No request queued or running anywhere (load reports lag a request's end by a moment)."""
+    return all(w["running"] == 0 and w["waiting"] == 0 for w in server.worker_stats() if w["alive"])
+
+
+def wait_until(predicate, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()

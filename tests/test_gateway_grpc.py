@@ -1,0 +1,133 @@
+"""The gRPC API (tidepool.v1.Serving) against a live `tidepool serve`: streaming, health, reflection, statuses.
+
+Fixtures as in test_gateway_http.py: `live_server`, `secured_server`, `overloaded_server`, `dead_server`.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from live_helpers import free_blocks, idle, wait_until
+
+from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(240)]
+
+MESSAGES = [serving_pb2.ChatMessage(role="user", content="What lives in a tide pool?")]
+
+
+def stub(server) -> serving_pb2_grpc.ServingStub:
+    return serving_pb2_grpc.ServingStub(grpc.insecure_channel(server.grpc_target))
+
+
+def greedy(max_tokens: int) -> serving_pb2.SamplingOptions:
+    return serving_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def chat(server, sampling: serving_pb2.SamplingOptions, metadata=None, **fields) -> list[serving_pb2.GenerateChunk]:
+    request = serving_pb2.ChatRequest(model=server.model_id, messages=MESSAGES, sampling=sampling, **fields)
+    return list(stub(server).Chat(request, metadata=metadata, timeout=120))
+
+
+def status_of(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as exc:
+        call()
+    return exc.value
+
+
+def test_chat_streams_deltas_ids_finish_reason_and_usage(live_server):
+    chunks = chat(live_server, greedy(7))
+    assert sum(len(c.token_ids) for c in chunks) == 7
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    final = chunks[-1]
+    assert final.HasField("usage") and final.usage.completion_tokens == 7 and final.usage.prompt_tokens > 0
+    assert final.usage.cached_tokens <= final.usage.prompt_tokens
+    assert len({c.request_id for c in chunks}) == 1
+    # The same greedy chat over HTTP gives the same text: one frontend behind both APIs.
+    http = httpx.post(f"{live_server.http_url}/v1/chat/completions", timeout=120, json={
+        "model": live_server.model_id, "messages": [{"role": "user", "content": MESSAGES[0].content}],
+        "max_tokens": 7, "temperature": 0.0, "ignore_eos": True}).json()
+    assert "".join(c.text for c in chunks) == http["choices"][0]["message"]["content"]
+
+
+def test_complete_from_token_ids_with_n2(live_server):
+    ids = live_server.dispatcher.tokenizer.encode("Barnacles close at low tide")
+    request = serving_pb2.CompleteRequest(model=live_server.model_id, prompt_token_ids=ids,
+                                          sampling=serving_pb2.SamplingOptions(max_tokens=4, n=2, seed=3,
+                                                                               ignore_eos=True))
+    chunks = list(stub(live_server).Complete(request, timeout=120))
+    assert {c.index: c.finish_reason for c in chunks if c.finish_reason} == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_session_turn_two_reuses_cached_prefix(live_server):
+    sid = f"grpc-{uuid.uuid4().hex}"
+    chat(live_server, greedy(4), session_id=sid)
+    second = list(stub(live_server).Chat(serving_pb2.ChatRequest(
+        model=live_server.model_id, session_id=sid, sampling=greedy(4),
+        messages=[serving_pb2.ChatMessage(role="user", content="Tell me more.")]), timeout=120))
+    assert second[-1].usage.cached_tokens > 0
+
+
+def test_health_reports_serving(live_server):
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(live_server.grpc_target))
+    for service in ("", "tidepool.v1.Serving"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_serving_service(live_server):
+    reflection = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(live_server.grpc_target))
+    responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=10)
+    names = [s.name for r in responses for s in r.list_services_response.service]
+    assert "tidepool.v1.Serving" in names
+
+
+def test_client_cancel_frees_the_blocks(live_server):
+    assert wait_until(lambda: idle(live_server)), "the server never went idle"
+    baseline = free_blocks(live_server)
+    request = serving_pb2.ChatRequest(model=live_server.model_id, messages=MESSAGES, sampling=greedy(live_server.dispatcher.max_model_len // 2))
+    call = stub(live_server).Chat(request, timeout=120)
+    next(call), next(call)
+    assert wait_until(lambda: free_blocks(live_server) < baseline), "the request never held blocks"
+    call.cancel()
+    assert wait_until(lambda: idle(live_server) and free_blocks(live_server) == baseline), \
+        f"blocks not freed after cancel: {live_server.worker_stats()}, baseline {baseline}"
+
+
+def test_invalid_field_is_invalid_argument_naming_it(live_server):
+    err = status_of(lambda: chat(live_server, serving_pb2.SamplingOptions(max_tokens=2, top_p=1.5)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.details()
+
+
+def test_unknown_model_is_not_found(live_server):
+    request = serving_pb2.ChatRequest(model="no-such-model", messages=MESSAGES, sampling=greedy(2))
+    err = status_of(lambda: list(stub(live_server).Chat(request, timeout=60)))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_api_key_is_required_when_set(secured_server):
+    assert status_of(lambda: chat(secured_server, greedy(2))).code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = status_of(lambda: chat(secured_server, greedy(2), metadata=[("authorization", "Bearer nope")]))
+    assert wrong.code() == grpc.StatusCode.UNAUTHENTICATED
+    ok = chat(secured_server, greedy(2), metadata=[("authorization", f"Bearer {secured_server.api_key}")])
+    assert ok[-1].usage.completion_tokens == 2
+
+
+def test_router_rejection_is_resource_exhausted_with_retry_after(overloaded_server):
+    err = status_of(lambda: chat(overloaded_server, greedy(4)))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert int(dict(err.trailing_metadata())["retry-after"]) >= 1
+
+
+def test_no_live_worker_is_unavailable_and_not_serving(dead_server):
+    assert status_of(lambda: chat(dead_server, greedy(4))).code() == grpc.StatusCode.UNAVAILABLE
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(dead_server.grpc_target))
+    resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING

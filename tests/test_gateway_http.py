@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP API against a live `tidepool serve`, through the official `openai` client.
+
+Fixtures (tests/conftest.py): `live_server` (the default server), `secured_server` (the same with an API
+key), `overloaded_server` (a TTFT SLO no request can meet, so the router rejects everything) and
+`dead_server` (every worker killed). Each has `.http_url`, `.grpc_target`, `.api_key`, `.model_id`,
+`.max_body_bytes`, `.dispatcher` and `.worker_stats()`.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import openai
+import pytest
+from live_helpers import free_blocks, idle, wait_until
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(240)]
+
+CHAT = [{"role": "user", "content": "Tell me about tide pools and the creatures living in them."}]
+
+
+def client(server, api_key: str | None = None) -> openai.OpenAI:
+    # No retries: a 429 or 503 must reach the test, not be retried away.
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key=api_key or server.api_key or "none",
+                         max_retries=0, timeout=120)
+
+
+def greedy(max_tokens: int = 8, **extra) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "extra_body": {"ignore_eos": True, **extra}}
+
+
+# ---- chat and completions ----------------------------------------------------------------------------------
+
+def test_chat_returns_text_and_usage_with_cached_tokens(live_server):
+    resp = client(live_server).chat.completions.create(model=live_server.model_id, messages=CHAT, **greedy(8))
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.model == live_server.model_id
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.prompt_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+    assert 0 <= resp.usage.prompt_tokens_details.cached_tokens <= resp.usage.prompt_tokens
+
+
+def test_chat_stream_joins_to_the_same_text_and_ends_with_usage(live_server):
+    c = client(live_server)
+    full = c.chat.completions.create(model=live_server.model_id, messages=CHAT, **greedy(10))
+    chunks = list(c.chat.completions.create(model=live_server.model_id, messages=CHAT, stream=True,
+                                            stream_options={"include_usage": True}, **greedy(10)))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finishes == ["length"]
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_max_completion_tokens_limits_the_reply(live_server):
+    resp = client(live_server).chat.completions.create(model=live_server.model_id, messages=CHAT,
+                                                       max_completion_tokens=3, temperature=0.0,
+                                                       extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
+
+
+def test_completion_from_text_and_from_token_ids_agree(live_server):
+    c = client(live_server)
+    prompt = "The tide pool at dawn"
+    ids = live_server.dispatcher.tokenizer.encode(prompt)
+    from_text = c.completions.create(model=live_server.model_id, prompt=prompt, **greedy(6))
+    from_ids = c.completions.create(model=live_server.model_id, prompt=ids, **greedy(6))
+    assert from_text.object == "text_completion"
+    assert from_text.choices[0].text == from_ids.choices[0].text
+    assert from_text.usage.prompt_tokens == from_ids.usage.prompt_tokens == len(ids)
+    assert from_text.usage.completion_tokens == 6
+
+
+def test_completion_stream_joins_to_the_same_text(live_server):
+    c = client(live_server)
+    prompt = "Anemones and sea stars"
+    full = c.completions.create(model=live_server.model_id, prompt=prompt, **greedy(8))
+    chunks = list(c.completions.create(model=live_server.model_id, prompt=prompt, stream=True, **greedy(8)))
+    assert "".join(ch.choices[0].text for ch in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n2_gives_two_choices_streamed_and_not(live_server):
+    c = client(live_server)
+    kwargs = {"model": live_server.model_id, "messages": CHAT, "n": 2, "max_tokens": 5, "temperature": 1.0,
+              "seed": 7, "extra_body": {"ignore_eos": True}}
+    resp = c.chat.completions.create(**kwargs)
+    assert sorted(ch.index for ch in resp.choices) == [0, 1]
+    assert resp.usage.completion_tokens == 10
+    finished = {ch.choices[0].index: ch.choices[0].finish_reason
+                for ch in c.chat.completions.create(stream=True, **kwargs) if ch.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length"}
+
+
+def test_stop_string_ends_the_choice_and_is_not_returned(live_server):
+    c = client(live_server)
+    prompt = "Hermit crabs trade shells"
+    text = c.completions.create(model=live_server.model_id, prompt=prompt, **greedy(24)).choices[0].text
+    visible = [i for i, ch in enumerate(text) if ch.isprintable() and ch != "\ufffd"]
+    assert len(visible) >= 2, f"greedy output too short to pick a stop string from: {text!r}"
+    stop = text[visible[len(visible) // 2]]
+    for stream in (False, True):
+        resp = c.completions.create(model=live_server.model_id, prompt=prompt, stop=[stop], stream=stream,
+                                    **greedy(24))
+        chunks = list(resp) if stream else [resp]
+        got = "".join(ch.choices[0].text for ch in chunks)
+        assert got == text[:text.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- sessions ------------------------------------------------------------------------------------------------
+
+def test_two_turn_session_reuses_the_prefix_and_matches_the_full_prompt(live_server):
+    c = client(live_server)
+    sid = f"s-{uuid.uuid4().hex}"
+    first = [{"role": "user", "content": "Describe the intertidal zone in one sentence, please."}]
+    second = [{"role": "user", "content": "And what lives there?"}]
+    turn1 = c.chat.completions.create(model=live_server.model_id, messages=first,
+                                      extra_headers={"X-Session-Id": sid}, **greedy(6))
+    turn2 = c.chat.completions.create(model=live_server.model_id, messages=second,
+                                      extra_headers={"X-Session-Id": sid}, **greedy(6))
+    assert turn2.usage.prompt_tokens_details.cached_tokens > 0
+    history = first + [{"role": "assistant", "content": turn1.choices[0].message.content}] + second
+    stateless = c.chat.completions.create(model=live_server.model_id, messages=history, **greedy(6))
+    assert turn2.usage.prompt_tokens == stateless.usage.prompt_tokens
+    assert turn2.choices[0].message.content == stateless.choices[0].message.content
+
+
+def test_session_id_in_the_body_and_delete(live_server):
+    c = client(live_server)
+    sid = f"s-{uuid.uuid4().hex}"
+    c.chat.completions.create(model=live_server.model_id, messages=CHAT, **greedy(3, session_id=sid))
+    deleted = httpx.delete(f"{live_server.http_url}/v1/sessions/{sid}")
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True
+    again = httpx.delete(f"{live_server.http_url}/v1/sessions/{sid}")
+    assert again.status_code == 404 and again.json()["error"]["code"] == "session_not_found"
+
+
+# ---- disconnect ----------------------------------------------------------------------------------------------
+
+def test_client_disconnect_mid_stream_frees_the_blocks(live_server):
+    assert wait_until(lambda: idle(live_server)), "the server never went idle"
+    baseline = free_blocks(live_server)
+    stream = client(live_server).chat.completions.create(model=live_server.model_id, messages=CHAT, stream=True,
+                                                         max_tokens=live_server.dispatcher.max_model_len // 2, temperature=0.0,
+                                                         extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it), next(it), next(it)
+    assert wait_until(lambda: free_blocks(live_server) < baseline), "the request never held blocks"
+    stream.close()
+    assert wait_until(lambda: idle(live_server) and free_blocks(live_server) == baseline), \
+        f"blocks not freed after disconnect: {live_server.worker_stats()}, baseline {baseline}"
+
+
+# ---- models, health, metrics, schema ---------------------------------------------------------------------------
+
+def test_models_lists_the_served_model(live_server):
+    c = client(live_server)
+    assert [m.id for m in c.models.list().data] == [live_server.model_id]
+    assert c.models.retrieve(live_server.model_id).id == live_server.model_id
+
+
+def test_health_is_ok_with_live_workers(live_server):
+    resp = httpx.get(f"{live_server.http_url}/health")
+    assert resp.status_code == 200 and resp.json()["workers"] >= 1
+
+
+def test_metrics_are_prometheus_text_with_the_serving_series(live_server):
+    client(live_server).chat.completions.create(model=live_server.model_id, messages=CHAT, **greedy(4))
+    resp = httpx.get(f"{live_server.http_url}/metrics")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    for series in ("tidepool_ttft_seconds_count", "tidepool_tpot_seconds_count", "tidepool_worker_kv_blocks_used",
+                   "tidepool_worker_waiting_requests", "tidepool_cached_prompt_tokens_total",
+                   'tidepool_requests_total{api="/v1/chat/completions",status="200"}'):
+        assert series in resp.text, series
+
+
+def test_openapi_schema_documents_the_api(live_server):
+    schema = httpx.get(f"{live_server.http_url}/openapi.json").json()
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/v1/sessions/{session_id}"):
+        assert path in schema["paths"], path
+    assert "ChatCompletionRequest" in schema["components"]["schemas"]
+
+
+# ---- errors --------------------------------------------------------------------------------------------------
+
+def test_invalid_field_is_400_naming_the_field(live_server):
+    c = client(live_server)
+    with pytest.raises(openai.BadRequestError) as bad_value:
+        c.chat.completions.create(model=live_server.model_id, messages=CHAT, temperature=-1.0, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as bad_type:
+        c.chat.completions.create(model=live_server.model_id, messages=CHAT, max_tokens="many")
+    for exc, field in ((bad_value.value, "temperature"), (bad_type.value, "max_tokens")):
+        assert exc.param == field and field in exc.message
+        assert exc.type == "invalid_request_error"
+
+
+def test_malformed_json_is_400(live_server):
+    resp = httpx.post(f"{live_server.http_url}/v1/chat/completions", content=b"{not json",
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(live_server):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client(live_server).chat.completions.create(model="no-such-model", messages=CHAT, max_tokens=2)
+    assert exc.value.code == "model_not_found"
+
+
+def test_prompt_over_the_context_is_413(live_server):
+    too_long = [1] * (live_server.dispatcher.max_model_len + 1)
+    with pytest.raises(openai.APIStatusError) as exc:
+        client(live_server).completions.create(model=live_server.model_id, prompt=too_long, max_tokens=1)
+    assert exc.value.status_code == 413
+
+
+def test_body_over_the_limit_is_413(live_server):
+    body = b'{"model": "x", "prompt": "' + b"a" * (live_server.max_body_bytes + 1) + b'"}'
+    resp = httpx.post(f"{live_server.http_url}/v1/completions", content=body,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+
+def test_api_key_is_required_when_set(secured_server):
+    wrong = client(secured_server, api_key="wrong-key")
+    with pytest.raises(openai.AuthenticationError):
+        wrong.chat.completions.create(model=secured_server.model_id, messages=CHAT, max_tokens=2)
+    no_key = httpx.get(f"{secured_server.http_url}/v1/models")
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "invalid_api_key"
+    ok = client(secured_server).chat.completions.create(model=secured_server.model_id, messages=CHAT,
+                                                        **greedy(2))
+    assert ok.usage.completion_tokens == 2
+
+
+def test_router_rejection_is_429_with_retry_after(overloaded_server):
+    with pytest.raises(openai.RateLimitError) as exc:
+        client(overloaded_server).chat.completions.create(model=overloaded_server.model_id, messages=CHAT,
+                                                          max_tokens=4)
+    assert int(exc.value.response.headers["retry-after"]) >= 1
+    assert exc.value.code == "overloaded"
+
+
+def test_no_live_worker_is_503(dead_server):
+    with pytest.raises(openai.InternalServerError) as exc:
+        client(dead_server).chat.completions.create(model=dead_server.model_id, messages=CHAT, max_tokens=4)
+    assert exc.value.status_code == 503
+    assert httpx.get(f"{dead_server.http_url}/health").status_code == 503
