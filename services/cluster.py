@@ -119,7 +119,7 @@ class Cluster:
             worker_id = f"{role}-{counters[role] - 1}"
             options, device = self._actor_options(role, threads)
             engine_config = EngineConfig(
-                model=str(model_dir), dtype=self.config.dtype, device=device,
+                model=self.config.model, dtype=self.config.dtype, device=device,
                 num_blocks=self.config.num_blocks, kv_cache_bytes=self.config.kv_cache_bytes,
                 max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
                 enable_prefix_caching=self.config.enable_prefix_caching,
