@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
 from dataclasses import dataclass
 
@@ -39,6 +40,12 @@ class Server:
         self._http_task: asyncio.Task | None = None
         self._grpc = None
         self.sessions: SessionStore | None = None
+        self._stop_requested = False
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stop_requested = True
+        if self._http is not None:
+            self._http.should_exit = True
 
     @property
     def http_url(self) -> str:
@@ -51,6 +58,11 @@ class Server:
     async def start(self, install_signal_handlers: bool = True) -> None:
         try:
             dispatcher = await self.cluster.start()
+            if install_signal_handlers:
+                # After ray.init, which sets its own SIGTERM handler. uvicorn swaps in its handlers while it
+                # serves and re-raises the signal after it stops: landing here again, that is harmless.
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    signal.signal(sig, self._on_signal)
             self.sessions = SessionStore(self.cluster.redis_url, ttl_s=self.gateway.session_ttl_s)
             app = create_app(
                 dispatcher, self.sessions, api_key=self.gateway.api_key,
@@ -63,8 +75,7 @@ class Server:
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
                                     log_level="warning", lifespan="off")
             self._http = uvicorn.Server(config)
-            if not install_signal_handlers:
-                self._http.install_signal_handlers = lambda: None  # the owner of the thread handles them
+            self._http.should_exit = self._stop_requested
             self._http_task = asyncio.create_task(self._http.serve())
             while not self._http.started:
                 if self._http_task.done():
