@@ -39,6 +39,11 @@ class AttentionMetadata:
     num_decode: int = 0
     decode_blocks: torch.Tensor | None = None  # [num_decode * max_blocks] block tables, padded with 0
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_blocks * block_size] real context
+    # Gather destinations for K and V, each [>= blocks gathered at once, block_size, kv_heads, head_dim]:
+    # one pair reused by every layer (and by the runner across steps), since a fresh multi-MB tensor per
+    # layer and step costs more in page faults than the copy itself.
+    k_buf: torch.Tensor | None = None
+    v_buf: torch.Tensor | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -64,11 +69,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def gather(blocks: torch.Tensor, block_ids: torch.Tensor, batch: int) -> torch.Tensor:
-    """[blocks, block_size, kv_heads, D] cache view -> [batch, kv_heads, S, D] context of each sequence.
+def gather(blocks: torch.Tensor, block_ids: torch.Tensor, batch: int, buf: torch.Tensor) -> torch.Tensor:
+    """[blocks, block_size, kv_heads, D] cache view -> [batch, kv_heads, S, D] context of each sequence,
+    copied into the front of ``buf``.
 
     Whole blocks are copied with index_select (several times faster on CPU than ``[]`` indexing)."""
-    return blocks.index_select(0, block_ids).view(batch, -1, *blocks.shape[2:]).transpose(1, 2)
+    out = torch.index_select(blocks, 0, block_ids, out=buf[:len(block_ids)])
+    return out.view(batch, -1, *blocks.shape[2:]).transpose(1, 2)
 
 
 class Linear(nn.Module):
@@ -132,12 +139,14 @@ class Attention(nn.Module):
                 ks, vs = k[None, p.begin:p.end].transpose(1, 2), v[None, p.begin:p.end].transpose(1, 2)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks, vs = gather(k_blocks, p.ctx_blocks, 1), gather(v_blocks, p.ctx_blocks, 1)
+                ks = gather(k_blocks, p.ctx_blocks, 1, meta.k_buf)
+                vs = gather(v_blocks, p.ctx_blocks, 1, meta.v_buf)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
             out[p.begin:p.end] = o[0].transpose(0, 1)
         if meta.num_decode:
             n = meta.num_decode
-            kd, vd = gather(k_blocks, meta.decode_blocks, n), gather(v_blocks, meta.decode_blocks, n)
+            kd = gather(k_blocks, meta.decode_blocks, n, meta.k_buf)
+            vd = gather(v_blocks, meta.decode_blocks, n, meta.v_buf)
             o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=meta.decode_mask,
                                                enable_gqa=True)  # [n, H, 1, D]
             out[:n] = o[:, :, 0]

@@ -33,6 +33,8 @@ class ModelRunner:
         self.model, self.config, self.kv_cache = model, model_config, kv_cache
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
+        # K and V gather buffers (see AttentionMetadata.k_buf), grown to the most blocks a step gathers.
+        self._gather_bufs = kv_cache.data.new_empty(2, 0, *kv_cache.data.shape[3:])
 
     def _check(self, c: SeqChunk) -> int:
         n = len(c.token_ids)
@@ -76,6 +78,7 @@ class ModelRunner:
                 mask = torch.arange(len(table) * B)[None, :] <= pos[:, None]
                 prefills.append(PrefillMeta(begin, begin + n, table.to(self.device), mask.to(self.device)))
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
+        gathered = max([len(p.ctx_blocks) for p in prefills if p.ctx_blocks is not None], default=0)
         if decode:
             width = max((chunks[i].start_pos + B) // B for i in decode)  # blocks covering pos 0..start
             tables = [chunks[i].block_table[:width] + [0] * (width - len(chunks[i].block_table[:width]))
@@ -84,6 +87,10 @@ class ModelRunner:
             mask = torch.arange(width * B)[None, :] < ctx[:, None]
             meta.decode_blocks = torch.tensor(tables, device=self.device).flatten()
             meta.decode_mask = mask[:, None, None, :].to(self.device)
+            gathered = max(gathered, len(decode) * width)
+        if gathered > self._gather_bufs.shape[1]:
+            self._gather_bufs = self.kv_cache.data.new_empty(2, gathered, *self.kv_cache.data.shape[3:])
+        meta.k_buf, meta.v_buf = self._gather_bufs[0], self._gather_bufs[1]
         return (torch.tensor(token_ids, dtype=torch.long, device=self.device),
                 torch.tensor(positions, device=self.device), meta,
                 torch.tensor(last_rows, dtype=torch.long, device=self.device))
