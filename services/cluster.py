@@ -60,6 +60,7 @@ class Placement:
     worker_id: str
     role: str
     node: str
+    node_id: str
     device: str
     resources: dict
 
@@ -139,7 +140,7 @@ class Cluster:
         for worker_id, role, actor, options in pending:
             info = await actor.start.remote()
             self.workers.append(WorkerRef(worker_id, role, actor, info))
-            self.placements.append(Placement(worker_id, role, info["node"], info["device"], options))
+            self.placements.append(Placement(worker_id, role, info["node"], info["node_id"], info["device"], options))
         first = self.workers[0].info
         estimator = Estimator.from_samples(
             prefill_samples=[s for w in self.workers for s in w.info["profile"]["prefill"]],
@@ -158,7 +159,7 @@ class Cluster:
         return self.dispatcher
 
     def describe_placement(self) -> str:
-        rows = [f"  {p.worker_id:<14} node={p.node:<16} device={p.device:<5} resources={p.resources}"
+        rows = [f"  {p.worker_id:<14} node={p.node} ({p.node_id[:12]}) device={p.device:<5} resources={p.resources}"
                 for p in self.placements]
         return "\n".join(["workers:", *rows])
 

@@ -86,6 +86,7 @@ class Worker:
         device = str(self.engine.device)
         return {
             "worker_id": self.spec.worker_id, "role": self.spec.role, "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
             "device": device, "model_id": self.engine.model_id, "block_size": self.engine.block_size,
             "max_model_len": self.engine.max_model_len,
             "kv_bytes_per_token": self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),

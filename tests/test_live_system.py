@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import ray
-
 from live_helpers import wait_until
+
 from loadtest.runner import BenchConfig, run_benchmark
 from services.local_redis import free_port
 from services.status import fetch_status, render_status
