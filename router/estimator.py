@@ -33,6 +33,14 @@ def least_squares(features: np.ndarray, y: np.ndarray, prior: np.ndarray | None 
     return np.maximum(coef, 0.0)  # a negative time coefficient is noise, never physics
 
 
+def _fit(model_cls, samples, prior, prior_weight: float):
+    """Least squares of a two-input linear model (``model_cls.features``) on ``(x1, x2, seconds)`` rows."""
+    arr = np.asarray(list(samples), dtype=float).reshape(-1, 3)
+    coef = least_squares(model_cls.features(arr[:, 0], arr[:, 1]), arr[:, 2],
+                         None if prior is None else prior.coef, prior_weight)
+    return model_cls(*map(float, coef))
+
+
 @dataclass(frozen=True)
 class PrefillModel:
     """``T = per_pair_s * attention_pairs + per_token_s * new + fixed_s``.
@@ -62,10 +70,7 @@ class PrefillModel:
     def fit(cls, samples: Iterable[tuple[int, int, float]], prior: PrefillModel | None = None,
             prior_weight: float = 0.0) -> PrefillModel:
         """Fit from ``(new_tokens, cached_tokens, seconds)`` samples."""
-        arr = np.asarray(list(samples), dtype=float).reshape(-1, 3)
-        coef = least_squares(cls.features(arr[:, 0], arr[:, 1]), arr[:, 2],
-                             None if prior is None else prior.coef, prior_weight)
-        return cls(*map(float, coef))
+        return _fit(cls, samples, prior, prior_weight)
 
 
 @dataclass(frozen=True)
@@ -115,10 +120,7 @@ class DecodeModel:
     def fit(cls, samples: Iterable[tuple[int, int, float]], prior: DecodeModel | None = None,
             prior_weight: float = 0.0) -> DecodeModel:
         """Fit from ``(batch_size, context_tokens, seconds)`` samples of single steps."""
-        arr = np.asarray(list(samples), dtype=float).reshape(-1, 3)
-        coef = least_squares(cls.features(arr[:, 0], arr[:, 1]), arr[:, 2],
-                             None if prior is None else prior.coef, prior_weight)
-        return cls(*map(float, coef))
+        return _fit(cls, samples, prior, prior_weight)
 
 
 @dataclass(frozen=True)

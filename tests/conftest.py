@@ -38,6 +38,16 @@ def redis_client(redis_url):
     client.close()
 
 
+@pytest.fixture
+def pool(redis_url, redis_client):
+    """A KV pool index on a flushed database (model "tiny", block size 4)."""
+    from kvstore.pool import KVPool
+
+    p = KVPool(redis_url, "tiny", 4, ttl_s=30)
+    yield p
+    p.close()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One Ray instance for the whole test session (``ray.init`` costs about 5 s here)."""

@@ -28,13 +28,6 @@ def block_bytes() -> int:
     return len(encode_block("tiny", HASHES[0], blocks(1)[0]))
 
 
-@pytest.fixture
-def pool(redis_url, redis_client):
-    p = KVPool(redis_url, "tiny", 4, ttl_s=30)
-    yield p
-    p.close()
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_redis_tier_round_trips_blocks(pool, dtype):

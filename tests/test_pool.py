@@ -19,13 +19,6 @@ def chain(tokens: list[int]) -> list[int]:
     return block_hashes(tokens, 4, SALT)
 
 
-@pytest.fixture
-def pool(redis_url, redis_client):
-    p = KVPool(redis_url, "tiny", 4, ttl_s=30)
-    yield p
-    p.close()
-
-
 @pytest.mark.timeout(30)
 def test_longest_prefix_three_workers_overlapping_chains_and_mirror_agrees(pool, redis_url):
     system = list(range(16))  # a 4-block prefix every prompt shares
