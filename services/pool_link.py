@@ -37,6 +37,7 @@ class PoolLink:
         self.host = HostTier(engine.model_id, host_max_bytes, layout, *self.publisher.callbacks("host"))
         self.redis = RedisTier(self.pool, redis_max_bytes, layout)
         self.loaded_blocks = 0  # prefix blocks taken from the pool instead of recomputed
+        self._sharing: set[asyncio.Task] = set()  # background writes to the tiers
         self.publisher.start()
 
     def blocks_stored(self, hashes: list[int]) -> None:
@@ -74,9 +75,23 @@ class PoolLink:
         return self.engine.insert_cached_blocks(prompt_ids[: shape[2] * self.block_size], full)
 
     async def store_request_blocks(self, loop: EngineLoop, request_id: str) -> None:
-        """Share a prefilled request's full blocks through the host and Redis tiers (before it releases them)."""
+        """Share a prefilled request's full blocks through the host and Redis tiers.
+
+        Only the copy out of the KV cache happens before this returns (the request still holds its blocks);
+        the writes to the tiers run in the background, off the request's critical path.
+        """
         engine = self.engine
         tensor, hashes = await loop.acall(lambda: engine.export_blocks(engine.request_block_ids(request_id)))
+        task = asyncio.create_task(self._share(tensor, hashes))
+        self._sharing.add(task)
+        task.add_done_callback(self._sharing.discard)
+
+    async def wait_shared(self) -> None:
+        """Wait until the background writes started so far have reached the tiers."""
+        while self._sharing:
+            await asyncio.gather(*self._sharing, return_exceptions=True)
+
+    async def _share(self, tensor: torch.Tensor, hashes: list[int]) -> None:
         stored = self.pool.longest_prefix(hashes).get(POOL_HOLDER, 0)  # leading blocks the tier already has
         if stored < len(hashes):
             blocks = list(tensor[:, :, stored: len(hashes)].cpu().unbind(2))

@@ -32,7 +32,6 @@ from services.pool_link import PoolLink
 log = logging.getLogger(__name__)
 
 _PROFILE_PROMPT_LENS = (16, 64, 128, 256, 512)
-_PROFILE_DECODE_BATCHES = (1, 4, 8)
 
 
 @dataclass
@@ -110,15 +109,21 @@ class Worker:
             prefill.append((n, 0, time.perf_counter() - start))
         decode: list[tuple[int, int, float]] = []
         steps = 4
-        for batch in _PROFILE_DECODE_BATCHES:
+        # Batch size and context vary apart (short and long prompts), so the TBT fit can tell the
+        # per-sequence cost from the per-context-token cost.
+        for batch, prompt_len in ((1, 32), (4, 32), (8, 32), (1, 512), (2, 512)):
+            if prompt_len + steps + 1 > self.engine.max_model_len:
+                continue
             params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
             for i in range(batch):
-                self.engine.add_request(f"profile-d{batch}-{i}", [rng.randrange(vocab) for _ in range(32)], params)
-            self.engine.step()  # the prefills
+                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
+                self.engine.add_request(f"profile-d{batch}-{prompt_len}-{i}", prompt, params)
+            while self.engine.stats().num_waiting or self.engine.stats().waiting_prompt_tokens:
+                self.engine.step()  # the prefills
             for step in range(steps):
                 start = time.perf_counter()
                 self.engine.step()
-                decode.append((batch, batch * (33 + step), time.perf_counter() - start))
+                decode.append((batch, batch * (prompt_len + 1 + step), time.perf_counter() - start))
             while self.engine.has_unfinished():
                 self.engine.step()
         return {"prefill": prefill, "decode": decode}

@@ -53,6 +53,7 @@ def test_prefix_computed_by_engine_a_is_served_by_engine_b_from_redis(redis_url,
             # A computes the prompt (as a prefill worker does) and shares its blocks.
             await _generate(loop_a, "on-a", prompt, GREEDY, prefill_only=True)
             await link_a.store_request_blocks(loop_a, "on-a")
+            await link_a.wait_shared()
             await loop_a.acall(a.release, "on-a")
 
             placed = await link_b.load_prefix(loop_b, prompt)
@@ -86,6 +87,7 @@ def test_corrupted_pool_block_is_a_miss_and_the_prompt_is_recomputed(redis_url, 
             expected, _ = await _generate(loop_a, "on-a", prompt, GREEDY, prefill_only=False)
             await _generate(loop_a, "on-a2", prompt, GREEDY, prefill_only=True)
             await link_a.store_request_blocks(loop_a, "on-a2")
+            await link_a.wait_shared()
             await loop_a.acall(a.release, "on-a2")
             # Flip one byte in the middle of the first block's stored payload.
             first = block_hashes(prompt, a.block_size, salt_for(a.model_id))[0]
