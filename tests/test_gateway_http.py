@@ -159,6 +159,22 @@ def test_client_disconnect_mid_stream_frees_the_blocks(live_server):
         f"blocks not freed after disconnect: {live_server.worker_stats()}, baseline {baseline}"
 
 
+@pytest.mark.timeout(120)
+def test_client_disconnect_from_a_non_streamed_request_aborts_it(live_server):
+    assert wait_until(lambda: idle(live_server)), "the server never went idle"
+    baseline = free_blocks(live_server)
+    session = f"leaver-{uuid.uuid4().hex}"
+    body = {"model": live_server.model_id, "messages": CHAT, "temperature": 0.0, "ignore_eos": True,
+            "max_tokens": live_server.dispatcher.max_model_len - 64}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the answer is being generated
+        httpx.post(f"{live_server.http_url}/v1/chat/completions", json=body, headers={"X-Session-Id": session},
+                   timeout=httpx.Timeout(60, read=0.3))
+    assert wait_until(lambda: idle(live_server) and free_blocks(live_server) == baseline), \
+        f"blocks not freed after disconnect: {live_server.worker_stats()}, baseline {baseline}"
+    # A turn that completed would be in the session's history; an aborted one never is.
+    assert httpx.delete(f"{live_server.http_url}/v1/sessions/{session}").status_code == 404
+
+
 # ---- models, health, metrics, schema ---------------------------------------------------------------------------
 
 def test_models_lists_the_served_model(live_server):

@@ -6,6 +6,7 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -21,6 +22,7 @@ from services.gateway.generation import Generation, Usage
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.sessions import SessionStore
 
+_DISCONNECT_POLL_S = 0.25
 _OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
 
 
@@ -129,18 +131,18 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, *, api_key
         app.add_exception_handler(cls, on_error)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest,
+    async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_session_id: str | None = Header(None)) -> Response:
         messages = [m.as_dict() for m in body.messages]
         gen = await frontend.chat(body.model, messages, body.chat_options(), body.session_id or x_session_id)
         shape = _Shape(gen, body.model, chat=True)
-        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape)
+        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         gen = await frontend.complete(body.model, body.prompt, body.options())
         shape = _Shape(gen, body.model, chat=False)
-        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape)
+        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -219,11 +221,20 @@ class _Shape:
                 "choices": choices, "usage": _usage(self.gen.usage)}
 
 
-async def _collect(gen: Generation, shape: _Shape) -> JSONResponse:
+async def _collect(gen: Generation, shape: _Shape, request: Request) -> Response:
+    """Run a non-streamed request to its end, unless the client leaves first (then it is aborted)."""
+
+    async def watch_client() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(_DISCONNECT_POLL_S)
+        gen.close()
+
+    watcher = asyncio.create_task(watch_client())
     try:
         async for _ in gen:
             pass
     finally:
+        watcher.cancel()
         gen.close()
     return JSONResponse(shape.complete())
 
