@@ -32,6 +32,8 @@ class WorkerLoad:
     updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
     queued_features: optional sums of `PrefillModel.features` over queued_prefills, for callers that
     keep them incrementally (the simulator); None means "sum queued_prefills".
+    steps / last_step_s: the worker's step count and its latest step's duration, which a decode worker's
+    reports turn into measured decode steps for the estimator.
     A report is a snapshot: make a new object for each new report and never mutate one already passed
     to `Conductor.route` (the conductor spots new reports by object identity).
     """
@@ -47,6 +49,8 @@ class WorkerLoad:
     block_size: int = 16
     updated_at: float = 0.0
     queued_features: tuple[float, float, float] | None = None
+    steps: int = 0  # engine steps run so far, and the time of the latest (for the online TBT refit)
+    last_step_s: float = 0.0
 
     def row(self) -> tuple:
         """The report as one LoadTable row (see the column constants below)."""

@@ -112,6 +112,12 @@ class Dispatcher:
         results = await asyncio.gather(*refs, return_exceptions=True)
         for worker, result in zip(self.workers.values(), results, strict=True):
             if isinstance(result, WorkerLoad):
+                previous = self._loads.get(worker.worker_id)
+                if (worker.role == "decode" and previous is not None and result.steps > previous.steps
+                        and result.num_running):
+                    # A decode worker's steps are decode-only: measured TBT points refit the estimator.
+                    self.conductor.observe_decode_step(worker.worker_id, result.num_running,
+                                                       result.running_context_tokens, result.last_step_s)
                 self._loads[worker.worker_id] = result
                 self.metrics.set_worker_load(result)
             else:

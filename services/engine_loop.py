@@ -34,6 +34,7 @@ class EngineLoop:
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._layer_hooks: list[Callable[[int], None]] = []
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=32)
+        self.steps = 0
         self.stats = engine.stats()  # refreshed on the engine thread, read by load reports without a call
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -83,6 +84,7 @@ class EngineLoop:
                 log.exception("engine step failed")
                 continue
             self.step_times_s.append(time.perf_counter() - start)
+            self.steps += 1
             self.stats = self.engine.stats()
             for output in outputs:
                 stream = self._streams.get(output.request_id)

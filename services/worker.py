@@ -135,6 +135,7 @@ class Worker:
             queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
             running_context_tokens=stats.running_context_tokens, free_blocks=stats.free_blocks,
             total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=time.time(),
+            steps=self.loop.steps, last_step_s=self.loop.step_times_s[-1] if self.loop.step_times_s else 0.0,
         )
 
     async def stats(self) -> dict:
