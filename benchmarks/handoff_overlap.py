@@ -89,7 +89,7 @@ def main() -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")  # shared by every cluster below
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # every cluster below attaches to it
     raw: dict[str, dict[str, list[dict]]] = {}
     try:
         for transport in args.transports.split(","):

@@ -154,8 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes.split(",")]
 
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2),
-             _node_ip_address="127.0.0.1")
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2))
     receiver = Receiver.remote()
     sender = Sender.remote(ray.get(receiver.endpoints.remote()))
     ray.get(sender.make_source.remote(1 << 20))

@@ -88,9 +88,7 @@ class Cluster:
             if self.config.address:
                 ray.init(address=self.config.address, log_to_driver=False)
             else:
-                # A local cluster stays on loopback: workers, KV transfers and Redis never leave this machine.
-                ray.init(num_cpus=self.config.ray_num_cpus, include_dashboard=False, log_to_driver=False,
-                         _node_ip_address="127.0.0.1")
+                ray.init(num_cpus=self.config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
                 self.started_ray = True
 
     def _actor_options(self, role: str, threads: int) -> tuple[dict, str]:
