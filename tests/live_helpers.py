@@ -10,8 +10,12 @@ def free_blocks(server) -> int:
 
 
 def idle(server) -> bool:
-    """No request queued or running anywhere (load reports lag a request's end by a moment)."""
-    return all(w["running"] == 0 and w["waiting"] == 0 for w in server.worker_stats() if w["alive"])
+    """No request queued, running or holding blocks anywhere (cached prefix blocks count as free).
+
+    Load reports and the cleanup of a finished or failed request lag its end by a moment: wait for this.
+    """
+    return all(w["running"] == 0 and w["waiting"] == 0 and w["free_blocks"] == w["total_blocks"]
+               for w in server.worker_stats() if w["alive"])
 
 
 def wait_until(predicate, timeout_s: float = 60.0) -> bool:
