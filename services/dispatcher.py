@@ -278,13 +278,10 @@ class Dispatcher:
     ) -> AsyncIterator[TokenEvent]:
         prefill = self.workers[decision.prefill]
         decode = self.workers[decision.decode]
-        try:
-            await self._call(
-                decode, decode.actor.reserve.remote(request_id, len(prompt_ids), self.deadlines.lease_s),
-                self.deadlines.reserve_s,
-            )
-        except _RetryElsewhere:
-            raise
+        await self._call(
+            decode, decode.actor.reserve.remote(request_id, len(prompt_ids), self.deadlines.lease_s),
+            self.deadlines.reserve_s,
+        )
         handed_off = False
         try:
             result: PrefillResult = await self._call(
@@ -345,11 +342,6 @@ class Dispatcher:
                 ray.cancel(gen)
                 with contextlib.suppress(RayActorError, RayTaskError):
                     await worker.actor.abort.remote(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        await asyncio.gather(
-            *(w.actor.abort.remote(request_id) for w in self.workers.values()), return_exceptions=True
-        )
 
 
 class _RetryElsewhere(Exception):

@@ -36,7 +36,6 @@ class PoolLink:
                              (cfg.num_layers, 2, engine.block_size, cfg.num_kv_heads, cfg.head_dim))
         self.host = HostTier(engine.model_id, host_max_bytes, layout, *self.publisher.callbacks("host"))
         self.redis = RedisTier(self.pool, redis_max_bytes, layout)
-        self.loaded_blocks = 0  # prefix blocks taken from the pool instead of recomputed
         self._sharing: set[asyncio.Task] = set()  # background writes to the tiers
         self.publisher.start()
 
@@ -59,9 +58,7 @@ class PoolLink:
         blocks = await asyncio.to_thread(fetch_prefix, hashes[local:], [self.host, self.redis])
         if not blocks:
             return 0
-        placed = await loop.acall(self._place, prompt_ids, local, blocks)
-        self.loaded_blocks += placed
-        return placed
+        return await loop.acall(self._place, prompt_ids, local, blocks)
 
     def _place(self, prompt_ids: list[int], local: int, blocks: list[torch.Tensor]) -> int:
         """Engine thread: insert fetched blocks after the ``local`` cached ones, if those are still cached."""

@@ -173,12 +173,14 @@ def test_tiny_model_loads_in_transformers_and_matches(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-def test_bfloat16_model_and_cache_track_float32(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_bfloat16_model_and_cache_track_float32(tmp_path, device):
     build_hf_checkpoint(tmp_path, "qwen2")
     batch = prompts((7, 26))
     ref_runner, _ = make_runner(tmp_path)
-    model, cfg = load_model(tmp_path, "bfloat16", "cpu")
-    runner = ModelRunner(model, cfg, KVCache(cfg, 64, BLOCK, torch.bfloat16, "cpu"))
+    model, cfg = load_model(tmp_path, "bfloat16", device)
+    runner = ModelRunner(model, cfg, KVCache(cfg, 64, BLOCK, torch.bfloat16, device))
     _, ref = engine_greedy(ref_runner, batch, 1)
     _, got = engine_greedy(runner, batch, 1)
-    assert got.dtype == torch.float32 and rel_err(got, ref) < 0.05
+    assert got.dtype == torch.float32 and rel_err(got.cpu(), ref) < 0.05

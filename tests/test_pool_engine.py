@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -38,35 +39,45 @@ async def _generate(loop: EngineLoop, request_id: str, prompt: list[int], params
             return tokens, cached
 
 
+@contextlib.asynccontextmanager
+async def _two_engines_on_the_pool(model_dir, redis_url):
+    """Engines A and B, each on its engine thread and linked to the same Redis pool."""
+    aio = asyncio.get_running_loop()
+    loops = [EngineLoop(_engine(model_dir), aio) for _ in range(2)]
+    links = [PoolLink(redis_url, f"engine-{name}", loop.engine, redis_max_bytes=64 << 20)
+             for name, loop in zip("ab", loops, strict=True)]
+    try:
+        yield loops, links
+    finally:
+        for link in links:
+            link.close()
+        for loop in loops:
+            loop.stop()
+
+
+async def _compute_and_share(loop: EngineLoop, link: PoolLink, request_id: str, prompt: list[int]) -> None:
+    """Compute the prompt as a prefill worker does, share its blocks through the pool, release them."""
+    await _generate(loop, request_id, prompt, GREEDY, prefill_only=True)
+    await link.store_request_blocks(loop, request_id)
+    await link.wait_shared()
+    await loop.acall(loop.engine.release, request_id)
+
+
 @pytest.mark.timeout(120)
 def test_prefix_computed_by_engine_a_is_served_by_engine_b_from_redis(redis_url, redis_client,
                                                                         serving_model_dir):
     prompt = [random.Random(1).randrange(3, 250) for _ in range(100)]
 
     async def run() -> None:
-        aio = asyncio.get_running_loop()
-        a, b, plain = _engine(serving_model_dir), _engine(serving_model_dir), _engine(serving_model_dir)
-        loop_a, loop_b, loop_plain = EngineLoop(a, aio), EngineLoop(b, aio), EngineLoop(plain, aio)
-        link_a = PoolLink(redis_url, "engine-a", a, redis_max_bytes=64 << 20)
-        link_b = PoolLink(redis_url, "engine-b", b, redis_max_bytes=64 << 20)
-        try:
-            # A computes the prompt (as a prefill worker does) and shares its blocks.
-            await _generate(loop_a, "on-a", prompt, GREEDY, prefill_only=True)
-            await link_a.store_request_blocks(loop_a, "on-a")
-            await link_a.wait_shared()
-            await loop_a.acall(a.release, "on-a")
-
+        async with _two_engines_on_the_pool(serving_model_dir, redis_url) as ((loop_a, loop_b), (link_a, link_b)):
+            tokens_plain, cached_plain = await _generate(loop_a, "plain", prompt, GREEDY)
+            await _compute_and_share(loop_a, link_a, "on-a", prompt)
             placed = await link_b.load_prefix(loop_b, prompt)
             tokens_b, cached_b = await _generate(loop_b, "on-b", prompt, GREEDY)
-            tokens_plain, cached_plain = await _generate(loop_plain, "plain", prompt, GREEDY)
-        finally:
-            for link in (link_a, link_b):
-                link.close()
-            for loop in (loop_a, loop_b, loop_plain):
-                loop.stop()
-        assert placed == (len(prompt) - 1) // a.block_size
-        assert cached_b == placed * a.block_size > 0 and cached_plain == 0
-        assert b.stats().prompt_tokens_computed == len(prompt) - cached_b
+        block_size = loop_b.engine.block_size
+        assert placed == (len(prompt) - 1) // block_size
+        assert cached_b == placed * block_size > 0 and cached_plain == 0
+        assert loop_b.engine.stats().prompt_tokens_computed == len(prompt) - cached_b
         assert tokens_b == tokens_plain
 
     asyncio.run(run())
@@ -78,18 +89,11 @@ def test_corrupted_pool_block_is_a_miss_and_the_prompt_is_recomputed(redis_url, 
     prompt = [random.Random(2).randrange(3, 250) for _ in range(80)]
 
     async def run() -> None:
-        aio = asyncio.get_running_loop()
-        a, b = _engine(serving_model_dir), _engine(serving_model_dir)
-        loop_a, loop_b = EngineLoop(a, aio), EngineLoop(b, aio)
-        link_a = PoolLink(redis_url, "engine-a", a, redis_max_bytes=64 << 20)
-        link_b = PoolLink(redis_url, "engine-b", b, redis_max_bytes=64 << 20)
-        try:
-            expected, _ = await _generate(loop_a, "on-a", prompt, GREEDY, prefill_only=False)
-            await _generate(loop_a, "on-a2", prompt, GREEDY, prefill_only=True)
-            await link_a.store_request_blocks(loop_a, "on-a2")
-            await link_a.wait_shared()
-            await loop_a.acall(a.release, "on-a2")
+        async with _two_engines_on_the_pool(serving_model_dir, redis_url) as ((loop_a, loop_b), (link_a, link_b)):
+            expected, _ = await _generate(loop_a, "on-a", prompt, GREEDY)
+            await _compute_and_share(loop_a, link_a, "on-a2", prompt)
             # Flip one byte in the middle of the first block's stored payload.
+            a = loop_a.engine
             first = block_hashes(prompt, a.block_size, salt_for(a.model_id))[0]
             key = f"{namespace(a.model_id, a.block_size)}p:{hex_of(first)}"
             data = bytearray(redis_client.get(key))
@@ -97,11 +101,6 @@ def test_corrupted_pool_block_is_a_miss_and_the_prompt_is_recomputed(redis_url, 
             redis_client.set(key, bytes(data))
             placed = await link_b.load_prefix(loop_b, prompt)
             tokens_b, cached_b = await _generate(loop_b, "on-b", prompt, GREEDY)
-        finally:
-            for link in (link_a, link_b):
-                link.close()
-            for loop in (loop_a, loop_b):
-                loop.stop()
         assert placed == 0 and cached_b == 0
         assert tokens_b == expected
 
