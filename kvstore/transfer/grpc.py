@@ -81,10 +81,11 @@ def _receive(header: TransferHeader, writer: KVWriter, chunks: Iterable[kv_trans
 
 def _failure(exc: BaseException, context: grpc.ServicerContext) -> tuple[grpc.StatusCode | None, str]:
     """The status and reason a failed receive ends with (no status: an unexpected error, re-raised)."""
-    if isinstance(exc, grpc.RpcError) or not context.is_active():  # the client went away: cancel, deadline
-        remaining = context.time_remaining()
-        if remaining is not None and remaining < 0.1:  # the client's timer may fire a hair before ours
-            return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"
+    # The client's timer may fire a hair before ours, and its stream can then look merely cut short.
+    remaining = context.time_remaining()
+    if remaining is not None and remaining < 0.1:
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed"
+    if isinstance(exc, grpc.RpcError) or not context.is_active():  # the client went away
         return grpc.StatusCode.CANCELLED, "sender cancelled"
     if isinstance(exc, _Refused):
         return exc.code, str(exc)
