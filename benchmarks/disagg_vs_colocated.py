@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._serve import format_table, load_average, served  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
-from loadtest.trace import TRACE_BLOCK_TOKENS  # noqa: E402
+from router.trace import TRACE_BLOCK_TOKENS  # noqa: E402
 
 SIDES = {
     "a colocated (1 worker x 2 threads)": ["--colocated", "1", "--threads-per-worker", "2"],

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from loadtest.trace import TraceRow
+from router.trace import TraceRequest
 
 
 def synthetic_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
@@ -33,12 +33,12 @@ def synthetic_arrivals(n: int, rate: float, burstiness: float = 1.0, seed: int =
     return times.tolist()
 
 
-def trace_arrivals(rows: list[TraceRow], time_scale: float = 1.0) -> list[float]:
+def trace_arrivals(rows: list[TraceRequest], time_scale: float = 1.0) -> list[float]:
     """The trace's own timestamps, relative to its first row and multiplied by ``time_scale``
     (0.5 replays twice as fast)."""
     if time_scale < 0:
         raise ValueError(f"time_scale must be non-negative, got {time_scale}")
     if not rows:
         return []
-    t0 = min(r.timestamp_ms for r in rows)
-    return [(r.timestamp_ms - t0) / 1000.0 * time_scale for r in rows]
+    t0 = min(r.arrival_s for r in rows)
+    return [(r.arrival_s - t0) * time_scale for r in rows]

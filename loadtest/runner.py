@@ -21,8 +21,8 @@ from loadtest.arrivals import synthetic_arrivals, trace_arrivals
 from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord
 from loadtest.metrics import compute_metrics
 from loadtest.report import detailed, format_table, result_dict, write_json, write_plots
-from loadtest.trace import read_trace
 from loadtest.workloads import ChatSession, RequestSpec, chat_sessions, mooncake_requests, random_requests
+from router.trace import load_trace
 
 
 @dataclass
@@ -164,7 +164,7 @@ def plan(config: BenchConfig, id_prefix: str = "") -> tuple[int, Callable[[_Run]
     if config.workload == "mooncake":
         if not config.trace:
             raise ValueError("the mooncake workload needs --trace FILE")
-        rows = read_trace(config.trace)[: config.max_requests]
+        rows = load_trace(config.trace, config.max_requests)
         specs = mooncake_requests(rows, seed=config.seed, length_scale=config.length_scale,
                                   chars_per_token=config.chars_per_token, id_prefix=id_prefix)
         arrivals = (trace_arrivals(rows, config.time_scale) if config.request_rate is None

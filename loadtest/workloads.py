@@ -12,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRow
+from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 _WORD_TEXT = (
     "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
@@ -69,7 +69,7 @@ def scaled_block_tokens(length_scale: float) -> int:
 
 
 def mooncake_requests(
-    rows: list[TraceRow], *, seed: int = 0, length_scale: float = 1.0, chars_per_token: float = 1.0,
+    rows: list[TraceRequest], *, seed: int = 0, length_scale: float = 1.0, chars_per_token: float = 1.0,
     id_prefix: str = "",
 ) -> list[RequestSpec]:
     """One completions request per trace row; equal hash ids (in order) give identical prompt prefixes.

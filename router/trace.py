@@ -2,7 +2,8 @@
 ``{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}``, one hash id per
 512-token block of the input; equal ids mean equal prefix content.
 
-The whole file is checked before anything runs; every bad line is reported with its line number.
+The one reader of the simulator and the load test. The whole file is checked before anything runs, so
+a bad line costs seconds, not a half-finished benchmark; every bad line is reported with its line number.
 """
 
 from __future__ import annotations
@@ -13,11 +14,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_BLOCK_TOKENS = 512
+_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 _MAX_REPORTED = 20
 
 
 class TraceError(ValueError):
-    """A trace file that can't be replayed; the message lists the offending lines."""
+    """A trace that can't be replayed. ``errors`` holds every ``(line, message)`` found (1-based lines;
+    0 for the file as a whole) and ``line`` the first bad one; the message names file and line of each."""
+
+    def __init__(self, path: str | Path, errors: list[tuple[int, str]]):
+        self.path, self.errors, self.line = str(path), errors, errors[0][0]
+        shown = [f"{path}:{line}: {msg}" if line else f"{path}: {msg}" for line, msg in errors[:_MAX_REPORTED]]
+        if len(errors) > _MAX_REPORTED:
+            shown.append(f"... and {len(errors) - _MAX_REPORTED} more")
+        head = [f"{len(errors)} malformed trace lines:"] if len(errors) > 1 else []
+        super().__init__("\n".join(head + shown))
 
 
 @dataclass(frozen=True)
@@ -28,50 +39,53 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
-def _int(row: dict, key: str, minimum: int) -> int:
-    v = row.get(key)
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{key!r} must be an integer, got {v!r}")
-    if v < minimum:
-        raise ValueError(f"{key!r} must be >= {minimum}, got {v}")
-    return v
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse_row(text: str, block_tokens: int = TRACE_BLOCK_TOKENS) -> TraceRequest:
-    row = json.loads(text)
+    """Parse one trace line; raises ValueError naming the offending field."""
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
         raise ValueError(f"expected a JSON object, got {type(row).__name__}")
-    ts = row.get("timestamp")
+    missing = [k for k in _FIELDS if k not in row]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+    ts, n_in, n_out, ids = (row[k] for k in _FIELDS)
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not math.isfinite(ts) or ts < 0:
-        raise ValueError(f"'timestamp' must be a non-negative number of ms, got {ts!r}")
-    n_in, n_out = _int(row, "input_length", 1), _int(row, "output_length", 1)
-    ids = row.get("hash_ids")
-    if not isinstance(ids, list) or any(isinstance(h, bool) or not isinstance(h, int) for h in ids):
-        raise ValueError("'hash_ids' must be a list of integers")
+        raise ValueError(f"timestamp must be a non-negative number of ms, got {ts!r}")
+    if not _is_int(n_in) or n_in < 1:
+        raise ValueError(f"input_length must be a positive integer, got {n_in!r}")
+    if not _is_int(n_out) or n_out < 1:
+        raise ValueError(f"output_length must be a positive integer, got {n_out!r}")
+    if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
+        raise ValueError("hash_ids must be a list of non-negative integers")
     if len(ids) != math.ceil(n_in / block_tokens):
-        raise ValueError(f"'hash_ids' has {len(ids)} ids, input_length {n_in} needs "
-                         f"{math.ceil(n_in / block_tokens)} (one per {block_tokens}-token block)")
+        raise ValueError(f"{len(ids)} hash_ids for input_length {n_in}: expected ceil({n_in}/{block_tokens}) = "
+                         f"{math.ceil(n_in / block_tokens)}")
     return TraceRequest(ts / 1000.0, n_in, n_out, tuple(ids))
 
 
 def load_trace(path: str | Path, max_requests: int | None = None,
                block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
-    """All requests of the trace in arrival order (the first ``max_requests`` of them if given).
-
-    Raises TraceError naming every malformed line (up to 20) before returning anything."""
-    rows, errors = [], []
+    """All requests of the trace in arrival order (the first ``max_requests`` of them if given); blank
+    lines are skipped. Raises TraceError naming every malformed line before returning anything."""
+    rows: list[TraceRequest] = []
+    errors: list[tuple[int, str]] = []
     with open(path, encoding="utf-8") as f:
         for lineno, text in enumerate(f, 1):
             if not text.strip():
                 continue
             try:
                 rows.append(parse_row(text, block_tokens))
-            except ValueError as e:  # json.JSONDecodeError is a ValueError too
-                errors.append(f"{path}:{lineno}: {e}")
+            except ValueError as e:
+                errors.append((lineno, str(e)))
     if errors:
-        more = f"\n... and {len(errors) - _MAX_REPORTED} more" if len(errors) > _MAX_REPORTED else ""
-        raise TraceError(f"{len(errors)} malformed trace line(s):\n" + "\n".join(errors[:_MAX_REPORTED]) + more)
+        raise TraceError(path, errors)
     if not rows:
-        raise TraceError(f"{path}: no requests")
+        raise TraceError(path, [(0, "no requests")])
     rows.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep file order
     return rows[:max_requests] if max_requests is not None else rows

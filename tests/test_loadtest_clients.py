@@ -26,9 +26,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loadtest.cli import add_bench_parser
 from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord
 from loadtest.runner import BenchConfig, run_benchmark
-from loadtest.trace import TraceError
 from loadtest.workloads import RequestSpec
 from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
+from router.trace import TraceError
 
 REPO = Path(__file__).resolve().parents[1]
 CACHED = 7

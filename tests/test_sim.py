@@ -14,7 +14,7 @@ from router.policies import POLICIES
 from router.profile import llama3_70b_a800
 from router.sim import add_simulate_parser, sweep
 from router.simulator import SimConfig, Simulation, simulate
-from router.trace import TraceError, load_trace
+from router.trace import load_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -117,29 +117,11 @@ def test_sweep_brackets_the_rate_where_90_percent_meet_the_slos(trace):
 
 
 def _bad_trace(tmp_path) -> Path:
+    """Line 2 is malformed (the reader's own checks: test_trace.py)."""
     good = json.dumps({"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]})
     path = tmp_path / "bad.jsonl"
-    path.write_text("\n".join([
-        good,
-        "{not json",
-        json.dumps({"timestamp": 5, "input_length": 600, "hash_ids": [1, 2]}),  # no output_length
-        good,
-        json.dumps({"timestamp": 9, "input_length": 600, "output_length": 5, "hash_ids": [1]}),  # 1 id, needs 2
-        json.dumps({"timestamp": -1, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}),
-    ]) + "\n")
+    path.write_text("\n".join([good, "{not json", good]) + "\n")
     return path
-
-
-@pytest.mark.timeout(30)
-def test_malformed_lines_are_reported_with_their_line_numbers(tmp_path):
-    path = _bad_trace(tmp_path)
-    with pytest.raises(TraceError) as e:
-        load_trace(path)
-    msg = str(e.value)
-    assert "4 malformed" in msg
-    for line, why in [(2, "Expecting"), (3, "output_length"), (5, "needs 2"), (6, "timestamp")]:
-        assert f"{path}:{line}: " in msg and why in msg
-    assert f"{path}:1:" not in msg and f"{path}:4:" not in msg
 
 
 @pytest.mark.timeout(30)
