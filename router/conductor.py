@@ -14,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from router.estimator import Estimator
+from router.estimator import Estimator, prefill_features
 from router.loads import LoadTable, WorkerLoad
 from router.policies import make_policy
 from router.view import SLO, ClusterView, Decision, Reject, RouteRequest
@@ -78,7 +78,7 @@ class Conductor:
         cached = float(view.cached_tokens(dec.cached_blocks))
         new = req.prompt_len - cached
         blocks = float(view.decode_need()[self._table.d_pos[self._table.row[dec.decode]]])
-        prefill = np.array([new * cached + new * (new + 1) / 2, new, 1.0, 1.0, 0.0, 0.0, 0.0])  # features, 1 prefill
+        prefill = np.array([*prefill_features(new, cached), 1.0, 0.0, 0.0, 0.0])  # features, 1 prefill
         decode = np.array([0.0, 0.0, 0.0, 0.0, blocks, 1.0, req.prompt_len])
         if dec.prefill == dec.decode:
             self._table.add_pending(dec.prefill, now, prefill + decode)

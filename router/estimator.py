@@ -41,12 +41,19 @@ def _fit(model_cls, samples, prior, prior_weight: float):
     return model_cls(*map(float, coef))
 
 
+def prefill_features(new, cached) -> tuple:
+    """``(attention_pairs, new, 1)`` of a prefill of ``new`` tokens on top of ``cached`` ones, the terms
+    `PrefillModel` is linear in. attention_pairs = new*cached + new*(new+1)/2 is the number of (query, key)
+    pairs causal attention computes. Plain arithmetic, so scalars stay Python floats (the per-request
+    paths: load reports, routed work, the simulator) and arrays broadcast."""
+    return new * cached + new * (new + 1) / 2, new, 1.0
+
+
 @dataclass(frozen=True)
 class PrefillModel:
-    """``T = per_pair_s * attention_pairs + per_token_s * new + fixed_s``.
+    """``T = per_pair_s * attention_pairs + per_token_s * new + fixed_s`` (see `prefill_features`).
 
-    attention_pairs = new*cached + new*(new+1)/2 is the number of (query, key) pairs causal attention
-    computes; the per-token term covers the dense layers. Identifiable from prompts without any cache.
+    The per-token term covers the dense layers. Identifiable from prompts without any cache.
     """
 
     per_pair_s: float
@@ -56,7 +63,7 @@ class PrefillModel:
     @staticmethod
     def features(new, cached) -> np.ndarray:
         new, cached = np.asarray(new, dtype=float), np.asarray(cached, dtype=float)
-        return np.stack([new * cached + new * (new + 1) / 2, new, np.ones_like(new)], axis=-1)
+        return np.stack(np.broadcast_arrays(*prefill_features(new, cached)), axis=-1)
 
     @cached_property
     def coef(self) -> np.ndarray:
@@ -64,7 +71,8 @@ class PrefillModel:
 
     def predict(self, new, cached):
         """Seconds to prefill ``new`` tokens on top of ``cached`` ones (scalars or arrays)."""
-        return self.per_pair_s * (new * cached + new * (new + 1) / 2) + self.per_token_s * new + self.fixed_s
+        pairs, new, one = prefill_features(new, cached)
+        return self.per_pair_s * pairs + self.per_token_s * new + self.fixed_s * one
 
     @classmethod
     def fit(cls, samples: Iterable[tuple[int, int, float]], prior: PrefillModel | None = None,

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from router.estimator import prefill_features
+
 PREFILL_ROLES = ("prefill", "colocated")
 DECODE_ROLES = ("decode", "colocated")
 
@@ -30,7 +32,7 @@ class WorkerLoad:
     worker, decoding sequences on a decode worker. free/total_blocks: KV blocks (prefix cache on a
     prefill worker), with blocks reserved for requests already routed there counted as used.
     updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
-    queued_features: optional sums of `PrefillModel.features` over queued_prefills, for callers that
+    queued_features: optional sums of `estimator.prefill_features` over queued_prefills, for callers that
     keep them incrementally (the simulator); None means "sum queued_prefills".
     steps / last_step_s: the worker's step count and its latest step's duration, which a decode worker's
     reports turn into measured decode steps for the estimator.
@@ -56,10 +58,11 @@ class WorkerLoad:
         """The report as one LoadTable row (see the column constants below)."""
         if self.queued_features is not None:
             pairs, new, count = self.queued_features
-        else:  # PrefillModel.features summed, in plain Python: queues are short
+        else:  # summed in plain Python: queues are short
             pairs = new = count = 0.0
             for n, c in self.queued_prefills:
-                pairs, new, count = pairs + n * c + n * (n + 1) / 2, new + n, count + 1
+                p, t, one = prefill_features(n, c)
+                pairs, new, count = pairs + p, new + t, count + one
         return (self.alive, self.alive and self.role in PREFILL_ROLES, self.alive and self.role in DECODE_ROLES,
                 pairs, new, count, len(self.queued_prefills), self.num_running, self.running_context_tokens,
                 self.free_blocks, self.total_blocks, max(self.block_size, 1), self.updated_at)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from router.conductor import SLO, Conductor, Decision, RouteRequest, WorkerLoad
+from router.estimator import prefill_features
 from router.prefix_cache import BlockCache, PrefixIndex
 from router.profile import Profile
 from router.sim_metrics import summarize
@@ -51,10 +52,6 @@ class SimRequest:
         self.arrival, self.prompt, self.out = t.arrival_s / speed, t.input_length, t.output_length
         self.hashes = t.hash_ids
         self.cached, self.ttft, self.tbt, self.reject, self.done = 0, math.nan, math.nan, None, False
-
-
-def _feats(new: float, cached: float) -> tuple[float, float, float]:
-    return (new * cached + new * (new + 1) / 2, new, 1.0)  # PrefillModel.features, without numpy
 
 
 class _Prefill:
@@ -132,7 +129,7 @@ class Simulation:
                 if p.running is not None:
                     _, new, cached, start, end = p.running
                     left = 1.0 if now <= start else (end - now) / (end - start)
-                    rf = _feats(new * left, cached + new * (1 - left))
+                    rf = prefill_features(new * left, cached + new * (1 - left))
                     f = [a + b for a, b in zip(f, rf, strict=True)]
                 p.load = WorkerLoad(p.id, "prefill", True, tuple(p.pairs), int(p.running is not None), 0,
                                     p.cache.capacity - len(p.cache), p.cache.capacity, self.cfg.block_tokens,
@@ -167,7 +164,7 @@ class Simulation:
         new = r.prompt - cached
         p.queue.append((r, new, cached, ready))
         p.pairs.append((new, cached))
-        for i, v in enumerate(_feats(new, cached)):
+        for i, v in enumerate(prefill_features(new, cached)):
             p.waiting[i] += v
         if p.running is None:
             self._start_prefill(p)
@@ -176,7 +173,7 @@ class Simulation:
     def _start_prefill(self, p: _Prefill) -> None:
         r, new, cached, ready = p.queue.popleft()
         p.load = None
-        for i, v in enumerate(_feats(new, cached)):
+        for i, v in enumerate(prefill_features(new, cached)):
             p.waiting[i] -= v
         # A sibling that finished meanwhile may have left a longer prefix here (vLLM matches at schedule time).
         local = min(p.cache.leading(r.hashes) * self.cfg.block_tokens, r.prompt - 1)
