@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
-from engine.sampler import SamplingParams  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
 
 WORKLOADS = {  # name -> (prompt lengths, new tokens)
     "a": ([256] * 8, 64),

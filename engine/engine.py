@@ -24,7 +24,8 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
 from engine.loader import load_model, model_id_for, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
-from engine.sampler import SamplingParams, make_generator, sample, top_logprobs
+from engine.sampler import make_generator, sample, top_logprobs
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore.hashing import salt_for

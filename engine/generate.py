@@ -15,7 +15,7 @@ import sys
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 def _ids(value: str) -> list[int]:

@@ -17,7 +17,7 @@ from enum import Enum
 import torch
 
 from engine.block_manager import BlockManager
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class SeqStatus(Enum):

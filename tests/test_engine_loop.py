@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.loader import resolve_model_dir
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 VOCAB = 272  # the built-in tiny model's byte-level vocabulary, so its tokenizer files fit
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -11,7 +11,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.generate import add_generate_parser
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

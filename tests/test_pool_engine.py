@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from kvstore.hashing import block_hashes, salt_for
 from kvstore.pool import hex_of, namespace
 from services.engine_loop import EngineLoop

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampler import SamplingParams, make_generator, sample, top_logprobs
+from engine.sampler import make_generator, sample, top_logprobs
+from engine.sampling_params import SamplingParams
 
 V = 50
 pytestmark = pytest.mark.timeout(30)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SeqStatus, Sequence
 from kvstore.hashing import salt_for
 
