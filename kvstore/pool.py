@@ -30,12 +30,13 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
+from kvstore.names import POOL_HOLDER as POOL_HOLDER  # re-exported: the pool's users name the tier
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TIERS = {"device": 1, "host": 2, "redis": 4}
 ALL_TIERS = 7
-POOL_HOLDER = "@redis"  # the Redis payload tier, a holder every worker can fetch from
 
 
 def hex_of(h: int) -> str:

@@ -24,8 +24,8 @@ __all__ = ["SLO", "Conductor", "Decision", "PrefixIndex", "Reject", "RouteReques
 
 
 def is_pool_holder(holder: str) -> bool:
-    """Index holders that are the shared pool tier, not a worker: "@..." (kvstore.pool.POOL_HOLDER is
-    "@redis"), or plain "redis" / "pool"."""
+    """Index holders that are the shared pool tier, not a worker: "@..." (such as
+    kvstore.names.POOL_HOLDER), or plain "redis" / "pool"."""
     return holder.startswith("@") or holder in ("redis", "pool")
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvstore.names import POOL_HOLDER
 from router.conductor import SLO, Conductor, Decision, RouteRequest, WorkerLoad
 from router.estimator import prefill_features
 from router.prefix_cache import BlockCache, PrefixIndex
@@ -28,7 +29,6 @@ from router.sim_metrics import summarize
 from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 _PREFILL_DONE, _DECODE_ARRIVE, _DECODE_EPOCH = 0, 1, 2
-POOL_HOLDER = "@redis"  # as kvstore.pool names the Redis payload tier
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.names import POOL_HOLDER
 from router.conductor import SLO, Conductor, Decision, Reject, RouteRequest, WorkerLoad
 from router.estimator import Link
 from router.policies import POLICIES
@@ -98,7 +99,7 @@ def test_random_is_reproducible_for_a_seed():
 @pytest.mark.timeout(30)
 def test_tidepool_fetches_from_the_pool_only_when_it_beats_recomputing():
     loads = [prefill("p0"), prefill("p1"), decode("d0")]
-    fast = route("tidepool", loads, index(**{"@redis": 31}))  # kvstore's name for the Redis tier
+    fast = route("tidepool", loads, index(**{POOL_HOLDER: 31}))
     assert (fast.fetch_from, fast.cached_blocks) == ("pool", 31)
     assert route("tidepool", loads, index(redis=31)).fetch_from == "pool"  # a plain "redis" key too
     slow_pool = Link(bandwidth_Bps=100e6, latency_s=0.002)  # 5 GB at 100 MB/s: ~50 s, recompute ~2.7 s
