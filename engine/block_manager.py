@@ -4,8 +4,9 @@ Modelled on vLLM v1's block pool + KV cache manager. A full block whose K/V has 
 registered under its chained hash (``kvstore.hashing``), together with its token ids so that a hash
 hit is confirmed before it is trusted. A freed registered block keeps its contents and hash: it waits
 in an LRU list and a later prompt with the same prefix picks it up again; it is only overwritten when
-no never-registered block is free, least recently freed first. Registering and evicting are reported
-through ``on_stored(hashes)`` / ``on_removed(hashes)``, which the worker forwards to the KV pool.
+no never-registered block is free, least recently freed first. Registering and evicting are queued as
+``BlockStored`` / ``BlockRemoved`` events, in order; ``take_events`` hands them out (the worker forwards
+them to the KV pool).
 
 Blocks are reference counted: samples of an ``n > 1`` request share the prompt's blocks after a fork,
 and the first write into a shared, partly filled block copies it (``take_copies`` hands the pending
@@ -15,13 +16,12 @@ and the first write into a shared, partly filled block copies it (``take_copies`
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+from engine.block_events import BlockEvent, BlockRemoved, BlockStored
 from engine.errors import OutOfBlocksError
 from kvstore.hashing import hash_block
-
-HashCallback = Callable[[list[int]], None]
 
 
 @dataclass
@@ -32,13 +32,11 @@ class _SeqBlocks:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, salt: bytes, enable_prefix_caching: bool = True,
-                 on_stored: HashCallback | None = None, on_removed: HashCallback | None = None):
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes, enable_prefix_caching: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks, self.block_size, self.salt = num_blocks, block_size, salt
         self.enable_prefix_caching = enable_prefix_caching
-        self.on_stored, self.on_removed = on_stored, on_removed
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -47,6 +45,7 @@ class BlockManager:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; LRU first
         self.seqs: dict[Hashable, _SeqBlocks] = {}
         self._copies: list[tuple[int, int]] = []
+        self._events: list[BlockEvent] = []
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -155,6 +154,11 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def take_events(self) -> list[BlockEvent]:
+        """Block events since the last call, oldest first; the queue is cleared."""
+        events, self._events = self._events, []
+        return events
+
     # -- prefix cache ----------------------------------------------------------------------------
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
         """Register the sequence's full blocks whose K/V is now computed (positions < num_computed)."""
@@ -183,8 +187,8 @@ class BlockManager:
                 self._take(existing)
                 s.table[i] = existing
                 self._release(block)
-        if stored and self.on_stored:
-            self.on_stored(stored)
+        if stored:
+            self._events.append(BlockStored(stored))
 
     def insert(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
         """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced
@@ -212,8 +216,8 @@ class BlockManager:
             stored.append(parent)
         for b in reversed(held):
             self._release(b)
-        if stored and self.on_stored:
-            self.on_stored(stored)
+        if stored:
+            self._events.append(BlockStored(stored))
         return placed
 
     # -- internals -------------------------------------------------------------------------------
@@ -244,6 +248,6 @@ class BlockManager:
                 evicted.append(h)
             self.ref[block] = 1
             out.append(block)
-        if evicted and self.on_removed:
-            self.on_removed(evicted)
+        if evicted:
+            self._events.append(BlockRemoved(evicted))
         return out

@@ -5,7 +5,8 @@ returns each sampled token, ``abort`` drops a request at any point. Disaggregate
 a prefill-only request stops after its first token (finish reason "prefilled") and keeps its blocks
 for ``export_blocks``; the decode side ``reserve_blocks``, ``import_blocks`` and continues with
 ``add_imported_request``; ``release`` frees what either side still holds. ``insert_cached_blocks``
-turns prefix blocks fetched from the KV pool into local prefix-cache hits.
+turns prefix blocks fetched from the KV pool into local prefix-cache hits, and ``take_block_events``
+hands out the blocks the prefix cache stored and evicted, for the worker to publish to the pool.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from itertools import takewhile
 
 import torch
 
+from engine.block_events import BlockEvent
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
@@ -30,7 +32,6 @@ from engine.scheduler import Scheduler, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore.hashing import salt_for
 
-HashCallback = Callable[[list[int]], None]
 DETOKENIZER_CONTEXT = 4  # prompt tokens decoded ahead of the output so the first word spaces right
 
 
@@ -65,8 +66,7 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, on_blocks_stored: HashCallback | None = None,
-                 on_blocks_removed: HashCallback | None = None):
+    def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = resolve_model_dir(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
@@ -79,7 +79,7 @@ class Engine:
         self.device = self.kv_cache.device
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
-                                          config.enable_prefix_caching, on_blocks_stored, on_blocks_removed)
+                                          config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         eos = set(self.model_config.eos_token_ids)
@@ -301,6 +301,10 @@ class Engine:
             index = torch.tensor([i for i, _ in placed], device=tensor.device)
             self.kv_cache.import_blocks([b for _, b in placed], tensor.index_select(2, index))
         return len(placed)
+
+    def take_block_events(self) -> list[BlockEvent]:
+        """Prefix-cache blocks stored and evicted since the last call, oldest first (for the KV pool)."""
+        return self.block_manager.take_events()
 
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:

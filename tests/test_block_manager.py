@@ -1,5 +1,5 @@
 """Block manager: free list and reference counts, prefix cache (hash hits confirmed against token ids),
-LRU reuse of freed cached blocks with stored/removed events, copy-on-write, reservations, waste."""
+LRU reuse of freed cached blocks with stored/removed events in order, copy-on-write, reservations, waste."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import random
 import pytest
 
 import engine.block_manager as block_manager_module
+from engine.block_events import BlockRemoved, BlockStored
 from engine.block_manager import BlockManager
 from engine.errors import OutOfBlocksError
 from kvstore.hashing import block_hashes, salt_for
@@ -17,17 +18,8 @@ SALT = salt_for("test-model")
 pytestmark = pytest.mark.timeout(30)
 
 
-class Events:
-    def __init__(self):
-        self.stored: list[int] = []
-        self.removed: list[int] = []
-
-
-def manager(num_blocks: int = 16, events: Events | None = None, **kwargs) -> BlockManager:
-    if events is None:
-        return BlockManager(num_blocks, B, SALT, **kwargs)
-    return BlockManager(num_blocks, B, SALT, on_stored=events.stored.extend, on_removed=events.removed.extend,
-                        **kwargs)
+def manager(num_blocks: int = 16, **kwargs) -> BlockManager:
+    return BlockManager(num_blocks, B, SALT, **kwargs)
 
 
 def run_prompt(bm: BlockManager, seq_id: int, tokens: list[int]) -> list[int]:
@@ -55,19 +47,21 @@ def test_allocate_and_free_restore_the_free_count():
 
 
 def test_prefix_hit_reuses_blocks_and_reports_stored_hashes():
-    events = Events()
-    bm = manager(16, events)
+    bm = manager(16)
     prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
     table_a = run_prompt(bm, 1, prompt)
-    assert events.stored == block_hashes(prompt, B, SALT)  # the engine, pool and router agree on hashes
+    stored = block_hashes(prompt, B, SALT)  # the engine, pool and router agree on hashes
+    assert bm.take_events() == [BlockStored(stored)]
     bm.free(1)
     assert bm.num_free_blocks == 16  # cached blocks are free (reusable) but keep their contents
     blocks, hashes = bm.cached_prefix(prompt + [7, 8, 9])
-    assert blocks == table_a[:3] and hashes == events.stored
+    assert blocks == table_a[:3] and hashes == stored
     table_b = run_prompt(bm, 2, prompt[:12] + [1, 2, 3, 4, 5])
     assert table_b[:3] == table_a[:3]
     assert [bm.ref[b] for b in table_b] == [1] * len(table_b)
-    assert bm.cached_prefix(prompt[:4] + [0, 0, 0, 0]) == ([table_a[0]], events.stored[:1])
+    # only the fourth block is new
+    assert bm.take_events() == [BlockStored(block_hashes(prompt[:12] + [1, 2, 3, 4], B, SALT)[3:])]
+    assert bm.cached_prefix(prompt[:4] + [0, 0, 0, 0]) == ([table_a[0]], stored[:1])
 
 
 def test_hash_hit_is_confirmed_against_token_ids(monkeypatch):
@@ -80,21 +74,21 @@ def test_hash_hit_is_confirmed_against_token_ids(monkeypatch):
 
 
 def test_freed_cached_blocks_are_reused_last_in_lru_order():
-    events = Events()
-    bm = manager(6, events)
+    bm = manager(6)
     run_prompt(bm, 1, [1] * 8 + [0])  # blocks: 2 cached + 1 partial
     run_prompt(bm, 2, [2] * 4 + [0])  # 1 cached + 1 partial
     hashes_1, hashes_2 = bm.seqs[1].hashes, bm.seqs[2].hashes
+    assert bm.take_events() == [BlockStored(hashes_1), BlockStored(hashes_2)]
     bm.free(1)
     bm.free(2)  # freed after seq 1: evicted after seq 1's blocks
     assert bm.num_free_blocks == 6
     assert bm.allocate(3, 0, 3 * B)  # the 3 never-cached free blocks first: nothing evicted
-    assert events.removed == []
+    assert bm.take_events() == []
     assert bm.cached_prefix([1] * 8)[0] and bm.cached_prefix([2] * 4)[0]
     assert bm.allocate(4, 0, B)  # now the least recently freed cached block: seq 1's tail first
-    assert events.removed == [hashes_1[1]]
+    assert bm.take_events() == [BlockRemoved([hashes_1[1]])]
     assert bm.allocate(4, B, 2 * B)
-    assert events.removed == [hashes_1[1], hashes_1[0], hashes_2[0]]
+    assert bm.take_events() == [BlockRemoved([hashes_1[0], hashes_2[0]])]
     assert bm.cached_prefix([1] * 8) == ([], [])
     assert bm.num_free_blocks == 0
 
@@ -131,15 +125,28 @@ def test_reserve_raises_out_of_blocks():
 
 
 def test_insert_makes_fetched_blocks_prefix_hits():
-    events = Events()
-    bm = manager(8, events)
+    bm = manager(8)
     tokens = list(range(50, 61))  # 2 full blocks
     placed = bm.insert(tokens, 2)
     assert [i for i, _ in placed] == [0, 1]
-    assert events.stored == block_hashes(tokens, B, SALT)
+    assert bm.take_events() == [BlockStored(block_hashes(tokens, B, SALT))]
     assert bm.cached_prefix(tokens)[0] == [b for _, b in placed]
     assert bm.num_free_blocks == 8  # cached, unreferenced
     assert bm.insert(tokens, 2) == []  # already cached: nothing placed twice
+    assert bm.take_events() == []
+
+
+def test_events_come_out_in_the_order_they_happened_and_take_clears_them():
+    bm = manager(2)
+    run_prompt(bm, 1, [1] * B + [0])  # one full block registered, one partial
+    (first,) = bm.seqs[1].hashes
+    bm.free(1)
+    # two fetched blocks: the partial block is reused, then the cached one is evicted for the second
+    fetched = [2] * 2 * B
+    assert [i for i, _ in bm.insert(fetched, 2)] == [0, 1]
+    assert bm.take_events() == [BlockStored([first]), BlockRemoved([first]),
+                                BlockStored(block_hashes(fetched, B, SALT))]
+    assert bm.take_events() == []
 
 
 def test_waste_of_a_mixed_batch_is_under_4_percent():
