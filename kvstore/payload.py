@@ -21,7 +21,8 @@ from typing import Protocol
 
 import torch
 
-from kvstore.pool import POOL_HOLDER, PRELUDE, TIERS, KVPool, execute, hex_of, new_epoch
+from kvstore.names import POOL_HOLDER
+from kvstore.pool import TIERS, KVPool, execute, hex_of, lua_script, new_epoch
 from kvstore.transfer.wire import DTYPES, as_bytes, checksum, dtype_name, tensor_from_bytes
 
 log = logging.getLogger(__name__)
@@ -166,63 +167,11 @@ class HostTier:
             self.on_removed(removed)
 
 
-# Payload keys: p:{hash} the bytes, psize HASH hash -> bytes, plru ZSET hash -> access clock, pbytes total.
-_PAYLOAD_PRELUDE = PRELUDE + f"""
-local holder, tierbit = '{POOL_HOLDER}', {TIERS["redis"]}
-local function drop_payload(hex, now, removed)
-  local size = redis.call('HGET', ns .. 'psize', hex)
-  if not size then return end
-  redis.call('DEL', ns .. 'p:' .. hex)
-  redis.call('HDEL', ns .. 'psize', hex)
-  redis.call('ZREM', ns .. 'plru', hex)
-  redis.call('DECRBY', ns .. 'pbytes', size)
-  local old, new = update(holder, hex, tierbit, 'removed', now)
-  if old ~= 0 and new == 0 then removed[#removed + 1] = hex end
-end
-"""
-
-# ARGV: ns, maxlen, epoch, max_bytes, hash... -> blocks evicted. The same pipeline SET the bytes just
-# before (natively: no copies through Lua), with a TTL in case this commit never runs; here they count.
-_COMMIT = _PAYLOAD_PRELUDE + """
-redis.call('SADD', ns .. 'workers', holder)
-local now, stored, evicted = now_ms(), {}, {}
-for i = 5, #ARGV do
-  local hex, key = ARGV[i], ns .. 'p:' .. ARGV[i]
-  local size = redis.call('STRLEN', key)
-  if size > 0 then
-    redis.call('PERSIST', key)
-    local old_size = tonumber(redis.call('HGET', ns .. 'psize', hex) or '0')
-    redis.call('HSET', ns .. 'psize', hex, size)
-    redis.call('INCRBY', ns .. 'pbytes', size - old_size)
-    redis.call('ZADD', ns .. 'plru', redis.call('INCR', ns .. 'pclock'), hex)
-    local old = update(holder, hex, tierbit, 'stored', now)
-    if old == 0 then stored[#stored + 1] = hex end
-  end
-end
-while tonumber(redis.call('GET', ns .. 'pbytes') or '0') > tonumber(ARGV[4]) do
-  local coldest = redis.call('ZRANGE', ns .. 'plru', 0, 0)
-  if #coldest == 0 then break end
-  drop_payload(coldest[1], now, evicted)
-end
-emit(holder, 'stored', 'redis', stored, ARGV[2], ARGV[3])
-emit(holder, 'removed', 'redis', evicted, ARGV[2], ARGV[3])
-return #evicted
-"""
-
-# ARGV: ns, hash...: the blocks a pipeline just read count as most recently used.
-_TOUCH = _PAYLOAD_PRELUDE + """
-for i = 2, #ARGV do
-  redis.call('ZADD', ns .. 'plru', 'XX', redis.call('INCR', ns .. 'pclock'), ARGV[i])
-end
-"""
-
-# ARGV: ns, maxlen, epoch, hash... -> number of blocks removed.
-_DISCARD = _PAYLOAD_PRELUDE + """
-local now, removed = now_ms(), {}
-for i = 4, #ARGV do drop_payload(ARGV[i], now, removed) end
-emit(holder, 'removed', 'redis', removed, ARGV[2], ARGV[3])
-return #removed
-"""
+# kvstore/lua/payload_*.lua take the Redis tier's holder name and bit from Python, where they are defined.
+_BIND = f"local holder, tierbit = '{POOL_HOLDER}', {TIERS['redis']}\n"
+_COMMIT = _BIND + lua_script("payload_prelude", "payload_commit")
+_TOUCH = _BIND + lua_script("payload_prelude", "payload_touch")
+_DISCARD = _BIND + lua_script("payload_prelude", "payload_discard")
 
 
 class RedisTier:

@@ -11,10 +11,10 @@ Keys live under one namespace per model and block size, ``tp:{model}:{block_size
     events        STREAM  membership changes (events.py reads them)
     epoch         STRING  a token the first writer sets; a new one means Redis lost its data
 
-Every write changes the index and appends its event in one Lua script, so the stream and the index never
-disagree. Holders whose id starts with ``@`` (the Redis payload tier, ``POOL_HOLDER``) need no heartbeat.
-Every call is fail-soft: while Redis is unreachable lookups return misses and writes are dropped with a
-warning; the client reconnects on its own and no Redis error reaches a request.
+Every write changes the index and appends its event in one Lua script (kvstore/lua/), so the stream and
+the index never disagree. Holders whose id starts with ``@`` (the Redis payload tier, ``POOL_HOLDER``)
+need no heartbeat. Every call is fail-soft: while Redis is unreachable lookups return misses and writes
+are dropped with a warning; the client reconnects on its own and no Redis error reaches a request.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from importlib import resources
 from typing import TypeVar
 
 import redis
@@ -106,161 +107,18 @@ class FailSoft:
         return result
 
 
-# Shared by every write script (pool and payload). ARGV[1] is the namespace.
-PRELUDE = """
-local ns = ARGV[1]
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
--- One event per call that changed something; the holder's sequence number counts them.
-local function emit(holder, op, tier, hexes, maxlen, epoch)
-  redis.call('SET', ns .. 'epoch', epoch, 'NX')
-  if #hexes == 0 and op ~= 'drop' then return end
-  local seq = redis.call('INCR', ns .. 'seq:' .. holder)
-  redis.call('XADD', ns .. 'events', 'MAXLEN', '~', maxlen, '*',
-             'w', holder, 's', seq, 'op', op, 't', tier, 'h', table.concat(hexes, ','))
-end
--- Change a holder's tier bits on one block (mode stored: OR, removed: AND NOT, set: replace).
-local function update(holder, hex, bits, mode, now)
-  local key = ns .. 'b:' .. hex
-  local old = tonumber(redis.call('HGET', key, holder) or '0')
-  local new = bits
-  if mode == 'stored' then new = bit.bor(old, bits) elseif mode == 'removed' then new = bit.band(old, bit.bnot(bits)) end
-  if new ~= 0 then
-    if new ~= old then redis.call('HSET', key, holder, new) end
-    if old == 0 then redis.call('SADD', ns .. 'w:' .. holder, hex) end
-    redis.call('ZADD', ns .. 'lru', math.floor(now / 1000), hex)
-  elseif old ~= 0 then
-    redis.call('HDEL', key, holder)
-    redis.call('SREM', ns .. 'w:' .. holder, hex)
-    if redis.call('EXISTS', key) == 0 then redis.call('ZREM', ns .. 'lru', hex) end
-  end
-  return old, new
-end
-"""
+def lua_script(*names: str) -> str:
+    """kvstore/lua/prelude.lua followed by the named files of kvstore/lua/, as one script."""
+    lua = resources.files("kvstore") / "lua"
+    return "".join((lua / f"{name}.lua").read_text(encoding="utf-8") for name in ("prelude", *names))
 
-# ARGV: ns, holder, op (stored|removed), bits, tier name, maxlen, epoch, hash...
-_PUBLISH = PRELUDE + """
-local holder, op, bits, tier = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-redis.call('SADD', ns .. 'workers', holder)
-local now, changed = now_ms(), {}
-for i = 8, #ARGV do
-  local old, new = update(holder, ARGV[i], bits, op, now)
-  if (old == 0) ~= (new == 0) then changed[#changed + 1] = ARGV[i] end
-end
-emit(holder, op, tier, changed, ARGV[6], ARGV[7])
-return #changed
-"""
 
-# ARGV: ns, holder, maxlen, epoch, then (hash, bits) pairs: the holder's whole state, replacing the old.
-_REPLACE = PRELUDE + """
-local holder = ARGV[2]
-redis.call('SADD', ns .. 'workers', holder)
-local want, now, added, removed = {}, now_ms(), {}, {}
-for i = 5, #ARGV, 2 do want[ARGV[i]] = tonumber(ARGV[i + 1]) end
-for _, hex in ipairs(redis.call('SMEMBERS', ns .. 'w:' .. holder)) do
-  if want[hex] == nil then update(holder, hex, 0, 'set', now); removed[#removed + 1] = hex end
-end
-for hex, bits in pairs(want) do
-  local old = update(holder, hex, bits, 'set', now)
-  if old == 0 then added[#added + 1] = hex end
-end
-emit(holder, 'removed', '*', removed, ARGV[3], ARGV[4])
-emit(holder, 'stored', '*', added, ARGV[3], ARGV[4])
-return {#added, #removed}
-"""
-
-# ARGV: ns, ttl_ms, hash... -> flat [holder, matched_blocks, ...]; touches the matched blocks' lru.
-_LOOKUP = PRELUDE + """
-local now = now_ms()
-local cutoff, n = now - tonumber(ARGV[2]), #ARGV - 2
-local active, counts, depth = {}, {}, 0
-if n > 0 then
-  local fields = redis.call('HGETALL', ns .. 'b:' .. ARGV[3])
-  for j = 1, #fields, 2 do
-    local w, live = fields[j], string.sub(fields[j], 1, 1) == '@'
-    if not live then
-      local s = redis.call('ZSCORE', ns .. 'hb', w)
-      live = s and tonumber(s) >= cutoff
-    end
-    if live then active[#active + 1] = w end
-  end
-end
--- Calls cost far more than the elements they touch. Few candidate holders: ask each holder's set about
--- the whole chain (one call per holder per 1,000 blocks). Many (a shared system prompt): walk the chain,
--- one call per block for the holders still matching.
-if #active > 0 and #active <= 16 and #active < n then
-  for _, w in ipairs(active) do
-    local c, lo = 0, 3
-    while lo <= #ARGV do
-      local flags = redis.call('SMISMEMBER', ns .. 'w:' .. w, unpack(ARGV, lo, math.min(#ARGV, lo + 999)))
-      local k = 1
-      while k <= #flags and flags[k] == 1 do k = k + 1 end
-      c, lo = c + k - 1, lo + 1000
-      if k <= #flags then break end
-    end
-    counts[w] = c
-    depth = math.max(depth, c)
-  end
-else
-  if #active > 0 then depth = 1 end
-  for i = 4, #ARGV do
-    if #active == 0 then break end
-    local got, kept = redis.call('HMGET', ns .. 'b:' .. ARGV[i], unpack(active)), {}
-    for j = 1, #active do
-      if got[j] then kept[#kept + 1] = active[j] else counts[active[j]] = depth end
-    end
-    active = kept
-    if #active > 0 then depth = depth + 1 end
-  end
-  for _, w in ipairs(active) do counts[w] = depth end
-end
-for lo = 1, depth, 1000 do  -- last access has one-second resolution, so a hot chain's touch is a no-op
-  local touch = {}
-  for i = lo, math.min(depth, lo + 999) do touch[#touch + 1] = math.floor(now / 1000); touch[#touch + 1] = ARGV[i + 2] end
-  redis.call('ZADD', ns .. 'lru', 'XX', unpack(touch))
-end
-local out = {}
-for w, c in pairs(counts) do out[#out + 1] = w; out[#out + 1] = c end
-return out
-"""
-
-# ARGV: ns, worker -> 1 when the worker was not registered (first beat, or Redis lost it).
-_HEARTBEAT = PRELUDE + """
-local old = redis.call('ZSCORE', ns .. 'hb', ARGV[2])
-redis.call('ZADD', ns .. 'hb', now_ms(), ARGV[2])
-redis.call('SADD', ns .. 'workers', ARGV[2])
-if old then return 0 end
-return 1
-"""
-
-# ARGV: ns, ttl_ms, maxlen, epoch, [worker...]: drops the named workers, or every one past the TTL.
-_DROP = PRELUDE + """
-local dead = {}
-for i = 5, #ARGV do dead[#dead + 1] = ARGV[i] end
-if #dead == 0 then
-  dead = redis.call('ZRANGEBYSCORE', ns .. 'hb', '-inf', '(' .. (now_ms() - tonumber(ARGV[2])))
-end
-for _, w in ipairs(dead) do
-  for _, hex in ipairs(redis.call('SMEMBERS', ns .. 'w:' .. w)) do update(w, hex, 0, 'set', 0) end
-  redis.call('ZREM', ns .. 'hb', w)
-  redis.call('SREM', ns .. 'workers', w)
-  emit(w, 'drop', '*', {}, ARGV[3], ARGV[4])
-end
-return dead
-"""
-
-# ARGV: ns -> [now_ms, holder, seq, heartbeat_ms (-1: none), ...] for every registered holder.
-_CENSUS = PRELUDE + """
-local out = {now_ms()}
-for _, w in ipairs(redis.call('SMEMBERS', ns .. 'workers')) do
-  out[#out + 1] = w
-  out[#out + 1] = redis.call('GET', ns .. 'seq:' .. w) or '0'
-  out[#out + 1] = redis.call('ZSCORE', ns .. 'hb', w) or '-1'
-end
-return out
-"""
+_PUBLISH = lua_script("publish")
+_REPLACE = lua_script("replace")
+_LOOKUP = lua_script("lookup")
+_HEARTBEAT = lua_script("heartbeat")
+_DROP = lua_script("drop")
+_CENSUS = lua_script("census")
 
 
 class KVPool:
