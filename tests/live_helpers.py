@@ -1,8 +1,10 @@
-"""Helpers the live-server tests share: worker block counters and bounded waiting (never timing asserts)."""
+"""Helpers tests share: bounded waiting (never timing asserts), and the live-server tests' worker block
+counters."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 
 def free_blocks(server) -> int:
@@ -18,7 +20,8 @@ def idle(server) -> bool:
                for w in server.worker_stats() if w["alive"])
 
 
-def wait_until(predicate, timeout_s: float = 60.0) -> bool:
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Poll ``predicate`` until it holds or ``timeout_s`` passes; its last answer."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():

@@ -5,10 +5,9 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 
 import pytest
+from live_helpers import wait_until
 
 from kvstore.events import PoolMirror
 from kvstore.hashing import block_hashes, salt_for
@@ -19,26 +18,11 @@ from services.local_redis import LocalRedis
 pytestmark = pytest.mark.redis
 
 SALT = salt_for("tiny")
+WAIT_S = 20.0  # a failed wait reports well inside a test's 60 s timeout
 
 
 def chain(start: int, blocks: int) -> list[int]:
     return block_hashes(list(range(start, start + 4 * blocks)), 4, SALT)
-
-
-def wait_until(cond: Callable[[], bool], timeout_s: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
-@pytest.fixture
-def pool(redis_url, redis_client):
-    p = KVPool(redis_url, "tiny", 4, ttl_s=30)
-    yield p
-    p.close()
 
 
 @pytest.fixture
@@ -123,7 +107,7 @@ def test_worker_that_stops_heartbeating_disappears_after_ttl(redis_url, redis_cl
             pool.heartbeat("alive")
             mirror.poll()
             return pool.longest_prefix(c) == mirror.longest_prefix(c) == {"alive": 2}
-        assert wait_until(only_alive)
+        assert wait_until(only_alive, WAIT_S)
         assert mirror.workers() == ["alive"]
         assert pool.cleanup() == ["silent"]  # and its holdings leave Redis
         assert not redis_client.exists(pool.ns + "w:silent")
@@ -147,7 +131,7 @@ def test_redis_killed_and_restarted_mid_run():
             publisher.start()
             mirror.start(interval_s=0.02)
             publisher.on_stored(c[:5])
-            assert wait_until(lambda: mirror.longest_prefix(c) == {"w1": 5})
+            assert wait_until(lambda: mirror.longest_prefix(c) == {"w1": 5}, WAIT_S)
 
             server.kill()
             publisher.on_stored(c[5:])  # published while Redis is down: dropped, then republished
@@ -156,8 +140,8 @@ def test_redis_killed_and_restarted_mid_run():
                 mirror.poll()
             server.restart()
 
-            assert wait_until(lambda: pool.longest_prefix(c) == {"w1": 8})
-            assert wait_until(lambda: mirror.longest_prefix(c) == {"w1": 8})
+            assert wait_until(lambda: pool.longest_prefix(c) == {"w1": 8}, WAIT_S)
+            assert wait_until(lambda: mirror.longest_prefix(c) == {"w1": 8}, WAIT_S)
             assert mirror.rebuilds >= 2  # the first build, and one after the restart
         finally:
             publisher.stop(retire=False)

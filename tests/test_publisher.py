@@ -14,13 +14,6 @@ pytestmark = pytest.mark.redis
 HASHES = block_hashes(list(range(4 * 10)), 4, salt_for("tiny"))
 
 
-@pytest.fixture
-def pool(redis_url, redis_client):
-    p = KVPool(redis_url, "tiny", 4, ttl_s=30)
-    yield p
-    p.close()
-
-
 def events(pool: KVPool, client) -> list[PoolEvent]:
     return [PoolEvent.from_fields(f) for _, f in client.xrange(pool.stream)]
 
