@@ -32,6 +32,9 @@ from engine.scheduler import Scheduler, Sequence
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kvstore.hashing import salt_for
 
+# on_layer_done(layer, completing): layer ``layer``'s K/V of this step is written; ``completing`` maps each
+# prefill-only request whose prompt completes in this step to its block table (to ship that layer early).
+LayerHook = Callable[[int, dict[str, list[int]]], None]
 DETOKENIZER_CONTEXT = 4  # prompt tokens decoded ahead of the output so the first word spaces right
 
 
@@ -86,9 +89,6 @@ class Engine:
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
-        # Prefill-only requests whose prompt completes in the step now running -> their block tables:
-        # read it from step()'s on_layer_done to send layer l of their KV as soon as it is written.
-        self.prefill_completing: dict[str, list[int]] = {}
         self.prompt_tokens_computed = 0
         self._next_seq_id = 0
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
@@ -121,8 +121,9 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # -- the step --------------------------------------------------------------------------------
-    def step(self, on_layer_done: Callable[[int], None] | None = None) -> list[RequestOutput]:
-        """Run one batch (decode rows, then prefill chunks) and sample where a sequence is complete."""
+    def step(self, on_layer_done: LayerHook | None = None) -> list[RequestOutput]:
+        """Run one batch (decode rows, then prefill chunks) and sample where a sequence is complete;
+        ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``)."""
         outputs, self._pending = self._pending, []
         batch = self.scheduler.schedule()
         if not batch.seqs:
@@ -132,15 +133,15 @@ class Engine:
         for src, dst in bm.take_copies():
             self.kv_cache.copy_block(src, dst)
         chunks = []
-        self.prefill_completing = {}
+        completing: dict[str, list[int]] = {}
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             pos = seq.num_computed_tokens
             table = bm.block_table(seq.seq_id)
             chunks.append(SeqChunk(seq.token_ids[pos:pos + n], pos, table))
             if seq.prefill_only and pos + n == seq.num_tokens:
-                self.prefill_completing[seq.request_id] = table
-        logits = self.runner.run(chunks, on_layer_done)
-        self.prefill_completing = {}
+                completing[seq.request_id] = table
+        layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
+        logits = self.runner.run(chunks, layer_done)
         rows: list[int] = []
         sampled: list[Sequence] = []
         for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):

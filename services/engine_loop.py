@@ -2,7 +2,8 @@
 
 The engine is not thread-safe: every call into it (add, abort, export, import, stats) runs on the engine
 thread through ``call``/``acall``; step outputs are delivered to per-request asyncio queues on the actor's
-event loop. Step times are kept for the load reports the router reads.
+event loop. The engine's block events go to the block-event sink (the worker's pool link) from the engine
+thread, after every step and every command. Step times are kept for the load reports the router reads.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from engine.engine import Engine, RequestOutput
+from engine.block_events import BlockEvent
+from engine.engine import Engine, LayerHook, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +34,8 @@ class EngineLoop:
             queue.SimpleQueue()
         )
         self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._layer_hooks: list[Callable[[int], None]] = []
+        self._layer_hooks: list[LayerHook] = []
+        self._block_event_sink: Callable[[list[BlockEvent]], None] | None = None
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=32)
         self.steps = 0
         self.stats = engine.stats()  # refreshed on the engine thread, read by load reports without a call
@@ -59,12 +62,20 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
-    def add_layer_hook(self, hook: Callable[[int], None]) -> None:
-        """``hook(layer)`` runs on the engine thread after each layer's KV of a step is written."""
+    def add_layer_hook(self, hook: LayerHook) -> None:
+        """``hook(layer, completing)`` runs on the engine thread after each layer's KV of a step is written;
+        ``completing`` maps the prefill-only requests whose prompt completes in that step to their block
+        tables (``engine.engine.LayerHook``)."""
         self._layer_hooks.append(hook)
 
-    def remove_layer_hook(self, hook: Callable[[int], None]) -> None:
+    def remove_layer_hook(self, hook: LayerHook) -> None:
         self._layer_hooks.remove(hook)
+
+    def set_block_event_sink(self, sink: Callable[[list[BlockEvent]], None] | None) -> None:
+        """``sink(events)`` receives each non-empty batch of the engine's block events, on the engine
+        thread. Events taken while no sink is set are dropped (e.g. those of the worker's profiling
+        prompts, run before it links to the pool)."""
+        self._block_event_sink = sink
 
     def stop(self) -> None:
         self._stop.set()
@@ -83,6 +94,8 @@ class EngineLoop:
             except Exception:  # a failed step must not kill the thread that every request depends on
                 log.exception("engine step failed")
                 continue
+            finally:
+                self._publish_block_events()  # whatever the step registered or evicted, even if it failed
             self.step_times_s.append(time.perf_counter() - start)
             self.steps += 1
             self.stats = self.engine.stats()
@@ -91,9 +104,18 @@ class EngineLoop:
                 if stream is not None:
                     self._loop.call_soon_threadsafe(stream.put_nowait, output)
 
-    def _on_layer_done(self, layer: int) -> None:
+    def _on_layer_done(self, layer: int, completing: dict[str, list[int]]) -> None:
         for hook in list(self._layer_hooks):
-            hook(layer)
+            hook(layer, completing)
+
+    def _publish_block_events(self) -> None:
+        events = self.engine.take_block_events()
+        sink = self._block_event_sink
+        if events and sink is not None:
+            try:
+                sink(events)
+            except Exception:  # the pool index resyncs; the engine thread must keep serving
+                log.exception("block event sink failed")
 
     def _drain_commands(self, block: bool) -> bool:
         """Run every queued command; True when there was at least one."""
@@ -105,9 +127,16 @@ class EngineLoop:
             fn, args, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(*args))
+                    result, error = fn(*args), None
                 except BaseException as exc:  # delivered to the caller, who knows what it means
-                    future.set_exception(exc)
+                    result, error = None, exc
+                # Before the caller resumes: the command's block events (insert_cached_blocks registers
+                # blocks) are with the sink, or dropped if none is set yet, so none leaks to a later sink.
+                self._publish_block_events()
+                if error is None:
+                    future.set_result(result)
+                else:
+                    future.set_exception(error)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

@@ -1,9 +1,10 @@
 """A worker's link to the KV pool: publish its block events, share computed prefixes, load missing ones.
 
-The engine's stored/removed callbacks only buffer (the publisher thread sends them in batches), so a
-step never waits on Redis. After a prefill the request's full blocks go to the host tier and to the
-Redis tier, where any worker can fetch them; before a prefill, prefix blocks this engine lacks are taken
-from those tiers and placed in its prefix cache, so the engine computes only the rest.
+``publish`` (the engine loop's block-event sink) only buffers the engine's block events (the publisher
+thread sends them in batches), so a step never waits on Redis. After a prefill the request's full blocks
+go to the host tier and to the Redis tier, where any worker can fetch them; before a prefill, prefix
+blocks this engine lacks are taken from those tiers and placed in its prefix cache, so the engine
+computes only the rest.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 
 import torch
 
+from engine.block_events import BlockEvent, BlockRemoved, BlockStored
 from engine.engine import Engine
 from kvstore.hashing import block_hashes, salt_for
 from kvstore.payload import BlockLayout, HostTier, RedisTier, fetch_prefix
@@ -39,11 +41,15 @@ class PoolLink:
         self._sharing: set[asyncio.Task] = set()  # background writes to the tiers
         self.publisher.start()
 
-    def blocks_stored(self, hashes: list[int]) -> None:
-        self.publisher.on_stored(hashes)
-
-    def blocks_removed(self, hashes: list[int]) -> None:
-        self.publisher.on_removed(hashes)
+    def publish(self, events: list[BlockEvent]) -> None:
+        """Buffer the engine's block events for the pool, in order (a block can be stored, evicted and
+        stored again within one batch)."""
+        for event in events:
+            match event:
+                case BlockStored(hashes):
+                    self.publisher.on_stored(hashes)
+                case BlockRemoved(hashes):
+                    self.publisher.on_removed(hashes)
 
     async def load_prefix(self, loop: EngineLoop, prompt_ids: list[int]) -> int:
         """Place prefix blocks this engine lacks from the host/Redis tiers; returns how many were placed.

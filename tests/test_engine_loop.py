@@ -232,11 +232,11 @@ def test_layer_callback_sees_the_requests_completing_prefill(model_dir):
     engine.add_request("p", prompt(50, 1), SamplingParams(max_tokens=4, **GREEDY), prefill_only=True)
     seen = []
     while engine.has_unfinished():
-        engine.step(on_layer_done=lambda layer: seen.append((layer, dict(engine.prefill_completing))))
+        engine.step(on_layer_done=lambda layer, completing: seen.append((layer, dict(completing))))
     # chunks of 32 + 18 tokens: only the second step completes the prompt
     assert [layer for layer, _ in seen] == [0, 1, 0, 1]
     assert [c for _, c in seen[:2]] == [{}, {}]
-    assert seen[3][1] == {"p": engine.request_block_ids("p")}
+    assert seen[2][1] == seen[3][1] == {"p": engine.request_block_ids("p")}
 
 
 @pytest.mark.timeout(60)
