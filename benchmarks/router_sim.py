@@ -31,7 +31,7 @@ from router.conductor import SLO, Conductor, RouteRequest, WorkerLoad
 from router.policies import POLICIES
 from router.prefix_cache import PrefixIndex
 from router.profile import PRESETS
-from router.sim import format_table, run_configs
+from router.sim_cli import format_table, run_configs
 from router.simulator import SimConfig
 from router.trace import load_trace
 

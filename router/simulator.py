@@ -1,5 +1,5 @@
 """Discrete-event simulation of N prefill + M decode workers replaying a Mooncake-format trace (the runs,
-sweeps and the `tidepool simulate` command are in router/sim.py).
+sweeps and the `tidepool simulate` command are in router/sim_cli.py, their metrics in router/sim_report.py).
 
 Requests are routed by the live `Conductor` and policies (no second implementation). Each prefill
 worker runs its FIFO queue one prefill at a time and keeps an LRU prefix cache published to a prefix
@@ -25,7 +25,6 @@ from router.conductor import SLO, Conductor, Decision, RouteRequest, WorkerLoad
 from router.estimator import prefill_features
 from router.prefix_cache import BlockCache, PrefixIndex
 from router.profile import Profile
-from router.sim_metrics import summarize
 from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 _PREFILL_DONE, _DECODE_ARRIVE, _DECODE_EPOCH = 0, 1, 2
@@ -276,9 +275,3 @@ class Simulation:
             k = math.ceil(0.1 * n)  # Mooncake's TBT: mean of the slowest 10% of token gaps
             r.tbt = float(np.partition(gaps, n - k)[n - k:].mean())
             r.done, r.end = True, d.t
-
-
-def simulate(trace: list[TraceRequest], profile: Profile, cfg: SimConfig) -> dict:
-    sim = Simulation(trace, profile, cfg)
-    reqs = sim.run()
-    return summarize(reqs, cfg, sim.fetched_tokens)

@@ -11,7 +11,7 @@ import sys
 from engine.capacity import add_kv_calc_parser
 from engine.generate import add_generate_parser
 from loadtest.cli import add_bench_parser
-from router.sim import add_simulate_parser
+from router.sim_cli import add_simulate_parser
 from services.status import add_status_parser
 
 

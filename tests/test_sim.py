@@ -12,8 +12,8 @@ import pytest
 
 from router.policies import POLICIES
 from router.profile import llama3_70b_a800
-from router.sim import add_simulate_parser, sweep
-from router.simulator import SimConfig, Simulation, simulate
+from router.sim_cli import add_simulate_parser, simulate, sweep
+from router.simulator import SimConfig, Simulation
 from router.trace import load_trace
 
 REAL_TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"

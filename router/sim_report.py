@@ -1,15 +1,13 @@
-"""What a simulated run reports: TTFT, TBT (Mooncake's: the mean of each request's slowest 10% of token
+"""What a simulated run (router/simulator.py) reports: TTFT, TBT (Mooncake's: the mean of each request's slowest 10% of token
 gaps), SLO attainment over every arrived request (a rejection misses), goodput, cache hits, rejections."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from router.simulator import SimConfig, SimRequest
+from router.simulator import SimConfig, SimRequest
 
 
 def policy_label(cfg: SimConfig) -> str:

@@ -1,6 +1,6 @@
 """Simulation runs: one policy or all of them on a trace, the sweep for the highest request rate that
 keeps 90% of requests within both SLOs, and the ``tidepool simulate`` command. The discrete-event model
-itself is router/simulator.py."""
+itself is router/simulator.py, a run's metrics router/sim_report.py."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import replace
 from router.conductor import SLO
 from router.policies import POLICIES
 from router.profile import PRESETS, Profile, resolve_profile
-from router.sim_metrics import policy_label
-from router.simulator import SimConfig, simulate
+from router.sim_report import policy_label, summarize
+from router.simulator import SimConfig, Simulation
 from router.trace import TraceError, TraceRequest, load_trace
 
 SLO_TARGET = 0.9  # --sweep: the share of requests that must meet both SLOs
@@ -42,6 +42,12 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", help="write the results here")
     p.set_defaults(func=run_simulate)
     return p
+
+
+def simulate(trace: list[TraceRequest], profile: Profile, cfg: SimConfig) -> dict:
+    """One run's metrics (`sim_report.summarize`)."""
+    sim = Simulation(trace, profile, cfg)
+    return summarize(sim.run(), cfg, sim.fetched_tokens)
 
 
 def sweep(trace: list[TraceRequest], profile: Profile, cfg: SimConfig, iterations: int = 5) -> dict:
