@@ -34,10 +34,8 @@ class PrefixIndex(Protocol):
 
 
 class Conductor:
-    def __init__(self, policy_name: str = "tidepool", estimator: Estimator | None = None, slo: SLO = SLO(),
+    def __init__(self, policy_name: str, estimator: Estimator, slo: SLO,
                  *, block_size: int = 16, seed: int = 0, pending_ttl_s: float = 30.0, **policy_options):
-        if estimator is None:
-            raise ValueError("Conductor needs an Estimator (Profile.estimator() or a preset's)")
         self.policy_name, self.estimator, self.slo, self.block_size = policy_name, estimator, slo, block_size
         self.policy = make_policy(policy_name, seed=seed, **policy_options)
         self.pending_ttl_s = pending_ttl_s

@@ -36,7 +36,7 @@ class SimConfig:
     decode: int = 16
     policy: str = "tidepool"
     speed: float = 1.0  # arrival times are divided by this
-    slo: SLO = field(default_factory=SLO)
+    slo: SLO = field(default_factory=lambda: SLO(ttft_s=30.0, tbt_s=0.1))  # the Mooncake paper's setting
     seed: int = 0
     noise: float = 0.05  # sigma of the log-normal jitter on each true prefill time (unknown to the router)
     block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace hash id

@@ -54,8 +54,11 @@ class Reject:
 
 @dataclass(frozen=True)
 class SLO:
-    ttft_s: float = 30.0
-    tbt_s: float = 0.1
+    """Service-level objectives; no defaults here: the live cluster (``ClusterConfig``) and the simulator
+    (``SimConfig``, the paper's A800 setting) each keep their own."""
+
+    ttft_s: float
+    tbt_s: float
 
 
 class ClusterView:
