@@ -2,7 +2,7 @@
 
 ``add_request`` queues a prompt, ``step`` runs one forward pass over whatever the scheduler picked and
 returns each sampled token, ``abort`` drops a request at any point. Disaggregated serving adds:
-a prefill-only request stops after its first token (finish reason "prefilled") and keeps its blocks
+a prefill-only request stops after its first token (``FinishReason.PREFILLED``) and keeps its blocks
 for ``export_blocks``; the decode side ``reserve_blocks``, ``import_blocks`` and continues with
 ``add_imported_request``; ``release`` frees what either side still holds. ``insert_cached_blocks``
 turns prefix blocks fetched from the KV pool into local prefix-cache hits, and ``take_block_events``
@@ -25,33 +25,18 @@ from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
 from engine.loader import load_model, model_id_for, resolve_model_dir
+from engine.output import FinishReason, OutputText, RequestOutput, check_finish
+from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import Tokenizer
 from kvstore.hashing import salt_for
 
 # on_layer_done(layer, completing): layer ``layer``'s K/V of this step is written; ``completing`` maps each
 # prefill-only request whose prompt completes in this step to its block table (to ship that layer early).
 LayerHook = Callable[[int, dict[str, list[int]]], None]
-DETOKENIZER_CONTEXT = 4  # prompt tokens decoded ahead of the output so the first word spaces right
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    index: int  # which of the request's n samples
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}
-    # New text (when the model has a tokenizer). A matched stop string and what follows it are cut
-    # (OpenAI semantics), and text that could still become a stop string is held back until it can't.
-    text: str = ""
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
 
 
 @dataclass
@@ -85,6 +70,7 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size, num_blocks)
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
@@ -108,13 +94,13 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
-        """Drop the request wherever it is; the next step() reports each live sample as "abort"."""
+        """Drop the request wherever it is; the next step() reports each live sample as aborted."""
         seqs = self.requests.pop(request_id, [])
         self.scheduler.remove(seqs)
         for s in seqs:
             self.block_manager.free(s.seq_id)
-            self._pending.append(RequestOutput(request_id, s.index, [], True, "abort", s.num_prompt_tokens,
-                                               s.num_cached_tokens))
+            self._pending.append(RequestOutput(request_id, s.index, [], True, FinishReason.ABORT,
+                                               s.num_prompt_tokens, s.num_cached_tokens))
         self.release(request_id)
 
     def has_unfinished(self) -> bool:
@@ -161,13 +147,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        logprobs: list[dict[int, float] | None] = [None] * len(seqs)
-        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if want:
-            entries = top_logprobs(logits[want], [token_ids[i] for i in want],
-                                   [seqs[i].params.logprobs for i in want])
-            for i, entry in zip(want, entries, strict=True):
-                logprobs[i] = entry
+        logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs, finished = [], []
         for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True):
             out = self._append(seq, tok, lp)
@@ -181,7 +161,7 @@ class Engine:
                 live.remove(seq)
                 if not live:
                     del self.requests[seq.request_id]
-                if seq.finish_reason == "prefilled":
+                if seq.finish_reason is FinishReason.PREFILLED:
                     self.held[seq.request_id] = seq.seq_id
                 else:
                     self.block_manager.free(seq.seq_id)
@@ -190,46 +170,13 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None) -> RequestOutput:
         """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""
         seq.token_ids.append(tok)
-        p = seq.params
-        reason: str | None = None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            reason, seq.stop_reason = "stop", tok  # a stop token's text is not output
-        elif seq.detokenizer is not None:
-            before = len(seq.text)
-            seq.text += seq.detokenizer.push([tok])
-            if p.stop and len(seq.text) > before and self._match_stop(seq, before):
-                reason = "stop"
-        if reason is None and seq.num_output_tokens >= p.max_tokens:
-            reason = "length"
-            if seq.detokenizer is not None:
-                seq.text += seq.detokenizer.flush()
-        if reason is None and seq.prefill_only:
-            reason = "prefilled"
+        reason, seq.stop_reason = check_finish(tok, seq.num_output_tokens, seq.params, self.eos_token_ids,
+                                               seq.text, seq.prefill_only)
         seq.finish_reason = reason
-        final = reason is not None and reason != "prefilled"
-        visible = len(seq.text) if final else self._emittable(seq)
-        text = seq.text[seq.sent_text_len:visible]
-        seq.sent_text_len = max(seq.sent_text_len, visible)
+        text = "" if seq.text is None else seq.text.emit(final=reason not in (None, FinishReason.PREFILLED))
         return RequestOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, None if logprobs is None else [logprobs], text,
                              seq.stop_reason)
-
-    @staticmethod
-    def _match_stop(seq: Sequence, before: int) -> bool:
-        """Cut ``seq.text`` at the earliest stop string that text from ``before`` on completes."""
-        longest = max(len(s) for s in seq.params.stop)
-        lo = max(0, before - longest + 1)
-        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, lo)) >= 0]
-        if hits:
-            i, s = min(hits)
-            seq.text, seq.stop_reason = seq.text[:i], s
-        return bool(hits)
-
-    @staticmethod
-    def _emittable(seq: Sequence) -> int:
-        """Characters of text safe to hand out: all but a tail that might begin a stop string."""
-        hold = max((len(s) for s in seq.params.stop), default=1) - 1
-        return max(seq.sent_text_len, len(seq.text) - hold)
 
     # -- disaggregation: prefill side --------------------------------------------------------------
     def request_block_ids(self, request_id: str) -> list[int]:
@@ -269,8 +216,7 @@ class Engine:
         if seq_id is None or self.block_manager.block_table(seq_id)[:len(block_ids)] != list(block_ids):
             raise InvalidRequestError("block_ids", f"no reservation of these blocks for {request_id!r}")
         self._check(request_id, prompt_ids, params, False, reserved=True)
-        if first_token_id in params.stop_token_ids or params.max_tokens <= 1 or (
-                not params.ignore_eos and first_token_id in self.eos_token_ids):
+        if check_finish(first_token_id, 1, params, self.eos_token_ids, None, False)[0] is not None:
             raise InvalidRequestError("first_token_id", "the request already finished at its first token")
         del self.held[request_id]
         seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id)
@@ -280,11 +226,9 @@ class Engine:
             # the prefill side drew one row of exponentials for the first token; skip the same draw
             torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
                 generator=seq.generator)
-        if seq.detokenizer is not None:
-            seq.text = seq.detokenizer.push([first_token_id])
-            if params.stop:
-                self._match_stop(seq, 0)
-            seq.sent_text_len = self._emittable(seq)  # what the prefill side already handed out
+        if seq.text is not None:  # the prefill side handed out the first token's text (and matched no stop)
+            seq.text.push(first_token_id)
+            seq.text.emit(final=False)
         self.requests[request_id] = [seq]
         self.block_manager.commit(seq_id, seq.token_ids, len(prompt_ids))
         self.scheduler.add_running(seq)
@@ -329,24 +273,7 @@ class Engine:
         params.validate()
         if not reserved and (request_id in self.requests or request_id in self.held):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        if len(prompt_ids) == 0:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_model_len}")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens")
-        if (prefill_only or reserved) and params.n != 1:
-            raise InvalidRequestError("n", "disaggregated requests take n = 1")
-        need = self.block_manager.blocks_for(len(prompt_ids) + (1 if prefill_only else params.max_tokens))
-        if need > self.block_manager.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens", f"needs {need} KV blocks, the cache has {self.block_manager.num_blocks}")
+        self.limits.check(prompt_ids, params, prefill_only, reserved)
 
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
@@ -354,12 +281,9 @@ class Engine:
 
     def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
                  seq_id: int | None = None) -> Sequence:
-        seq = Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, token_ids, len(token_ids), params, index,
-                       generator=make_generator(params.seed, index, self.device))
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-            seq.detokenizer.push(token_ids[-DETOKENIZER_CONTEXT:])  # context only; its text is not output
-        return seq
+        return Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, token_ids, len(token_ids),
+                        params, index, generator=make_generator(params.seed, index, self.device),
+                        text=None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop))
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

@@ -64,16 +64,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return tokens.tolist()
 
 
-def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int]) -> list[dict[int, float]]:
+def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | None]
+                 ) -> list[dict[int, float] | None]:
     """Per row: {sampled token: logprob} plus the row's ``counts[row]`` most likely tokens, from the
-    model's raw distribution (before temperature / top-k / top-p, as vLLM reports them)."""
-    logprobs = logits.log_softmax(dim=-1)
-    k = max(counts)
+    model's raw distribution (before temperature / top-k / top-p, as vLLM reports them); None for a row
+    whose count is None (its request asked for no logprobs)."""
+    out: list[dict[int, float] | None] = [None] * len(counts)
+    want = [row for row, n in enumerate(counts) if n is not None]
+    if not want:
+        return out
+    logprobs = logits[want].log_softmax(dim=-1)
+    k = max(counts[row] for row in want)
     top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logits.device).unsqueeze(1)).squeeze(1)
-    out = []
-    for row, (tok, n) in enumerate(zip(token_ids, counts, strict=True)):
-        entry = dict(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True)) if n else {}
-        entry[tok] = chosen[row].item()
-        out.append(entry)
+    chosen = logprobs.gather(1, torch.tensor([token_ids[row] for row in want], device=logits.device)[:, None])
+    for i, row in enumerate(want):
+        n = counts[row]
+        entry = dict(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True)) if n else {}
+        entry[token_ids[row]] = chosen[i, 0].item()
+        out[row] = entry
     return out

@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 
 from engine.block_manager import BlockManager
+from engine.output import FinishReason, OutputText
 from engine.sampling_params import SamplingParams
 
 
@@ -43,11 +44,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     admitted: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    detokenizer: object | None = None  # engine.tokenizer.IncrementalDetokenizer, when text is tracked
-    text: str = ""
-    sent_text_len: int = 0  # characters of ``text`` already handed out
+    text: OutputText | None = None  # when the model has a tokenizer
 
     @property
     def num_tokens(self) -> int:

@@ -86,10 +86,13 @@ def test_seeded_rows_reproduce_whatever_the_batch():
 
 
 def test_logprobs_hold_the_sampled_token_and_the_top_n():
-    x = logits(2)
-    entries = top_logprobs(x, [7, 11], [2, 0])
+    x = logits(3)
+    entries = top_logprobs(x, [7, 3, 11], [2, None, 0])  # the middle row asked for no logprobs
     ref = x.log_softmax(-1)
     top2 = ref[0].topk(2).indices.tolist()
     assert set(entries[0]) == {7, *top2}
     assert entries[0][7] == pytest.approx(ref[0, 7].item())
-    assert entries[1] == {11: pytest.approx(ref[1, 11].item())}
+    assert entries[0][top2[0]] == pytest.approx(ref[0, top2[0]].item())
+    assert entries[1] is None
+    assert entries[2] == {11: pytest.approx(ref[2, 11].item())}
+    assert top_logprobs(x, [7, 3, 11], [None] * 3) == [None] * 3

@@ -1,0 +1,104 @@
+"""What a step hands out for each sample, and the text and stop handling behind it.
+
+``RequestOutput`` carries a sample's new token, its text and, when the sample ends, a ``FinishReason``.
+``check_finish`` decides whether a sampled token ends the sample (stop token, stop string, length, or
+the end of a prefill-only request). ``OutputText`` detokenizes a sample's tokens incrementally, cuts a
+matched stop string and what follows it (OpenAI semantics), and holds back text that could still become
+a stop string until it can't. Torch-free: the services that relay outputs need not load torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Set
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+DETOKENIZER_CONTEXT = 4  # prompt tokens decoded ahead of the output so the first word spaces right
+
+
+class FinishReason(enum.StrEnum):
+    """A str, so comparisons with the plain strings and JSON encoding keep working."""
+
+    STOP = "stop"  # a stop token, an EOS token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"
+    PREFILLED = "prefilled"  # a prefill-only request sampled its first token; its blocks are kept
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    index: int  # which of the request's n samples
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}
+    # New text (when the model has a tokenizer). A matched stop string and what follows it are cut
+    # (OpenAI semantics), and text that could still become a stop string is held back until it can't.
+    text: str = ""
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+
+
+class OutputText:
+    """One sample's output text: pushed token by token, handed out by ``emit``."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]):
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer.push(prompt_ids[-DETOKENIZER_CONTEXT:])  # context only; its text is not output
+        self._stop = stop
+        self.text = ""
+        self._sent = 0  # characters of ``text`` already handed out
+
+    def push(self, token_id: int) -> str | None:
+        """Add a sampled token's text; returns the stop string it completes (the text is cut before it)."""
+        before = len(self.text)
+        self.text += self._detokenizer.push([token_id])
+        if self._stop and len(self.text) > before:
+            return self._match_stop(before)
+        return None
+
+    def flush(self) -> None:
+        """Take in text the detokenizer still holds (an incomplete character at the end of generation)."""
+        self.text += self._detokenizer.flush()
+
+    def emit(self, final: bool) -> str:
+        """Text not handed out yet: all of it when the sample is done, else all but a tail that might
+        begin a stop string."""
+        hold = max((len(s) for s in self._stop), default=1) - 1
+        visible = len(self.text) if final else max(self._sent, len(self.text) - hold)
+        new = self.text[self._sent:visible]
+        self._sent = max(self._sent, visible)
+        return new
+
+    def _match_stop(self, before: int) -> str | None:
+        """Cut ``text`` at the earliest stop string that text from ``before`` on completes."""
+        longest = max(len(s) for s in self._stop)
+        lo = max(0, before - longest + 1)
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, lo)) >= 0]
+        if not hits:
+            return None
+        i, s = min(hits)
+        self.text = self.text[:i]
+        return s
+
+
+def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Set[int],
+                 text: OutputText | None, prefill_only: bool) -> tuple[FinishReason | None, int | str | None]:
+    """(why the sample ends with ``token_id``, or None; the stop token or stop string that ended it).
+
+    ``num_output_tokens`` counts ``token_id``. The token's text goes into ``text`` unless it is a stop
+    token, whose text is not output."""
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+        return FinishReason.STOP, token_id
+    if text is not None and (stop := text.push(token_id)) is not None:
+        return FinishReason.STOP, stop
+    if num_output_tokens >= params.max_tokens:
+        if text is not None:
+            text.flush()
+        return FinishReason.LENGTH, None
+    return (FinishReason.PREFILLED if prefill_only else None), None

@@ -1,0 +1,39 @@
+"""An engine's limits on a request (vocabulary, context length, KV blocks), checked before the request
+takes any resource. Torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    def check(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool, reserved: bool) -> None:
+        """Raise ``InvalidRequestError(field, message)`` for the first limit the request breaks.
+        ``prefill_only``: the request stops after its first token; ``reserved``: its prompt K/V is imported
+        into reserved blocks (both are disaggregated, so one sample each)."""
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_model_len}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(prompt_ids)}) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens")
+        if (prefill_only or reserved) and params.n != 1:
+            raise InvalidRequestError("n", "disaggregated requests take n = 1")
+        need = -(-(len(prompt_ids) + (1 if prefill_only else params.max_tokens)) // self.block_size)
+        if need > self.num_blocks:
+            raise InvalidRequestError("max_tokens", f"needs {need} KV blocks, the cache has {self.num_blocks}")
