@@ -172,6 +172,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Pre-norm attention and MLP, each added to the residual stream ``h``; writes every row's K/V
+        into ``kv``, this layer's ``[2, num_blocks, block_size, kv_heads, head_dim]`` cache."""
+        block_size = kv.shape[2]
+        k_cache = kv[0].view(-1, *kv.shape[3:])  # [num_blocks * block_size, kv_heads, head_dim]
+        v_cache = kv[1].view(-1, *kv.shape[3:])
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, block_size, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -199,20 +209,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor, last_rows: torch.Tensor,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Hidden rows -> float32 logits of ``last_rows``; writes every row's K/V into ``kv_cache``."""
+        """Hidden rows -> float32 logits of ``last_rows``; writes every row's K/V into ``kv_cache``
+        (``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``), calling ``on_layer_done(layer)`` once
+        a layer is done (its K/V written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         # cos/sin exactly as transformers builds them: float32 position * inv_freq, then cast.
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D] broadcast over heads
         cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
-        block_size = kv_cache.shape[3]
-        slots = kv_cache.shape[2] * block_size
         for i, layer in enumerate(self.model.layers):
-            k_cache = kv_cache[i, 0].view(slots, *kv_cache.shape[4:])
-            v_cache = kv_cache[i, 1].view(slots, *kv_cache.shape[4:])
-            h = h + layer.self_attn(layer.input_layernorm(h), cos, sin, k_cache, v_cache, block_size, meta)
+            h = layer(h, cos, sin, kv_cache[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
         h = self.model.norm(h[last_rows])
         return self.lm_head(h).float()
