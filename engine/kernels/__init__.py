@@ -1,0 +1,41 @@
+"""Triton kernels for the GPU engine: paged decode and prefill attention, and the K/V cache write.
+
+All take one layer's cache as ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]``
+(``KVCache.data[layer, 0]`` and ``[layer, 1]``). Importing this package never imports triton: the
+kernel functions load on first access, so the CPU path can ask ``triton_available()`` first. The torch
+references in ``engine.kernels.reference`` need only torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from functools import cache
+from typing import Any
+
+# public name -> module that defines it (imported on first attribute access, never cached here, so a
+# test that reloads a module under TRITON_INTERPRET=1 is seen by later lookups)
+_LAZY = {
+    "paged_decode_attention": "engine.kernels.paged_decode",
+    "paged_prefill_attention": "engine.kernels.paged_prefill",
+    "write_kv": "engine.kernels.kv_write",
+}
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "triton_available", "write_kv"]
+
+
+@cache
+def triton_available() -> bool:
+    """Whether triton imports here (it says nothing about a GPU: without one the kernels only run
+    under ``TRITON_INTERPRET=1``)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install failing in its own import code
+        return False
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

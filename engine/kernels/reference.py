@@ -1,0 +1,67 @@
+"""Torch references for the Triton kernels: gather each sequence's blocks, build the mask, softmax.
+
+Slow and obviously correct (one sequence at a time, float32 math); the kernel tests compare against
+these, and these are checked against dense causal SDPA. Importing this module never needs triton.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ref_write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """``k[t]``/``v[t]`` -> slot ``slot_mapping[t]`` = (block, row) of the 4-D caches; slot < 0 skipped."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` positions of one sequence: ``[length, kv_heads, head_dim]``."""
+    block_size = cache.shape[1]
+    blocks = block_table[:(length + block_size - 1) // block_size].long()
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q ``[m, Hq, D]`` at absolute positions ``q_pos`` over k/v ``[n, Hkv, D]`` (positions 0..n-1),
+    causal: query at position p sees keys 0..p. Returns ``[m, Hq, D]`` in q's dtype."""
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    visible = torch.arange(k.shape[0], device=q.device)[None, :] <= q_pos[:, None]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hmn,nhd->mhd", probs, v).to(q.dtype)
+
+
+def ref_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Same contract as ``paged_decode_attention``: q ``[batch, Hq, D]`` is the token at position
+    ``context_lens[b] - 1`` and sees the whole context."""
+    out = torch.empty_like(q)
+    for b, n in enumerate(context_lens.tolist()):
+        k = gather_context(k_cache, block_tables[b], n)
+        v = gather_context(v_cache, block_tables[b], n)
+        out[b] = _attend(q[b:b + 1], k, v, torch.tensor([n - 1], device=q.device), scale)[0]
+    return out
+
+
+def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Same contract as ``paged_prefill_attention``: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q
+    are the last positions of sequence b's ``seq_lens[b]`` (cached prefix first, then the chunk)."""
+    out = torch.empty_like(q)
+    cu = cu_seqlens_q.tolist()
+    for b, n in enumerate(seq_lens.tolist()):
+        m = cu[b + 1] - cu[b]
+        k = gather_context(k_cache, block_tables[b], n)
+        v = gather_context(v_cache, block_tables[b], n)
+        pos = torch.arange(n - m, n, device=q.device)
+        out[cu[b]:cu[b + 1]] = _attend(q[cu[b]:cu[b + 1]], k, v, pos, scale)
+    return out

@@ -1,0 +1,293 @@
+"""Triton paged-attention and KV-write kernels, run on CPU by the Triton interpreter, against the torch
+references in engine.kernels.reference (which are themselves checked against dense causal SDPA)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.kernels import reference as ref
+from engine.kv_cache import KVCache
+
+# @triton.jit, and triton.language's own jitted helpers (tl.sum, tl.max, tl.cdiv), choose between GPU
+# compilation and the CPU interpreter when they are decorated, i.e. at the process's first `import
+# triton`; so the variable is set before that import and stays set (one mode per process).
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from engine.kernels.common import interpreting  # noqa: E402
+
+if not interpreting():
+    pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run this file in "
+                "its own process", allow_module_level=True)
+
+from engine.kernels.kv_write import write_kv  # noqa: E402
+from engine.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from engine.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)  # reproducible inputs; tolerances hold for any seed
+
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3),
+       torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual.float(), expected.float(), **TOL[expected.dtype])
+
+
+def make_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+
+
+def make_tables(lens: list[int], block_size: int, num_blocks: int, seed: int = 0) -> torch.Tensor:
+    """Distinct, shuffled blocks per sequence (so block order != position order), padded with -1,
+    which would fault if a kernel ever read past a sequence's last block."""
+    need = [(n + block_size - 1) // block_size for n in lens]
+    assert sum(need) <= num_blocks
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    width = max(need) + 1
+    rows, used = [], 0
+    for k in need:
+        rows.append(perm[used:used + k] + [-1] * (width - k))
+        used += k
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def blocks_for(lens: list[int], block_size: int) -> int:
+    return sum((n + block_size - 1) // block_size for n in lens) + 2
+
+
+def cu_seqlens(chunk_lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(chunk_lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def layer_config(num_heads: int, num_kv_heads: int, head_dim: int) -> ModelConfig:
+    """A two-layer model shape, for caches laid out exactly as the engine's KVCache."""
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=64, intermediate_size=64,
+                       num_layers=2, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """[n, H, D] rows of plain causal attention (the model's no-prefix SDPA call)."""
+    o = F.scaled_dot_product_attention(q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None],
+                                       v.float().transpose(0, 1)[None], is_causal=True, scale=scale,
+                                       enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+# ---- the references against dense attention ------------------------------------------------------
+
+def test_reference_write_kv_puts_each_row_at_its_block_and_offset():
+    k_cache, v_cache = torch.zeros(2, 6, 4, 2, 8)  # 6 blocks of 4
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    ref.ref_write_kv(k, v, k_cache, v_cache, torch.tensor([5, -1, 2]))
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[0, 2], v[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # the -1 row wrote nothing
+
+
+@pytest.mark.parametrize("prefix", [0, 13, 16])
+def test_reference_prefill_equals_dense_causal_attention(prefix: int):
+    n, bs, scale = 37, 8, 0.3
+    q, k, v = torch.randn(n, 8, 16), torch.randn(n, 2, 16), torch.randn(n, 2, 16)
+    k_cache, v_cache = torch.zeros(2, 12, bs, 2, 16)
+    table = make_tables([n], bs, 12, seed=1)
+    ref.ref_write_kv(k, v, k_cache, v_cache, (table[0, torch.arange(n) // bs] * bs + torch.arange(n) % bs))
+    out = ref.ref_paged_prefill(q[prefix:], k_cache, v_cache, table, cu_seqlens([n - prefix]),
+                                torch.tensor([n]), scale)
+    torch.testing.assert_close(out, dense_causal(q, k, v, scale)[prefix:], atol=1e-5, rtol=1e-5)
+
+
+def test_reference_decode_equals_last_row_of_dense_attention():
+    bs, scale, lens = 4, 0.25, [1, 4, 9]
+    k_cache, v_cache = torch.zeros(2, blocks_for(lens, bs), bs, 1, 16)
+    tables = make_tables(lens, bs, k_cache.shape[0], seed=2)
+    qs, expected = [], []
+    for b, n in enumerate(lens):
+        q, k, v = torch.randn(n, 4, 16), torch.randn(n, 1, 16), torch.randn(n, 1, 16)
+        pos = torch.arange(n)
+        ref.ref_write_kv(k, v, k_cache, v_cache, tables[b, pos // bs] * bs + pos % bs)
+        qs.append(q[-1])
+        expected.append(dense_causal(q, k, v, scale)[-1])
+    out = ref.ref_paged_decode(torch.stack(qs), k_cache, v_cache, tables, torch.tensor(lens), scale)
+    torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
+
+
+# ---- KV write -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_write_kv_matches_reference_and_skips_negative_slots(dtype: torch.dtype, block_size: int):
+    num_blocks, heads, d = 5, 2, 64
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(3))[:11]
+    slots[[2, 7]] = -1
+    k, v = torch.randn(11, heads, d).to(dtype), torch.randn(11, heads, d).to(dtype)
+    k_cache, v_cache = make_cache(num_blocks, block_size, heads, d, dtype)
+    k_exp, v_exp = k_cache.clone(), v_cache.clone()
+    write_kv(k, v, k_cache, v_cache, slots)
+    ref.ref_write_kv(k, v, k_exp, v_exp, slots)
+    assert torch.equal(k_cache, k_exp) and torch.equal(v_cache, v_exp)
+
+
+def test_write_kv_takes_strided_rows_casts_and_writes_a_layer_view():
+    """K/V as the model makes them (column slices of one packed qkv matrix, float32) into one layer of
+    an fp16 KVCache: nothing else changes. (fp16, not bf16: the interpreter truncates fp32 -> bf16 where
+    a GPU rounds to nearest even, so only the fp16 cast is bit-exact on both.)"""
+    cache = KVCache(layer_config(num_heads=4, num_kv_heads=2, head_dim=16), num_blocks=4, block_size=4,
+                    dtype="float16", device="cpu")
+    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16)
+    k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)
+    slots = torch.tensor([3, 4, 5, 12, 0, 15])
+    write_kv(k, v, cache.data[1, 0], cache.data[1, 1], slots)
+    expected = torch.zeros_like(cache.data)
+    ref.ref_write_kv(k, v, expected[1, 0], expected[1, 1], slots)
+    assert torch.equal(cache.data, expected)
+
+
+# ---- decode -------------------------------------------------------------------------------------
+
+DECODE_LENS = [1, 15, 16, 17, 32, 33, 50]  # 1, and lengths at and just past block boundaries
+
+
+def run_decode(lens: list[int], q_heads: int, kv_heads: int, head_dim: int, block_size: int,
+               dtype: torch.dtype = torch.float32, **kwargs) -> None:
+    k_cache, v_cache = make_cache(blocks_for(lens, block_size), block_size, kv_heads, head_dim, dtype)
+    tables = make_tables(lens, block_size, k_cache.shape[0])
+    q = torch.randn(len(lens), q_heads, head_dim).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale, **kwargs)
+    assert_close(out, ref.ref_paged_decode(q, k_cache, v_cache, tables, context_lens, scale))
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_mixed_lengths_matches_reference(q_heads: int, kv_heads: int, head_dim: int):
+    run_decode(DECODE_LENS, q_heads, kv_heads, head_dim, block_size=16, block_n=32)
+
+
+def test_decode_block_size_8_with_tiles_spanning_blocks():
+    run_decode([1, 7, 8, 9, 40], 8, 2, 64, block_size=8, block_n=32)
+
+
+def test_decode_block_size_32_wider_than_tile():
+    run_decode([1, 31, 32, 33, 70], 8, 2, 64, block_size=32, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_decode_split_k_merges_to_the_same_result(num_splits: int):
+    """Two-stage decode; the short contexts leave some splits empty, which the merge must ignore."""
+    run_decode([1, 16, 17, 100, 150], 8, 2, 64, block_size=16, num_splits=num_splits, block_n=16)
+
+
+def test_decode_non_power_of_two_head_dim():
+    run_decode([1, 17, 33], 6, 2, 80, block_size=16)
+    run_decode([5, 40], 6, 2, 80, block_size=16, num_splits=2, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_half_precision_within_tolerance(dtype: torch.dtype, num_splits: int):
+    run_decode([1, 17, 64], 8, 2, 128, block_size=16, dtype=dtype, num_splits=num_splits, block_n=32)
+
+
+def test_decode_writes_into_given_out_and_reads_kvcache_layer_views():
+    """Layer 1 of a real KVCache, int64 tables and lengths (what the runner builds today), out= given."""
+    cache = KVCache(layer_config(num_heads=8, num_kv_heads=2, head_dim=64), num_blocks=8, block_size=16,
+                    dtype="float32", device="cpu")
+    cache.data.normal_()
+    lens = torch.tensor([3, 40])
+    tables = make_tables(lens.tolist(), 16, 8, seed=4).long()
+    k_cache, v_cache = cache.data[1, 0], cache.data[1, 1]
+    q = torch.randn(2, 8, 64)
+    out = torch.full_like(q, float("nan"))
+    assert paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, out=out) is out
+    assert_close(out, ref.ref_paged_decode(q, k_cache, v_cache, tables, lens, 0.125))
+
+
+# ---- prefill ------------------------------------------------------------------------------------
+
+def run_prefill(chunk_lens: list[int], prefix_lens: list[int], q_heads: int, kv_heads: int,
+                head_dim: int, block_size: int, dtype: torch.dtype = torch.float32, **kwargs) -> None:
+    seq_lens = [p + c for p, c in zip(prefix_lens, chunk_lens, strict=True)]
+    k_cache, v_cache = make_cache(blocks_for(seq_lens, block_size), block_size, kv_heads, head_dim, dtype)
+    tables = make_tables(seq_lens, block_size, k_cache.shape[0])
+    q = torch.randn(sum(chunk_lens), q_heads, head_dim).to(dtype)
+    cu, lens = cu_seqlens(chunk_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, **kwargs)
+    assert_close(out, ref.ref_paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale))
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_mixed_prefixes_matches_reference(q_heads: int, kv_heads: int, head_dim: int):
+    """Fresh prompts and chunks after cached prefixes (at and past block boundaries) in one batch."""
+    run_prefill([1, 16, 17, 5, 3], [0, 0, 15, 16, 33], q_heads, kv_heads, head_dim, block_size=16,
+                block_m=16, block_n=16)
+
+
+def test_prefill_without_prefix_small_tiles_cross_blocks():
+    run_prefill([40, 1, 9], [0, 0, 0], 8, 2, 64, block_size=16, block_m=16, block_n=32)
+
+
+def test_prefill_block_size_8_default_tiles():
+    run_prefill([20, 8, 1], [12, 0, 9], 8, 2, 64, block_size=8)
+
+
+def test_prefill_non_power_of_two_head_dim():
+    run_prefill([7, 18], [0, 10], 6, 3, 80, block_size=16, block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_half_precision_within_tolerance(dtype: torch.dtype):
+    run_prefill([17, 4], [0, 20], 8, 2, 128, block_size=16, dtype=dtype, block_m=16, block_n=16)
+
+
+# ---- together: write, prefill in chunks, decode ---------------------------------------------------
+
+def test_chunked_prefill_then_decode_equals_dense_attention():
+    """One sequence the way the runner drives it: write each chunk's K/V, attend, then decode steps;
+    every output row equals plain causal attention over the whole sequence."""
+    n, bs, scale = 45, 16, 64 ** -0.5
+    q, k, v = torch.randn(n, 8, 64), torch.randn(n, 2, 64), torch.randn(n, 2, 64)
+    k_cache, v_cache = torch.zeros(2, 6, bs, 2, 64)
+    table = make_tables([n], bs, 6, seed=5)
+    slots = table[0, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+    rows = []
+    for begin, end in [(0, 17), (17, 40)]:
+        write_kv(k[begin:end], v[begin:end], k_cache, v_cache, slots[begin:end])
+        rows.append(paged_prefill_attention(q[begin:end], k_cache, v_cache, table, cu_seqlens([end - begin]),
+                                            torch.tensor([end], dtype=torch.int32), scale, block_m=16,
+                                            block_n=16))
+    for p in range(40, n):
+        write_kv(k[p:p + 1], v[p:p + 1], k_cache, v_cache, slots[p:p + 1])
+        context_lens = torch.tensor([p + 1], dtype=torch.int32)
+        rows.append(paged_decode_attention(q[p:p + 1], k_cache, v_cache, table, context_lens, scale,
+                                           block_n=16))
+    torch.testing.assert_close(torch.cat(rows), dense_causal(q, k, v, scale), atol=2e-5, rtol=1e-5)
+
+
+def test_triton_available_is_false_when_triton_cannot_import(monkeypatch):
+    from engine.kernels import triton_available
+
+    triton_available.cache_clear()
+    monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
+    try:
+        assert triton_available() is False
+    finally:
+        triton_available.cache_clear()
