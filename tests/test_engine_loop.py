@@ -1,10 +1,12 @@
 """Engine serving loop on a tiny random Llama: continuous batching, prefix caching, preemption, abort,
-n > 1 with copy-on-write, KV export/import between engines, pool inserts, stop conditions, request
-validation, block waste, and greedy parity with transformers ``generate``."""
+n > 1 with copy-on-write, stop conditions, request validation, block waste, and greedy parity with
+transformers ``generate``. The model and helpers here also serve test_engine_handoff and
+test_engine_thread."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,18 +14,18 @@ import transformers
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.errors import InvalidRequestError
 from engine.loader import resolve_model_dir
+from engine.output import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 
 VOCAB = 272  # the built-in tiny model's byte-level vocabulary, so its tokenizer files fit
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def write_model(parent: Path) -> Path:
     """hidden 64, 2 layers, GQA; weights scaled up so greedy outputs vary from token to token."""
-    path = tmp_path_factory.mktemp("engine-loop") / "loop-llama"
+    path = parent / "loop-llama"
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=[257, 258])
@@ -41,6 +43,11 @@ def model_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tiny / name, path / name)
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("engine-loop"))
 
 
 def make_engine(model_dir, **kwargs) -> Engine:
@@ -133,7 +140,7 @@ def test_abort_before_during_and_after_prefill_frees_every_block(model_dir):
         engine.abort(rid)
     outs = engine.step()
     assert sorted((o.request_id, o.finish_reason) for o in outs) == [
-        ("decoding", "abort"), ("prefilling", "abort"), ("waiting", "abort")]
+        ("decoding", FinishReason.ABORT), ("prefilling", FinishReason.ABORT), ("waiting", FinishReason.ABORT)]
     assert engine.stats().free_blocks == baseline and not engine.has_unfinished()
 
 
@@ -173,73 +180,6 @@ def run_rest(engine: Engine, tokens: dict) -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sampling", [GREEDY, dict(temperature=0.8, seed=3, ignore_eos=True)])
-def test_export_import_decode_equals_single_engine(model_dir, sampling):
-    ids = prompt(37, seed=4)
-    params = SamplingParams(max_tokens=16, **sampling)
-    single = run(make_engine(model_dir), {"r": (ids, params)})[("r", 0)]
-
-    prefill = make_engine(model_dir)
-    baseline = prefill.stats().free_blocks
-    prefill.add_request("r", ids, params, prefill_only=True)
-    (out,) = prefill.step()
-    assert out.finish_reason == "prefilled" and not prefill.has_unfinished()
-    block_ids = prefill.request_block_ids("r")
-    assert len(block_ids) == 3
-    tensor, hashes = prefill.export_blocks(block_ids)
-    assert len(hashes) == 2  # the two full blocks; the partial third has no hash
-    prefill.release("r")
-    assert prefill.stats().free_blocks == baseline
-
-    decode = make_engine(model_dir)
-    reserved = decode.reserve_blocks("r", len(ids))
-    decode.import_blocks(reserved, tensor)
-    decode.add_imported_request("r", ids, out.new_token_ids[0], params, reserved)
-    rest = run_rest(decode, {})[("r", 0)]
-    assert out.new_token_ids + rest == single
-    assert decode.stats().free_blocks == decode.stats().total_blocks
-
-
-@pytest.mark.timeout(60)
-def test_reservations_and_pool_inserts(model_dir):
-    engine = make_engine(model_dir, num_blocks=8)
-    with pytest.raises(OutOfBlocksError):
-        engine.reserve_blocks("big", 9 * 16)
-    block_ids = engine.reserve_blocks("lease", 20)
-    assert len(block_ids) == 2 and engine.stats().free_blocks == 6
-    engine.release("lease")
-    assert engine.stats().free_blocks == 8
-
-    # KV fetched from another engine's cache becomes a local prefix hit with the same output
-    source = make_engine(model_dir)
-    shared = prompt(48, seed=6)
-    source.add_request("s", shared + [1], SamplingParams(max_tokens=4, **GREEDY), prefill_only=True)
-    source.step()
-    tensor, _ = source.export_blocks(source.request_block_ids("s")[:3])
-    target = make_engine(model_dir)
-    assert target.cached_prefix_len(shared) == 0
-    assert target.insert_cached_blocks(shared, tensor) == 3
-    assert target.cached_prefix_len(shared) == 48
-    ids = shared + prompt(6, seed=7)
-    params = SamplingParams(max_tokens=6, **GREEDY)
-    assert run(target, {"t": (ids, params)})[("t", 0)] == alone(model_dir, ids, params)
-    assert target.stats().prompt_tokens_computed == 6
-
-
-@pytest.mark.timeout(60)
-def test_layer_callback_sees_the_requests_completing_prefill(model_dir):
-    engine = make_engine(model_dir, max_num_batched_tokens=32)
-    engine.add_request("p", prompt(50, 1), SamplingParams(max_tokens=4, **GREEDY), prefill_only=True)
-    seen = []
-    while engine.has_unfinished():
-        engine.step(on_layer_done=lambda layer, completing: seen.append((layer, dict(completing))))
-    # chunks of 32 + 18 tokens: only the second step completes the prompt
-    assert [layer for layer, _ in seen] == [0, 1, 0, 1]
-    assert [c for _, c in seen[:2]] == [{}, {}]
-    assert seen[2][1] == seen[3][1] == {"p": engine.request_block_ids("p")}
-
-
-@pytest.mark.timeout(60)
 def test_stop_strings_stop_tokens_and_logprobs(model_dir):
     engine = make_engine(model_dir)
     ids = engine.tokenizer.encode("The tide comes in")
@@ -249,18 +189,18 @@ def test_stop_strings_stop_tokens_and_logprobs(model_dir):
     engine.add_request("b", ids, SamplingParams(max_tokens=12, stop_token_ids=[base[4]], **GREEDY))
     outs = run_outputs(engine)
     assert [o.new_token_ids[0] for o in outs] == base[:base.index(base[4]) + 1]
-    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == base[4]
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == base[4]
     # a stop string: the text ends right before it (OpenAI semantics), tokens run up to its completion
     stop = text[5:7]
     engine.add_request("c", ids, SamplingParams(max_tokens=12, stop=[stop], logprobs=2, **GREEDY))
     outs = run_outputs(engine)
     assert "".join(o.text for o in outs) == text[:text.index(stop)]
-    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == stop
     assert all(len(o.logprobs) == 1 and o.new_token_ids[0] in o.logprobs[0] for o in outs)
     assert all(max(o.logprobs[0].values()) == o.logprobs[0][o.new_token_ids[0]] for o in outs)  # greedy
 
 
-def run_outputs(engine: Engine) -> list:
+def run_outputs(engine: Engine) -> list[RequestOutput]:
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

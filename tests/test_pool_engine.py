@@ -1,4 +1,5 @@
-"""Engines sharing prefix KV through the Redis pool tier (the worker's PoolLink), output unchanged."""
+"""Engines sharing prefix KV through the Redis pool tier (the worker's PoolLink), output unchanged; their
+block events reach the pool index through the engine loop's sink."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ async def _two_engines_on_the_pool(model_dir, redis_url):
     loops = [EngineLoop(_engine(model_dir), aio) for _ in range(2)]
     links = [PoolLink(redis_url, f"engine-{name}", loop.engine, redis_max_bytes=64 << 20)
              for name, loop in zip("ab", loops, strict=True)]
+    for loop, link in zip(loops, links, strict=True):
+        loop.set_block_event_sink(link.publish)  # as the worker wires them
     try:
         yield loops, links
     finally:
@@ -74,8 +77,14 @@ def test_prefix_computed_by_engine_a_is_served_by_engine_b_from_redis(redis_url,
             await _compute_and_share(loop_a, link_a, "on-a", prompt)
             placed = await link_b.load_prefix(loop_b, prompt)
             tokens_b, cached_b = await _generate(loop_b, "on-b", prompt, GREEDY)
+            engine = loop_a.engine
+            hashes = block_hashes(prompt, engine.block_size, salt_for(engine.model_id))
+            assert link_a.publisher.flush() and link_b.publisher.flush()
+            holders = link_a.pool.longest_prefix(hashes)
         block_size = loop_b.engine.block_size
         assert placed == (len(prompt) - 1) // block_size
+        # A computed every full block of the prompt; B placed all of them from the pool tier
+        assert holders["engine-a"] == holders["engine-b"] == len(hashes) == placed
         assert cached_b == placed * block_size > 0 and cached_plain == 0
         assert loop_b.engine.stats().prompt_tokens_computed == len(prompt) - cached_b
         assert tokens_b == tokens_plain

@@ -1,0 +1,126 @@
+"""The engine's disaggregation and pool API on the tiny random Llama of test_engine_loop: KV export and
+import between engines (tokens and text as a single engine gives them), reservations, pool inserts, the
+block events the prefix cache queues, and the layer callback that ships completing prompts early."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_engine_loop import GREEDY, alone, make_engine, prompt, run, run_outputs, write_model
+
+from engine.block_events import BlockRemoved, BlockStored
+from engine.errors import OutOfBlocksError
+from engine.output import FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
+from kvstore.hashing import block_hashes, salt_for
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("engine-handoff"))
+
+
+def hand_off(model_dir, ids: list[int], params: SamplingParams) -> tuple[list[RequestOutput], int, int]:
+    """Prefill on one engine, move the KV to another and decode there: (the outputs of both sides, blocks
+    moved, hashes exported). Both engines end with every block free."""
+    prefill = make_engine(model_dir)
+    prefill.add_request("r", ids, params, prefill_only=True)
+    (first,) = prefill.step()
+    assert first.finish_reason is FinishReason.PREFILLED and not prefill.has_unfinished()
+    block_ids = prefill.request_block_ids("r")
+    tensor, hashes = prefill.export_blocks(block_ids)
+    prefill.release("r")
+    assert prefill.stats().free_blocks == prefill.stats().total_blocks
+
+    decode = make_engine(model_dir)
+    reserved = decode.reserve_blocks("r", len(ids))
+    decode.import_blocks(reserved, tensor)
+    decode.add_imported_request("r", ids, first.new_token_ids[0], params, reserved)
+    outputs = [first, *run_outputs(decode)]
+    assert decode.stats().free_blocks == decode.stats().total_blocks
+    return outputs, len(block_ids), len(hashes)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, dict(temperature=0.8, seed=3, ignore_eos=True)])
+def test_export_import_decode_equals_single_engine(model_dir, sampling):
+    ids = prompt(37, seed=4)
+    params = SamplingParams(max_tokens=16, **sampling)
+    single = make_engine(model_dir)
+    single.add_request("r", ids, params)
+    expected = run_outputs(single)
+    outputs, num_blocks, num_hashes = hand_off(model_dir, ids, params)
+    assert (num_blocks, num_hashes) == (3, 2)  # the two full blocks have hashes, the partial third not
+    assert [o.new_token_ids for o in outputs] == [o.new_token_ids for o in expected]
+    assert [o.text for o in outputs] == [o.text for o in expected]
+
+
+def test_handed_off_text_holds_back_and_cuts_a_stop_string_as_one_engine_does(model_dir):
+    engine = make_engine(model_dir)
+    ids = engine.tokenizer.encode("The tide comes in")
+    text = engine.tokenizer.decode(run(engine, {"a": (ids, SamplingParams(max_tokens=12, **GREEDY))})[("a", 0)])
+    params = SamplingParams(max_tokens=12, stop=[text[5:7]], **GREEDY)
+    engine.add_request("b", ids, params)
+    expected = run_outputs(engine)
+    assert expected[-1].finish_reason is FinishReason.STOP
+    outputs, _, _ = hand_off(model_dir, ids, params)
+
+    def fields(o: RequestOutput) -> tuple:
+        return o.new_token_ids, o.text, o.finished, o.finish_reason, o.stop_reason
+    assert outputs[0].text == expected[0].text
+    assert [fields(o) for o in outputs[1:]] == [fields(o) for o in expected[1:]]
+
+
+def test_reservations_and_pool_inserts(model_dir):
+    engine = make_engine(model_dir, num_blocks=8)
+    with pytest.raises(OutOfBlocksError):
+        engine.reserve_blocks("big", 9 * 16)
+    block_ids = engine.reserve_blocks("lease", 20)
+    assert len(block_ids) == 2 and engine.stats().free_blocks == 6
+    engine.release("lease")
+    assert engine.stats().free_blocks == 8
+    assert engine.take_block_events() == []  # reserved blocks are not registered
+
+    # KV fetched from another engine's cache becomes a local prefix hit with the same output
+    source = make_engine(model_dir)
+    shared = prompt(48, seed=6)
+    hashes = block_hashes(shared, 16, salt_for(source.model_id))
+    source.add_request("s", shared + [1], SamplingParams(max_tokens=4, **GREEDY), prefill_only=True)
+    source.step()
+    assert source.take_block_events() == [BlockStored(hashes)]
+    tensor, _ = source.export_blocks(source.request_block_ids("s")[:3])
+    target = make_engine(model_dir)
+    assert target.cached_prefix_len(shared) == 0
+    assert target.insert_cached_blocks(shared, tensor) == 3
+    assert target.take_block_events() == [BlockStored(hashes)]  # published like computed blocks
+    assert target.cached_prefix_len(shared) == 48
+    ids = shared + prompt(6, seed=7)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    assert run(target, {"t": (ids, params)})[("t", 0)] == alone(model_dir, ids, params)
+    assert target.stats().prompt_tokens_computed == 6
+
+
+def test_block_events_queue_stored_then_evicted_blocks_in_order(model_dir):
+    engine = make_engine(model_dir, num_blocks=4)
+    a, b = prompt(33, seed=11), prompt(40, seed=12)  # 2 full blocks each; 3 blocks with their output
+    salt = salt_for(engine.model_id)
+    run(engine, {"a": (a, SamplingParams(max_tokens=4, **GREEDY))})
+    run(engine, {"b": (b, SamplingParams(max_tokens=4, **GREEDY))})  # takes the 2 free blocks and a's tail
+    hashes_a = block_hashes(a, 16, salt)
+    assert engine.take_block_events() == [BlockStored(hashes_a), BlockRemoved(hashes_a[1:]),
+                                          BlockStored(block_hashes(b, 16, salt))]
+    assert engine.take_block_events() == []
+
+
+def test_layer_callback_sees_the_requests_completing_prefill(model_dir):
+    engine = make_engine(model_dir, max_num_batched_tokens=32)
+    engine.add_request("p", prompt(50, 1), SamplingParams(max_tokens=4, **GREEDY), prefill_only=True)
+    seen = []
+    while engine.has_unfinished():
+        engine.step(on_layer_done=lambda layer, completing: seen.append((layer, dict(completing))))
+    # chunks of 32 + 18 tokens: only the second step completes the prompt
+    assert [layer for layer, _ in seen] == [0, 1, 0, 1]
+    assert [c for _, c in seen[:2]] == [{}, {}]
+    assert seen[2][1] == seen[3][1] == {"p": engine.request_block_ids("p")}
