@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.block_events import BlockEvent
-from engine.engine import Engine, LayerHook, RequestOutput
+from engine.engine import Engine, LayerHook
+from engine.output import RequestOutput
 
 log = logging.getLogger(__name__)
 
