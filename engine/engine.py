@@ -70,7 +70,8 @@ class Engine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size, num_blocks)
+        self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
+                                    num_blocks)
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
@@ -148,12 +149,8 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
-        outputs, finished = [], []
-        for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True):
-            out = self._append(seq, tok, lp)
-            outputs.append(out)
-            if out.finished:
-                finished.append(seq)
+        outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
+        finished = [seq for seq, out in zip(seqs, outputs, strict=True) if out.finished]
         if finished:
             self.scheduler.remove(finished)
             for seq in finished:
@@ -281,9 +278,10 @@ class Engine:
 
     def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
                  seq_id: int | None = None) -> Sequence:
-        return Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, token_ids, len(token_ids),
-                        params, index, generator=make_generator(params.seed, index, self.device),
-                        text=None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop))
+        text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop)
+        return Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, token_ids,
+                        len(token_ids), params, index,
+                        generator=make_generator(params.seed, index, self.device), text=text)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

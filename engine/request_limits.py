@@ -16,7 +16,8 @@ class RequestLimits:
     block_size: int
     num_blocks: int
 
-    def check(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool, reserved: bool) -> None:
+    def check(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
+              reserved: bool) -> None:
         """Raise ``InvalidRequestError(field, message)`` for the first limit the request breaks.
         ``prefill_only``: the request stops after its first token; ``reserved``: its prompt K/V is imported
         into reserved blocks (both are disaggregated, so one sample each)."""
@@ -36,4 +37,5 @@ class RequestLimits:
             raise InvalidRequestError("n", "disaggregated requests take n = 1")
         need = -(-(len(prompt_ids) + (1 if prefill_only else params.max_tokens)) // self.block_size)
         if need > self.num_blocks:
-            raise InvalidRequestError("max_tokens", f"needs {need} KV blocks, the cache has {self.num_blocks}")
+            raise InvalidRequestError(
+                "max_tokens", f"needs {need} KV blocks, the cache has {self.num_blocks}")

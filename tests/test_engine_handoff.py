@@ -60,7 +60,8 @@ def test_export_import_decode_equals_single_engine(model_dir, sampling):
 def test_handed_off_text_holds_back_and_cuts_a_stop_string_as_one_engine_does(model_dir):
     engine = make_engine(model_dir)
     ids = engine.tokenizer.encode("The tide comes in")
-    text = engine.tokenizer.decode(run(engine, {"a": (ids, SamplingParams(max_tokens=12, **GREEDY))})[("a", 0)])
+    base = run(engine, {"a": (ids, SamplingParams(max_tokens=12, **GREEDY))})[("a", 0)]
+    text = engine.tokenizer.decode(base)
     params = SamplingParams(max_tokens=12, stop=[text[5:7]], **GREEDY)
     engine.add_request("b", ids, params)
     expected = run_outputs(engine)
