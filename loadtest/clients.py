@@ -38,6 +38,7 @@ class RequestRecord:
     generated_text: str = ""
     error: str = ""
     retry_after_s: float | None = None
+    server_usage: bool = False  # the server reported usage: its token counts stand
     _token_ids: int = 0  # token ids seen in the stream (gRPC), the fallback output count
 
     @property
@@ -97,13 +98,34 @@ async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+def server_root(base_url: str) -> str:
+    """``http://host:8000`` from ``http://host:8000/`` or ``http://host:8000/v1``."""
+    return base_url.rstrip("/").removesuffix("/v1")
+
+
+def first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30.0) -> str:
+    """The first model id of the server's ``GET /v1/models``, what ``vllm bench serve`` uses without --model."""
+    url = server_root(base_url) + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout_s)
+        response.raise_for_status()
+        models = response.json().get("data") or []
+        return models[0]["id"]
+    except (httpx.HTTPError, httpx.InvalidURL, ValueError, AttributeError, IndexError, KeyError, TypeError) as e:
+        raise ValueError(f"no --model given, and asking {url} for one failed ({type(e).__name__}: {e}); "
+                         "is the server running there? Or pass --model NAME") from None
+
+
 class OpenAIClient:
     """POSTs ``/v1/chat/completions`` (specs with messages) or ``/v1/completions`` with ``stream=true``."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, ignore_eos: bool = True,
-                 temperature: float = 0.0, timeout_s: float = 6 * 3600, max_connections: int | None = None):
-        base = base_url.rstrip("/").removesuffix("/v1")
-        self.model, self.ignore_eos, self.temperature = model, ignore_eos, temperature
+                 temperature: float | None = 0.0, timeout_s: float = 6 * 3600,
+                 max_connections: int | None = None, path: str | None = None):
+        """``temperature`` None sends none (the server's default); ``path`` overrides the API path."""
+        base = server_root(base_url)
+        self.model, self.ignore_eos, self.temperature, self.path = model, ignore_eos, temperature, path
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=base, timeout=httpx.Timeout(timeout_s),
@@ -111,18 +133,20 @@ class OpenAIClient:
         )
 
     def _request(self, spec: RequestSpec) -> tuple[str, dict, dict]:
-        body: dict = {"model": self.model, "max_tokens": spec.max_tokens, "temperature": self.temperature,
+        body: dict = {"model": self.model, "max_tokens": spec.max_tokens,
                       "stream": True, "stream_options": {"include_usage": True}}
+        if self.temperature is not None:
+            body["temperature"] = self.temperature
         if self.ignore_eos:
             body["ignore_eos"] = True  # vLLM and Tidepool extension: always generate max_tokens
         headers = {**self._headers, "X-Request-Id": spec.request_id}
         if spec.messages is None:
-            return "/v1/completions", {**body, "prompt": spec.prompt}, headers
+            return self.path or "/v1/completions", {**body, "prompt": spec.prompt}, headers
         body["messages"] = spec.messages
         if spec.session_id:
             body["session_id"] = spec.session_id
             headers["X-Session-Id"] = spec.session_id
-        return "/v1/chat/completions", body, headers
+        return self.path or "/v1/chat/completions", body, headers
 
     async def send(self, spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
         path, body, headers = self._request(spec)
@@ -156,6 +180,7 @@ class OpenAIClient:
             rec.fail(f"stream error: {json.dumps(event['error'])[:500]}")
             return
         if usage := event.get("usage"):
+            rec.server_usage = True
             rec.output_tokens = usage.get("completion_tokens") or 0
             rec.prompt_tokens = usage.get("prompt_tokens") or rec.prompt_tokens
             rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
@@ -174,15 +199,16 @@ class GrpcClient:
     """Calls ``Serving.Chat`` (specs with messages) or ``Serving.Complete`` and reads the chunk stream."""
 
     def __init__(self, target: str, model: str, *, api_key: str | None = None, ignore_eos: bool = True,
-                 temperature: float = 0.0, timeout_s: float = 6 * 3600):
+                 temperature: float | None = 0.0, timeout_s: float = 6 * 3600):
         self.model, self.ignore_eos, self.temperature, self.timeout_s = model, ignore_eos, temperature, timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channel = grpc.aio.insecure_channel(target)
         self._stub = serving_pb2_grpc.ServingStub(self._channel)
 
     def _call(self, spec: RequestSpec):
-        sampling = serving_pb2.SamplingOptions(
-            max_tokens=spec.max_tokens, temperature=self.temperature, ignore_eos=self.ignore_eos)
+        sampling = serving_pb2.SamplingOptions(max_tokens=spec.max_tokens, ignore_eos=self.ignore_eos)
+        if self.temperature is not None:  # unset: the server's default, as over HTTP
+            sampling.temperature = self.temperature
         metadata = (*self._metadata, ("x-request-id", spec.request_id))
         if spec.messages is None:
             request = serving_pb2.CompleteRequest(model=self.model, prompt=spec.prompt, sampling=sampling)
@@ -199,6 +225,7 @@ class GrpcClient:
                 now = time.perf_counter() - start
                 rec.latency_s = now
                 if chunk.HasField("usage"):
+                    rec.server_usage = True
                     rec.output_tokens = chunk.usage.completion_tokens
                     rec.prompt_tokens = chunk.usage.prompt_tokens or rec.prompt_tokens
                     rec.cached_tokens = chunk.usage.cached_tokens

@@ -1,74 +1,31 @@
 """The run loop: build the workload, send it on schedule, measure, report.
 
-Everything that can be wrong with the input (a bad trace line, a bad option) fails before the first
-request goes out. Interrupting a run (Ctrl-C cancels the main task under ``asyncio.run``) stops sending,
-marks the requests in flight as failed ("interrupted") and still computes and writes what was measured.
+Everything that can be wrong with the input (a bad trace line, a bad option, no model to be found) fails
+before the first request goes out. Interrupting a run (Ctrl-C cancels the main task under ``asyncio.run``)
+stops sending, marks the requests in flight as failed ("interrupted") and still computes and writes what
+was measured.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, replace
 from datetime import datetime
 
 from tqdm import tqdm
 
-from loadtest.arrivals import synthetic_arrivals, trace_arrivals
-from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord
+from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord, first_model
+from loadtest.config import OPENAI_BACKENDS, BenchConfig, endpoint_kind, rate_word, result_path
 from loadtest.metrics import compute_metrics
+from loadtest.plan import Workload, build_workload, chars_per_token
 from loadtest.report import detailed, format_table, result_dict, write_json, write_plots
-from loadtest.workloads import ChatSession, RequestSpec, chat_sessions, mooncake_requests, random_requests
-from router.trace import load_trace
+from loadtest.tokens import PromptTokenizer
+from loadtest.workloads import ChatSession, RequestSpec
 
-
-@dataclass
-class BenchConfig:
-    model: str
-    backend: str = "openai"  # "openai" (any OpenAI-compatible server) | "grpc" (Tidepool's Serving)
-    base_url: str = "http://127.0.0.1:8000"
-    target: str = "127.0.0.1:50051"
-    workload: str = "random"  # "mooncake" | "chat" | "random"
-    endpoint: str | None = None  # "chat" | "completions"; None: chat for the chat workload, else completions
-    # mooncake
-    trace: str | None = None
-    time_scale: float = 1.0
-    length_scale: float = 1.0
-    max_requests: int | None = None
-    # chat
-    num_users: int = 8
-    turns: int = 4
-    think_time_s: float = 1.0
-    use_session: bool = True
-    # random (input/output/prefix lengths are also chat's per-turn message, answer and system prompt)
-    input_len: int = 1024
-    output_len: int = 128
-    range_ratio: float = 0.0
-    prefix_len: int = 0
-    num_prompts: int = 1000
-    chars_per_token: float = 1.0
-    # arrivals: request_rate None = the trace's timestamps (mooncake) or everything at once
-    request_rate: float | None = None
-    burstiness: float = 1.0
-    max_concurrency: int | None = None
-    # requests
-    ignore_eos: bool = True
-    temperature: float = 0.0
-    api_key: str | None = None
-    timeout_s: float = 6 * 3600
-    seed: int = 0
-    # output
-    goodput: dict[str, float] = field(default_factory=dict)
-    percentiles: list[float] = field(default_factory=lambda: [99.0])
-    percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl")
-    result_json: str | None = None
-    plot_dir: str | None = None
-    save_detailed: bool = False
-    progress: bool = True
-    print_table: bool = True
+__all__ = ["BenchConfig", "arun_benchmark", "run_benchmark"]
 
 
 class _Run:
@@ -141,67 +98,66 @@ def _sessions(sessions: list[ChatSession], starts: list[float], turns: int,
     return drive
 
 
-def plan(config: BenchConfig, id_prefix: str = "") -> tuple[int, Callable[[_Run], Awaitable[None]]]:
-    """(number of requests, the coroutine that sends them); raises on bad input before anything is sent."""
-    for name in ("length_scale", "chars_per_token", "timeout_s"):
-        if not getattr(config, name) > 0:
-            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
-    if config.max_concurrency is not None and config.max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be at least 1, got {config.max_concurrency}")
-    rate = math.inf if config.request_rate is None else config.request_rate
-    endpoint = config.endpoint or ("chat" if config.workload == "chat" else "completions")
-    if endpoint not in ("chat", "completions"):
-        raise ValueError(f"unknown endpoint {endpoint!r}")
-    if config.workload == "chat":
-        if endpoint != "chat":
-            raise ValueError("the chat workload needs the chat endpoint")
-        sessions = chat_sessions(
-            config.num_users, config.turns, input_len=config.input_len, output_len=config.output_len,
-            prefix_len=config.prefix_len, seed=config.seed, chars_per_token=config.chars_per_token,
-            use_session=config.use_session, id_prefix=id_prefix)
-        starts = synthetic_arrivals(config.num_users, rate, config.burstiness, config.seed)
-        return config.num_users * config.turns, _sessions(sessions, starts, config.turns, config.think_time_s)
-    if config.workload == "mooncake":
-        if not config.trace:
-            raise ValueError("the mooncake workload needs --trace FILE")
-        rows = load_trace(config.trace, config.max_requests)
-        specs = mooncake_requests(rows, seed=config.seed, length_scale=config.length_scale,
-                                  chars_per_token=config.chars_per_token, id_prefix=id_prefix)
-        arrivals = (trace_arrivals(rows, config.time_scale) if config.request_rate is None
-                    else synthetic_arrivals(len(specs), rate, config.burstiness, config.seed))
-    elif config.workload == "random":
-        specs = random_requests(
-            config.num_prompts, input_len=config.input_len, output_len=config.output_len,
-            range_ratio=config.range_ratio, prefix_len=config.prefix_len, seed=config.seed,
-            chars_per_token=config.chars_per_token, id_prefix=id_prefix)
-        arrivals = synthetic_arrivals(len(specs), rate, config.burstiness, config.seed)
-    else:
-        raise ValueError(f"unknown workload {config.workload!r}")
-    if endpoint == "chat":
-        for spec in specs:
-            spec.messages = [{"role": "user", "content": spec.prompt}]
-    return len(specs), _open_loop(specs, arrivals)
+def _drive(w: Workload, config: BenchConfig) -> Callable[[_Run], Awaitable[None]]:
+    if w.sessions:
+        return _sessions(w.sessions, w.starts, config.turns, config.think_time_s)
+    return _open_loop(w.specs, w.arrivals)
 
 
 def make_client(config: BenchConfig) -> OpenAIClient | GrpcClient:
     common = dict(api_key=config.api_key, ignore_eos=config.ignore_eos, temperature=config.temperature,
                   timeout_s=config.timeout_s)
-    if config.backend == "openai":
-        return OpenAIClient(config.base_url, config.model, max_connections=config.max_concurrency, **common)
+    if config.backend in OPENAI_BACKENDS:
+        return OpenAIClient(config.base_url, config.model, max_connections=config.max_concurrency,
+                            path=endpoint_kind(config)[1], **common)
     if config.backend == "grpc":
         return GrpcClient(config.target, config.model, **common)
     raise ValueError(f"unknown backend {config.backend!r}")
 
 
+async def _model(config: BenchConfig) -> str:
+    """``config.model``, else the server's first model (what vLLM does without --model)."""
+    if config.model:
+        return config.model
+    if config.backend == "grpc":
+        raise ValueError("--model is required with --backend grpc: Tidepool's gRPC API lists no models")
+    model = await asyncio.to_thread(first_model, config.base_url, config.api_key)
+    if config.print_table:
+        print(f"No --model given: using the server's first model, {model}")
+    return model
+
+
+def _count_outputs(records: list[RequestRecord], tok: PromptTokenizer) -> None:
+    """Output tokens under the tokenizer for answers whose server reported no usage (vLLM does the same)."""
+    for rec in records:
+        if rec.status == "ok" and not rec.server_usage:
+            rec.output_tokens = tok.count(rec.generated_text)
+
+
+def _setup(config: BenchConfig, tok: PromptTokenizer | None, date: str) -> dict:
+    """vLLM's result header (backend, model_id, tokenizer_id, request_rate, ...) and how lengths were sized."""
+    if tok:
+        sizing = f"tokenizer {tok.name}"
+    else:
+        sizing = (f"estimated at {chars_per_token(config, tok):g} characters per token (no --tokenizer); "
+                  "the server's usage replaces the estimate where it reports one")
+    return {"date": date, "backend": config.backend, "label": config.label, "model_id": config.model,
+            "tokenizer_id": config.tokenizer, "dataset_name": config.workload, "num_prompts": config.num_prompts,
+            "request_rate": rate_word(config), "burstiness": config.burstiness,
+            "max_concurrency": config.max_concurrency, "prompt_lengths": sizing}
+
+
 async def arun_benchmark(config: BenchConfig) -> dict:
-    """Run one benchmark and return the result dict (also written to ``result_json`` / ``plot_dir``)."""
+    """Run one benchmark and return the result dict (also written to the result file / ``plot_dir``)."""
+    tok = PromptTokenizer.load(config.tokenizer) if config.tokenizer else None
     run_id = uuid.uuid4().hex[:8]
-    total, drive = plan(config, id_prefix=f"bench-{run_id}-")
-    run = _Run(make_client(config), total, config.max_concurrency, config.progress)
+    workload = build_workload(config, tok, id_prefix=f"bench-{run_id}-")
+    config = replace(config, model=await _model(config))
+    run = _Run(make_client(config), workload.total, config.max_concurrency, config.progress)
     start = time.perf_counter()
     interrupted = False
     try:
-        await drive(run)
+        await _drive(workload, config)(run)
     except asyncio.CancelledError:
         interrupted = True
         for task in run.tasks:
@@ -212,11 +168,13 @@ async def arun_benchmark(config: BenchConfig) -> dict:
         run.pbar.close()
         await run.client.aclose()
 
+    if tok:
+        _count_outputs(run.records, tok)
     metrics = compute_metrics(run.records, duration, config.percentiles, config.goodput)
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")  # vLLM's format, also the file name's
     result = {
-        "date": datetime.now().isoformat(timespec="seconds"), "run_id": run_id, "interrupted": interrupted,
-        "planned": total, **result_dict(metrics),
-        "error_samples": sorted({r.error for r in run.records if r.error})[:5],
+        **_setup(config, tok, date), "run_id": run_id, "interrupted": interrupted, "planned": workload.total,
+        **result_dict(metrics), "error_samples": sorted({r.error for r in run.records if r.error})[:5],
         "config": {k: v for k, v in asdict(config).items() if k != "api_key"},
     }
     if config.save_detailed:
@@ -224,8 +182,12 @@ async def arun_benchmark(config: BenchConfig) -> dict:
     if config.print_table:
         print(format_table(metrics, request_rate=config.request_rate, max_concurrency=config.max_concurrency,
                            sections=config.percentile_metrics))
-    if config.result_json:
-        write_json(config.result_json, result)
+        if not tok:
+            print(f"Note: prompt lengths {result['prompt_lengths']}.")
+    if path := result_path(config, config.model, date):
+        write_json(path, result)
+        if config.print_table:
+            print(f"Results written to {path}")
     if config.plot_dir:
         write_plots(config.plot_dir, run.records, start)
     return result

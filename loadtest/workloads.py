@@ -1,16 +1,18 @@
-"""What the load test sends: Mooncake trace replay, multi-turn chat, random lengths.
+"""What the load test sends: Mooncake trace replay, multi-turn chat, random lengths, ShareGPT files.
 
 Prompts are synthesized text, reproducible from the seed. A server counts tokens with its own tokenizer,
-so lengths are approximate: ``chars_per_token`` sets how many characters stand for one token (1.0 for the
-byte-level tiny model; about 4-6 for BPE tokenizers on this word list). Text is ASCII, so characters are
-bytes.
+so lengths here are approximate: ``chars_per_token`` sets how many characters stand for one token (1.0 for
+the byte-level tiny model; about 4-6 for BPE tokenizers on this word list; ``loadtest.tokens`` measures it
+for a given tokenizer and builds token-exact random prompts). Text is ASCII, so characters are bytes.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
@@ -114,6 +116,40 @@ def random_requests(
     return specs
 
 
+def sharegpt_requests(
+    path: str, num_prompts: int, count: Callable[[str], int], *, output_len: int | None = None, seed: int = 0,
+    id_prefix: str = "",
+) -> list[RequestSpec]:
+    """vLLM's ShareGPT dataset from a local JSON file: each conversation's first turn is the prompt and its
+    second turn's length the output length (unless ``output_len``); conversations are shuffled with the
+    seed, pairs outside vLLM's bounds (prompt 4-1024 tokens, output at least 4, total at most 2048)
+    skipped, and the rest reused at random when there are fewer than ``num_prompts``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        entries = [e["conversations"] for e in data if len(e.get("conversations") or ()) >= 2]
+        pairs = [(c[0]["value"], c[1]["value"]) for c in entries]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{path}: not a ShareGPT JSON file ({type(e).__name__}: {e})") from None
+    rng = random.Random(seed)
+    rng.shuffle(pairs)
+    specs: list[RequestSpec] = []
+    for prompt, completion in pairs:
+        if len(specs) == num_prompts:
+            break
+        n_in, n_out = count(prompt), count(completion) if output_len is None else output_len
+        if n_in < 4 or n_in > 1024 or n_in + n_out > 2048 or (output_len is None and n_out < 4):
+            continue
+        specs.append(RequestSpec(request_id=f"{id_prefix}{len(specs)}", prompt_len=n_in, max_tokens=n_out,
+                                 prompt=prompt))
+    if not specs:
+        raise ValueError(f"{path}: no conversation within ShareGPT's length bounds")
+    sampled = list(specs)
+    for i in range(len(specs), num_prompts):
+        specs.append(replace(rng.choice(sampled), request_id=f"{id_prefix}{i}"))
+    return specs
+
+
 @dataclass
 class ChatSession:
     """One simulated user. With a ``session_id`` the server keeps the history and each turn carries only
@@ -127,6 +163,7 @@ class ChatSession:
     system: str = ""
     history: list[dict] = field(default_factory=list)
     id_prefix: str = ""
+    count: Callable[[str], int] | None = None  # a real tokenizer's count; else chars / chars_per_token
 
     def request(self, turn: int) -> RequestSpec:
         """The request for ``turn``; call ``add_reply`` with the answer before asking for the next turn."""
@@ -136,10 +173,11 @@ class ChatSession:
         full = self.history + new
         sent = ([m for m in full if m["role"] == "system"] if turn == 0 else []) + new
         self.history = full
-        chars = sum(len(m["content"]) for m in full)
+        text = "".join(m["content"] for m in full)
+        prompt_len = self.count(text) if self.count else round(len(text) / self.chars_per_token)
         return RequestSpec(
             request_id=f"{self.id_prefix}u{self.user}-t{turn}",
-            prompt_len=max(1, round(chars / self.chars_per_token)), max_tokens=self.max_tokens,
+            prompt_len=max(1, prompt_len), max_tokens=self.max_tokens,
             messages=sent if self.session_id else full, session_id=self.session_id,
         )
 
@@ -150,6 +188,7 @@ class ChatSession:
 def chat_sessions(
     num_users: int, turns: int, *, input_len: int, output_len: int, prefix_len: int = 0, seed: int = 0,
     chars_per_token: float = 1.0, use_session: bool = True, id_prefix: str = "",
+    count: Callable[[str], int] | None = None,
 ) -> list[ChatSession]:
     """``num_users`` users with ``turns`` messages of ``input_len`` tokens each; ``prefix_len`` tokens of
     system prompt are shared by every user."""
@@ -161,5 +200,6 @@ def chat_sessions(
             user=user, turns=[synth_text(rng, input_len, chars_per_token) for _ in range(turns)],
             max_tokens=output_len, chars_per_token=chars_per_token,
             session_id=f"{id_prefix}u{user}" if use_session else None, system=system, id_prefix=id_prefix,
+            count=count,
         ))
     return sessions
