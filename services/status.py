@@ -10,6 +10,8 @@ import sys
 
 import httpx
 
+from loadtest.cli import HelpFormatter  # one help style for the CLI: every option shows its default
+
 STATUS_PATH = "/v1/cluster/status"
 
 
@@ -91,12 +93,18 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+DESCRIPTION = (
+    "Show every worker of a running cluster (role, node, device, queue, KV blocks, alive or dead) and the "
+    "Redis and router state, as the gateway reports them at GET /v1/cluster/status."
+)
+
+
 def add_status_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("status", help="show every worker, the KV pool and the router of a running cluster",
-                              description=__doc__)
+                              description=DESCRIPTION, formatter_class=HelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP address")
     p.add_argument("--api-key", default=None, help="bearer key (default: $TIDEPOOL_API_KEY)")
     p.add_argument("--json", action="store_true", help="print the status JSON instead of the table")
-    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--timeout-s", type=float, default=10.0, help="seconds to wait for the gateway's answer")
     p.set_defaults(func=run_status)
     return p
