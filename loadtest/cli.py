@@ -126,8 +126,9 @@ def _request_options(p: argparse.ArgumentParser) -> None:
 
 def _output_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--goodput", nargs="+", type=_slo, default=[], metavar="NAME:MS",
-                   help="SLOs for goodput: ttft, tpot, e2el, tbt (Mooncake: mean of the slowest 10%% gaps)")
+    g.add_argument("--goodput", nargs="+", type=_slo, default=None, metavar="NAME:MS",
+                   help="SLOs for goodput: ttft, tpot, e2el, tbt (Mooncake: mean of the slowest 10%% gaps); "
+                        "default: none, no goodput is reported")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="table sections: ttft,tpot,itl,e2el,tbt")
     g.add_argument("--metric-percentiles", default="99", help="comma-separated percentiles, e.g. 50,90,99")
     g.add_argument("--save-result", action="store_true", help="write the result JSON")
@@ -160,7 +161,7 @@ def _host_url(host: str, port: int) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    goodput = {k: v for slo in args.goodput for k, v in slo.items()}
+    goodput = {k: v for slo in args.goodput or () for k, v in slo.items()}
     sections = tuple(s.strip() for s in args.percentile_metrics.split(",") if s.strip())
     unknown = set(sections) - {"ttft", "tpot", "itl", "e2el", "tbt"}
     if unknown:
