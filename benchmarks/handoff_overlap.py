@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._serve import format_table, load_average  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from services.cluster import Cluster, ClusterConfig  # noqa: E402
+from services.cluster import Cluster  # noqa: E402
+from services.config import ClusterConfig  # noqa: E402
 
 
 async def measure(transport: str, layerwise: bool, prompt_len: int, repeats: int, seed: int) -> list[dict]:
@@ -59,16 +60,15 @@ async def measure(transport: str, layerwise: bool, prompt_len: int, repeats: int
         for i in range(repeats + 1):
             request_id = f"overlap-{uuid.uuid4().hex[:8]}"
             prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-            await decode.actor.reserve.remote(request_id, prompt_len, 300.0)
+            await decode.reserve(request_id, prompt_len, lease_s=300.0, timeout_s=60.0)
             start = time.perf_counter()
-            result = await prefill.actor.prefill.remote(request_id, prompt, params, decode.info["kv_target"],
-                                                        None, 300.0)
+            result = await prefill.prefill(request_id, prompt, params, decode.info.kv_target, None, 300.0)
             call_s = time.perf_counter() - start
-            stats = await prefill.actor.stats.remote()
-            await decode.actor.release.remote(request_id)
+            stats = await prefill.actor.stats.remote()  # the engine's EngineStats
+            await decode.release(request_id)
             if i == 0:
                 continue  # warm-up: first transfer opens the channel / connection
-            samples.append({"call_s": call_s, "step_s": stats["recent_step_times_s"][-1],
+            samples.append({"call_s": call_s, "step_s": stats.recent_step_times_s[-1],
                             "transfer_s": result.transfer_s, "transfer_bytes": result.transfer_bytes,
                             "cached_tokens": result.num_cached_tokens})
         return samples

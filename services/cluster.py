@@ -2,63 +2,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import ray
 
-from engine.config import EngineConfig
 from engine.loader import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from kvstore.events import PoolMirror
 from router.conductor import SLO, Conductor
 from router.estimator import Estimator
-from services.dispatcher import Dispatcher, WorkerRef
+from services.config import ClusterConfig
+from services.dispatcher import Dispatcher
 from services.local_redis import LocalRedis
+from services.messages import Role
 from services.metrics import Metrics
 from services.worker import ColocatedWorker, DecodeWorker, PrefillWorker, WorkerSpec
+from services.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
-_ACTOR_CLASSES = {"prefill": PrefillWorker, "decode": DecodeWorker, "colocated": ColocatedWorker}
-
-
-@dataclass
-class ClusterConfig:
-    model: str = "tiny"
-    prefill: int = 1
-    decode: int = 1
-    colocated: int = 0  # > 0 serves colocated workers instead of prefill/decode pairs
-    policy: str = "tidepool"
-    kv_transport: str = "auto"  # grpc | collective | auto
-    layerwise: bool = True
-    address: str | None = None  # "auto" joins a running Ray cluster
-    redis_url: str | None = None
-    dtype: str = "float32"
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 256 << 20
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    threads_per_worker: int | None = None  # CPU threads per worker; default: the cores split evenly
-    enable_prefix_caching: bool = True
-    pool_max_bytes: int = 256 << 20
-    ttft_slo_s: float = 30.0
-    tbt_slo_s: float = 1.0
-    ray_num_cpus: int | None = None  # for a local Ray: logical CPUs (defaults to the machine's)
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    def roles(self) -> list[str]:
-        if self.colocated:
-            return ["colocated"] * self.colocated
-        return ["prefill"] * self.prefill + ["decode"] * self.decode
+_ACTOR_CLASSES = {Role.PREFILL: PrefillWorker, Role.DECODE: DecodeWorker, Role.COLOCATED: ColocatedWorker}
 
 
 @dataclass
 class Placement:
     worker_id: str
-    role: str
+    role: Role
     node: str
     node_id: str
     device: str
@@ -73,7 +46,7 @@ class Cluster:
         self.redis: LocalRedis | None = None
         self.redis_url = config.redis_url
         self.started_ray = False
-        self.workers: list[WorkerRef] = []
+        self.workers: list[WorkerClient] = []
         self.placements: list[Placement] = []
         self.mirror: PoolMirror | None = None
         self.dispatcher: Dispatcher | None = None
@@ -91,14 +64,14 @@ class Cluster:
                 ray.init(num_cpus=self.config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
                 self.started_ray = True
 
-    def _actor_options(self, role: str, threads: int) -> tuple[dict, str]:
+    def _actor_options(self, role: Role, threads: int) -> tuple[dict, str]:
         resources = ray.cluster_resources()
         options: dict = {"num_cpus": threads}
         device = "cpu"
         if resources.get("GPU", 0) >= 1:
             options["num_gpus"] = 1  # prefill and decode never share a GPU
             device = "cuda"
-        if role in ("prefill", "decode") and resources.get(role, 0) >= 1:
+        if role != Role.COLOCATED and resources.get(role, 0) >= 1:
             options["resources"] = {role: 1}
         return options, device
 
@@ -110,23 +83,19 @@ class Cluster:
 
     async def start(self) -> Dispatcher:
         self.start_infrastructure()
-        model_dir = resolve_model_dir(self.config.model)
+        model_dir = resolve_model_dir(self.config.engine.model)
         tokenizer = Tokenizer.from_dir(model_dir)
         threads = self._threads_per_worker()
-        counters: dict[str, int] = {}
+        counters: dict[Role, int] = {}
         pending = []
         for role in self.config.roles():
             counters[role] = counters.get(role, 0) + 1
             worker_id = f"{role}-{counters[role] - 1}"
             options, device = self._actor_options(role, threads)
-            engine_config = EngineConfig(
-                model=self.config.model, dtype=self.config.dtype, device=device,
-                num_blocks=self.config.num_blocks, kv_cache_bytes=self.config.kv_cache_bytes,
-                max_num_seqs=self.config.max_num_seqs, max_num_batched_tokens=self.config.max_num_batched_tokens,
-                enable_prefix_caching=self.config.enable_prefix_caching,
-            )
             spec = WorkerSpec(
-                worker_id=worker_id, role=role, engine=engine_config, redis_url=self.redis_url,
+                worker_id=worker_id, role=role, engine=dataclasses.replace(self.config.engine, device=device,
+                                                                   enable_block_events=self.redis_url is not None),
+                redis_url=self.redis_url,
                 num_threads=threads, kv_transport=self.config.kv_transport, layerwise=self.config.layerwise,
                 pool_max_bytes=self.config.pool_max_bytes,
             )
@@ -139,22 +108,20 @@ class Cluster:
             pending.append((worker_id, role, actor, options))
         for worker_id, role, actor, options in pending:
             info = await actor.start.remote()
-            self.workers.append(WorkerRef(worker_id, role, actor, info))
-            self.placements.append(Placement(worker_id, role, info["node"], info["node_id"], info["device"], options))
+            self.workers.append(WorkerClient(info, actor))
+            self.placements.append(Placement(worker_id, role, info.node, info.node_id, info.device, options))
         first = self.workers[0].info
         estimator = Estimator.from_samples(
-            prefill_samples=[s for w in self.workers for s in w.info["profile"]["prefill"]],
-            decode_samples=[s for w in self.workers for s in w.info["profile"]["decode"]],
-            kv_bytes_per_token=first["kv_bytes_per_token"],
+            prefill_samples=[s for w in self.workers for s in w.info.profile.prefill],
+            decode_samples=[s for w in self.workers for s in w.info.profile.decode],
+            kv_bytes_per_token=first.kv_bytes_per_token,
         )
         conductor = Conductor(self.config.policy, estimator, SLO(self.config.ttft_slo_s, self.config.tbt_slo_s),
-                              block_size=first["block_size"])
-        self.mirror = PoolMirror(self.redis_url, first["model_id"], first["block_size"])
+                              block_size=first.block_size)
+        self.mirror = PoolMirror(self.redis_url, first.model_id, first.block_size)
         self.mirror.start()
-        self.dispatcher = Dispatcher(
-            self.workers, conductor, self.mirror, tokenizer, first["model_id"], first["block_size"],
-            first["max_model_len"], Metrics(), self.config.kv_transport, self.redis_url,
-        )
+        self.dispatcher = Dispatcher(self.workers, conductor, self.mirror, tokenizer, Metrics(),
+                                     self.config.kv_transport, self.redis_url)
         await self.dispatcher.start()
         return self.dispatcher
 

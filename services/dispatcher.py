@@ -2,9 +2,9 @@
 
 The gateway hands a tokenized request to ``Dispatcher.generate``; the dispatcher asks the conductor for a
 prefill/decode pair (or rejects early), has the decode worker reserve blocks (a lease with a deadline),
-has the prefill worker compute the prompt and push its KV into that lease, then streams tokens from the
-decode worker's Ray streaming generator. Every step has a deadline, and whatever fails or is cancelled
-frees the blocks on both sides.
+has the prefill worker compute the prompt and push its KV into that lease, then streams the decode
+worker's tokens. Workers are reached through typed clients (``services/worker_client.py``), so this file
+holds no Ray calls. Every step has a deadline; whatever fails or is cancelled frees both sides' blocks.
 """
 
 from __future__ import annotations
@@ -18,21 +18,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
 from engine.errors import InvalidRequestError
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import block_hashes, salt_for
 from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLoad
-from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerFailedError
+from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
+from services.messages import Role, TokenEvent
 from services.metrics import Metrics
-from services.worker import PrefillResult, TokenEvent
+from services.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
 _LOAD_REFRESH_S = 0.05
+_LOAD_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -40,14 +39,6 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-
-
-@dataclass
-class WorkerRef:
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
-    actor: ray.actor.ActorHandle
-    info: dict  # what the worker reported at start: node, device, kv address, blocks
 
 
 @dataclass
@@ -60,31 +51,29 @@ class Deadlines:
 class Dispatcher:
     def __init__(
         self,
-        workers: list[WorkerRef],
+        workers: list[WorkerClient],
         conductor: Conductor,
         index: object,  # PoolMirror: longest_prefix(hashes) -> {holder: blocks}
         tokenizer: Tokenizer,
-        model_id: str,
-        block_size: int,
-        max_model_len: int,
         metrics: Metrics,
         kv_transport: str,
         redis_url: str = "",
         deadlines: Deadlines | None = None,
     ) -> None:
         self.workers = {w.worker_id: w for w in workers}
+        first = workers[0].info
+        self.model_id = first.model_id
+        self.block_size = first.block_size
+        self.max_model_len = first.max_model_len
         self.conductor = conductor
         self.index = index
         self.tokenizer = tokenizer
-        self.model_id = model_id
-        self.block_size = block_size
-        self.max_model_len = max_model_len
         self.metrics = metrics
         self.kv_transport = kv_transport
         self.redis_url = redis_url
         self.rejections = 0
         self.deadlines = deadlines or Deadlines()
-        self._salt = salt_for(model_id)
+        self._salt = salt_for(self.model_id)
         self._loads: dict[str, WorkerLoad] = {}
         self._refresher: asyncio.Task | None = None
 
@@ -108,20 +97,22 @@ class Dispatcher:
                 log.exception("load refresh failed")
 
     async def refresh_loads(self) -> None:
-        refs = [w.actor.load.remote() for w in self.workers.values()]
-        results = await asyncio.gather(*refs, return_exceptions=True)
-        for worker, result in zip(self.workers.values(), results, strict=True):
+        workers = list(self.workers.values())
+        results = await asyncio.gather(*(w.load(_LOAD_TIMEOUT_S) for w in workers), return_exceptions=True)
+        for worker, result in zip(workers, results, strict=True):
             if isinstance(result, WorkerLoad):
                 previous = self._loads.get(worker.worker_id)
-                if (worker.role == "decode" and previous is not None and result.steps > previous.steps
+                if (worker.role == Role.DECODE and previous is not None and result.steps > previous.steps
                         and result.num_running):
                     # A decode worker's steps are decode-only: measured TBT points refit the estimator.
                     self.conductor.observe_decode_step(worker.worker_id, result.num_running,
                                                        result.running_context_tokens, result.last_step_s)
                 self._loads[worker.worker_id] = result
                 self.metrics.set_worker_load(result)
-            else:
+            elif isinstance(result, WorkerDiedError):
                 self._mark_dead(worker.worker_id)
+            else:
+                log.warning("no load report from %s: %s", worker.worker_id, result)
 
     def _mark_dead(self, worker_id: str) -> None:
         load = self._loads.get(worker_id)
@@ -134,12 +125,13 @@ class Dispatcher:
         return sum(1 for load in self._loads.values() if load.alive)
 
     async def worker_stats(self) -> list[dict]:
+        """One JSON row per worker, for ``/status`` and ``tidepool status``."""
         out = []
         for worker in self.workers.values():
             load = self._loads.get(worker.worker_id)
             out.append({
-                "id": worker.worker_id, "role": worker.role, "alive": bool(load and load.alive),
-                "node": worker.info.get("node"), "device": worker.info.get("device"),
+                "id": worker.worker_id, "role": str(worker.role), "alive": bool(load and load.alive),
+                "node": worker.info.node, "device": worker.info.device,
                 "free_blocks": load.free_blocks if load else 0, "total_blocks": load.total_blocks if load else 0,
                 "waiting": len(load.queued_prefills) if load else 0, "running": load.num_running if load else 0,
             })
@@ -226,8 +218,7 @@ class Dispatcher:
                 stream = self._run_colocated(decision, request_id, prompt_ids, params, index)
             else:
                 stream = self._run_disaggregated(decision, request_id, prompt_ids, params, index)
-            first_time = None
-            last_time = None
+            first_time = last_time = None
             count = 0
             try:
                 async for event in stream:
@@ -239,12 +230,13 @@ class Dispatcher:
                     last_time = now
                     count += len(event.token_ids)
                     yield event
-            except _RetryElsewhere as retry:
+            except WorkerDiedError as exc:
+                self._mark_dead(exc.worker_id)
                 # Only before the first token: nothing has reached the client yet.
-                if first_time is not None or retry.worker_id in excluded:
-                    raise WorkerFailedError(str(retry)) from None
-                excluded.add(retry.worker_id)
-                log.warning("request %s: %s; routing again", request_id, retry)
+                if first_time is not None or exc.worker_id in excluded:
+                    raise
+                excluded.add(exc.worker_id)
+                log.warning("request %s: %s; routing again", request_id, exc)
                 continue
             finally:
                 await stream.aclose()
@@ -269,8 +261,7 @@ class Dispatcher:
         self, decision: Decision, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
     ) -> AsyncIterator[TokenEvent]:
         worker = self.workers[decision.prefill]
-        gen = worker.actor.generate.remote(request_id, prompt_ids, params, index, decision.fetch_from)
-        async for event in self._stream(gen, worker, request_id):
+        async for event in worker.generate(request_id, prompt_ids, params, index, decision.fetch_from):
             yield event
 
     async def _run_disaggregated(
@@ -278,75 +269,32 @@ class Dispatcher:
     ) -> AsyncIterator[TokenEvent]:
         prefill = self.workers[decision.prefill]
         decode = self.workers[decision.decode]
-        await self._call(
-            decode, decode.actor.reserve.remote(request_id, len(prompt_ids), self.deadlines.lease_s),
-            self.deadlines.reserve_s,
-        )
-        handed_off = False
+        await decode.reserve(request_id, len(prompt_ids), self.deadlines.lease_s, self.deadlines.reserve_s)
+        handed_off = completed = False
         try:
-            result: PrefillResult = await self._call(
-                prefill,
-                prefill.actor.prefill.remote(
-                    request_id, prompt_ids, params, decode.info["kv_target"], decision.fetch_from,
-                    self.deadlines.prefill_s,
-                ),
-                self.deadlines.prefill_s + 5.0,
-            )
-            self.metrics.observe_transfer(self.kv_transport, result.transfer_bytes, result.transfer_s)
+            result = await prefill.prefill(request_id, prompt_ids, params, decode.info.kv_target,
+                                           decision.fetch_from, self.deadlines.prefill_s)
+            if result.transport:
+                self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s)
             first = TokenEvent(index, [result.first_token_id], result.finish_reason, len(prompt_ids),
                                result.num_cached_tokens, result.text)
             if result.finish_reason is not None:
                 yield first
                 return
-            gen = decode.actor.generate.remote(request_id, prompt_ids, result.first_token_id, params, index,
-                                               result.num_cached_tokens)
+            stream = decode.decode(request_id, prompt_ids, result.first_token_id, params, index,
+                                   result.num_cached_tokens)
             handed_off = True
             yield first
-            async for event in self._stream(gen, decode, request_id):
+            async for event in stream:
                 yield event
+            completed = True
         finally:
             if not handed_off:
                 # The lease is freed whether or not the KV arrived; the prefill side cleans itself up.
-                with contextlib.suppress(RayActorError, RayTaskError):
-                    await decode.actor.release.remote(request_id)
-                with contextlib.suppress(RayActorError, RayTaskError):
-                    await prefill.actor.abort.remote(request_id)
-
-    async def _call(self, worker: WorkerRef, ref: ray.ObjectRef, timeout_s: float):
-        try:
-            return await asyncio.wait_for(ref, timeout=timeout_s)
-        except RayActorError as exc:
-            self._mark_dead(worker.worker_id)
-            raise _RetryElsewhere(worker.worker_id, f"worker {worker.worker_id} died") from exc
-        except (TimeoutError, GetTimeoutError) as exc:
-            ray.cancel(ref)
-            raise WorkerFailedError(f"worker {worker.worker_id} did not answer within {timeout_s:.0f}s") from exc
-        except RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-
-    async def _stream(self, gen, worker: WorkerRef, request_id: str) -> AsyncIterator[TokenEvent]:
-        finished = False
-        try:
-            async for ref in gen:
-                event: TokenEvent = await ref
-                finished = event.finish_reason is not None
-                yield event
-        except RayActorError as exc:
-            self._mark_dead(worker.worker_id)
-            raise WorkerFailedError(f"worker {worker.worker_id} died mid-stream") from exc
-        except RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
-        finally:
-            if not finished:
-                # The client went away (or the stream broke): stop the request and free its blocks.
-                ray.cancel(gen)
-                with contextlib.suppress(RayActorError, RayTaskError):
-                    await worker.actor.abort.remote(request_id)
-
-
-class _RetryElsewhere(Exception):
-    """A worker died before anything reached the client; the router may pick another one."""
-
-    def __init__(self, worker_id: str, message: str) -> None:
-        super().__init__(message)
-        self.worker_id = worker_id
+                await decode.release(request_id)
+                await prefill.abort(request_id)
+            elif not completed:
+                # The consumer left, possibly before the decode stream was first read (then its own
+                # cleanup never ran): stop the decode request.
+                await stream.aclose()
+                await decode.abort(request_id)

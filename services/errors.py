@@ -27,3 +27,11 @@ class PromptTooLongError(Exception):
 
 class WorkerFailedError(Exception):
     """A worker died or a handoff step failed for this request (the request was not completed)."""
+
+
+class WorkerDiedError(WorkerFailedError):
+    """The worker's process is gone (its actor died); the router may pick another one."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id

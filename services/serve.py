@@ -7,27 +7,16 @@ import contextlib
 import logging
 import signal
 import threading
-from dataclasses import dataclass
 
 import uvicorn
 
-from services.cluster import Cluster, ClusterConfig
+from services.cluster import Cluster
+from services.config import ClusterConfig, GatewayConfig
 from services.gateway.grpc import start_grpc_server
 from services.gateway.http import create_app
 from services.sessions import SessionStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class GatewayConfig:
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
-    api_key: str | None = None
-    max_body_bytes: int = 8 << 20
-    max_prompt_tokens: int | None = None
-    session_ttl_s: float = 3600.0
 
 
 class Server:
@@ -64,14 +53,8 @@ class Server:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     signal.signal(sig, self._on_signal)
             self.sessions = SessionStore(self.cluster.redis_url, ttl_s=self.gateway.session_ttl_s)
-            app = create_app(
-                dispatcher, self.sessions, api_key=self.gateway.api_key,
-                max_body_bytes=self.gateway.max_body_bytes, max_prompt_tokens=self.gateway.max_prompt_tokens,
-            )
-            self._grpc = await start_grpc_server(
-                dispatcher, self.sessions, self.gateway.grpc_port, api_key=self.gateway.api_key,
-                host=self.gateway.host, max_prompt_tokens=self.gateway.max_prompt_tokens,
-            )
+            app = create_app(dispatcher, self.sessions, self.gateway)
+            self._grpc = await start_grpc_server(dispatcher, self.sessions, self.gateway)
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
                                     log_level="warning", lifespan="off")
             self._http = uvicorn.Server(config)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -21,49 +21,33 @@ import ray
 import torch
 
 from engine.config import EngineConfig
-from engine.engine import Engine, RequestOutput
-from engine.sampler import SamplingParams
+from engine.engine import Engine, EngineStats
+from engine.output import FinishReason, RequestOutput
+from engine.sampling_params import SamplingParams
 from kvstore.transfer.wire import TransferHeader
-from router.conductor import WorkerLoad
+from router.loads import WorkerLoad
 from services.engine_loop import EngineLoop
-from services.kv_handoff import HandoffReceiver, HandoffSender
+from services.engine_profile import profile_engine
+from services.kv_receiver import HandoffReceiver
+from services.kv_sender import HandoffSender
+from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
 from services.pool_link import PoolLink
 
 log = logging.getLogger(__name__)
 
-_PROFILE_PROMPT_LENS = (16, 64, 128, 256, 512)
-
 
 @dataclass
 class WorkerSpec:
+    """Everything a worker needs to start; built by ``Cluster`` from its one ``ClusterConfig``."""
+
     worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    role: Role
     engine: EngineConfig
-    redis_url: str | None = None
-    num_threads: int = 1
-    kv_transport: str = "grpc"  # grpc | collective | auto
-    layerwise: bool = True
-    pool_max_bytes: int = 256 << 20
-
-
-@dataclass
-class TokenEvent:
-    index: int  # which of the n choices
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    text: str = ""  # new text: the engine detokenizes, holds back a possible stop string and cuts a matched one
-
-
-@dataclass
-class PrefillResult:
-    first_token_id: int
-    text: str  # the first token's text as the engine released it
-    finish_reason: str | None  # set when the first token already ends the request
-    num_cached_tokens: int
-    transfer_bytes: int
-    transfer_s: float
+    redis_url: str | None
+    num_threads: int
+    kv_transport: str  # grpc | collective | auto
+    layerwise: bool
+    pool_max_bytes: int
 
 
 class Worker:
@@ -71,62 +55,26 @@ class Worker:
         torch.set_num_threads(spec.num_threads)
         self.spec = spec
         self.pool: PoolLink | None = None
-        self.engine = Engine(spec.engine, on_blocks_stored=self._on_stored, on_blocks_removed=self._on_removed)
+        self.engine = Engine(spec.engine)
         self.loop: EngineLoop | None = None
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
-    async def start(self) -> dict:
+    async def start(self) -> WorkerInfo:
         """Start the engine thread, profile the engine for the router, and say where this worker runs."""
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
-        profile = await self.loop.acall(self._profile)
+        profile = await self.loop.acall(profile_engine, self.engine)
         if self.spec.redis_url:
             # Connected after profiling, so the throwaway profile prompts are never published.
             self.pool = PoolLink(self.spec.redis_url, self.spec.worker_id, self.engine, self.spec.pool_max_bytes)
-        device = str(self.engine.device)
-        return {
-            "worker_id": self.spec.worker_id, "role": self.spec.role, "node": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "device": device, "model_id": self.engine.model_id, "block_size": self.engine.block_size,
-            "max_model_len": self.engine.max_model_len,
-            "kv_bytes_per_token": self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
-            "total_blocks": self.engine.stats().total_blocks, "profile": profile,
-        }
-
-    def _profile(self) -> dict:
-        """Time prefills of several lengths and decode steps of several batch sizes (engine thread)."""
-        rng = random.Random(0)
-        vocab = self.engine.model_config.vocab_size
-        greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        prefill: list[tuple[int, int, float]] = []
-        for n in _PROFILE_PROMPT_LENS:
-            if n + 1 > self.engine.max_model_len:
-                break
-            prompt = [rng.randrange(vocab) for _ in range(n)]
-            self.engine.add_request(f"profile-p{n}", prompt, greedy_one)
-            start = time.perf_counter()
-            while self.engine.has_unfinished():
-                self.engine.step()
-            prefill.append((n, 0, time.perf_counter() - start))
-        decode: list[tuple[int, int, float]] = []
-        steps = 4
-        # Batch size and context vary apart (short and long prompts), so the TBT fit can tell the
-        # per-sequence cost from the per-context-token cost.
-        for batch, prompt_len in ((1, 32), (4, 32), (8, 32), (1, 512), (2, 512)):
-            if prompt_len + steps + 1 > self.engine.max_model_len:
-                continue
-            params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
-            for i in range(batch):
-                prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-                self.engine.add_request(f"profile-d{batch}-{prompt_len}-{i}", prompt, params)
-            while self.engine.stats().num_waiting or self.engine.stats().waiting_prompt_tokens:
-                self.engine.step()  # the prefills
-            for step in range(steps):
-                start = time.perf_counter()
-                self.engine.step()
-                decode.append((batch, batch * (prompt_len + 1 + step), time.perf_counter() - start))
-            while self.engine.has_unfinished():
-                self.engine.step()
-        return {"prefill": prefill, "decode": decode}
+            self.loop.set_block_event_sink(self.pool.publish)
+        return WorkerInfo(
+            worker_id=self.spec.worker_id, role=self.spec.role, node=ray.util.get_node_ip_address(),
+            node_id=ray.get_runtime_context().get_node_id(), device=str(self.engine.device),
+            model_id=self.engine.model_id, block_size=self.engine.block_size,
+            max_model_len=self.engine.max_model_len,
+            kv_bytes_per_token=self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
+            total_blocks=self.engine.stats().total_blocks, profile=profile,
+        )
 
     async def load(self) -> WorkerLoad:
         stats = self.loop.stats
@@ -138,23 +86,13 @@ class Worker:
             steps=self.loop.steps, last_step_s=self.loop.step_times_s[-1] if self.loop.step_times_s else 0.0,
         )
 
-    async def stats(self) -> dict:
-        stats = self.loop.stats
-        return {"worker_id": self.spec.worker_id, "role": self.spec.role, **stats.__dict__,
-                "recent_step_times_s": list(self.loop.step_times_s)}
+    async def stats(self) -> EngineStats:
+        return self.loop.stats
 
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(self.engine.abort, request_id)
 
     # ---- the KV pool ---------------------------------------------------------------------------------------------
-    def _on_stored(self, hashes: list[int]) -> None:
-        if self.pool is not None:
-            self.pool.blocks_stored(hashes)
-
-    def _on_removed(self, hashes: list[int]) -> None:
-        if self.pool is not None:
-            self.pool.blocks_removed(hashes)
-
     async def _load_prefix_from_pool(self, prompt_ids: list[int], fetch_from: str | None) -> None:
         """Take missing prefix blocks from the pool's tiers when the router said fetching beats recompute."""
         if self.pool is None or fetch_from is None:
@@ -212,14 +150,14 @@ class ColocatedWorker(Worker):
 class PrefillWorker(Worker):
     """Computes prompts, samples the first token and pushes the KV into a decode worker's lease."""
 
-    async def start(self) -> dict:
+    async def start(self) -> WorkerInfo:
         info = await super().start()
         self.sender = HandoffSender(self.spec.worker_id, self.spec.kv_transport, self.spec.layerwise, self.engine,
                                     self.loop)
         return info
 
     async def prefill(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: dict,
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
         fetch_from: str | None, deadline_s: float,
     ) -> PrefillResult:
         deadline = time.monotonic() + deadline_s
@@ -230,13 +168,14 @@ class PrefillWorker(Worker):
             await self.loop.acall(self.engine.add_request, request_id, prompt_ids, params, True)
             output: RequestOutput = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
             first = output.new_token_ids[0]
-            if output.finish_reason != "prefilled":  # the first token already ends it: nothing to send
+            if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
                 handoff.cancel()
                 return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0)
             nbytes, seconds = await handoff.finish()
             if self.pool is not None:
                 await self.pool.store_request_blocks(self.loop, request_id)
-            return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds)
+            return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
+                                 handoff.transport)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)
@@ -251,12 +190,11 @@ class PrefillWorker(Worker):
 class DecodeWorker(Worker):
     """Holds leases of reserved blocks, receives KV into them, and decodes in a continuous batch."""
 
-    async def start(self) -> dict:
+    async def start(self) -> WorkerInfo:
         info = await super().start()
         self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop)
-        info["kv_target"] = self.receiver.target()
         self._reaper = asyncio.create_task(self._reap_expired_leases())
-        return info
+        return dataclasses.replace(info, kv_target=self.receiver.target())
 
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> None:
         """Reserve blocks for ``num_tokens`` of prompt KV; raises OutOfBlocksError when they don't fit."""
@@ -281,11 +219,10 @@ class DecodeWorker(Worker):
         """A collective channel for ``prefill_id``'s transfers; returns the address it connects to."""
         return self.receiver.open_collective(prefill_id)
 
-    async def receive_collective(self, prefill_id: str, header: dict, timeout_s: float) -> int:
+    async def receive_collective(self, prefill_id: str, header: TransferHeader, timeout_s: float) -> int:
         """Receive one collective transfer into its lease (the header travels in this call)."""
-        parsed = TransferHeader(**{**header, "shape": tuple(header["shape"])})
-        parsed.validate()
-        return await asyncio.to_thread(self.receiver.receive_collective, prefill_id, parsed, timeout_s)
+        header.validate()
+        return await asyncio.to_thread(self.receiver.receive_collective, prefill_id, header, timeout_s)
 
     async def release(self, request_id: str) -> None:
         """Free a lease that never joined the batch (the handoff failed or was cancelled)."""

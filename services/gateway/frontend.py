@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import PromptTooLongError
 from services.gateway.errors import NotFoundError

@@ -6,7 +6,6 @@ A client that cancels its call cancels this handler; closing the `Generation` ab
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,8 +13,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
+from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
+from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Generation
 from services.sessions import SessionStore
@@ -58,7 +59,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
     async def _serve(self, method: str, start, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
         gen = None
         try:
-            self._authorize(context)
+            check_bearer(dict(context.invocation_metadata()).get("authorization", ""), self.api_key)
             gen = await start()
             # A cancel that lands while gRPC is sending abandons this generator without running its
             # `finally`, so the request is also stopped when the call ends, however it ends.
@@ -81,14 +82,6 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             if gen is not None:
                 gen.close()
 
-    def _authorize(self, context) -> None:
-        if self.api_key is None:
-            return
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise errors.UnauthorizedError("missing or invalid API key")
-
 
 class _Health(health.aio.HealthServicer):
     """Standard health service; SERVING while at least one worker is alive (checked on each call)."""
@@ -105,17 +98,18 @@ class _Health(health.aio.HealthServicer):
         return await super().Check(request, context)
 
 
-async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | None, port: int, *,
-                            api_key: str | None = None, host: str = "0.0.0.0",
-                            max_prompt_tokens: int | None = None) -> grpc.aio.Server:
-    """Start the gRPC gateway on ``host:port`` (call ``await server.stop(grace)`` to end it)."""
+async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | None,
+                            config: GatewayConfig) -> grpc.aio.Server:
+    """Start the gRPC gateway on the configured host and port (``await server.stop(grace)`` ends it)."""
     server = grpc.aio.server()
-    serving_pb2_grpc.add_ServingServicer_to_server(
-        ServingServicer(Frontend(dispatcher, sessions, max_prompt_tokens), api_key, dispatcher.metrics), server)
+    frontend = Frontend(dispatcher, sessions, config.max_prompt_tokens)
+    serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(frontend, config.api_key, dispatcher.metrics),
+                                                   server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(dispatcher), server)
     reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                                          reflection.SERVICE_NAME), server)
-    if server.add_insecure_port(f"{host}:{port}") == 0:
-        raise OSError(f"gRPC gateway cannot listen on {host}:{port}")
+    address = f"{config.host}:{config.grpc_port}"
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"gRPC gateway cannot listen on {address}")
     await server.start()
     return server

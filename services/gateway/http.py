@@ -7,7 +7,6 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator
@@ -15,8 +14,10 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
+from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend
 from services.gateway.generation import Generation, Usage
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -48,9 +49,11 @@ class _Guard:
                 self.metrics.inc_request(route, str(message["status"]))
             await send(message)
 
-        if self.api_key is not None and not path.startswith(_OPEN_PATHS) and not self._authorized(scope):
-            return await errors.http_response(errors.UnauthorizedError("missing or invalid API key"))(
-                scope, receive, counted_send)
+        if not path.startswith(_OPEN_PATHS):
+            try:
+                check_bearer(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"), self.api_key)
+            except errors.UnauthorizedError as exc:
+                return await errors.http_response(exc)(scope, receive, counted_send)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -72,12 +75,6 @@ class _Guard:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, counted_send)
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope["headers"])
-        given = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, key = given.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
 
 
 class _GenerationStream(StreamingResponse):
@@ -114,13 +111,13 @@ def _usage(usage: Usage) -> dict:
             "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
-def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, *, api_key: str | None = None,
-               max_body_bytes: int = 4 << 20, max_prompt_tokens: int | None = None) -> FastAPI:
+def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: GatewayConfig) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn."""
-    frontend = Frontend(dispatcher, sessions, max_prompt_tokens)
+    frontend = Frontend(dispatcher, sessions, config.max_prompt_tokens)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=dispatcher.metrics)
+    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       metrics=dispatcher.metrics)
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return errors.http_response(exc)

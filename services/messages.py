@@ -1,0 +1,80 @@
+"""What the dispatcher and the workers say to each other: typed, torch-free dataclasses.
+
+Everything here crosses a process boundary (Ray pickles it), so it holds plain data only: no tensors,
+no engine objects. The gateway and the router's process import this module without importing torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from engine.output import FinishReason
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"  # prefill and decode in one engine
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """Where a prefill worker sends a request's KV: the decode worker's transfer endpoints."""
+
+    worker_id: str
+    grpc_address: str  # host:port of the decode worker's KV transfer server
+    device: str  # the decode side's device ("cpu", "cuda", "cuda:1"): picks the collective backend
+    actor: Any  # the decode worker's Ray actor handle, which opens and receives collective transfers
+
+
+@dataclass(frozen=True)
+class WorkerProfile:
+    """Timings a worker measured on its own engine at start, for the router's estimator."""
+
+    prefill: list[tuple[int, int, float]]  # (new tokens, cached tokens, seconds)
+    decode: list[tuple[int, int, float]]  # (batch size, context tokens, seconds per step)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker reports once started: where it runs, its model and KV capacity, its profile."""
+
+    worker_id: str
+    role: Role
+    node: str  # the node's IP address
+    node_id: str  # Ray's node id
+    device: str
+    model_id: str
+    block_size: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    total_blocks: int
+    profile: WorkerProfile
+    kv_target: KVTarget | None = None  # decode workers only
+
+
+@dataclass
+class TokenEvent:
+    """New tokens of one choice of a request, as a worker streams them."""
+
+    index: int  # which of the n choices
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    text: str = ""  # new text: the engine detokenizes, holds back a possible stop string and cuts a matched one
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """A prefill worker's answer: the first token, and how the KV handoff went."""
+
+    first_token_id: int
+    text: str  # the first token's text as the engine released it
+    finish_reason: FinishReason | None  # set when the first token already ends the request
+    num_cached_tokens: int
+    transfer_bytes: int
+    transfer_s: float
+    transport: str = ""  # the transport actually used ("grpc", "collective"); "" when nothing was sent

@@ -1,0 +1,171 @@
+"""The dispatcher's request path with fake workers: no Ray, no engine, just the typed worker interface.
+
+Each fake records the calls it got, so the tests check the order of reserve / prefill / decode, the
+retry after a worker death before the first token, and that every exit path frees the decode lease.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.output import FinishReason
+from engine.sampling_params import SamplingParams
+from router.conductor import SLO, Conductor
+from router.estimator import Estimator
+from router.loads import WorkerLoad
+from services.dispatcher import Dispatcher, GenerateRequest
+from services.errors import NoWorkersError, WorkerDiedError
+from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo, WorkerProfile
+from services.metrics import Metrics
+
+pytestmark = pytest.mark.timeout(30)
+
+PROMPT = list(range(40))
+
+
+class FakeWorker:
+    """The methods of ``WorkerClient``, answering from a script instead of an actor."""
+
+    def __init__(self, worker_id: str, role: Role, *, die_on_prefill: bool = False,
+                 fail_on_prefill: Exception | None = None, tokens: int = 3) -> None:
+        target = KVTarget(worker_id, "127.0.0.1:1", "cpu", None) if role == Role.DECODE else None
+        self.info = WorkerInfo(worker_id, role, "127.0.0.1", "node", "cpu", "fake-model", 16, 2048, 1024, 256,
+                               WorkerProfile([], []), target)
+        self.alive = True
+        self.die_on_prefill, self.fail_on_prefill, self.tokens = die_on_prefill, fail_on_prefill, tokens
+        self.calls: list[tuple[str, str]] = []
+        self.leases: set[str] = set()
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def role(self) -> Role:
+        return self.info.role
+
+    async def load(self, timeout_s: float) -> WorkerLoad:
+        if not self.alive:
+            raise WorkerDiedError(self.worker_id, f"{self.worker_id} died")
+        return WorkerLoad(self.worker_id, str(self.role), free_blocks=256, total_blocks=256, updated_at=time.time())
+
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, timeout_s: float) -> None:
+        self.calls.append(("reserve", request_id))
+        self.leases.add(request_id)
+
+    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch_from, deadline_s) -> PrefillResult:
+        self.calls.append(("prefill", request_id))
+        assert kv_target is not None and kv_target.worker_id.startswith("d")
+        if self.die_on_prefill:
+            self.alive = False
+            raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died")
+        if self.fail_on_prefill is not None:
+            raise self.fail_on_prefill
+        return PrefillResult(7, "a", None, 16, 1000, 0.001, "grpc")
+
+    async def release(self, request_id: str) -> None:
+        self.calls.append(("release", request_id))
+        self.leases.discard(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.calls.append(("abort", request_id))
+
+    def decode(self, request_id, prompt_ids, first_token_id, params, index, num_cached_tokens):
+        self.calls.append(("decode", request_id))
+        self.leases.discard(request_id)  # the lease joins the batch
+        return self._tokens(index, num_cached_tokens)
+
+    def generate(self, request_id, prompt_ids, params, index, fetch_from):
+        self.calls.append(("generate", request_id))
+        return self._tokens(index, 0, first=True)
+
+    async def _tokens(self, index: int, cached: int, first: bool = False):
+        for i in range(self.tokens):
+            last = i == self.tokens - 1
+            await asyncio.sleep(0)
+            yield TokenEvent(index, [100 + i], FinishReason.LENGTH if last else None, len(PROMPT), cached, "x")
+
+
+def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin") -> Dispatcher:
+    estimator = Estimator.from_samples(
+        prefill_samples=[(16, 0, 0.01), (64, 0, 0.02), (256, 0, 0.08)],
+        decode_samples=[(1, 32, 0.01), (4, 128, 0.012), (8, 512, 0.02)], kv_bytes_per_token=1024)
+    conductor = Conductor(policy, estimator, SLO(30.0, 1.0), block_size=16)
+
+    class NoPrefixes:
+        def longest_prefix(self, hashes):
+            return {}
+
+    return Dispatcher(list(workers), conductor, NoPrefixes(), tokenizer=None, metrics=Metrics(),
+                      kv_transport="grpc")
+
+
+async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1) -> list[TokenEvent]:
+    await dispatcher.refresh_loads()
+    params = SamplingParams(max_tokens=4, temperature=0.0, n=n)
+    return [e async for e in dispatcher.generate(GenerateRequest(request_id, PROMPT, params))]
+
+
+def test_disaggregated_request_reserves_then_prefills_then_streams_decode():
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    events = asyncio.run(collect(make_dispatcher(p, d)))
+    assert [e.token_ids for e in events] == [[7], [100], [101], [102]]
+    assert events[0].num_cached_tokens == 16 and events[-1].finish_reason == FinishReason.LENGTH
+    assert d.calls == [("reserve", "r1"), ("decode", "r1")]
+    assert p.calls == [("prefill", "r1")]
+    assert not d.leases
+
+
+def test_prefill_worker_death_before_first_token_retries_on_another_and_frees_the_lease():
+    dead, spare, d = FakeWorker("p0", Role.PREFILL, die_on_prefill=True), FakeWorker("p1", Role.PREFILL), \
+        FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(dead, spare, d)
+    events = asyncio.run(collect(dispatcher))
+    assert [e.token_ids for e in events] == [[7], [100], [101], [102]]
+    assert ("prefill", "r1") in dead.calls and ("prefill", "r1") in spare.calls
+    assert ("release", "r1") in d.calls  # the first attempt's lease
+    assert not d.leases
+    assert dispatcher.alive_workers() == 2  # the dead worker is marked so
+
+
+def test_prefill_error_frees_the_lease_and_reaches_the_caller():
+    p, d = FakeWorker("p0", Role.PREFILL, fail_on_prefill=ValueError("bad prompt")), FakeWorker("d0", Role.DECODE)
+    with pytest.raises(ValueError, match="bad prompt"):
+        asyncio.run(collect(make_dispatcher(p, d)))
+    assert d.calls == [("reserve", "r1"), ("release", "r1")]
+    assert ("abort", "r1") in p.calls
+
+
+def test_consumer_leaving_after_the_first_token_aborts_the_decode_request():
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p, d)
+
+    async def first_only() -> TokenEvent:
+        await dispatcher.refresh_loads()
+        stream = dispatcher.generate(GenerateRequest("r1", PROMPT, SamplingParams(max_tokens=4)))
+        event = await anext(stream)
+        await stream.aclose()
+        return event
+
+    assert asyncio.run(first_only()).token_ids == [7]
+    assert ("abort", "r1") in d.calls
+
+
+def test_fanout_runs_n_choices_as_sub_requests():
+    c = FakeWorker("c0", Role.COLOCATED)
+    events = asyncio.run(collect(make_dispatcher(c), n=2))
+    assert sorted({e.index for e in events}) == [0, 1]
+    assert sorted(rid for call, rid in c.calls if call == "generate") == ["r1-0", "r1-1"]
+    assert sum(e.finish_reason is not None for e in events) == 2
+
+
+def test_no_live_worker_is_refused_before_any_call():
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    p.alive = d.alive = False
+    dispatcher = make_dispatcher(p, d)
+    with pytest.raises(NoWorkersError):
+        asyncio.run(collect(dispatcher))
+    assert p.calls == d.calls == []
