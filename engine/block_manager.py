@@ -32,7 +32,8 @@ class _SeqBlocks:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, salt: bytes, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, salt: bytes, enable_prefix_caching: bool = True,
+                 record_events: bool = False):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks, self.block_size, self.salt = num_blocks, block_size, salt
@@ -45,6 +46,8 @@ class BlockManager:
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; LRU first
         self.seqs: dict[Hashable, _SeqBlocks] = {}
         self._copies: list[tuple[int, int]] = []
+        # Only a worker that publishes to the pool takes the events; elsewhere they would pile up.
+        self.record_events = record_events
         self._events: list[BlockEvent] = []
 
     # -- queries ---------------------------------------------------------------------------------
@@ -154,6 +157,10 @@ class BlockManager:
         copies, self._copies = self._copies, []
         return copies
 
+    def _record(self, event: BlockEvent) -> None:
+        if self.record_events:
+            self._events.append(event)
+
     def take_events(self) -> list[BlockEvent]:
         """Block events since the last call, oldest first; the queue is cleared."""
         events, self._events = self._events, []
@@ -188,7 +195,7 @@ class BlockManager:
                 s.table[i] = existing
                 self._release(block)
         if stored:
-            self._events.append(BlockStored(stored))
+            self._record(BlockStored(stored))
 
     def insert(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
         """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced
@@ -217,7 +224,7 @@ class BlockManager:
         for b in reversed(held):
             self._release(b)
         if stored:
-            self._events.append(BlockStored(stored))
+            self._record(BlockStored(stored))
         return placed
 
     # -- internals -------------------------------------------------------------------------------
@@ -249,5 +256,5 @@ class BlockManager:
             self.ref[block] = 1
             out.append(block)
         if evicted:
-            self._events.append(BlockRemoved(evicted))
+            self._record(BlockRemoved(evicted))
         return out

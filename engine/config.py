@@ -181,3 +181,4 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    enable_block_events: bool = False  # queue BlockStored/BlockRemoved for take_block_events (pool workers)

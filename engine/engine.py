@@ -67,7 +67,7 @@ class Engine:
         self.device = self.kv_cache.device
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, config.enable_block_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,

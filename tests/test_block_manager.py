@@ -19,6 +19,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def manager(num_blocks: int = 16, **kwargs) -> BlockManager:
+    kwargs.setdefault("record_events", True)
     return BlockManager(num_blocks, B, SALT, **kwargs)
 
 
@@ -146,6 +147,14 @@ def test_events_come_out_in_the_order_they_happened_and_take_clears_them():
     assert [i for i, _ in bm.insert(fetched, 2)] == [0, 1]
     assert bm.take_events() == [BlockStored([first]), BlockRemoved([first]),
                                 BlockStored(block_hashes(fetched, B, SALT))]
+    assert bm.take_events() == []
+
+
+def test_events_are_not_kept_unless_asked_for():
+    bm = manager(2, record_events=False)  # an engine with no pool to publish to
+    run_prompt(bm, 1, [1] * B + [0])
+    bm.free(1)
+    bm.insert([2] * 2 * B, 2)
     assert bm.take_events() == []
 
 

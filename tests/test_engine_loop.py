@@ -52,6 +52,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def make_engine(model_dir, **kwargs) -> Engine:
     kwargs.setdefault("num_blocks", 256)
+    kwargs.setdefault("enable_block_events", True)
     return Engine(EngineConfig(model=str(model_dir), block_size=16, **kwargs))
 
 

@@ -23,7 +23,7 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 
 def _engine(model_dir) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), num_blocks=256))
+    return Engine(EngineConfig(model=str(model_dir), num_blocks=256, enable_block_events=True))
 
 
 async def _generate(loop: EngineLoop, request_id: str, prompt: list[int], params: SamplingParams,
