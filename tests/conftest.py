@@ -96,18 +96,18 @@ def start_server(ray_session, redis_url, serving_model_dir):
 
     Each server gets its own Redis database so pools never mix; every server started is stopped at the end.
     """
-    from services.cluster import ClusterConfig
+    from engine.config import EngineConfig
+    from services.config import ClusterConfig, GatewayConfig
     from services.local_redis import free_port
-    from services.serve import GatewayConfig, ThreadedServer
+    from services.serve import ThreadedServer
 
     started: list[ThreadedServer] = []
 
     def start(api_key: str | None = None, **cluster_kwargs) -> ThreadedServer:
         base = redis_url.rsplit("/", 1)[0]
-        cluster_kwargs.setdefault("model", str(serving_model_dir))
         cluster_kwargs.setdefault("threads_per_worker", 1)
-        cluster_kwargs.setdefault("num_blocks", 512)
-        config = ClusterConfig(redis_url=f"{base}/{next(_redis_db)}", **cluster_kwargs)
+        engine = EngineConfig(model=str(serving_model_dir), num_blocks=512)
+        config = ClusterConfig(engine=engine, redis_url=f"{base}/{next(_redis_db)}", **cluster_kwargs)
         gateway = GatewayConfig(http_port=free_port(), grpc_port=free_port(), api_key=api_key)
         server = ThreadedServer(config, gateway).start()
         started.append(server)

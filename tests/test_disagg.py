@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 
-from engine.sampler import SamplingParams
+from engine.sampling_params import SamplingParams
 from services.dispatcher import Deadlines, GenerateRequest
 from services.errors import WorkerFailedError
 
