@@ -1,0 +1,126 @@
+"""The settings of ``tidepool serve``: one dataclass per part, one default per setting.
+
+``ClusterConfig`` holds the engine's ``EngineConfig`` (not a copy of its fields); ``GatewayConfig`` the
+public APIs'. The command line takes every default from these dataclasses, so the CLI, the launcher,
+the tests and the benchmarks cannot disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from services.messages import Role
+
+POLICIES = ("round_robin", "least_loaded", "cache_aware", "mooncake", "tidepool")
+KV_TRANSPORTS = ("grpc", "collective", "auto")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ClusterConfig:
+    """Every setting of a running cluster, each with its one default (``tidepool serve`` reads them here)."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(model="tiny"))  # device set per worker
+    prefill: int = 1
+    decode: int = 1
+    colocated: int = 0  # > 0 serves colocated workers instead of prefill/decode pairs
+    policy: str = "tidepool"
+    kv_transport: str = "auto"  # grpc | collective | auto (collective on GPUs and CPUs, gRPC across devices)
+    layerwise: bool = True  # send each layer's KV as soon as it is computed
+    address: str | None = None  # "auto" joins a running Ray cluster
+    redis_url: str | None = None  # None: start a private redis-server
+    threads_per_worker: int | None = None  # CPU threads per worker; default: the cores split evenly
+    pool_max_bytes: int = 256 << 20  # cap of the Redis KV payload tier
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 1.0  # CPU decode steps are slow: a GPU deployment sets ~0.1
+    ray_num_cpus: int | None = None  # for a local Ray: logical CPUs (defaults to the machine's)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    def roles(self) -> list[Role]:
+        if self.colocated:
+            return [Role.COLOCATED] * self.colocated
+        return [Role.PREFILL] * self.prefill + [Role.DECODE] * self.decode
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    api_key: str | None = None  # required as a bearer key on every API call when set
+    max_body_bytes: int = 8 << 20  # HTTP request bodies above this are refused (413) before parsing
+    max_prompt_tokens: int | None = None  # None: the model's context is the only limit
+    session_ttl_s: float = 3600.0  # idle chat sessions expire after this
+
+
+class _MarkSet(argparse.Action):
+    """Store the value and remember the flag was given (to refuse mixing colocated and P/D flags)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_set", True)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """``tidepool serve``'s options, with the dataclasses' defaults."""
+    c, e, g = ClusterConfig(), ClusterConfig().engine, GatewayConfig()
+    p.add_argument("--model", default=e.model, help="'tiny' (built-in) or a local HF checkpoint directory")
+    p.add_argument("--prefill", type=int, default=c.prefill, action=_MarkSet, help="prefill workers")
+    p.add_argument("--decode", type=int, default=c.decode, action=_MarkSet, help="decode workers")
+    p.add_argument("--colocated", type=int, default=c.colocated,
+                   help="serve N colocated workers (prefill and decode in one engine) instead")
+    p.add_argument("--policy", default=c.policy, choices=POLICIES, help="how the router picks workers")
+    p.add_argument("--kv-transport", default=c.kv_transport, choices=KV_TRANSPORTS,
+                   help="how KV moves from prefill to decode workers")
+    p.add_argument("--no-layerwise", dest="layerwise", action="store_false", default=c.layerwise,
+                   help="send KV after the whole prefill instead of layer by layer")
+    p.add_argument("--address", default=c.address, help="join a Ray cluster ('auto') instead of starting one")
+    p.add_argument("--redis-url", default=c.redis_url, help="use this Redis instead of a private redis-server")
+    p.add_argument("--threads-per-worker", type=int, default=c.threads_per_worker,
+                   help="CPU threads per worker (default: the cores split evenly)")
+    p.add_argument("--pool-max-bytes", type=int, default=c.pool_max_bytes, help="cap of the Redis KV payload tier")
+    p.add_argument("--ttft-slo-s", type=float, default=c.ttft_slo_s, help="time-to-first-token SLO")
+    p.add_argument("--tbt-slo-ms", type=float, default=c.tbt_slo_s * 1000, help="time-between-tokens SLO")
+    p.add_argument("--dtype", default=e.dtype, choices=DTYPES, help="weights and KV cache dtype")
+    p.add_argument("--num-blocks", type=int, default=e.num_blocks,
+                   help="KV blocks per worker (default: from --kv-cache-bytes)")
+    p.add_argument("--kv-cache-bytes", type=int, default=e.kv_cache_bytes, help="KV cache memory per worker")
+    p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
+                   help="tokens in one engine step (chunked prefill splits longer prompts)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   default=e.enable_prefix_caching, help="turn off prefix caching")
+    p.add_argument("--host", default=g.host, help="address the HTTP and gRPC gateways listen on")
+    p.add_argument("--http-port", type=int, default=g.http_port, help="OpenAI-compatible HTTP port")
+    p.add_argument("--grpc-port", type=int, default=g.grpc_port, help="gRPC port")
+    p.add_argument("--api-key", default=g.api_key, help="require this bearer key (or set TIDEPOOL_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, help="largest HTTP request body")
+    p.add_argument("--max-prompt-tokens", type=int, default=g.max_prompt_tokens,
+                   help="longest prompt accepted (default: the model's context)")
+    p.set_defaults(prefill_set=False, decode_set=False)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayConfig]:
+    """The parsed options as the two configs; ValueError when they contradict each other."""
+    if args.colocated and (args.prefill_set or args.decode_set):
+        raise ValueError("use either --colocated N or --prefill/--decode, not both")
+    engine = EngineConfig(
+        model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    cluster = ClusterConfig(
+        engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
+        kv_transport=args.kv_transport, layerwise=args.layerwise, address=args.address, redis_url=args.redis_url,
+        threads_per_worker=args.threads_per_worker, pool_max_bytes=args.pool_max_bytes,
+        ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000,
+    )
+    gateway = GatewayConfig(
+        host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        api_key=args.api_key or os.environ.get("TIDEPOOL_API_KEY"), max_body_bytes=args.max_body_bytes,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    return cluster, gateway
