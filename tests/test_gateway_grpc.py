@@ -10,8 +10,9 @@ import uuid
 import grpc
 import httpx
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from live_helpers import free_blocks, idle, wait_until
 
 from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
@@ -81,12 +82,31 @@ def test_health_reports_serving(live_server):
         assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_reflection_lists_the_serving_service(live_server):
-    reflection = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(live_server.grpc_target))
-    responses = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                timeout=10)
-    names = [s.name for r in responses for s in r.list_services_response.service]
-    assert "tidepool.v1.Serving" in names
+def _reflect(target: str, method: str, request: reflection_pb2.ServerReflectionRequest):
+    call = grpc.insecure_channel(target).stream_stream(
+        method, request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+    return list(call(iter([request]), timeout=10))
+
+
+@pytest.mark.parametrize("version", ["v1alpha", "v1"])
+def test_reflection_lists_and_describes_the_serving_service(live_server, version):
+    method = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    (listed,) = _reflect(live_server.grpc_target, method, reflection_pb2.ServerReflectionRequest(list_services=""))
+    names = [s.name for s in listed.list_services_response.service]
+    assert {"tidepool.v1.Serving", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= set(names)
+    (described,) = _reflect(live_server.grpc_target, method,
+                            reflection_pb2.ServerReflectionRequest(file_containing_symbol="tidepool.v1.Serving"))
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in described.file_descriptor_response.file_descriptor_proto]
+    assert any(svc.name == "Serving" for f in files for svc in f.service)
+
+
+def test_health_list_reports_every_service(live_server):
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(live_server.grpc_target))
+    resp = health.List(health_pb2.HealthListRequest(), timeout=10)
+    assert {name: s.status for name, s in resp.statuses.items()} == {
+        "": health_pb2.HealthCheckResponse.SERVING, "tidepool.v1.Serving": health_pb2.HealthCheckResponse.SERVING}
 
 
 def test_client_cancel_frees_the_blocks(live_server):

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
 from services.config import GatewayConfig
@@ -22,6 +22,7 @@ from services.gateway.generation import Generation
 from services.sessions import SessionStore
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 def _options(s: serving_pb2.SamplingOptions) -> Options:
@@ -90,12 +91,35 @@ class _Health(health.aio.HealthServicer):
         super().__init__()
         self.dispatcher = dispatcher
 
+    def _status(self) -> int:
+        return (health_pb2.HealthCheckResponse.SERVING if self.dispatcher.alive_workers() > 0
+                else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def Check(self, request, context):
-        status = (health_pb2.HealthCheckResponse.SERVING if self.dispatcher.alive_workers() > 0
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        status = self._status()
         for service in ("", SERVICE_NAME):
             await self.set(service, status)
         return await super().Check(request, context)
+
+    async def List(self, request, context) -> health_pb2.HealthListResponse:
+        """Every service this server reports on, with its status (the base class leaves List out)."""
+        status = health_pb2.HealthCheckResponse(status=self._status())
+        return health_pb2.HealthListResponse(statuses={"": status, SERVICE_NAME: status})
+
+
+def _enable_reflection(server: grpc.aio.Server, service_names: tuple[str, ...]) -> None:
+    """Server reflection under both v1alpha and v1 (what grpcurl and current clients ask for first).
+
+    grpcio-reflection implements only v1alpha; v1 has the same messages in a renamed package, so the
+    same servicer answers it with the same bytes.
+    """
+    servicer = reflection.aio.ReflectionServicer((*service_names, reflection.SERVICE_NAME, REFLECTION_V1))
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo, request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1,
+                                                                          {"ServerReflectionInfo": v1}),))
 
 
 async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | None,
@@ -106,8 +130,7 @@ async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | Non
     serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(frontend, config.api_key, dispatcher.metrics),
                                                    server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(dispatcher), server)
-    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                         reflection.SERVICE_NAME), server)
+    _enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     address = f"{config.host}:{config.grpc_port}"
     if server.add_insecure_port(address) == 0:
         raise OSError(f"gRPC gateway cannot listen on {address}")
