@@ -4,7 +4,9 @@ references in engine.kernels.reference (which are themselves checked against den
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.kernels import reference as ref
+from engine.kernels import triton_available
 from engine.kv_cache import KVCache
 
 # @triton.jit, and triton.language's own jitted helpers (tl.sum, tl.max, tl.cdiv), choose between GPU
@@ -19,7 +22,10 @@ from engine.kv_cache import KVCache
 # triton`; so the variable is set before that import and stays set (one mode per process).
 if "triton" not in sys.modules:
     os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+# Absent where it has no wheel (the test extra installs it on Linux only), or failing its own import:
+# either way the whole file skips. (engine.kernels imports triton only here, inside triton_available.)
+if not triton_available():
+    pytest.skip("triton is not importable here", allow_module_level=True)
 
 from engine.kernels.common import interpreting  # noqa: E402
 
@@ -291,3 +297,16 @@ def test_triton_available_is_false_when_triton_cannot_import(monkeypatch):
         assert triton_available() is False
     finally:
         triton_available.cache_clear()
+
+
+def test_this_file_skips_cleanly_without_triton(tmp_path: Path):
+    """Where triton is missing (no wheel off Linux) or broken, this file skips instead of erroring."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('triton hidden by the test')\n")
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__],
+                            cwd=Path(__file__).parents[1], env={**os.environ, "PYTHONPATH": path},
+                            capture_output=True, text=True, timeout=120)
+    # a module-level skip collects no test: NO_TESTS_COLLECTED on its own, not an error
+    assert result.returncode in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED), result.stdout + result.stderr
+    assert "1 skipped" in result.stdout and "triton is not importable" in result.stdout, result.stdout

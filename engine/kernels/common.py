@@ -38,11 +38,19 @@ def default_tile(dtype: torch.dtype) -> int:
     return 32 if dtype == torch.float32 else 64
 
 
-def check_tile(name: str, n: int) -> int:
-    """Tiles are powers of two (``tl.arange``) and at least 16 (the smallest ``tl.dot`` side on GPUs)."""
+def tile_size(name: str, n: int | None, dtype: torch.dtype) -> int:
+    """A kernel's tile: ``n``, or ``default_tile(dtype)`` when None. Tiles are powers of two
+    (``tl.arange``) and at least 16 (the smallest ``tl.dot`` side on GPUs)."""
+    n = n or default_tile(dtype)
     if n < 16 or n & (n - 1):
         raise ValueError(f"{name}={n} must be a power of two >= 16")
     return n
+
+
+def dtype_flags(dtype: torch.dtype) -> dict[str, bool | str]:
+    """The attention kernels' dtype-dependent constexprs: ``UPCAST`` (``upcast``) and ``PREC``
+    (``dot_precision``)."""
+    return {"UPCAST": upcast(dtype), "PREC": dot_precision(dtype)}
 
 
 def next_power_of_2(n: int) -> int:
@@ -61,3 +69,25 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
         raise ValueError("the head_dim axis of the caches must be contiguous")
     nb, bs, hkv, d = k_cache.shape
     return nb, bs, hkv, d
+
+
+def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor,
+                           out: torch.Tensor | None) -> tuple[int, int, int, torch.Tensor]:
+    """The checks both paged attention launchers make: one layer's caches (``check_paged_cache``), ``q``
+    ``[tokens, num_q_heads, head_dim]`` in their dtype with whole kv-head groups, ``block_tables`` 2-D,
+    and contiguous head_dims and table rows. Returns ``(block_size, kv_heads, head_dim, out)``, ``out``
+    allocated like ``q`` when None (a given one must be shaped like ``q``)."""
+    _, block_size, kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit kv_heads={kv_heads}, head_dim={head_dim}")
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [batch, max_blocks]")
+    if q.stride(-1) != 1 or block_tables.stride(-1) != 1:
+        raise ValueError("q's head_dim and block_tables' last axis must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} must be shaped like q with a contiguous head_dim")
+    return block_size, kv_heads, head_dim, out

@@ -1,14 +1,13 @@
 """Paged decode attention (Triton): one query token per sequence over its block table.
 
 Each program owns one (sequence, kv head, split) and computes every query head of that kv head's group
-at once, so a K/V tile is loaded once per group (GQA/MQA) and the scores are one ``tl.dot``. Keys are
-read in place: token n of a sequence lives at row ``n % block_size`` of block ``table[n // block_size]``,
-looked up per token inside the tile, so the tile width is independent of the block size.
+at once, so a K/V tile is loaded once per group (GQA/MQA) and the scores are one ``tl.dot``. The key
+loop (in-place reads through the block table, base-2 online softmax) is ``_tile.attend_keys``, shared
+with prefill.
 
 Long contexts with few sequences leave most of the GPU idle, so the context can be cut into splits
 (flash-decoding, SGLang's two-stage decode): stage 1 writes each split's normalized partial output and
-its log-sum-exp, stage 2 merges them. With one split, stage 1 writes the final output directly.
-Softmax runs in base 2 (``exp2`` is the native instruction), so the scale is pre-multiplied by log2(e).
+its log-sum-exp (base 2), stage 2 merges them. With one split, stage 1 writes the final output directly.
 """
 
 from __future__ import annotations
@@ -20,14 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import (
-    check_paged_cache,
-    check_tile,
-    default_tile,
-    dot_precision,
-    next_power_of_2,
-    upcast,
-)
+from engine.kernels._tile import attend_keys
+from engine.kernels.common import check_attention_inputs, dtype_flags, next_power_of_2, tile_size
 
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 16
@@ -61,31 +54,13 @@ def _decode_stage1(
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    table = BlockTables + b * stride_bt
-    for n0 in range(start, end, BLOCK_N):  # every tile holds >= 1 real key, so m_i is finite after it
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < end
-        blk = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
-        row = offs_n % PAGE
-        kv_mask = mask_n[:, None] & mask_d[None, :]
-        k_ptrs = K + blk[:, None] * stride_kb + row[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :]
-        v_ptrs = V + blk[:, None] * stride_vb + row[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [BLOCK_H, BLOCK_N]
-        s = tl.where(mask_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    # Every tile of a non-empty split holds >= 1 real key, so m_i is finite after the first one. Not
+    # causal: the one query row sees the whole context, so ``pos`` (here ``start``) is unused.
+    m_i, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, BlockTables + b * stride_bt,
+                                start, end, start, scale_log2, offs_d, mask_d,
+                                stride_kb, stride_kt, stride_vb, stride_vt,
+                                ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=False,
+                                UPCAST=UPCAST, PREC=PREC)
 
     empty = l_i == 0.0  # only an empty split (context shorter than NUM_SPLITS tiles)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -149,25 +124,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     default it is chosen from the batch and ``max_context_len`` (default: the table's capacity, an
     upper bound that needs no device sync). ``block_n`` is the key tile (default: ``default_tile``).
     Returns ``out`` ``[batch, num_q_heads, head_dim]``."""
-    _, block_size, kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
-    batch, q_heads, qd = q.shape
-    if qd != head_dim or q_heads % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit kv_heads={kv_heads}, head_dim={head_dim}")
-    if q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or context_lens.shape != (batch,):
+    block_size, kv_heads, head_dim, out = check_attention_inputs(q, k_cache, v_cache, block_tables, out)
+    batch, q_heads, _ = q.shape
+    if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError("block_tables must be [batch, max_blocks] and context_lens [batch]")
-    if q.stride(-1) != 1 or block_tables.stride(-1) != 1:
-        raise ValueError("q's head_dim and block_tables' last axis must be contiguous")
-    out = torch.empty_like(q) if out is None else out
-    if out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"out {tuple(out.shape)} must be shaped like q with a contiguous head_dim")
     if batch == 0:
         return out
     if num_splits is None:
         cap = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
         num_splits = auto_num_splits(batch, kv_heads, cap, q.device)
-    block_n = check_tile("block_n", block_n or default_tile(q.dtype))
+    block_n = tile_size("block_n", block_n, q.dtype)
     group = q_heads // kv_heads
     block_d = next_power_of_2(head_dim)
     if num_splits > 1:
@@ -182,8 +148,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        UPCAST=upcast(q.dtype), PREC=dot_precision(q.dtype),
+        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **dtype_flags(q.dtype),
     )
     if num_splits > 1:
         _decode_stage2[(batch, q_heads)](
