@@ -135,7 +135,8 @@ def run_kv_calc(args: argparse.Namespace) -> int:
 def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``kv-calc``; argument errors print one line and exit 2 (no usage dump, no traceback)."""
     p = subparsers.add_parser("kv-calc", help="KV-cache memory per token/request/batch and how many fit",
-                              description=__doc__.splitlines()[0])
+                              description="KV-cache bytes per token, request and batch for a model, and how "
+                                          "many requests fit in a device's memory.")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="checkpoint directory (reads its config.json)")
     source.add_argument("--preset", choices=sorted(PRESETS), help="a named model shape")

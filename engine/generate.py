@@ -26,21 +26,24 @@ def _ids(value: str) -> list[int]:
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("generate", help="generate text offline with the engine in this process")
+    p = subparsers.add_parser("generate", help="generate text offline with the engine in this process",
+                              description="Generate from one or more prompts with the engine in this process "
+                                          "(no cluster): the reference check against other engines.")
     p.add_argument("--model", default="tiny", help="'tiny' (built-in) or a Hugging Face checkpoint directory")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prompts.add_argument("--prompt-ids", action="append", type=_ids, help="prompt token ids 1,2,3 (repeatable)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=16, help="new tokens per sample")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and KV cache dtype")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=run_generate)
 

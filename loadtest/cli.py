@@ -21,16 +21,6 @@ DESCRIPTION = (
 )
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's help ends with its default, except where the default is None: there the help says
-    what happens instead (a printed "None" would tell a user nothing)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is argparse.SUPPRESS:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def _slo(pair: str) -> dict[str, float]:
     try:
         return parse_goodput([pair])
@@ -147,7 +137,7 @@ def _output_options(p: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="load-test a serving endpoint (vllm bench serve metrics)",
-                              description=DESCRIPTION, formatter_class=HelpFormatter)
+                              description=DESCRIPTION)
     _target_options(p)
     _dataset_options(p)
     _request_options(p)

@@ -23,17 +23,20 @@ SLO_TARGET = 0.9  # --sweep: the share of requests that must meet both SLOs
 
 def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="trace-driven simulation of the routing policies",
-                              description=__doc__)
+                              description="Replay a Mooncake-format trace through the routing policies on a "
+                                          "simulated cluster, or sweep for the highest request rate that keeps "
+                                          "90% of requests within both SLOs.")
     d = SimConfig()
     p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
     p.add_argument("--prefill", type=int, default=d.prefill, help="prefill workers")
     p.add_argument("--decode", type=int, default=d.decode, help="decode workers")
-    p.add_argument("--policy", default=d.policy, choices=[*POLICIES, "all"])
+    p.add_argument("--policy", default=d.policy, choices=[*POLICIES, "all"],
+                   help="the routing policy, or all of them side by side")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", choices=list(PRESETS), help="analytic cost profile")
     src.add_argument("--profile", help="profile JSON written by live profiling")
     p.add_argument("--speed", type=float, default=d.speed, help="compress trace time by this factor")
-    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the trace's first N requests")
     p.add_argument("--ttft-slo-s", type=float, default=d.slo.ttft_s, help="time-to-first-token SLO")
     p.add_argument("--tbt-slo-ms", type=float, default=d.slo.tbt_s * 1000, help="time-between-tokens SLO")
     p.add_argument("--sweep", action="store_true", help="find the max request rate with >= 90%% meeting both SLOs")

@@ -40,27 +40,43 @@ def _serve(args: argparse.Namespace) -> int:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the cluster and its HTTP + gRPC gateways",
                        description="Start the prefill/decode workers, the router and the OpenAI HTTP + gRPC "
-                                   "gateways; Ctrl-C or SIGTERM stops everything.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                   "gateways; Ctrl-C or SIGTERM stops everything.")
     add_serve_arguments(p)
     p.set_defaults(func=_serve)
 
 
+# Each command's parser is defined next to the code it drives.
+_ADD_COMMAND = {"serve": add_serve_parser, "generate": add_generate_parser, "kv-calc": add_kv_calc_parser,
+                "simulate": add_simulate_parser, "bench": add_bench_parser, "status": add_status_parser}
+COMMANDS = tuple(_ADD_COMMAND)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, except where the default is None: there the help says
+    what happens instead (a printed "None" would tell a user nothing)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidepool", description="Disaggregated prefill/decode LLM serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    add_generate_parser(sub)
-    add_kv_calc_parser(sub)
-    add_simulate_parser(sub)
-    add_bench_parser(sub)
-    add_status_parser(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, add in _ADD_COMMAND.items():
+        add(sub)
+        sub.choices[name].formatter_class = HelpFormatter  # one help style for every command
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # argparse would only say that a command is required, not which word it could not use
+        parser.error(f"unrecognized option {argv[0]!r}: give a command first ({', '.join(COMMANDS)})")
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -10,8 +10,6 @@ import sys
 
 import httpx
 
-from loadtest.cli import HelpFormatter  # one help style for the CLI: every option shows its default
-
 STATUS_PATH = "/v1/cluster/status"
 
 
@@ -101,7 +99,7 @@ DESCRIPTION = (
 
 def add_status_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("status", help="show every worker, the KV pool and the router of a running cluster",
-                              description=DESCRIPTION, formatter_class=HelpFormatter)
+                              description=DESCRIPTION)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's HTTP address")
     p.add_argument("--api-key", default=None, help="bearer key (default: $TIDEPOOL_API_KEY)")
     p.add_argument("--json", action="store_true", help="print the status JSON instead of the table")

@@ -1,0 +1,53 @@
+"""The ``tidepool`` command line: errors name what was wrong, every option says what it does and its default."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.cli import COMMANDS, build_parser, main
+
+
+def test_an_unknown_option_before_the_command_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'--bogus'" in err and "serve" in err
+
+
+def test_an_unknown_command_is_named(capsys):
+    with pytest.raises(SystemExit):
+        main(["bogus"])
+    assert "'bogus'" in capsys.readouterr().err
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_option_has_help_text_and_its_default(command):
+    parser = _subparsers(build_parser())[command]
+    text = parser.format_help()
+    assert "``" not in text and "(default: None)" not in text  # no docstring markup, no unexplained None
+    assert parser.description
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, f"tidepool {command} {action.option_strings[0]}: no help text"
+        if action.default is not None and action.default is not argparse.SUPPRESS:
+            assert "(default: " in formatter._get_help_string(action), action.option_strings
+
+
+def test_serve_help_shows_the_config_defaults():
+    text = _subparsers(build_parser())["serve"].format_help()
+    assert "(default: tidepool)" in text  # --policy, from ClusterConfig
+    assert f"(default: {8 << 20})" in text  # --max-body-bytes, from GatewayConfig
+
+
+def test_commands_list_matches_the_parser():
+    assert set(_subparsers(build_parser())) == set(COMMANDS)
