@@ -3,21 +3,34 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The gRPC stub generator, pinned: its version sets the oldest grpcio/protobuf the committed stubs run on
+# (pyproject's lower bounds). This small environment holds exactly those versions, so the tests also
+# import and call the stubs there.
+PROTO_VENV := .venv-proto
+PROTO_STAMP := $(PROTO_VENV)/.installed
+PROTO_PINS := grpcio==1.66.2 protobuf==5.27.2 grpcio-tools==1.66.2
 
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 50051
 
 .PHONY: setup test run proto lint clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(PROTO_STAMP)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	@command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl >/dev/null)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	# The exact CPU build first: the package accepts a range, which alone would pull a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
 	touch $(STAMP)
+
+$(PROTO_STAMP): Makefile
+	test -x $(PROTO_VENV)/bin/python || $(PY) -m venv $(PROTO_VENV)
+	$(PROTO_VENV)/bin/pip install -q $(PROTO_PINS)
+	touch $(PROTO_STAMP)
 
 test: setup
 	$(BIN)/python -m pytest -q
@@ -35,10 +48,11 @@ run: setup
 	wait $$pid
 
 proto: setup
-	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. --pyi_out=. --grpc_python_out=. proto/tidepool/v1/*.proto
+	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+	  --grpc_python_out=proto proto/tidepool/v1/*.proto
 
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PROTO_VENV) build *.egg-info

@@ -19,7 +19,7 @@ import grpc
 import httpx
 
 from loadtest.workloads import RequestSpec
-from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
+from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
 
 @dataclass

@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from live_helpers import free_blocks, idle, wait_until
 
-from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
+from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(240)]
 

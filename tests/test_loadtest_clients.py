@@ -27,8 +27,8 @@ from loadtest.cli import add_bench_parser
 from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord
 from loadtest.runner import BenchConfig, run_benchmark
 from loadtest.workloads import RequestSpec
-from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
 from router.trace import TraceError
+from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 CACHED = 7

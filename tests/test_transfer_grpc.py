@@ -12,7 +12,7 @@ from kvstore.transfer import TransferCancelled, TransferRejected, TransferTimeou
 from kvstore.transfer.grpc import KVTransferClient, KVTransferServer, chunk_stream, encode_data_chunk
 from kvstore.transfer.sink import TensorSink
 from kvstore.transfer.wire import MAX_CHUNK_BYTES, LayerFeed, TransferHeader
-from proto.tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 # [layers, 2, blocks, block_size, kv_heads, head_dim]: 5 MiB per float32 layer, so layers span chunks.
 SHAPE = (3, 2, 80, 16, 8, 64)

@@ -17,7 +17,7 @@ from kvstore.transfer.wire import (
     piece_ranges,
     tensor_from_bytes,
 )
-from proto.tidepool.v1 import kv_transfer_pb2
+from tidepool.v1 import kv_transfer_pb2
 
 
 @pytest.mark.timeout(30)

@@ -27,7 +27,7 @@ from kvstore.transfer import (
 )
 from kvstore.transfer.sink import KVSink, KVWriter
 from kvstore.transfer.wire import MAX_CHUNK_BYTES, TransferHeader, as_bytes, checksum, payload_pieces
-from proto.tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 SEND_CHUNK_BYTES = 1 << 20  # what the client sends; 1 MiB streamed faster than 4 MiB in benchmarks
 # A data chunk plus room for the header chunk's block hashes (~100k of them).

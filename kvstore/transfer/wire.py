@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvstore.transfer import TransferError
-from proto.tidepool.v1 import kv_transfer_pb2
+from tidepool.v1 import kv_transfer_pb2
 
 MAX_CHUNK_BYTES = 4 << 20  # gRPC messages stay far below its limits; collectives send whole layers
 

@@ -6,13 +6,14 @@ A client that cancels its call cancels this handler; closing the `Generation` ab
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from proto.tidepool.v1 import serving_pb2, serving_pb2_grpc
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
@@ -20,6 +21,7 @@ from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Generation
 from services.sessions import SessionStore
+from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
 SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
@@ -34,12 +36,49 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    ignore_eos=s.ignore_eos)
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """Request bytes that are not a valid message. The deserializer returns this instead of raising (grpc
+    would answer UNKNOWN), and the handler answers INVALID_ARGUMENT."""
+
+    error: str
+
+
+def _lenient(message: type[Message]) -> Callable[[bytes], Message | _Undecodable]:
+    def parse(data: bytes) -> Message | _Undecodable:
+        try:
+            return message.FromString(data)
+        except DecodeError as exc:
+            return _Undecodable(f"the request is not a valid {message.DESCRIPTOR.full_name}: {exc}")
+
+    return parse
+
+
+def add_serving(servicer: ServingServicer, server: grpc.aio.Server) -> None:
+    """Register the Serving service as the generated ``add_ServingServicer_to_server`` does, with lenient
+    request deserializers."""
+    def handler(method, request: type[Message]) -> grpc.RpcMethodHandler:
+        return grpc.unary_stream_rpc_method_handler(method, request_deserializer=_lenient(request),
+                                                    response_serializer=serving_pb2.GenerateChunk.SerializeToString)
+
+    handlers = {"Chat": handler(servicer.Chat, serving_pb2.ChatRequest),
+                "Complete": handler(servicer.Complete, serving_pb2.CompleteRequest)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+def _refuse_undecodable(request: Message | _Undecodable) -> None:
+    if isinstance(request, _Undecodable):
+        raise errors.MalformedBodyError(request.error)
+
+
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     def __init__(self, frontend: Frontend, api_key: str | None, metrics) -> None:
         self.frontend, self.api_key, self.metrics = frontend, api_key, metrics
 
     async def Chat(self, request: serving_pb2.ChatRequest, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
         async def start() -> Generation:
+            _refuse_undecodable(request)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             return await self.frontend.chat(request.model or self.frontend.model_id, messages,
                                             _options(request.sampling), request.session_id or None)
@@ -50,8 +89,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
     async def Complete(self, request: serving_pb2.CompleteRequest,
                        context) -> AsyncIterator[serving_pb2.GenerateChunk]:
         async def start() -> Generation:
+            _refuse_undecodable(request)
             prompt = list(request.prompt_token_ids) or request.prompt
-            return await self.frontend.complete(request.model or self.frontend.model_id, prompt,
+            return await self.frontend.complete(request.model or self.frontend.model_id, [prompt],
                                                 _options(request.sampling))
 
         async for chunk in self._serve("Complete", start, context):
@@ -126,9 +166,8 @@ async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | Non
                             config: GatewayConfig) -> grpc.aio.Server:
     """Start the gRPC gateway on the configured host and port (``await server.stop(grace)`` ends it)."""
     server = grpc.aio.server()
-    frontend = Frontend(dispatcher, sessions, config.max_prompt_tokens)
-    serving_pb2_grpc.add_ServingServicer_to_server(ServingServicer(frontend, config.api_key, dispatcher.metrics),
-                                                   server)
+    frontend = Frontend(dispatcher, sessions, config)
+    add_serving(ServingServicer(frontend, config.api_key, dispatcher.metrics), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(dispatcher), server)
     _enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     address = f"{config.host}:{config.grpc_port}"

@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -26,7 +25,7 @@ class KVHeader(_message.Message):
     checksum: int
     total_bytes: int
     layerwise: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layerwise: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layerwise: bool = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "offset", "data", "checksum")
@@ -50,4 +49,4 @@ class KVAck(_message.Message):
     received_bytes: int
     ok: bool
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., received_bytes: _Optional[int] = ..., ok: bool = ..., error: _Optional[str] = ...) -> None: ...

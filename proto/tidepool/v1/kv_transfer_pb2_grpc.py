@@ -3,9 +3,9 @@
 import grpc
 import warnings
 
-from proto.tidepool.v1 import kv_transfer_pb2 as proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2
+from tidepool.v1 import kv_transfer_pb2 as tidepool_dot_v1_dot_kv__transfer__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/tidepool/v1/kv_transfer_pb2_grpc.py depends on'
+        + f' but the generated code in tidepool/v1/kv_transfer_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class KVTransferStub:
+class KVTransferStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -36,12 +36,12 @@ class KVTransferStub:
         """
         self.Push = channel.stream_unary(
                 '/tidepool.v1.KVTransfer/Push',
-                request_serializer=proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-                response_deserializer=proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
+                request_serializer=tidepool_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+                response_deserializer=tidepool_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
                 _registered_method=True)
 
 
-class KVTransferServicer:
+class KVTransferServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
@@ -55,8 +55,8 @@ def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
-                    response_serializer=proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2.KVAck.SerializeToString,
+                    request_deserializer=tidepool_dot_v1_dot_kv__transfer__pb2.KVChunk.FromString,
+                    response_serializer=tidepool_dot_v1_dot_kv__transfer__pb2.KVAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -66,7 +66,7 @@ def add_KVTransferServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class KVTransfer:
+class KVTransfer(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -84,8 +84,8 @@ class KVTransfer:
             request_iterator,
             target,
             '/tidepool.v1.KVTransfer/Push',
-            proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
-            proto_dot_tidepool_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
+            tidepool_dot_v1_dot_kv__transfer__pb2.KVChunk.SerializeToString,
+            tidepool_dot_v1_dot_kv__transfer__pb2.KVAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,9 +3,9 @@
 import grpc
 import warnings
 
-from proto.tidepool.v1 import serving_pb2 as proto_dot_tidepool_dot_v1_dot_serving__pb2
+from tidepool.v1 import serving_pb2 as tidepool_dot_v1_dot_serving__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.66.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/tidepool/v1/serving_pb2_grpc.py depends on'
+        + f' but the generated code in tidepool/v1/serving_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class ServingStub:
+class ServingStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -36,17 +36,17 @@ class ServingStub:
         """
         self.Chat = channel.unary_stream(
                 '/tidepool.v1.Serving/Chat',
-                request_serializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.ChatRequest.SerializeToString,
-                response_deserializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
+                request_serializer=tidepool_dot_v1_dot_serving__pb2.ChatRequest.SerializeToString,
+                response_deserializer=tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
                 _registered_method=True)
         self.Complete = channel.unary_stream(
                 '/tidepool.v1.Serving/Complete',
-                request_serializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.CompleteRequest.SerializeToString,
-                response_deserializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
+                request_serializer=tidepool_dot_v1_dot_serving__pb2.CompleteRequest.SerializeToString,
+                response_deserializer=tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
                 _registered_method=True)
 
 
-class ServingServicer:
+class ServingServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Chat(self, request, context):
@@ -66,13 +66,13 @@ def add_ServingServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Chat': grpc.unary_stream_rpc_method_handler(
                     servicer.Chat,
-                    request_deserializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.ChatRequest.FromString,
-                    response_serializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=tidepool_dot_v1_dot_serving__pb2.ChatRequest.FromString,
+                    response_serializer=tidepool_dot_v1_dot_serving__pb2.GenerateChunk.SerializeToString,
             ),
             'Complete': grpc.unary_stream_rpc_method_handler(
                     servicer.Complete,
-                    request_deserializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.CompleteRequest.FromString,
-                    response_serializer=proto_dot_tidepool_dot_v1_dot_serving__pb2.GenerateChunk.SerializeToString,
+                    request_deserializer=tidepool_dot_v1_dot_serving__pb2.CompleteRequest.FromString,
+                    response_serializer=tidepool_dot_v1_dot_serving__pb2.GenerateChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -82,7 +82,7 @@ def add_ServingServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Serving:
+class Serving(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -100,8 +100,8 @@ class Serving:
             request,
             target,
             '/tidepool.v1.Serving/Chat',
-            proto_dot_tidepool_dot_v1_dot_serving__pb2.ChatRequest.SerializeToString,
-            proto_dot_tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
+            tidepool_dot_v1_dot_serving__pb2.ChatRequest.SerializeToString,
+            tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Serving:
             request,
             target,
             '/tidepool.v1.Serving/Complete',
-            proto_dot_tidepool_dot_v1_dot_serving__pb2.CompleteRequest.SerializeToString,
-            proto_dot_tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
+            tidepool_dot_v1_dot_serving__pb2.CompleteRequest.SerializeToString,
+            tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,1 +1,0 @@
-"""Protocol buffers of Tidepool's gRPC APIs; generated modules live beside their .proto files."""
