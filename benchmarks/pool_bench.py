@@ -1,13 +1,17 @@
-"""KV pool benchmark: the Redis index and payload tier against redis-benchmark on the same server, and
-the router's in-memory mirror at cluster scale.
+"""KV pool benchmark: the Redis index and payload tier against redis-benchmark on the same server, the
+disk tier against plain file I/O of the same bytes, and the router's in-memory mirror at cluster scale.
 
-    python benchmarks/pool_bench.py [--json out.json] [--quick]
+    python benchmarks/pool_bench.py [--json out.json] [--quick] [--disk-dir DIR]
 
 1. ``redis-benchmark`` GET/SET (one client, like ours) with small values and with block-sized values,
    on a private redis-server this script starts: the server's own ceiling for this machine.
 2. ``KVPool.longest_prefix`` on 100-block chains over 8 workers: lookups/s and latency (one Lua call each).
 3. ``RedisTier.put_blocks`` / ``get_blocks`` of KV blocks (default Llama-3-8B-sized, 2 MiB bf16): MB/s.
-4. ``PoolMirror.longest_prefix`` with 1,000 workers and 1M indexed blocks, loaded into Redis and rebuilt
+4. ``DiskTier.put_blocks`` / ``get_prefix`` of the same blocks in prefix runs against plain open/write/read
+   of the same encoded bytes, one file per block and one sequential file: MB/s, writes ending in ``sync``.
+   Cold reads drop the files from the page cache first (``posix_fadvise(DONTNEED)``, on both sides);
+   warm reads are page-cache reads on both sides.
+5. ``PoolMirror.longest_prefix`` with 1,000 workers and 1M indexed blocks, loaded into Redis and rebuilt
    by the mirror: p50/p99 latency (goal p99 < 1 ms) and the rebuild time.
 """
 
@@ -20,8 +24,10 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,9 +35,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvstore.disk_tier import DiskTier  # noqa: E402
 from kvstore.events import PoolMirror  # noqa: E402
-from kvstore.payload import RedisTier  # noqa: E402
+from kvstore.payload import RedisTier, encode_block  # noqa: E402
 from kvstore.pool import KVPool  # noqa: E402
+from kvstore.transfer.wire import checksum  # noqa: E402
 from services.local_redis import LocalRedis  # noqa: E402
 
 
@@ -105,6 +113,106 @@ def bench_payload(url: str, shape: tuple[int, ...], total_bytes: int, batch: int
             "put_MB_s": moved / put_s, "get_MB_s": moved / get_s}
 
 
+def filesystem_of(path: Path) -> str:
+    """The type of the file system ``path`` is on (from /proc/mounts)."""
+    mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    inside = [(len(m), t) for m, t in mounts if path.resolve().is_relative_to(m)]
+    return max(inside)[1] if inside else "?"
+
+
+def drop_from_page_cache(paths: list[Path]) -> None:
+    """Make the next reads of ``paths`` come from the disk: write back, then drop their cached pages."""
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def rate_MB_s(nbytes: int, run, prepare=None, repeat: int = 3) -> float:
+    """Median MB/s of ``run`` over ``repeat`` runs; ``prepare`` runs untimed before each."""
+    rates = []
+    for _ in range(repeat):
+        if prepare is not None:
+            prepare()
+        start = time.perf_counter()
+        run()
+        rates.append(nbytes / 1e6 / (time.perf_counter() - start))
+    return statistics.median(rates)
+
+
+def bench_disk(root: Path, shape: tuple[int, ...], total_bytes: int, run_blocks: int) -> dict:
+    """The disk tier's put (queue, encode, write, ``sync``) and prefix-run get (read, check, tensor) against
+    plain writes and reads of the same encoded bytes: per-block files, and one sequential file."""
+    block = torch.randn(shape).to(torch.bfloat16)
+    hashes = [random.getrandbits(64) for _ in range(max(run_blocks, total_bytes // (2 * block.numel())))]
+    encoded = [encode_block("bench", h, block) for h in hashes]
+    nbytes = sum(map(len, encoded))
+    raw_paths = [root / "raw" / f"{i:06d}.kv" for i in range(len(hashes))]
+    raw_paths[0].parent.mkdir(parents=True)
+    sequential = root / "sequential.bin"
+    buffer = bytearray(8 << 20)
+
+    def raw_write() -> None:
+        for p, data in zip(raw_paths, encoded, strict=True):
+            with open(p, "wb") as f:
+                f.write(data)
+        os.sync()
+
+    def raw_read() -> None:
+        for p in raw_paths:
+            with open(p, "rb", buffering=0) as f:
+                f.readall()
+
+    def sequential_write() -> None:
+        with open(sequential, "wb") as f:
+            for data in encoded:
+                f.write(data)
+        os.sync()
+
+    def sequential_read() -> None:
+        with open(sequential, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+
+    tier = DiskTier(root / "tier", "bench", 2 * nbytes, max_pending_bytes=2 * nbytes)
+    runs = [hashes[i:i + run_blocks] for i in range(0, len(hashes), run_blocks)]
+
+    def tier_write() -> None:
+        for run in runs:
+            tier.put_blocks(run, [block] * len(run))
+        tier.flush()
+        os.sync()
+
+    def tier_read() -> None:
+        for run in runs:
+            assert len(tier.get_prefix(run)) == len(run)
+
+    sides = {"raw_files": (raw_write, raw_read, raw_paths),
+             "sequential_file": (sequential_write, sequential_read, [sequential]),
+             "tier": (tier_write, tier_read, [tier.path_of(h) for h in hashes])}
+    out: dict = {"fs": filesystem_of(root), "block_bytes": len(encoded[0]), "blocks": len(hashes),
+                 "run_blocks": run_blocks, "write_MB_s": {}, "read_cold_MB_s": {}, "read_warm_MB_s": {},
+                 # the check every tier read makes, on one core: the ceiling of a page-cache read
+                 "crc32_one_core_MB_s": rate_MB_s(nbytes, lambda: [checksum(data) for data in encoded])}
+    try:
+        for name, (write, read, paths) in sides.items():
+            out["write_MB_s"][name] = rate_MB_s(nbytes, write, repeat=1)
+            out["read_cold_MB_s"][name] = rate_MB_s(nbytes, read, lambda p=paths: drop_from_page_cache(p))
+            out["read_warm_MB_s"][name] = rate_MB_s(nbytes, read, read)  # the untimed read makes them cached
+        assert tier.dropped == 0 and tier.nbytes == nbytes
+    finally:
+        tier.close()
+        shutil.rmtree(root)
+    for kind in ("read_cold", "read_warm"):
+        r = out[f"{kind}_MB_s"]
+        out[f"{kind}_tier_vs_raw_files"] = r["tier"] / r["raw_files"]
+        out[f"{kind}_tier_vs_sequential_file"] = r["tier"] / r["sequential_file"]
+    return out
+
+
 def bench_mirror(url: str, workers: int, blocks: int, lookups: int) -> dict[str, float]:
     """Chains of 100 blocks: each fully on one worker, a random prefix of it on up to two others; the
     first 8 blocks of chain 0 (a shared system prompt) on every worker."""
@@ -151,6 +259,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes (100 workers, 100k blocks)")
     ap.add_argument("--block-shape", default="32,2,16,8,128", help="layers,2,block_size,kv_heads,head_dim (bf16)")
     ap.add_argument("--payload-mib", type=int, default=256)
+    ap.add_argument("--disk-dir", type=Path, help="where the disk tier writes (default: a temporary dir)")
+    ap.add_argument("--disk-run-blocks", type=int, default=16, help="blocks per prefix run the tier reads")
     args = ap.parse_args()
     if shutil.which("redis-benchmark") is None:
         sys.exit("redis-benchmark not found (apt-get install redis-tools)")
@@ -167,6 +277,11 @@ def main() -> None:
         server_client.flushdb()
         results["pool_longest_prefix_100_blocks"] = bench_lookup(server.url, lookups // 4)
         results["payload"] = bench_payload(server.url, shape, args.payload_mib << 20, batch=8)
+        disk_root = Path(tempfile.mkdtemp(prefix="tidepool-disk-bench-", dir=args.disk_dir))
+        results["disk"] = bench_disk(disk_root, shape, args.payload_mib << 20, args.disk_run_blocks)
+        for kind in ("read_cold", "read_warm"):  # the fetch order: disk before Redis when it reads faster
+            results["disk"][f"{kind}_tier_vs_redis_get"] = (results["disk"][f"{kind}_MB_s"]["tier"]
+                                                            / results["payload"]["get_MB_s"])
         workers, blocks = (100, 100_000) if args.quick else (1000, 1_000_000)
         results["mirror"] = bench_mirror(server.url, workers, blocks, lookups)
         server_client.close()

@@ -135,6 +135,18 @@ def test_fetch_prefix_continues_across_tiers_until_the_first_miss(pool):
 
 
 @pytest.mark.timeout(30)
+def test_fetch_prefix_fills_a_hole_from_a_slower_tier_and_goes_on_in_the_faster_one(pool):
+    data = blocks(9)
+    host = HostTier("tiny", max_bytes=1 << 20)
+    redis_tier = RedisTier(pool, max_bytes=1 << 20)
+    host.put_blocks(HASHES[:3] + HASHES[5:8], data[:3] + data[5:8])
+    redis_tier.put_blocks(HASHES[3:5], data[3:5])  # the host tier's hole
+    got = fetch_prefix(HASHES[:9], [host, redis_tier])
+    assert len(got) == 8
+    assert all(torch.equal(a, b) for a, b in zip(got, data, strict=False))
+
+
+@pytest.mark.timeout(30)
 def test_redis_tier_fails_soft_when_unreachable():
     pool = KVPool(f"redis://127.0.0.1:{free_port()}/0", "tiny", 4)
     tier = RedisTier(pool, max_bytes=1 << 20)
