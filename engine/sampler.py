@@ -1,16 +1,18 @@
-"""The batched sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""The batched sampler: penalties, logit bias, greedy, temperature, top-k, top-p, per-request seeds.
 
-Every row is sampled independently of the others in the batch: temperature, top-k and top-p act per
-row, and random draws come from the row's own ``torch.Generator`` when the request has a seed, so a
-seeded request gives the same tokens whatever it is batched with. Sampling uses the exponential-race
-form ``argmax(p / q)`` with ``q ~ Exp(1)``, which draws from ``p`` with one random number per
-vocabulary entry and no cumulative sums (the same trick vLLM uses).
+Every row is sampled independently of the others in the batch: penalties, bias, temperature, top-k and
+top-p act per row, and random draws come from the row's own ``torch.Generator`` when the request has a
+seed, so a seeded request gives the same tokens whatever it is batched with. Sampling uses the
+exponential-race form ``argmax(p / q)`` with ``q ~ Exp(1)``, which draws from ``p`` with one random number
+per vocabulary entry and no cumulative sums (the same trick vLLM uses). Penalties and bias come first
+(greedy rows see them too), in vLLM's order: repetition, frequency, presence, then the bias.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.output import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -40,9 +42,43 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of float32 ``logits [rows, vocab]``."""
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
+                    num_prompt_tokens: list[int] | None) -> torch.Tensor:
+    """``logits`` with each row's penalties and logit bias applied (a copy; the input stays raw).
+
+    Row r's history is ``token_ids[r]``: its prompt (the first ``num_prompt_tokens[r]``), then its output;
+    only rows with penalties need one. The repetition penalty covers both (HF's
+    ``RepetitionPenaltyLogitsProcessor``); presence and frequency penalties only the output (OpenAI)."""
+    rows = [r for r, p in enumerate(params) if p.has_penalties or p.logit_bias]
+    if not rows:
+        return logits
+    if (token_ids is None or num_prompt_tokens is None) and any(params[r].has_penalties for r in rows):
+        raise ValueError("penalties need each row's token history")
+    out = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    for r in rows:
+        p, row = params[r], out[r]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(token_ids[r])), dtype=torch.long, device=device)
+            score = row[seen]
+            row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            output = token_ids[r][num_prompt_tokens[r]:]
+            counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=device), minlength=vocab)
+            counts = counts.to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias, strict=True)
+            row.index_add_(0, torch.tensor(ids, dtype=torch.long, device=device),
+                           torch.tensor(biases, dtype=row.dtype, device=device))
+    return out
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None) -> list[int]:
+    """One token per row of float32 ``logits [rows, vocab]``; ``token_ids`` / ``num_prompt_tokens`` are
+    each row's history, needed only when a row has penalties (see ``apply_penalties``)."""
+    logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1).tolist()
@@ -65,21 +101,22 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | None]
-                 ) -> list[dict[int, float] | None]:
-    """Per row: {sampled token: logprob} plus the row's ``counts[row]`` most likely tokens, from the
-    model's raw distribution (before temperature / top-k / top-p, as vLLM reports them); None for a row
-    whose count is None (its request asked for no logprobs)."""
-    out: list[dict[int, float] | None] = [None] * len(counts)
+                 ) -> list[TokenLogprobs | None]:
+    """Per row: the sampled token's logprob and the row's ``counts[row]`` most likely tokens, from the
+    model's raw distribution (before penalties, temperature, top-k and top-p, as vLLM reports them); None
+    for a row whose count is None (its request asked for no logprobs)."""
+    out: list[TokenLogprobs | None] = [None] * len(counts)
     want = [row for row, n in enumerate(counts) if n is not None]
     if not want:
         return out
-    logprobs = logits[want].log_softmax(dim=-1)
+    logprobs = logits[want].float().log_softmax(dim=-1)
     k = max(counts[row] for row in want)
     top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
     chosen = logprobs.gather(1, torch.tensor([token_ids[row] for row in want], device=logits.device)[:, None])
+    chosen_vals = chosen[:, 0].tolist()
+    top = list(zip(top_ids.tolist(), top_vals.tolist(), strict=True)) if k else []
     for i, row in enumerate(want):
         n = counts[row]
-        entry = dict(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist(), strict=True)) if n else {}
-        entry[token_ids[row]] = chosen[i, 0].item()
-        out[row] = entry
+        pairs = tuple(zip(top[i][0][:n], top[i][1][:n], strict=True)) if n else ()
+        out[row] = TokenLogprobs(token_ids[row], chosen_vals[i], pairs)
     return out

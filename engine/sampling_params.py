@@ -5,6 +5,7 @@ Torch-free, so the gateway and the dispatcher can build and check them without l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
@@ -12,6 +13,9 @@ from engine.errors import InvalidRequestError
 # Temperatures below this are greedy (dividing by ~0 only overflows).
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0  # OpenAI's range; above it sampling is close to uniform noise
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token
 
 
 @dataclass
@@ -26,6 +30,13 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
+    # OpenAI: subtracted from the logit of every token the output already holds (presence: once;
+    # frequency: once per occurrence).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # HF / vLLM: logits of tokens in the prompt or the output are divided by it (multiplied when negative).
+    repetition_penalty: float = 1.0
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -37,6 +48,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the sequence's token history."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
     def validate(self) -> None:
         """Raise ``InvalidRequestError(field, message)`` for the first bad parameter."""
         def bad(name: str, message: str) -> InvalidRequestError:
@@ -45,14 +61,27 @@ class SamplingParams:
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
+        def is_number(v: object) -> bool:  # NaN and infinities are refused everywhere
+            return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not isinstance(self.temperature, int | float) or self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise bad(name, f"must be in [{-MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0 (1 = off), got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, list | tuple) or not all(
+                isinstance(e, list | tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0 and is_number(e[1])
+                and abs(e[1]) <= MAX_LOGIT_BIAS for e in self.logit_bias):
+            raise bad("logit_bias", f"must map token ids to biases in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         if self.seed is not None and not is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):

@@ -222,6 +222,7 @@ def test_malformed_json_is_400(live_server):
     resp = httpx.post(f"{live_server.http_url}/v1/chat/completions", content=b"{not json",
                       headers={"Content-Type": "application/json"})
     assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+    assert resp.json()["error"]["param"] is None and "not valid JSON" in resp.json()["error"]["message"]
 
 
 def test_unknown_model_is_404(live_server):

@@ -1,5 +1,5 @@
 """Sampler: parameter validation, greedy, top-k / top-p truncation, per-request seeds independent of the
-batch a row is sampled in, and logprobs."""
+batch a row is sampled in, logprobs, and penalties (repetition against transformers' processor) and bias."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequestError
-from engine.sampler import make_generator, sample, top_logprobs
+from engine.output import TokenLogprobs
+from engine.sampler import apply_penalties, make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 
 V = 50
@@ -89,10 +90,88 @@ def test_logprobs_hold_the_sampled_token_and_the_top_n():
     x = logits(3)
     entries = top_logprobs(x, [7, 3, 11], [2, None, 0])  # the middle row asked for no logprobs
     ref = x.log_softmax(-1)
-    top2 = ref[0].topk(2).indices.tolist()
-    assert set(entries[0]) == {7, *top2}
-    assert entries[0][7] == pytest.approx(ref[0, 7].item())
-    assert entries[0][top2[0]] == pytest.approx(ref[0, top2[0]].item())
+    top2 = ref[0].topk(2)
+    assert entries[0].token_id == 7 and entries[0].logprob == pytest.approx(ref[0, 7].item())
+    assert [t for t, _ in entries[0].top] == top2.indices.tolist()  # most likely first
+    assert [lp for _, lp in entries[0].top] == pytest.approx(top2.values.tolist())
     assert entries[1] is None
-    assert entries[2] == {11: pytest.approx(ref[2, 11].item())}
+    assert entries[2] == TokenLogprobs(11, pytest.approx(ref[2, 11].item()), ())
     assert top_logprobs(x, [7, 3, 11], [None] * 3) == [None] * 3
+
+
+# ---- penalties and logit bias ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=2.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty=float("inf")), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+    (dict(logit_bias=[(3, 101.0)]), "logit_bias"),
+    (dict(logit_bias=[(-1, 1.0)]), "logit_bias"),
+])
+def test_validate_refuses_out_of_range_and_non_finite_values(kwargs, field):
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(**kwargs).validate()
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_matches_transformers(penalty):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    x = logits(3, seed=5)
+    histories = [[1, 4, 4, 9], [0, 2, 2, 2, 7, 30], [49]]
+    params = [SamplingParams(repetition_penalty=penalty)] * 3
+    ours = apply_penalties(x, params, histories, [2, 3, 1])
+    for row, history in enumerate(histories):
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), x[row:row + 1].clone())
+        torch.testing.assert_close(ours[row], theirs[0], rtol=0, atol=0)
+    assert not torch.equal(ours, x)  # the raw logits (reported as logprobs) are left alone
+
+
+def test_presence_and_frequency_penalties_follow_openai_over_the_output_only():
+    x = logits(1, seed=6)
+    history = [3, 3, 5, 8, 8, 8]  # prompt [3, 3], output [5, 8, 8, 8]
+    out = apply_penalties(x, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [history], [2])[0]
+    expected = x[0].clone()
+    expected[5] -= 0.25 * 1 + 0.5
+    expected[8] -= 0.25 * 3 + 0.5
+    torch.testing.assert_close(out, expected)  # token 3 is prompt-only: untouched
+
+
+def test_logit_bias_forces_and_bans_tokens_for_greedy_rows_too():
+    x = logits(2, seed=7)
+    worst = x[0].argmin().item()
+    best = x[1].argmax().item()
+    params = [SamplingParams(temperature=0, logit_bias=[(worst, 100.0)]),
+              SamplingParams(temperature=1.0, seed=1, logit_bias=[(best, -100.0)])]
+    for _ in range(5):
+        tokens = sample(x, params, [None, make_generator(1, 0, "cpu")])
+        assert tokens[0] == worst and tokens[1] != best
+
+
+def test_a_frequency_penalty_stops_greedy_repetition_and_keeps_rows_independent():
+    x = torch.zeros(2, V)
+    x[:, 7] = 1.0  # greedy always picks 7 ...
+    x[:, 9] = 0.9
+    history = [1, 2, 7]  # ... unless the penalty counts the 7 already in the output
+    plain, penalized = SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=0.5)
+    assert sample(x, [plain, penalized], [None, None], [history, history], [2, 2]) == [7, 9]
+    assert sample(x, [penalized, plain], [None, None], [history, history], [2, 2]) == [9, 7]
+
+
+def test_seeded_penalized_rows_reproduce_whatever_the_batch():
+    params = SamplingParams(temperature=1.0, seed=42, presence_penalty=1.0, repetition_penalty=1.2)
+    x = logits(3, seed=8)
+    history = [1, 2, 3, 4, 4]
+
+    def draw(rows: list[int]) -> int:
+        batch = [params if r == 0 else SamplingParams(temperature=0.8) for r in rows]
+        gens = [make_generator(42, 0, "cpu") if r == 0 else None for r in rows]
+        return sample(x[rows], batch, gens, [history] * len(rows), [3] * len(rows))[rows.index(0)]
+
+    assert draw([0]) == draw([1, 0, 2]) == draw([2, 1, 0])

@@ -1,27 +1,43 @@
 """What the HTTP and gRPC APIs share: model check, prompt building, limits, sessions, sampling defaults.
 
 Each API parses its own wire format into `Options` and messages, then calls `chat` or `complete`, which
-return a started `Generation` (up-front rejections have been raised by then).
+return a started `Generation` (up-front rejections have been raised by then). Prompt text is measured
+before it is tokenized (text that cannot fit the token limit is refused unread), and templating and
+tokenizing run in a worker thread, so a long prompt never stalls the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from services.config import GatewayConfig
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import PromptTooLongError
-from services.gateway.errors import NotFoundError
-from services.gateway.generation import Generation
-from services.sessions import SessionStore
+from services.gateway.chat_prompt import encode_chat
+from services.gateway.errors import NotFoundError, PromptTextTooLongError
+from services.gateway.generation import Generation, merge_streams
+from services.gateway.token_texts import TokenTexts
+from services.messages import TokenEvent
+from services.sessions import SessionStore, SessionTurn
 
 log = logging.getLogger(__name__)
 
 # OpenAI's legacy completions API defaults to 16 tokens; chat defaults to the rest of the context.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# No token of a real vocabulary averages this many characters over a whole prompt, so longer text cannot
+# fit the token limit and is refused without tokenizing it.
+MAX_CHARS_PER_TOKEN = 64
+MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "logprobs")
 
 
 @dataclass
@@ -37,27 +53,38 @@ class Options:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        given = {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p),
-                                   ("top_k", self.top_k), ("seed", self.seed)) if v is not None}
+        given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
         params = SamplingParams(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                                 stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), n=self.n,
-                                ignore_eos=self.ignore_eos, **given)
+                                ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias), **given)
         params.validate()
         return params
 
 
 class Frontend:
-    def __init__(self, dispatcher: Dispatcher, sessions: SessionStore | None,
-                 max_prompt_tokens: int | None = None) -> None:
+    def __init__(self, dispatcher: Dispatcher, sessions: SessionStore | None, config: GatewayConfig) -> None:
         self.dispatcher = dispatcher
         self.sessions = sessions
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens = config.max_prompt_tokens
+        self.max_n = config.max_n
+        self.token_texts = TokenTexts(dispatcher.tokenizer)
 
     @property
     def model_id(self) -> str:
         return self.dispatcher.model_id
+
+    @property
+    def prompt_token_limit(self) -> int:
+        """The most prompt tokens a request may have (one token must fit after the prompt)."""
+        limit = self.dispatcher.max_model_len - 1
+        return limit if self.max_prompt_tokens is None else min(limit, self.max_prompt_tokens)
 
     def check_model(self, model: str) -> None:
         if model != self.model_id:
@@ -65,36 +92,63 @@ class Frontend:
 
     async def chat(self, model: str, messages: list[dict], options: Options,
                    session_id: str | None = None) -> Generation:
-        """Start a chat turn; with a session, ``messages`` are appended to the stored history."""
+        """Start a chat turn; with a session, ``messages`` are appended to the stored history.
+
+        A session's turns run one at a time (SessionBusyError while another runs): the turn holds the
+        session from before its history is read until the reply is stored, or the turn fails or is cancelled.
+        """
         self.check_model(model)
         history: list[dict] = []
+        turn: SessionTurn | None = None
         if session_id:
             if self.sessions is None:
                 raise InvalidRequestError("session_id", "sessions are not enabled on this server")
-            history = await self.sessions.history(session_id)
-        if not history and not messages:
-            raise InvalidRequestError("messages", "at least one message is required")
-        text = self.dispatcher.tokenizer.apply_chat_template(history + messages, add_generation_prompt=True)
-        prompt_ids = self.dispatcher.tokenizer.encode(text)
-        on_complete = None
-        if session_id:
-            async def on_complete(gen: Generation) -> None:
-                reply = {"role": "assistant", "content": gen.texts[0]}
-                await self.sessions.append(session_id, messages + [reply])
-        return await self._start("chatcmpl", prompt_ids, options, "messages", None, on_complete)
+            turn = await self.sessions.begin_turn(session_id, messages)
+        try:
+            if turn is not None:
+                history = await self.sessions.history(session_id)
+            if not history and not messages:
+                raise InvalidRequestError("messages", "at least one message is required")
+            self._check_text_size(sum(len(m["content"]) for m in history + messages))
+            prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages)
+            return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
+        except BaseException:
+            if turn is not None:  # once the turn's events run, they release it themselves; twice is harmless
+                await turn.release()
+            raise
 
-    async def complete(self, model: str, prompt: str | list[int], options: Options) -> Generation:
+    async def complete(self, model: str, prompts: list[str | list[int]], options: Options) -> Generation:
+        """Start a completion of each prompt (text or token ids); choice ``i * n + j`` is prompt i's j-th."""
         self.check_model(model)
-        tokenizer = self.dispatcher.tokenizer
-        prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
-        if not all(0 <= t < tokenizer.vocab_size for t in prompt_ids):
-            raise InvalidRequestError("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
+        if not prompts:
+            raise InvalidRequestError("prompt", "at least one prompt is required")
+        if len(prompts) > MAX_PROMPTS:
+            raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts in one request")
+        prompt_ids = [await self._prompt_ids(p) for p in prompts]
         return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None)
 
-    async def _start(self, id_prefix: str, prompt_ids: list[int], options: Options, prompt_field: str,
-                     default_max_tokens: int | None, on_complete) -> Generation:
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        tokenizer = self.dispatcher.tokenizer
+        if isinstance(prompt, str):
+            self._check_text_size(len(prompt))
+            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt)
+        else:
+            prompt_ids = list(prompt)
+            if len(prompt_ids) > self.prompt_token_limit:  # before the scan of every id
+                raise PromptTooLongError(len(prompt_ids), self.prompt_token_limit)
+            if not all(0 <= t < tokenizer.vocab_size for t in prompt_ids):
+                raise InvalidRequestError("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
+        if not prompt_ids:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return prompt_ids
+
+    def _check_text_size(self, chars: int) -> None:
+        limit = self.prompt_token_limit
+        if chars > limit * MAX_CHARS_PER_TOKEN:
+            raise PromptTextTooLongError(chars, limit * MAX_CHARS_PER_TOKEN, limit)
+
+    def _sampling_params(self, prompt_ids: list[int], options: Options, prompt_field: str,
+                         default_max_tokens: int | None) -> SamplingParams:
         limit = self.dispatcher.max_model_len
         if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
             raise PromptTooLongError(len(prompt_ids), self.max_prompt_tokens)
@@ -105,12 +159,37 @@ class Frontend:
         if params.max_tokens > room:
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} tokens don't fit after the "
                                       f"{len(prompt_ids)}-token {prompt_field}: the context is {limit} tokens")
+        return params
+
+    async def _start(self, id_prefix: str, prompts: list[list[int]], options: Options, prompt_field: str,
+                     default_max_tokens: int | None, turn: SessionTurn | None) -> Generation:
+        if options.n > self.max_n:
+            raise InvalidRequestError("n", f"must be at most {self.max_n} on this server, got {options.n}")
+        vocab = self.dispatcher.tokenizer.vocab_size
+        if any(not 0 <= token < vocab for token, _ in options.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
+        # Every prompt is checked before any starts.
+        params = [self._sampling_params(ids, options, prompt_field, default_max_tokens) for ids in prompts]
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        events = self.dispatcher.generate(GenerateRequest(request_id, prompt_ids, params))
-        gen = Generation(request_id, events, params.n, on_complete)
+        if len(prompts) == 1:
+            events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0]))
+        else:
+            events = merge_streams([
+                _shifted(self.dispatcher.generate(GenerateRequest(f"{request_id}-p{i}", ids, p)), i * options.n)
+                for i, (ids, p) in enumerate(zip(prompts, params, strict=True))])
+        if turn is not None:
+            events = turn.run(events, options.n)
+        gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n)
         try:
             await gen.start()
         except BaseException:
             gen.close()
             raise
         return gen
+
+
+async def _shifted(events: AsyncIterator[TokenEvent], offset: int) -> AsyncIterator[TokenEvent]:
+    """A prompt's events with choice indices moved past the earlier prompts' choices."""
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield dataclasses.replace(event, index=event.index + offset)

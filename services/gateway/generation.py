@@ -5,6 +5,9 @@ handler. A handler that is cancelled (client gone) then only has to cancel the p
 reaches the dispatcher generator once, at the point where it waits, and its cleanup (abort, free blocks)
 runs to completion. Driven directly from Starlette's streaming task instead, that cleanup would be
 cancelled again at its first await.
+
+A completions request with several prompts runs one dispatcher request per prompt; ``merge_streams``
+interleaves their events, whose choice indices the frontend has shifted to ``prompt * n + choice``.
 """
 
 from __future__ import annotations
@@ -12,8 +15,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+from engine.output import TokenLogprobs
 
 _END = object()  # the dispatcher's generator is exhausted, or the generation was closed
+T = TypeVar("T")
 
 
 @dataclass
@@ -24,6 +31,7 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -41,11 +49,17 @@ class Generation:
     """Iterate it for `Delta`s; `start()` first, which raises the dispatcher's up-front errors."""
 
     def __init__(self, request_id: str, events: AsyncIterator, n: int,
-                 on_complete: Callable[[Generation], Awaitable[None]] | None = None) -> None:
+                 on_complete: Callable[[Generation], Awaitable[None]] | None = None,
+                 choices_per_prompt: int | None = None) -> None:
+        """``n`` choices in all, ``choices_per_prompt`` of them (default: all) for each prompt."""
         self.request_id = request_id
         self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # each choice's, when asked
         self.finish_reasons: list[str | None] = [None] * n
         self.usage = Usage()
+        self._per_prompt = choices_per_prompt or n
+        self._prompt_tokens: dict[int, int] = {}  # prompt -> its tokens
+        self._cached_tokens: dict[int, int] = {}  # prompt -> its prefix-cache hit
         self._on_complete = on_complete
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(events))
@@ -90,15 +104,62 @@ class Generation:
 
     def _apply(self, event) -> Delta:
         i = event.index
-        self.usage.prompt_tokens = event.num_prompt_tokens
-        if i == 0:  # with n > 1 the later choices hit the blocks choice 0 computed: report the prompt's own hit
-            self.usage.cached_tokens = event.num_cached_tokens
+        prompt = i // self._per_prompt
+        self._prompt_tokens[prompt] = event.num_prompt_tokens
+        if i % self._per_prompt == 0:  # the later choices hit the blocks choice 0 computed: report its own hit
+            self._cached_tokens[prompt] = event.num_cached_tokens
+        self.usage.prompt_tokens = sum(self._prompt_tokens.values())
+        self.usage.cached_tokens = sum(self._cached_tokens.values())
         self.usage.completion_tokens += len(event.token_ids)
         self.texts[i] += event.text
+        if event.logprobs:
+            self.logprobs[i] += event.logprobs
         self.finish_reasons[i] = event.finish_reason
-        return Delta(i, event.text, list(event.token_ids), event.finish_reason)
+        return Delta(i, event.text, list(event.token_ids), event.finish_reason, event.logprobs)
 
     def close(self) -> None:
         """Stop the request if it is still running (the dispatcher aborts it and frees its blocks)."""
         if not self._pump_task.done():
             self._pump_task.cancel()
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The events of all ``streams`` as they arrive, each stream driven by its own task.
+
+    Nothing is yielded until every stream has produced its first event (or ended), so an up-front
+    rejection of any of them surfaces before the first event, as with one stream. The first error ends
+    the merge; however it ends, every stream still running is cancelled (which runs its cleanup).
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((k, event))
+        except Exception as exc:  # handed to the consumer
+            queue.put_nowait((k, exc))
+            return
+        queue.put_nowait((k, _END))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        started: set[int] = set()
+        held: list[T] = []  # events not yielded yet: all of them until every stream has started
+        open_streams = len(tasks)
+        while open_streams:
+            k, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            started.add(k)
+            if item is _END:
+                open_streams -= 1
+            else:
+                held.append(item)
+            if len(started) == len(tasks):
+                for event in held:
+                    yield event
+                held.clear()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

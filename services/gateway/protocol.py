@@ -1,62 +1,126 @@
-"""OpenAI request bodies as pydantic models (they also make the OpenAPI schema).
+"""OpenAI request bodies as pydantic models (they also make the OpenAPI schema), and which fields we serve.
 
-Only types are checked here; value ranges are `SamplingParams.validate`'s job, so HTTP and gRPC reject the
-same values with the same field names. Fields we don't use (user, metadata, ...) are accepted and ignored,
-as OpenAI clients send them.
+pydantic checks types; value ranges are `SamplingParams.validate`'s job, so HTTP and gRPC reject the same
+values with the same field names. Every field is either implemented or refused with a 400 that names it
+(`UnsupportedFieldError`) unless its value is the no-op default: nothing is accepted and then ignored,
+except `IGNORED_FIELDS`, which change no output by definition. A field sent as null counts as absent
+(clients send unset fields as null). docs/openai.md lists every field and its status.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.errors import InvalidRequestError
+from engine.sampling_params import MAX_LOGPROBS
+from services.gateway.errors import UnsupportedFieldError
 from services.gateway.frontend import Options
+
+# Accepted and ignored: they identify the caller or the cache, or only matter for stored completions.
+IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata"})
+_TOOLS = "tool and function calling is not supported"
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields are refused by `check_extra`, naming them
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    def check_extra(self, path: str, ignored: frozenset[str] = frozenset()) -> None:
+        """Refuse fields this model does not declare (``path`` locates the model in the request)."""
+        for name in self.model_extra or {}:
+            if name not in ignored:
+                top = path.split(".")[0] or name
+                raise UnsupportedFieldError(top, f"{path + '.' if path else ''}{name}: not supported by this server")
+
+
+def _refuse(param: str, message: str) -> UnsupportedFieldError:
+    return UnsupportedFieldError(param, f"{param}: {message}")
 
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="Accepted; no padding is ever added.")
 
 
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, description="Passed to the chat template with the message.")
+    # Refused unless empty: this server does not call tools or produce audio.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any | None = None
+    refusal: str | None = None
+    audio: Any | None = None
+    annotations: list[Any] | None = Field(None, description="Accepted and ignored (citations of content).")
+
+    def check(self, path: str) -> None:
+        self.check_extra(path)
+        if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id or self.function_call:
+            raise UnsupportedFieldError("messages", f"{path}: {_TOOLS}")
+        if self.refusal or self.audio:
+            raise UnsupportedFieldError("messages", f"{path}: only text messages are supported")
+        for k, part in enumerate(self.content if isinstance(self.content, list) else ()):
+            if part.type != "text" or part.text is None:
+                raise UnsupportedFieldError("messages", f"{path}.content.{k}: only text content parts are "
+                                            f"supported, got type {part.type!r}")
+            part.check_extra(f"{path}.content.{k}")
 
     def as_dict(self) -> dict:
         """The message as the chat template and the session store take it (content parts joined)."""
         content = self.content if isinstance(self.content, str | None) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        return {**message, "name": self.name} if self.name else message
 
 
 class _SamplingBody(_Body):
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | None = Field(None, description="In [0, 2]; 0 is greedy.")
+    top_p: float | None = Field(None, description="In (0, 1].")
     top_k: int | None = Field(None, description="Sample from the k most likely tokens (0: off). Extension.")
-    n: int = 1
+    n: int = Field(1, description="Choices per prompt, up to the server's --max-n.")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end a choice. Extension.")
     seed: int | None = None
+    presence_penalty: float | None = Field(None, description="In [-2, 2], over the output's tokens.")
+    frequency_penalty: float | None = Field(None, description="In [-2, 2], per occurrence in the output.")
+    repetition_penalty: float | None = Field(None, description="> 0, over prompt and output (vLLM). Extension.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens. Extension.")
+    return_tokens_as_token_ids: bool = Field(False, description="Logprobs name tokens 'token_id:<id>' (as "
+                                                                "vLLM). Extension.")
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def options(self, max_tokens: int | None = None) -> Options:
+    def options(self, max_tokens: int | None, logprobs: int | None) -> Options:
+        """The sampling fields as `Options`, after refusing what this server does not implement."""
+        self.check_extra("", IGNORED_FIELDS)
+        if self.stream_options is not None:
+            self.stream_options.check_extra("stream_options")
+            if not self.stream:
+                raise InvalidRequestError("stream_options", "only allowed when stream is true")
+        try:
+            bias = [(int(token), value) for token, value in (self.logit_bias or {}).items()]
+        except ValueError:
+            raise InvalidRequestError("logit_bias", "keys must be token ids") from None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return Options(max_tokens=max_tokens if max_tokens is not None else self.max_tokens,
-                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                       stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
-                       ignore_eos=self.ignore_eos)
+        return Options(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
+                       ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                       logprobs=logprobs, logit_bias=bias)
 
     @property
     def include_usage(self) -> bool:
@@ -66,12 +130,66 @@ class _SamplingBody(_Body):
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, description="Replaces max_tokens (OpenAI's newer name).")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]; needs logprobs: true.")
     session_id: str | None = Field(None, description="Keep the conversation server-side (also header "
                                                      "X-Session-Id): send only the new messages. Extension.")
+    # Accepted only with their no-op values: see `chat_options`.
+    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
+    tools: list[Any] | None = Field(None, description="Only empty.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='Only "none".')
+    functions: list[Any] | None = Field(None, description="Only empty.")
+    function_call: str | dict[str, Any] | None = Field(None, description='Only "none".')
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; no effect without tools.")
+    modalities: list[str] | None = Field(None, description='Only ["text"].')
+    store: bool | None = Field(None, description="Only false.")
+    service_tier: str | None = Field(None, description='Only "auto" or "default".')
 
     def chat_options(self) -> Options:
-        return self.options(self.max_completion_tokens)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise _refuse("response_format", "structured output (json_object, json_schema) is not supported")
+        if self.tools or self.functions:
+            raise _refuse("tools" if self.tools else "functions", _TOOLS)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise _refuse(name, _TOOLS)
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise _refuse("modalities", "only text output is supported")
+        if self.store:
+            raise _refuse("store", "stored completions are not supported")
+        if self.service_tier not in (None, "auto", "default"):
+            raise _refuse("service_tier", "this server has one service tier (auto / default)")
+        for k, message in enumerate(self.messages):
+            message.check(f"messages.{k}")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: str | list[int] = Field(..., description="Text, or token ids.")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text or token ids, or a list of either: each prompt gets its own n choices.")
+    logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]: the top k and the sampled token.")
+    # Accepted only with their no-op values: see `completion_options`.
+    echo: bool = Field(False, description="Only false.")
+    suffix: str | None = Field(None, description="Only empty.")
+    best_of: int | None = Field(None, description="Only equal to n.")
+
+    def completion_options(self) -> Options:
+        if self.echo:
+            raise _refuse("echo", "echoing the prompt is not supported")
+        if self.suffix:
+            raise _refuse("suffix", "insertion (suffix) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", "best_of other than n is not supported")
+        return self.options(self.max_tokens, self.logprobs)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)

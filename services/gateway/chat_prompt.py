@@ -1,0 +1,71 @@
+"""A chat's prompt tokens, with message text kept as text.
+
+The chat template writes role markers and turn ends as special-token strings (the tiny model's
+``<|user|>``, ``<|eot|>``), and the tokenizer turns every such string into its special token. Message
+content must not get that treatment, or a user could end their turn and write the assistant's (or the
+system's) part. So after the usual render-and-encode, special-token strings that lie inside a message's
+content are encoded again as plain text. The tokenizer splits its input at special tokens anyway, so only
+those strings' own tokens change. Locating the content needs a template that copies message content
+verbatim; one that rewrites it, where such strings occur, is refused with a 400.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from engine.errors import InvalidRequestError
+from services.gateway.token_texts import TokenTexts
+
+
+def encode_chat(texts: TokenTexts, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` through the chat template, ready for generation (blocking: run it in a
+    thread for long prompts)."""
+    tokenizer = texts.tokenizer
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt)
+    specials = {texts.text(t) for t in set(ids) if texts.is_special(t)}
+    forged = {s for s in specials if any(s in m["content"] for m in messages)}
+    if not forged:
+        return ids
+    pattern = re.compile("|".join(re.escape(s) for s in sorted(forged, key=len, reverse=True)))
+    out: list[int] = []
+    done = 0  # characters of ``prompt`` encoded so far
+    for start, end in _content_spans(tokenizer, messages, prompt):
+        for match in pattern.finditer(prompt, start, end):
+            out += tokenizer.encode(prompt[done:match.start()]) + _encode_plain(texts, match.group())
+            done = match.end()
+    return out + tokenizer.encode(prompt[done:])
+
+
+def _content_spans(tokenizer, messages: list[dict], prompt: str) -> list[tuple[int, int]]:
+    """Where each message's content lies in ``prompt``: the template is rendered again with a marker
+    in place of each content, and the real prompt must be that skeleton with the contents put back."""
+    marker = f"\x00{uuid.uuid4().hex}"
+    marked = [{**m, "content": f"{marker}{i}\x00"} for i, m in enumerate(messages)]
+    skeleton = tokenizer.apply_chat_template(marked, add_generation_prompt=True)
+    pieces = re.split(re.escape(marker) + r"(\d+)\x00", skeleton)
+    # pieces: text, content index, text, content index, ..., text
+    order = [int(i) for i in pieces[1::2]]
+    spans, pos, rebuilt = [], 0, []
+    for k, text in enumerate(pieces[0::2]):
+        rebuilt.append(text)
+        pos += len(text)
+        if k < len(order):
+            content = messages[order[k]]["content"]
+            spans.append((pos, pos + len(content)))
+            rebuilt.append(content)
+            pos += len(content)
+    if order != list(range(len(messages))) or "".join(rebuilt) != prompt:
+        raise InvalidRequestError("messages", "message content holds special-token text, and this model's "
+                                  "chat template rewrites message content, so it cannot be kept as plain text")
+    return spans
+
+
+def _encode_plain(texts: TokenTexts, text: str) -> list[int]:
+    """``text`` (a special token's string) as ordinary tokens: encoded from its second character on, its
+    first on its own, so the tokenizer no longer sees the special token in it."""
+    ids = texts.tokenizer.encode(text)
+    if not any(texts.is_special(t) for t in ids) or len(text) == 1:
+        return ids
+    return texts.tokenizer.encode(text[0]) + _encode_plain(texts, text[1:])
