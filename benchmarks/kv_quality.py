@@ -1,0 +1,291 @@
+"""What the KV-memory options (issue 16) cost in quality and save in memory, on the trained model of
+``benchmarks/train_tiny.py`` (a random-weight model has no quality to lose), against the full-precision
+cache in the same run:
+
+- (a) held-out bits per byte for each ``kv_cache_dtype``: documents teacher-forced through the engine's
+  paged cache in chunks (``--chunk`` tokens), every token scored, so each chunk after the first attends
+  over K/V read back from the (quantized) cache, as chunked prefill and decode do;
+- (b) greedy agreement with the full-precision cache: N held-out prompts x M new tokens through the
+  engine's own request path; identical tokens (position by position) and the first divergence;
+- (c) a stream 10x longer than the attention window: full attention, window only (``kv_sinks=0``) and
+  sinks + window (``kv_sinks=4``), bits per byte overall and past the trained context;
+- (d) KV bytes per token for each dtype (the engine's own block accounting) and how many sequences of
+  ``--seq-len`` tokens fit in ``--cache-bytes``.
+
+Options the engine does not have yet (EngineConfig fields, or values it refuses) print "not available"
+with the reason, so the script can be rerun as they land.
+
+    python benchmarks/kv_quality.py [--model DIR] [--dtypes auto,int8,fp8,kivi2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._serve import format_table, load_average  # noqa: E402
+from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out, held_out_documents  # noqa: E402
+from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.model import AttentionMetadata  # noqa: E402
+from engine.runner import ModelRunner, SeqChunk  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+FULL = "auto"  # the cache in the model's dtype: the reference every other option is compared with
+MODEL_DTYPE = EngineConfig.dtype  # the engines here run in the default (float32) weights and cache
+DTYPES = ["auto", "int8", "fp8", "kivi2"]
+BYTE_VOCAB = 256
+BLOCK_SIZE = 16
+
+
+class Unavailable(Exception):
+    """An engine option this build does not implement; the message says which and why."""
+
+
+def make_engine(model: str, num_tokens: int, **options) -> Engine:
+    """An engine with room for ``num_tokens`` and ``options`` (EngineConfig fields); Unavailable when
+    EngineConfig lacks a field or refuses a value."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    missing = sorted(k for k in options if k not in fields)
+    if missing:
+        raise Unavailable(f"EngineConfig has no {', '.join(missing)}")
+    try:
+        return Engine(EngineConfig(model=model, block_size=BLOCK_SIZE, num_blocks=blocks_for(num_tokens) + 1,
+                                   **options))
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise Unavailable(f"{type(e).__name__}: {e}") from e
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)
+
+
+class AllRowsRunner(ModelRunner):
+    """The engine's runner (same model, same paged cache, same forward pass: K/V written to and read
+    back from the cache in its format) whose ``run`` returns the logits of every token of its chunks
+    instead of each chunk's last."""
+
+    def prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                         torch.Tensor]:
+        input_ids, positions, meta, _ = super().prepare(chunks)
+        return input_ids, positions, meta, torch.arange(len(input_ids), device=self.device)
+
+
+def scoring_runner(engine: Engine) -> AllRowsRunner:
+    return AllRowsRunner(engine.model, engine.model_config, engine.kv_cache)
+
+
+def token_nll(engine: Engine, tokens: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NLL in nats of tokens[1:], which of them are bytes): one sequence teacher-forced in chunks of
+    ``chunk`` tokens through blocks the engine reserves for it (and frees after)."""
+    inputs, targets = tokens[:-1], torch.tensor(tokens[1:])
+    runner, request_id = scoring_runner(engine), "kv-quality-score"
+    table = engine.reserve_blocks(request_id, len(inputs))
+    try:
+        nll = torch.cat([torch.nn.functional.cross_entropy(
+            runner.run([SeqChunk(inputs[s:s + chunk], s, table)]).cpu(), targets[s:s + chunk],
+            reduction="none") for s in range(0, len(inputs), chunk)])
+    finally:
+        engine.release(request_id)
+    return nll, targets < BYTE_VOCAB
+
+
+def score_documents(engine: Engine, docs: list[list[int]], chunk: int) -> float:
+    """Bits per byte of ``docs``, each teacher-forced from position 0 through the paged cache."""
+    nll, count = 0.0, 0
+    for doc in docs:
+        doc_nll, is_byte = token_nll(engine, doc, chunk)
+        nll, count = nll + doc_nll[is_byte].sum().item(), count + int(is_byte.sum())
+    return bits_per_byte(nll, count)
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of every prompt (batched by the engine's scheduler), ``new_tokens`` each."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+        out[str(i)] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
+    """Share of identical tokens position by position, identical sequences, and first divergences."""
+    same = sum(a == b for r, o in zip(reference, other, strict=True) for a, b in zip(r, o, strict=True))
+    firsts = [next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
+              for r, o in zip(reference, other, strict=True)]
+    return {"token_agreement": same / sum(map(len, reference)),
+            "identical_sequences": sum(f == len(r) for f, r in zip(firsts, reference, strict=True)),
+            "mean_first_divergence": sum(firsts) / len(firsts), "min_first_divergence": min(firsts)}
+
+
+def memory(block_nbytes: float, cache_bytes: int, seq_len: int) -> dict:
+    """KV bytes per token and how many sequences of ``seq_len`` tokens fit in ``cache_bytes``."""
+    return {"kv_bytes_per_token": block_nbytes / BLOCK_SIZE,
+            "sequences_fit": int(cache_bytes // (blocks_for(seq_len) * block_nbytes))}
+
+
+def formula_memory(model: str, dtype: str, cache_bytes: int, seq_len: int) -> dict:
+    """(d) from ``ModelConfig.kv_bytes_per_token`` (no scales or other overhead) where the dtype has
+    a known element size; the figure to compare the engine's accounting with."""
+    try:
+        per_token = ModelConfig.from_dir(model).kv_bytes_per_token(MODEL_DTYPE if dtype == FULL else dtype)
+    except ValueError:
+        return {}
+    return {"formula_" + k: v for k, v in memory(per_token * BLOCK_SIZE, cache_bytes, seq_len).items()}
+
+
+def evaluate_dtype(args: argparse.Namespace, dtype: str, docs: list[list[int]], prompts: list[list[int]],
+                   reference: list[list[int]] | None) -> tuple[dict, list[list[int]]]:
+    """((a), (b), (d) figures, greedy tokens) with the cache in ``dtype``."""
+    start = time.perf_counter()
+    room = max(max(map(len, docs)), len(prompts) * BLOCK_SIZE * blocks_for(args.prompt_len + args.new_tokens))
+    engine = make_engine(args.model, room, **({} if dtype == FULL else {"kv_cache_dtype": dtype}))
+    row = {"available": True, "bits_per_byte": score_documents(engine, docs, args.chunk),
+           **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len)}
+    tokens = greedy_tokens(engine, prompts, args.new_tokens)  # after scoring: it allocates blocks itself
+    row |= agreement(reference or tokens, tokens)
+    row["seconds"] = round(time.perf_counter() - start, 1)
+    return row, tokens
+
+
+def run_dtypes(args: argparse.Namespace, docs: list[list[int]], prompts: list[list[int]]) -> dict:
+    """(a), (b) and (d) for each requested dtype; "not available: why" for the ones the engine lacks
+    or cannot run (the full-precision reference must run)."""
+    results, reference = {}, None
+    for dtype in args.dtypes:
+        try:
+            row, tokens = evaluate_dtype(args, dtype, docs, prompts, reference)
+        except (Unavailable, NotImplementedError, RuntimeError) as e:
+            if dtype == FULL:
+                raise
+            row = {"available": False, "note": str(e).splitlines()[0]}
+        else:
+            reference = reference or tokens
+        results[dtype] = row | formula_memory(args.model, dtype, args.cache_bytes, args.seq_len)
+    return results
+
+
+def run_stream(args: argparse.Namespace, stream: list[int], trained_ctx: int) -> dict:
+    """(c): bits per byte of one long document under full attention, window only, sinks + window."""
+    variants = {"full": {}, "window": {"kv_window": args.window, "kv_sinks": 0},
+                "sinks+window": {"kv_window": args.window, "kv_sinks": args.sinks}}
+    results = {}
+    for name, options in variants.items():
+        try:
+            engine = make_engine(args.model, len(stream), **options)
+            if len(stream) > engine.max_model_len:
+                raise Unavailable(f"{len(stream)} tokens exceed max_model_len {engine.max_model_len}")
+        except Unavailable as e:
+            results[name] = {"available": False, "note": str(e)}
+            continue
+        nll, is_byte = token_nll(engine, stream, min(args.chunk, args.window))
+        tail = torch.arange(len(nll)) >= trained_ctx
+        results[name] = {"available": True,
+                         "bits_per_byte": bits_per_byte(nll[is_byte].sum().item(), int(is_byte.sum())),
+                         "bits_per_byte_past_trained_ctx": bits_per_byte(
+                             nll[is_byte & tail].sum().item(), int((is_byte & tail).sum()))}
+    full = results["full"]
+    for name in ("window", "sinks+window"):  # the same figures as full attention: nothing was dropped
+        if results[name].get("available") and full.get("available") and \
+                results[name]["bits_per_byte"] == full["bits_per_byte"]:
+            results[name]["note"] = "identical to full attention: the window is not applied on this path"
+    return results
+
+
+def select_inputs(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """(documents for (a), prompts for (b), the long stream for (c)) from the held-out files."""
+    held = held_out_documents()
+    docs, total = [], 0
+    for d in held:
+        if total >= args.eval_tokens:
+            break
+        docs.append(d[:args.doc_tokens])
+        total += len(docs[-1])
+    long_docs = [d for d in held if len(d) > args.prompt_len] or held
+    prompts = [long_docs[i % len(long_docs)][(i // len(long_docs)) * args.prompt_len:][:args.prompt_len]
+               for i in range(args.prompts)]
+    stream_len = args.stream_windows * args.window + 1
+    stream = max(held, key=len)[:stream_len]
+    return docs, prompts, stream
+
+
+def print_report(report: dict) -> None:
+    rows, notes = [], []
+    for dtype, r in report["dtypes"].items():
+        formula = [f"{r['formula_kv_bytes_per_token']:.0f}", str(r["formula_sequences_fit"])] \
+            if "formula_kv_bytes_per_token" in r else ["n/a", "n/a"]
+        if not r["available"]:
+            rows.append([dtype, "not available", "", "", "", "", "", *formula])
+            notes.append(f"{dtype}: not available: {r['note']}")
+            continue
+        rows.append([dtype, f"{r['bits_per_byte']:.4f}", f"{r['token_agreement']:.3f}",
+                     f"{r['identical_sequences']}/{report['prompts']}", f"{r['mean_first_divergence']:.1f}",
+                     f"{r['kv_bytes_per_token']:.0f}", str(r["sequences_fit"]), *formula])
+    fit = f"seqs of {report['seq_len']} in {report['cache_bytes'] >> 20} MiB"
+    print(format_table(["kv_cache_dtype", "bits/byte", "greedy agree", "identical", "1st diverge",
+                        "KV B/token", fit, "formula B/token", "formula " + fit], rows))
+    print("\n".join(notes) + "\n")
+    rows = [[name, f"{r['bits_per_byte']:.4f}", f"{r['bits_per_byte_past_trained_ctx']:.4f}", r.get("note", "")]
+            if r["available"] else [name, "not available", "", r["note"]] for name, r in report["stream"].items()]
+    print(format_table(["attention", "bits/byte", f"past pos {report['trained_context']}", "note"], rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
+    p.add_argument("--dtypes", default=",".join(DTYPES), help="kv_cache_dtype values; 'auto' = full precision")
+    p.add_argument("--chunk", type=int, default=256, help="teacher-forcing chunk (tokens per forward)")
+    p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")
+    p.add_argument("--doc-tokens", type=int, default=1024, help="(a): leading tokens of each document")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--window", type=int, default=256)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--stream-windows", type=int, default=10, help="(c): stream length in windows")
+    p.add_argument("--seq-len", type=int, default=2048, help="(d): sequence length for the fit count")
+    p.add_argument("--cache-bytes", type=int, default=256 << 20, help="(d): KV cache size")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if FULL not in args.dtypes:
+        args.dtypes.insert(0, FULL)
+    torch.set_num_threads(args.threads)
+    trained = Path(args.model) / REPORT_FILE
+    trained_ctx = json.loads(trained.read_text())["eval_context"] if trained.exists() else 1024
+    if not (Path(args.model) / "config.json").exists():
+        sys.exit(f"{args.model}: no checkpoint; run python benchmarks/train_tiny.py first")
+    load_before = load_average()
+    docs, prompts, stream = select_inputs(args)
+    report = {"model": args.model, "chunk": args.chunk, "documents": len(docs),
+              "scored_tokens": sum(len(d) - 1 for d in docs), "prompts": len(prompts),
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seq_len": args.seq_len,
+              "cache_bytes": args.cache_bytes, "trained_context": trained_ctx,
+              "window": args.window, "sinks": args.sinks, "stream_tokens": len(stream),
+              "dtypes": run_dtypes(args, docs, prompts), "stream": run_stream(args, stream, trained_ctx),
+              "load_average_before": load_before, "load_average_after": load_average(),
+              "torch": torch.__version__, "threads": args.threads}
+    print(f"model {args.model}; (a) {report['documents']} held-out documents, {report['scored_tokens']} "
+          f"tokens teacher-forced in chunks of {args.chunk}; (b) {len(prompts)} prompts x {args.new_tokens} "
+          f"greedy tokens; (c) a {len(stream)}-token document, window {args.window}, {args.sinks} sinks; "
+          f"load average {load_before} -> {report['load_average_after']}\n")
+    print_report(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
