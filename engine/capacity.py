@@ -1,9 +1,11 @@
 """KV-cache capacity planner behind ``tidepool kv-calc``.
 
-KV bytes per token = 2 (K, V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md section 3).
-From that: bytes per request at a context length, bytes for a batch, and how many such requests fit in
-a device after the weights and a reserve for activations and the runtime. Deliberately free of torch so
-the command answers instantly.
+KV bytes per token = 2 (K, V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md section 3);
+with ``--kv-cache-dtype`` int8/fp8/kivi2, a block's quantized record (scales included) / block size, plus
+one full-precision window per request for fp8 and kivi2 (``engine/kv_format.py``). From that: bytes per
+request at a context length, bytes for a batch, and how many such requests fit in a device after the
+weights and a reserve for activations and the runtime. Deliberately free of torch so the command answers
+instantly.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.config import ModelConfig, UnsupportedModelError, dtype_bytes
+from engine.kv_format import FORMATS, block_layer_bytes, window_layer_bytes
 
 GIB = 1024**3
 RESERVE_FRACTION = 0.10  # of device memory kept for activations, CUDA context, fragmentation
@@ -51,10 +54,10 @@ class Capacity:
     dtype: str
     context: int
     batch: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # rounded up where a block's scales do not divide evenly among its tokens
     mha_kv_bytes_per_token: int  # the same model with one KV head per query head
     gqa_saving: float  # MHA bytes / actual bytes (num_heads / num_kv_heads)
-    kv_bytes_per_request: int
+    kv_bytes_per_request: int  # context x bytes per token, plus the window
     kv_bytes_for_batch: int
     weight_bytes: int
     gpu_mem_bytes: int | None = None
@@ -62,6 +65,9 @@ class Capacity:
     kv_budget_bytes: int | None = None  # device memory - weights - reserve
     max_concurrent_requests: int | None = None  # at ``context`` tokens each
     batch_fits: bool | None = None
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    window_bytes_per_request: int = 0  # fp8/kivi2: the block being filled, kept in ``dtype``
 
 
 def shape_from_dir(path: str | Path) -> ModelShape:
@@ -70,12 +76,21 @@ def shape_from_dir(path: str | Path) -> ModelShape:
                       cfg.head_dim, cfg.num_parameters())
 
 
-def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: float | None) -> Capacity:
+def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: float | None,
+         kv_cache_dtype: str = "auto", block_size: int = 16) -> Capacity:
     width = dtype_bytes(dtype)
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * width
-    mha = 2 * shape.num_layers * shape.num_heads * shape.head_dim * width
-    cap = Capacity(shape.name, dtype, context, batch, per_token, mha, mha / per_token,
-                   per_token * context, per_token * context * batch, shape.num_parameters * width)
+
+    def block_bytes(kv_heads: int) -> int:
+        layer = block_layer_bytes(kv_cache_dtype, block_size, kv_heads, shape.head_dim, width)
+        return shape.num_layers * layer
+
+    block, mha_block = block_bytes(shape.num_kv_heads), block_bytes(shape.num_heads)
+    window = shape.num_layers * window_layer_bytes(kv_cache_dtype, block_size, shape.num_kv_heads,
+                                                   shape.head_dim, width)
+    per_request = -(-block * context // block_size) + window
+    cap = Capacity(shape.name, dtype, context, batch, -(-block // block_size), -(-mha_block // block_size),
+                   mha_block / block, per_request, per_request * batch, shape.num_parameters * width,
+                   kv_cache_dtype=kv_cache_dtype, block_size=block_size, window_bytes_per_request=window)
     if gpu_mem_gib is not None:
         cap.gpu_mem_bytes = int(gpu_mem_gib * GIB)
         cap.reserve_bytes = int(cap.gpu_mem_bytes * RESERVE_FRACTION)
@@ -91,10 +106,13 @@ def _size(n: int) -> str:
 
 def format_report(c: Capacity) -> str:
     lines = [
-        f"model {c.model}, {c.dtype}, context {c.context} tokens, batch {c.batch}",
+        f"model {c.model}, {c.dtype}, KV cache {c.kv_cache_dtype}, context {c.context} tokens, "
+        f"batch {c.batch}",
         f"KV bytes per token        {c.kv_bytes_per_token:,} B",
         f"  same model as MHA       {c.mha_kv_bytes_per_token:,} B (GQA saves {c.gqa_saving:g}x)",
         f"KV per request            {_size(c.kv_bytes_per_request)}",
+        *([f"  of which the window     {_size(c.window_bytes_per_request)}"]
+          if c.window_bytes_per_request else []),
         f"KV for the batch          {_size(c.kv_bytes_for_batch)}",
         f"weights                   {_size(c.weight_bytes)}",
     ]
@@ -124,7 +142,8 @@ def _positive(kind: type):
 def run_kv_calc(args: argparse.Namespace) -> int:
     try:
         shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model)
-        cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib)
+        cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib, args.kv_cache_dtype,
+                   args.block_size)
     except (OSError, KeyError, ValueError, UnsupportedModelError, json.JSONDecodeError) as e:
         print(f"tidepool kv-calc: error: {e}", file=sys.stderr)
         return 2
@@ -143,6 +162,10 @@ def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--context", type=_positive(int), default=2048, help="tokens per request")
     p.add_argument("--batch", type=_positive(int), default=1, help="concurrent requests")
     p.add_argument("--dtype", default="float16", help="KV and weight dtype (float16, bfloat16, float32, fp8)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
+                   help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit), scales included")
+    p.add_argument("--block-size", type=_positive(int), default=16,
+                   help="tokens per KV block (fp8 and kivi2 scale per block)")
     p.add_argument("--gpu-mem-gib", type=_positive(float), default=None, help="device memory in GiB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_kv_calc)

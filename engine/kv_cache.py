@@ -1,65 +1,229 @@
-"""Paged KV storage: one tensor ``[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]``.
+"""Paged KV storage in one of the formats of ``engine/kv_format.py`` (``EngineConfig.kv_cache_dtype``).
 
 A block holds ``block_size`` consecutive token positions of one sequence for every layer; a sequence's
 block table lists its blocks in order, so position p lives at slot ``table[p // B] * B + p % B``.
-Export/import move whole blocks (all layers, or one layer for layer-wise transfer) as contiguous copies.
+
+Layout of ``data``:
+
+* ``auto``: ``[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]`` in the attention dtype.
+* ``int8``, ``fp8``, ``kivi2``: ``[layers, 1, num_blocks, record_bytes]`` uint8: one record per layer and
+  block, K's codes and scales then V's (``kv_format.record_layout``). fp8 and kivi2 keep each block a
+  sequence is still filling in the attention dtype (``kv_window.WindowPool``) until its last token is
+  written; attention reads a block's window where it has one, else dequantizes its record.
+
+``for_step`` hands the model one ``DenseLayerKV`` / ``QuantLayerKV`` per layer: ``write`` stores a step's
+K/V rows, ``gather`` reads whole blocks back in the attention dtype. Export/import move whole blocks as
+contiguous copies of ``data`` along the block axis (dim 2; all layers, or one for layer-wise transfer),
+so quantized blocks travel as their exact bytes and scales; windowed formats append ``window_columns``
+record-sized columns carrying the last block's window (a flag byte, then its K and V as float32, so the
+bytes do not depend on the attention dtype). An import of exactly ``n`` columns (the pool's full blocks)
+takes records only. Memory: ``block_bytes`` per block (scales included) plus the window slots.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig, dtype_bytes
+from engine.kv_format import WINDOWED, block_layer_bytes, check_format, record_layout, window_layer_bytes
+from engine.kv_quant import decode_into, encode_blocks, write_tokens
+from engine.kv_window import WindowPool, WritePlan
+
+_WINDOW_HEADER = 16  # flag byte, padded
+
+
+def block_bytes(cfg: ModelConfig, block_size: int, dtype: str | torch.dtype, kv_format: str) -> int:
+    """Bytes of one block across all layers, K and V, scales included."""
+    return cfg.num_layers * block_layer_bytes(kv_format, block_size, cfg.num_kv_heads, cfg.head_dim,
+                                              dtype_bytes(dtype))
+
+
+def num_blocks_for(cfg: ModelConfig, config: EngineConfig) -> int:
+    """Blocks that fit ``config.kv_cache_bytes`` after the windows (one per sequence of a full batch)."""
+    window = cfg.num_layers * window_layer_bytes(config.kv_cache_dtype, config.block_size, cfg.num_kv_heads,
+                                                 cfg.head_dim, dtype_bytes(config.dtype))
+    budget = config.kv_cache_bytes - window * config.max_num_seqs
+    return max(1, budget // block_bytes(cfg, config.block_size, config.dtype, config.kv_cache_dtype))
+
+
+class DenseLayerKV:
+    """One layer of an ``auto`` cache for one step: plain index_copy writes and index_select reads."""
+
+    def __init__(self, kv: torch.Tensor, slot_mapping: torch.Tensor):
+        self.kv, self.slot_mapping = kv, slot_mapping  # kv: [2, num_blocks, block_size, kv_heads, head_dim]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv[0].view(-1, *self.kv.shape[3:]).index_copy_(0, self.slot_mapping, k)
+        self.kv[1].view(-1, *self.kv.shape[3:]).index_copy_(0, self.slot_mapping, v)
+
+    def gather(self, kind: int, block_ids: torch.Tensor, batch: int, buf: torch.Tensor) -> torch.Tensor:
+        """K (``kind`` 0) or V of ``block_ids`` -> [batch, kv_heads, S, head_dim], copied into the front of
+        ``buf``. Whole blocks are copied with index_select (several times faster on CPU than indexing)."""
+        blocks = self.kv[kind]
+        out = torch.index_select(blocks, 0, block_ids, out=buf[:len(block_ids)])
+        return out.view(batch, -1, *blocks.shape[2:]).transpose(1, 2)
+
+
+class QuantLayerKV:
+    """One layer of a quantized cache for one step: quantizing writes, dequantizing gathers."""
+
+    def __init__(self, cache: KVCache, layer: int, plan: WritePlan | tuple[torch.Tensor, torch.Tensor]):
+        """``plan``: the windows' ``WritePlan``, or (blocks, offsets) of the rows for int8."""
+        self.cache, self.layer, self.plan = cache, layer, plan
+        self.records = cache.data[layer, 0]  # [num_blocks, record_bytes]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        c, p = self.cache, self.plan
+        if c.windows is None:  # int8: every token is quantized on its own
+            write_tokens(c.layout, self.records, p[0], p[1], k, v)
+            return
+        win = c.windows.data[self.layer]  # [2, slots, B, H, D]
+        if p.open_rows.numel():
+            win[0].index_put_((p.open_slots, p.open_offsets), k[p.open_rows])
+            win[1].index_put_((p.open_slots, p.open_offsets), v[p.open_rows])
+        if p.done_blocks.numel():  # earlier tokens from the window, this step's from the rows
+            full = win.new_zeros(2, len(p.done_blocks), *win.shape[2:])
+            full[:, p.carried] = win[:, p.carried_slots]
+            full[0, p.done_index, p.done_offsets] = k[p.done_rows]
+            full[1, p.done_index, p.done_offsets] = v[p.done_rows]
+            self.records.index_copy_(0, p.done_blocks, encode_blocks(c.layout, full[0], full[1]))
+
+    def gather(self, kind: int, block_ids: torch.Tensor, batch: int, buf: torch.Tensor) -> torch.Tensor:
+        out = decode_into(self.cache.layout, self.records.index_select(0, block_ids), "kv"[kind],
+                          buf[:len(block_ids)])
+        if self.cache.windows is not None:
+            self.cache.windows.overlay(self.layer, kind, block_ids, out)
+        return out.view(batch, -1, *out.shape[2:]).transpose(1, 2)
 
 
 class KVCache:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 dtype: torch.dtype | str, device: torch.device | str):
+                 dtype: torch.dtype | str, device: torch.device | str, kv_format: str = "auto",
+                 window_slots: int = 8, block_in_use: Callable[[int], bool] | None = None):
+        """``window_slots``: initial windows (fp8, kivi2); ``block_in_use(block)`` lets full pools reclaim."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        self.kv_format = check_format(kv_format)
+        self.dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype  # the attention dtype
         self.num_layers = model_config.num_layers
         self.num_blocks, self.block_size = num_blocks, block_size
         self.num_kv_heads, self.head_dim = model_config.num_kv_heads, model_config.head_dim
-        self.data = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads,
-                                self.head_dim, dtype=dtype, device=device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
+        shape = (block_size, self.num_kv_heads, self.head_dim)
+        self.layout = self.windows = None
+        self.window_columns = 0
+        if kv_format == "auto":
+            self.data = torch.zeros(self.num_layers, 2, num_blocks, *shape, dtype=self.dtype, device=device)
+            return
+        self.layout = record_layout(kv_format, *shape)
+        self.data = torch.zeros(self.num_layers, 1, num_blocks, self.layout.record_bytes, dtype=torch.uint8,
+                                device=device)
+        if kv_format in WINDOWED:
+            self.windows = WindowPool(self.num_layers, num_blocks, *shape, self.dtype, self.data.device,
+                                      window_slots, block_in_use)
+            self._window_bytes = 2 * math.prod(shape) * 4  # K and V as float32
+            self.window_columns = -(-(_WINDOW_HEADER + self._window_bytes) // self.layout.record_bytes)
 
     @property
     def device(self) -> torch.device:
         return self.data.device
 
     @property
+    def payload_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of ``export_blocks`` of ``num_blocks`` blocks (window columns included)."""
+        return (self.num_layers, self.data.shape[1], num_blocks + self.window_columns, *self.data.shape[3:])
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block as the pool stores it: ``data[:, :, b]``."""
+        return (self.num_layers, self.data.shape[1], *self.data.shape[3:])
+
+    @property
     def block_nbytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
+        """Bytes of one block across all layers, K and V (scales included)."""
         return self.data[:, :, 0].numel() * self.data.element_size()
+
+    def gather_buffers(self, num_blocks: int) -> torch.Tensor:
+        """K and V gather destinations ``[2, num_blocks, block_size, kv_heads, head_dim]``, attention dtype."""
+        return torch.empty(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    def for_step(self, slot_mapping: torch.Tensor) -> list[DenseLayerKV] | list[QuantLayerKV]:
+        """Each layer's view for one forward pass that writes K/V rows at ``slot_mapping``."""
+        if self.layout is None:
+            return [DenseLayerKV(self.data[i], slot_mapping) for i in range(self.num_layers)]
+        if self.windows is None:
+            plan = (slot_mapping // self.block_size, slot_mapping % self.block_size)
+        else:
+            plan = self.windows.plan(slot_mapping)
+        return [QuantLayerKV(self, i, plan) for i in range(self.num_layers)]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long, device=self.data.device)
 
+    # -- export / import --------------------------------------------------------------------------------
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Contiguous copy ``[layers, 2, n, block_size, kv_heads, head_dim]`` of the given blocks."""
-        return self.data.index_select(2, self._index(block_ids))
+        """Contiguous copy ``payload_shape(n)`` of the given blocks (the last one's window appended)."""
+        out = self.data.index_select(2, self._index(block_ids))
+        if self.window_columns:
+            out = torch.cat([out, self._export_window(slice(None), block_ids[-1])], dim=2)
+        return out
 
     def import_blocks(self, block_ids: list[int], tensor: torch.Tensor) -> None:
-        expected = (self.num_layers, 2, len(block_ids), *self.data.shape[3:])
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"import_blocks: tensor shape {tuple(tensor.shape)} != expected {expected}")
-        self.data.index_copy_(2, self._index(block_ids), tensor.to(self.data.device, self.data.dtype))
+        self._check("import_blocks", tensor, self.payload_shape(len(block_ids)), 2)
+        self._import(slice(None), block_ids, tensor)
 
     def export_layer(self, layer: int, block_ids: list[int]) -> torch.Tensor:
-        """Contiguous copy ``[2, n, block_size, kv_heads, head_dim]`` of one layer's blocks."""
-        return self.data[layer].index_select(1, self._index(block_ids))
+        """Contiguous copy ``payload_shape(n)[1:]`` of one layer's blocks."""
+        out = self.data[layer].index_select(1, self._index(block_ids))
+        if self.window_columns:
+            out = torch.cat([out, self._export_window(slice(layer, layer + 1), block_ids[-1])[0]], dim=1)
+        return out
 
     def import_layer(self, layer: int, block_ids: list[int], tensor: torch.Tensor) -> None:
-        expected = (2, len(block_ids), *self.data.shape[3:])
-        if tuple(tensor.shape) != expected:
-            raise ValueError(f"import_layer: tensor shape {tuple(tensor.shape)} != expected {expected}")
-        self.data[layer].index_copy_(1, self._index(block_ids), tensor.to(self.data.device, self.data.dtype))
+        self._check("import_layer", tensor, self.payload_shape(len(block_ids))[1:], 1)
+        self._import(slice(layer, layer + 1), block_ids, tensor[None])
+
+    def _check(self, what: str, tensor: torch.Tensor, expected: tuple[int, ...], block_dim: int) -> None:
+        """``expected``, or the same without the window columns (full blocks from the pool)."""
+        records_only = list(expected)
+        records_only[block_dim] -= self.window_columns
+        if tuple(tensor.shape) not in (expected, tuple(records_only)):
+            raise ValueError(f"{what}: tensor shape {tuple(tensor.shape)} != expected {expected}")
+
+    def _import(self, layers: slice, block_ids: list[int], tensor: torch.Tensor) -> None:
+        n = len(block_ids)
+        tensor = tensor.to(self.data.device, self.data.dtype).contiguous()
+        self.data[layers].index_copy_(2, self._index(block_ids), tensor[:, :, :n])
+        if self.windows is None:
+            return
+        window = tensor[:, 0, n:].flatten(1) if tensor.shape[2] > n else None
+        if window is None or not bool(window[0, 0]):  # every block is a full record now
+            self.windows.release(block_ids)
+            return
+        self.windows.release(block_ids[:-1])
+        slot = self.windows.ensure(block_ids[-1])
+        values = window[:, _WINDOW_HEADER:_WINDOW_HEADER + self._window_bytes].view(torch.float32)
+        self.windows.data[layers, :, slot] = values.view(-1, 2, *self.windows.data.shape[3:])
+
+    def _export_window(self, layers: slice, block: int) -> torch.Tensor:
+        """``[layers, 1, window_columns, record_bytes]``: flag 1 and the block's window, or all zeros."""
+        section = torch.zeros(self.data[layers].shape[0], self.window_columns * self.layout.record_bytes,
+                              dtype=torch.uint8, device=self.device)
+        slot = self.windows.slot(block)
+        if slot >= 0:
+            section[:, 0] = 1
+            values = self.windows.data[layers, :, slot].float().flatten(1)
+            section[:, _WINDOW_HEADER:_WINDOW_HEADER + self._window_bytes] = values.view(torch.uint8)
+        return section.view(-1, 1, self.window_columns, self.layout.record_bytes)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write support: block ``dst`` becomes a copy of ``src`` in every layer."""
         self.data[:, :, dst].copy_(self.data[:, :, src])
+        if self.windows is not None:
+            self.windows.copy(src, dst)

@@ -66,6 +66,7 @@ def test_model_dir_and_device_fit(tmp_path, capsys):
     ["--preset", "llama-13b", "--dtype", "float13"],
     ["--model", "/nonexistent/checkpoint"],
     ["--context", "10"],
+    ["--preset", "llama-13b", "--kv-cache-dtype", "int4"],
 ])
 def test_bad_arguments_give_one_line_error(argv, capsys):
     code, out, err = kv_calc(argv, capsys)
@@ -78,3 +79,28 @@ def test_unsupported_architecture_names_the_field(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     code, _, err = kv_calc(["--model", str(tmp_path)], capsys)
     assert code == 2 and "architectures" in err and "LlamaForCausalLM" in err
+
+
+def test_kv_cache_dtype_counts_codes_scales_and_window(capsys):
+    """Llama-3-8B (32 layers, 8 KV heads of 128 channels), fp16, blocks of 16 tokens."""
+    per_token = {}
+    for fmt in ("auto", "int8", "fp8", "kivi2"):
+        code, out, _ = kv_calc(["--preset", "llama-3-8b", "--kv-cache-dtype", fmt, "--context", "4096",
+                                "--gpu-mem-gib", "80", "--json"], capsys)
+        assert code == 0
+        per_token[fmt] = r = json.loads(out)
+        assert r["kv_cache_dtype"] == fmt
+        assert r["kv_bytes_per_request"] == r["kv_bytes_per_token"] * 4096 + r["window_bytes_per_request"]
+    L, H, D, B = 32, 8, 128, 16
+    assert per_token["auto"]["kv_bytes_per_token"] == 2 * L * H * D * 2
+    assert per_token["int8"]["kv_bytes_per_token"] == 2 * L * (H * D + H * 2)  # fp16 scale per token and head
+    assert per_token["fp8"]["kv_bytes_per_token"] == 2 * L * (B * H * D + H * 2) // B  # fp16 scale per block
+    # kivi2: 2 bits a value; fp16 scale + zero per key channel over the block, per 32 value channels a token
+    kivi2_block = 2 * B * H * D // 4 + 2 * H * D * 2 + 2 * B * H * (D // 32) * 2
+    assert per_token["kivi2"]["kv_bytes_per_token"] == L * kivi2_block // B
+    assert per_token["auto"]["window_bytes_per_request"] == per_token["int8"]["window_bytes_per_request"] == 0
+    assert per_token["kivi2"]["window_bytes_per_request"] == B * per_token["auto"]["kv_bytes_per_token"]
+    fits = {fmt: r["max_concurrent_requests"] for fmt, r in per_token.items()}
+    assert fits["kivi2"] > 4 * fits["auto"] and 1.9 * fits["auto"] < fits["int8"] <= 2 * fits["auto"]
+    code, out, _ = kv_calc(["--preset", "llama-3-8b", "--kv-cache-dtype", "kivi2"], capsys)
+    assert "KV cache kivi2" in out and "of which the window     2,097,152 B" in out

@@ -28,6 +28,9 @@ def test_export_import_blocks_and_layers(tiny):
     blocks = src.export_blocks([3, 1])
     assert blocks.shape == (cfg.num_layers, 2, 2, 16, cfg.num_kv_heads, cfg.head_dim) and blocks.is_contiguous()
     assert src.block_nbytes == blocks.numel() * 4 // 2
+    # the auto format travels and pools exactly as before: the attention dtype, [layers, 2, n, B, H, D]
+    assert src.payload_shape(2) == tuple(blocks.shape) and src.payload_dtype == torch.float32
+    assert src.block_shape == (cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim) and src.window_columns == 0
     dst.import_blocks([0, 5], blocks)
     assert torch.equal(dst.data[:, :, 0], src.data[:, :, 3]) and torch.equal(dst.data[:, :, 5], src.data[:, :, 1])
     layer = src.export_layer(2, [4])

@@ -1,0 +1,118 @@
+"""Windows: the blocks sequences are still filling, kept in the attention dtype (fp8 and kivi2 caches).
+
+Those formats scale over a whole block, so a block is quantized once, when its last token is written;
+until then its K/V live here, in ``data`` ``[layers, 2, slots, block_size, kv_heads, head_dim]``, and
+``slot_of[block]`` names the block's slot (-1: the block's record is what counts). A step's
+``WritePlan`` routes each written row either into its block's window or, for a block the step
+completes, into that block's new record. Slots come from a free list; when it runs dry, windows of
+blocks no longer in use (``block_in_use``, the block manager's view) are reclaimed, and only then does
+the pool grow. A block's window is dropped when the block completes and replaced or dropped whenever
+the block's contents are imported or copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class WritePlan:
+    """Where one step's rows go (rows index the step's flattened tokens)."""
+
+    open_rows: torch.Tensor  # rows whose block stays partial: written into its window ...
+    open_slots: torch.Tensor  # ... slot
+    open_offsets: torch.Tensor  # ... at this token offset
+    done_blocks: torch.Tensor  # [C] blocks whose last token is written in this step (sorted)
+    done_rows: torch.Tensor  # rows landing in those blocks ...
+    done_index: torch.Tensor  # ... index into done_blocks
+    done_offsets: torch.Tensor
+    carried: torch.Tensor  # indexes into done_blocks of blocks that had a window (earlier tokens) ...
+    carried_slots: torch.Tensor  # ... and those windows' slots
+
+
+class WindowPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, slots: int,
+                 block_in_use: Callable[[int], bool] | None = None):
+        self.block_size = block_size
+        self.block_in_use = block_in_use
+        self.data = torch.zeros(num_layers, 2, max(1, slots), block_size, num_kv_heads, head_dim, dtype=dtype,
+                                device=device)
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self._free = list(range(self.data.shape[2] - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return self.data.shape[2]
+
+    def slot(self, block: int) -> int:
+        return int(self.slot_of[block])
+
+    def ensure(self, block: int) -> int:
+        """The block's slot, taking a free one if it has none."""
+        slot = self.slot(block)
+        if slot < 0:
+            if not self._free:
+                self._reclaim()
+            if not self._free:
+                self._grow()
+            slot = self._free.pop()
+            self.slot_of[block] = slot
+        return slot
+
+    def release(self, blocks: list[int]) -> None:
+        for block in blocks:
+            slot = self.slot(block)
+            if slot >= 0:
+                self._free.append(slot)
+                self.slot_of[block] = -1
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy-on-write: ``dst`` gets a copy of ``src``'s window (or loses its own if ``src`` has none)."""
+        if self.slot(src) < 0:
+            self.release([dst])
+            return
+        d = self.ensure(dst)  # may grow the pool: take src's slot afterwards
+        self.data[:, :, d] = self.data[:, :, self.slot(src)]
+
+    def plan(self, slot_mapping: torch.Tensor) -> WritePlan:
+        B = self.block_size
+        blocks, offsets = slot_mapping // B, slot_mapping % B
+        done = torch.unique(blocks[offsets == B - 1])
+        in_done = torch.isin(blocks, done)
+        open_rows = (~in_done).nonzero().squeeze(1)
+        for block in torch.unique(blocks[open_rows]).tolist():
+            self.ensure(block)
+        done_rows = in_done.nonzero().squeeze(1)
+        done_slots = self.slot_of[done]
+        carried = (done_slots >= 0).nonzero().squeeze(1)
+        plan = WritePlan(open_rows, self.slot_of[blocks[open_rows]], offsets[open_rows], done, done_rows,
+                         torch.searchsorted(done, blocks[done_rows]), offsets[done_rows], carried,
+                         done_slots[carried])
+        # After the open blocks took their slots, so the completed blocks' windows stay intact (and are
+        # read) for the rest of this step; the next plan may reuse them.
+        self.release(done.tolist())
+        return plan
+
+    def overlay(self, layer: int, kind: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Replace gathered blocks ``out`` [n, B, H, D] that have a window by the window's contents."""
+        slots = self.slot_of[block_ids]
+        hit = (slots >= 0).nonzero().squeeze(1)
+        if hit.numel():
+            out[hit] = self.data[layer, kind].index_select(0, slots[hit])
+
+    def _reclaim(self) -> None:
+        if self.block_in_use is None:
+            return
+        held = (self.slot_of >= 0).nonzero().squeeze(1).tolist()
+        self.release([b for b in held if not self.block_in_use(b)])
+
+    def _grow(self) -> None:
+        old = self.data
+        self.data = torch.zeros(old.shape[0], old.shape[1], 2 * old.shape[2], *old.shape[3:], dtype=old.dtype,
+                                device=old.device)
+        self.data[:, :, :old.shape[2]] = old
+        self._free = list(range(self.data.shape[2] - 1, old.shape[2] - 1, -1))
