@@ -1,4 +1,6 @@
-"""gRPC KV transfer on loopback into a real TensorSink: exact copies, checksum, deadline and cancel aborts."""
+"""gRPC KV transfer on loopback into a real TensorSink: exact copies, checksum, deadline and cancel aborts.
+
+The port's guards (secret, header deadline, garbage, limits, bind address) are in test_internal_ports.py."""
 
 from __future__ import annotations
 
@@ -37,16 +39,20 @@ def sink():
     return MidStreamSink()
 
 
+SECRET = "transfer-test-secret"
+AUTH = (("authorization", f"Bearer {SECRET}"),)
+
+
 @pytest.fixture
 def target(sink):
-    server = KVTransferServer(sink).start()
+    server = KVTransferServer(sink, secret=SECRET).start()
     yield server.target
     server.stop()
 
 
 @pytest.fixture
 def client(target):
-    client = KVTransferClient(target)
+    client = KVTransferClient(target, SECRET)
     yield client
     client.close()
 
@@ -114,7 +120,7 @@ def test_corrupted_chunk_fails_the_checksum_and_nothing_is_committed(sink, targe
             yield chunk
 
     with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as err:
-        kv_transfer_pb2_grpc.KVTransferStub(channel).Push(corrupted(), timeout=30)
+        kv_transfer_pb2_grpc.KVTransferStub(channel).Push(corrupted(), timeout=30, metadata=AUTH)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     outcome = sink.wait("r3", 10)
     assert not outcome.committed and "checksum" in outcome.reason
@@ -175,7 +181,7 @@ def test_chunk_cutting_a_layer_boundary_is_refused_and_the_writer_aborted(sink, 
     chunks = [kv_transfer_pb2.KVChunk(header=header.to_proto()),
               kv_transfer_pb2.KVChunk(offset=0, data=raw[:6144])]  # a layer and a half
     with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as err:
-        kv_transfer_pb2_grpc.KVTransferStub(channel).Push(iter(chunks), timeout=30)
+        kv_transfer_pb2_grpc.KVTransferStub(channel).Push(iter(chunks), timeout=30, metadata=AUTH)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     outcome = sink.wait("r7", 10)
     assert not outcome.committed and "layer boundary" in outcome.reason

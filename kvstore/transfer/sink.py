@@ -4,6 +4,9 @@ A sink owns the reservations. ``begin(header)`` finds the one for ``header.reque
 ``TransferRejected`` when there is none or it does not fit) and returns a writer; the transport then
 calls ``write`` for every chunk in order and exactly one of ``commit`` (every byte arrived and the
 checksum matched) or ``abort(reason)`` (anything else: the reservation should be freed).
+
+The gRPC server calls ``begin``, ``write`` and ``abort`` on its event loop, so they must not block (a
+copy into memory is fine); ``commit`` runs in a worker thread and may wait, e.g. for an engine's import.
 """
 
 from __future__ import annotations
