@@ -80,7 +80,8 @@ class AllRowsRunner(ModelRunner):
 
 
 def scoring_runner(engine: Engine) -> AllRowsRunner:
-    return AllRowsRunner(engine.model, engine.model_config, engine.kv_cache)
+    """The engine's runner with every row's logits: same model, cache and attention window."""
+    return AllRowsRunner(engine.model, engine.model_config, engine.kv_cache, engine.runner.window)
 
 
 def token_nll(engine: Engine, tokens: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,7 +223,8 @@ def select_inputs(args: argparse.Namespace) -> tuple[list[list[int]], list[list[
 
 
 def print_report(report: dict) -> None:
-    rows, notes = [], []
+    """Each option with its ratio to the full-precision cache (``auto``; full attention for (c))."""
+    rows, notes, full = [], [], report["dtypes"][FULL]
     for dtype, r in report["dtypes"].items():
         formula = [f"{r['formula_kv_bytes_per_token']:.0f}", str(r["formula_sequences_fit"])] \
             if "formula_kv_bytes_per_token" in r else ["n/a", "n/a"]
@@ -230,16 +232,21 @@ def print_report(report: dict) -> None:
             rows.append([dtype, "not available", "", "", "", "", "", *formula])
             notes.append(f"{dtype}: not available: {r['note']}")
             continue
-        rows.append([dtype, f"{r['bits_per_byte']:.4f}", f"{r['token_agreement']:.3f}",
-                     f"{r['identical_sequences']}/{report['prompts']}", f"{r['mean_first_divergence']:.1f}",
-                     f"{r['kv_bytes_per_token']:.0f}", str(r["sequences_fit"]), *formula])
+        rows.append([dtype, f"{r['bits_per_byte']:.4f} ({r['bits_per_byte'] / full['bits_per_byte'] - 1:+.3%})",
+                     f"{r['token_agreement']:.3f}", f"{r['identical_sequences']}/{report['prompts']}",
+                     f"{r['mean_first_divergence']:.1f}",
+                     f"{r['kv_bytes_per_token']:.0f} ({r['kv_bytes_per_token'] / full['kv_bytes_per_token']:.3f}x)",
+                     str(r["sequences_fit"]), *formula])
     fit = f"seqs of {report['seq_len']} in {report['cache_bytes'] >> 20} MiB"
-    print(format_table(["kv_cache_dtype", "bits/byte", "greedy agree", "identical", "1st diverge",
-                        "KV B/token", fit, "formula B/token", "formula " + fit], rows))
+    print(format_table(["kv_cache_dtype", "bits/byte (vs auto)", "greedy agree", "identical", "1st diverge",
+                        "KV B/token (vs auto)", fit, "formula B/token", "formula " + fit], rows))
     print("\n".join(notes) + "\n")
-    rows = [[name, f"{r['bits_per_byte']:.4f}", f"{r['bits_per_byte_past_trained_ctx']:.4f}", r.get("note", "")]
+    ref = report["stream"]["full"].get("bits_per_byte")
+    rows = [[name, f"{r['bits_per_byte']:.4f}" + (f" ({r['bits_per_byte'] / ref - 1:+.3%})" if ref else ""),
+             f"{r['bits_per_byte_past_trained_ctx']:.4f}", r.get("note", "")]
             if r["available"] else [name, "not available", "", r["note"]] for name, r in report["stream"].items()]
-    print(format_table(["attention", "bits/byte", f"past pos {report['trained_context']}", "note"], rows))
+    print(format_table(["attention", "bits/byte (vs full)", f"past pos {report['trained_context']}", "note"],
+                       rows))
 
 
 def main() -> None:
