@@ -1,0 +1,55 @@
+"""What an engine reports: its load (``EngineStats``, for the router and the worker's load reports) and what
+its latest step computed (``StepComposition``, for the router's cost fits)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class EngineStats:
+    free_blocks: int
+    total_blocks: int
+    num_waiting: int
+    waiting_prompt_tokens: int  # prompt tokens queued for prefill (waiting + rest of partial prefills)
+    waiting_prefills: list[tuple[int, int]]  # per queued prompt: (tokens to compute, tokens cached)
+    num_running: int
+    running_context_tokens: int
+    recent_step_times_s: list[float]
+    prompt_tokens_computed: int
+    prompt_tokens_cached: int
+    prefix_cache_queries: int  # prompt tokens looked up at first admission (prompt_tokens_cached: the hits)
+    num_preemptions: int
+
+
+@dataclass
+class StepComposition:
+    """What one step computed, for the router's cost fits: each prompt chunk as (request id, tokens
+    computed, tokens before it in the sequence), and the decode rows (one token each) with the tokens
+    their sequences hold."""
+
+    prefill_chunks: list[tuple[str, int, int]]
+    decode_seqs: int
+    decode_context_tokens: int
+
+
+def engine_stats(scheduler: Scheduler, block_manager: BlockManager, step_times_s: Iterable[float],
+                 prompt_tokens_computed: int) -> EngineStats:
+    """Load figures for the router (cheap: taken after every step)."""
+    sch = scheduler
+    queued = [(s.num_tokens - s.num_cached_tokens, s.num_cached_tokens) for s in sch.waiting]
+    queued += [(s.num_tokens - s.num_computed_tokens, 0) for s in sch.running
+               if s.num_computed_tokens < s.num_tokens - 1]
+    return EngineStats(
+        free_blocks=block_manager.num_free_blocks, total_blocks=block_manager.num_blocks,
+        num_waiting=len(sch.waiting), waiting_prompt_tokens=sum(new for new, _ in queued),
+        waiting_prefills=queued,
+        num_running=len(sch.running), running_context_tokens=sum(s.num_tokens for s in sch.running),
+        recent_step_times_s=list(step_times_s), prompt_tokens_computed=prompt_tokens_computed,
+        prompt_tokens_cached=sch.prompt_tokens_cached, prefix_cache_queries=sch.prefix_cache_queries,
+        num_preemptions=sch.num_preemptions,
+    )
