@@ -2,8 +2,9 @@
 
 `route` reads the latest worker load reports and the prefix index (the KV pool's in-memory mirror, or
 the simulator's own index), adds what it routed since each report (so a burst between two reports does
-not pile onto one worker), and asks the configured policy. Measured prefill and decode-step times refit
-the estimator online.
+not pile onto one worker) and the prompts whose prefill is still under way (`router.inflight`), and asks
+the configured policy. Measured prefill steps, decode steps and KV transfers refit the estimator online
+and are kept (`router.measurements`) for `tidepool profile`.
 """
 
 from __future__ import annotations
@@ -15,12 +16,16 @@ from typing import Protocol
 import numpy as np
 
 from router.estimator import Estimator, prefill_features
+from router.heat import PrefixHeat
+from router.inflight import InflightPrefixes
 from router.loads import LoadTable, WorkerLoad
+from router.measurements import Measurements
 from router.policies import make_policy
 from router.view import SLO, ClusterView, Decision, Reject, RouteRequest
 
 __all__ = ["SLO", "Conductor", "Decision", "PrefixIndex", "Reject", "RouteRequest", "WorkerLoad"]
 
+_INFLIGHT_STRIDE_TOKENS = 512  # granularity of in-flight prefix matches
 
 
 def is_pool_holder(holder: str) -> bool:
@@ -40,7 +45,12 @@ class Conductor:
         self.policy = make_policy(policy_name, seed=seed, **policy_options)
         self.pending_ttl_s = pending_ttl_s
         self.mean_output_tokens = 256.0  # running mean of max_tokens: the expected decode length
+        self.measurements = Measurements()
         self._table = LoadTable()
+        self._stride = stride = max(1, _INFLIGHT_STRIDE_TOKENS // block_size)
+        self._inflight = InflightPrefixes(stride=stride)
+        # prefix heat only for a policy that reads it (tidepool's replication): it costs every decision
+        self._heat = PrefixHeat(stride=stride) if getattr(self.policy, "reads_heat", False) else None
 
     def route(self, req: RouteRequest, loads: Sequence[WorkerLoad], index: PrefixIndex,
               now: float | None = None) -> Decision | Reject:
@@ -48,28 +58,47 @@ class Conductor:
         table = self._table
         table.update(loads)
         table.expire(now - self.pending_ttl_s)
+        self._inflight.expire(now)
         if len(table.p_rows) == 0 or len(table.d_rows) == 0:
             return Reject("no live prefill or decode worker", 1.0)
-        matches = index.longest_prefix(req.block_hashes) if req.block_hashes else {}
+        hashes = req.block_hashes
+        matches = index.longest_prefix(hashes) if hashes else {}
         pool = max((n for k, n in matches.items() if is_pool_holder(k)), default=0)
+        inflight = self._inflight.longest_prefix(hashes) if hashes else {}
+        heat = None if self._heat is None else self._heat.profile(hashes, now)
         view = ClusterView(req, self.estimator, self.slo, self.block_size, now, self.mean_output_tokens, table,
-                           matches, pool)
+                           matches, pool, inflight, heat, self._stride)
         out = self.policy(view)
         self.mean_output_tokens += 0.01 * (req.max_tokens - self.mean_output_tokens)
+        if self._heat is not None:
+            self._heat.add(hashes, now)
         if isinstance(out, Decision):
             self._remember(out, req, view, now)
+            if hashes:
+                self._inflight.add(out.prefill, hashes, now + out.est_ttft_s - out.est_handoff_s)
         return out
 
     def observe_prefill(self, worker: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """A measured prefill (all workers share one model: they run the same model on the same kind
-        of device; `worker` is kept for the record)."""
-        self.estimator.observe_prefill(new_tokens, cached_tokens, seconds)
+        """A measured prefill of one prompt alone (all workers share one model: they run the same model
+        on the same kind of device; `worker` is kept for the record)."""
+        self.observe_prefill_step(worker, prefill_features(new_tokens, cached_tokens), seconds)
+
+    def observe_prefill_step(self, worker: str, features, seconds: float) -> None:
+        """A measured engine step that computed prompt tokens: ``features`` sums its chunks'
+        `prefill_features` (a step's time is the sum of its chunks' costs)."""
+        self.estimator.observe_prefill_step(features, seconds)
+        self.measurements.add_prefill_step(features, seconds)
 
     def observe_decode_step(self, worker: str, batch_size: int, context_tokens: int, seconds: float) -> None:
         self.estimator.observe_decode_step(batch_size, context_tokens, seconds)
+        self.measurements.add_decode_step(batch_size, context_tokens, seconds)
 
     def observe_transfer(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
+        """A measured KV transfer from ``src`` to ``dst`` (the prefill -> decode hand-off, or a fetch)."""
+        if nbytes <= 0 or seconds <= 0:
+            return  # nothing moved: no bandwidth to learn
         self.estimator.transfer.observe(src, dst, nbytes, seconds, "pool" if src == "pool" else "peer")
+        self.measurements.add_transfer(src, dst, nbytes, seconds)
 
     def _remember(self, dec: Decision, req: RouteRequest, view: ClusterView, now: float) -> None:
         """Count this request on its workers until their reports include it."""

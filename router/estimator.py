@@ -2,7 +2,8 @@
 
 Every model is linear in its coefficients, so profiling samples fit it by least squares and measured
 timings refit it online. Online refits are ridge-regularized toward the profile's coefficients, so a
-handful of noisy measurements nudges the model instead of swinging it.
+handful of noisy measurements nudges the model instead of swinging it, and forget old samples
+exponentially, so a machine whose speed changes is relearned.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import numpy as np
 
 
 def least_squares(features: np.ndarray, y: np.ndarray, prior: np.ndarray | None = None,
-                  prior_weight: float = 0.0) -> np.ndarray:
+                  prior_weight: float = 0.0, weights: np.ndarray | None = None) -> np.ndarray:
     """Least squares on relative error (timing noise is proportional to the time), clipped at zero,
-    optionally pulled toward ``prior`` (ridge; prior_weight counts as that many samples)."""
+    optionally pulled toward ``prior`` (ridge; prior_weight counts as that many samples); ``weights``
+    scale each sample (an online fit's forgetting)."""
     w = 1.0 / np.maximum(y, 1e-9)
+    if weights is not None:
+        w = w * np.sqrt(weights)
     features, y = features * w[:, None], y * w
     # Columns span ~1e10 (attention pairs) down to 1 (constant): scale to unit RMS so lstsq is stable.
     scale = np.sqrt(np.mean(features**2, axis=0)) if len(features) else np.ones(features.shape[1])
@@ -36,8 +40,14 @@ def least_squares(features: np.ndarray, y: np.ndarray, prior: np.ndarray | None 
 def _fit(model_cls, samples, prior, prior_weight: float):
     """Least squares of a two-input linear model (``model_cls.features``) on ``(x1, x2, seconds)`` rows."""
     arr = np.asarray(list(samples), dtype=float).reshape(-1, 3)
-    coef = least_squares(model_cls.features(arr[:, 0], arr[:, 1]), arr[:, 2],
-                         None if prior is None else prior.coef, prior_weight)
+    return _fit_rows(model_cls, model_cls.features(arr[:, 0], arr[:, 1]), arr[:, 2], prior, prior_weight)
+
+
+def _fit_rows(model_cls, features: np.ndarray, seconds: np.ndarray, prior, prior_weight: float,
+              weights: np.ndarray | None = None):
+    """Least squares of a linear model straight on its feature rows (a row may sum several inputs)."""
+    coef = least_squares(np.asarray(features, dtype=float).reshape(-1, 3), np.asarray(seconds, dtype=float),
+                         None if prior is None else prior.coef, prior_weight, weights)
     return model_cls(*map(float, coef))
 
 
@@ -79,6 +89,13 @@ class PrefillModel:
             prior_weight: float = 0.0) -> PrefillModel:
         """Fit from ``(new_tokens, cached_tokens, seconds)`` samples."""
         return _fit(cls, samples, prior, prior_weight)
+
+    @classmethod
+    def fit_rows(cls, features, seconds, prior: PrefillModel | None = None, prior_weight: float = 0.0,
+                 weights=None) -> PrefillModel:
+        """Fit from feature rows: an engine step that computed several chunks is one row, the sum of its
+        chunks' `prefill_features` (the model is linear, so the step's time is the sum of theirs)."""
+        return _fit_rows(cls, features, seconds, prior, prior_weight, weights)
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,11 @@ class DecodeModel:
         """Fit from ``(batch_size, context_tokens, seconds)`` samples of single steps."""
         return _fit(cls, samples, prior, prior_weight)
 
+    @classmethod
+    def fit_rows(cls, features, seconds, prior: DecodeModel | None = None, prior_weight: float = 0.0,
+                 weights=None) -> DecodeModel:
+        return _fit_rows(cls, features, seconds, prior, prior_weight, weights)
+
 
 @dataclass(frozen=True)
 class Link:
@@ -140,6 +162,27 @@ class Link:
 
     def time(self, nbytes):
         return self.latency_s + nbytes / self.bandwidth_Bps
+
+    @classmethod
+    def fit(cls, samples: Iterable[tuple[float, float]], default: Link) -> Link:
+        """Least squares of ``(bytes, seconds)`` transfers; the default's latency where the sizes cannot
+        separate latency from bandwidth (one size, or a fit without a positive slope)."""
+        arr = np.asarray(list(samples), dtype=float).reshape(-1, 2)
+        arr = arr[(arr[:, 0] > 0) & (arr[:, 1] > 0)]
+        if not len(arr):
+            return default
+        latency = default.latency_s
+        if len(np.unique(arr[:, 0])) > 1:
+            inv_bw, lat = least_squares(np.stack([arr[:, 0], np.ones(len(arr))], axis=1), arr[:, 1])
+            if inv_bw > 0:
+                return cls(float(1.0 / inv_bw), float(lat))
+        seconds = np.maximum(arr[:, 1] - latency, 1e-9)
+        return cls(float(np.sum(arr[:, 0]) / np.sum(seconds)), latency)
+
+
+# Loopback gRPC-class guesses, until measured transfers replace them per pair.
+DEFAULT_PEER_LINK = Link(1e9, 1e-3)
+DEFAULT_POOL_LINK = Link(5e8, 2e-3)
 
 
 class TransferModel:
@@ -162,38 +205,56 @@ class TransferModel:
 
 
 class _OnlineFit:
-    """A sliding window of measured samples; refits every ``every`` samples, ridge-pulled to the prior."""
+    """Measured feature rows, weighted by exponential forgetting (a sample ``k`` samples old counts
+    ``decay**k``, so a machine that changes speed is relearned); refits every ``every`` samples,
+    ridge-pulled toward the prior (the start-up profile)."""
 
-    def __init__(self, prior, window: int, every: int, prior_weight: float):
-        self.prior, self.every, self.prior_weight = prior, every, prior_weight
-        self.samples: deque[tuple[float, float, float]] = deque(maxlen=window)
+    def __init__(self, prior, window: int, every: int, prior_weight: float, decay: float):
+        self.prior, self.every, self.prior_weight, self.decay = prior, every, prior_weight, decay
+        self.rows: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
         self.pending = 0
 
-    def observe(self, x1: float, x2: float, seconds: float):
+    def observe(self, features, seconds: float):
         """Returns a refitted model when it is time to refit, else None."""
-        self.samples.append((x1, x2, seconds))
+        self.rows.append((np.asarray(features, dtype=float), float(seconds)))
         self.pending += 1
         if self.pending < self.every:
             return None
         self.pending = 0
-        return type(self.prior).fit(self.samples, self.prior, self.prior_weight)
+        feats = np.array([f for f, _ in self.rows])
+        secs = np.array([t for _, t in self.rows])
+        weights = self.decay ** np.arange(len(secs) - 1, -1, -1, dtype=float)
+        return type(self.prior).fit_rows(feats, secs, self.prior, self.prior_weight, weights)
+
+
+def exposed_handoff_s(transfer_s: float, prefill_s: float, layers: int, latency_s: float = 0.0) -> float:
+    """The part of a prefill -> decode KV hand-off that the request waits for after its prefill ends.
+
+    Streamed layer by layer, layer l leaves once it is computed: with L layers each taking prefill_s/L to
+    compute and transfer_s/L to send, the last byte lands ``max(T_x - T_c, 0) + min(T_x, T_c)/L`` after the
+    compute ends (the link's latency on top); ``layers=1`` is a hand-off after the prefill (all exposed).
+    Scalars only: it runs once per decision and once per simulated prefill."""
+    return latency_s + max(transfer_s - prefill_s, 0.0) + min(transfer_s, prefill_s) / max(layers, 1)
 
 
 class Estimator:
-    """The bundle the conductor asks: prefill, queue, transfer and decode-step times."""
+    """The bundle the conductor asks: prefill, queue, transfer and decode-step times.
+
+    ``layers`` is how many pieces the prefill -> decode hand-off streams in (the model's layers when KV
+    is sent layer by layer; 1 when it is sent after the prefill), see `exposed_handoff_s`."""
 
     def __init__(self, prefill: PrefillModel, decode: DecodeModel, transfer: TransferModel,
-                 kv_bytes_per_token: int, *, window: int = 512, refit_every: int = 32,
-                 prior_weight: float = 16.0):
+                 kv_bytes_per_token: int, *, layers: int = 1, window: int = 512, refit_every: int = 32,
+                 prior_weight: float = 16.0, decay: float = 0.99):
         self.prefill, self.decode, self.transfer = prefill, decode, transfer
-        self.kv_bytes_per_token = kv_bytes_per_token
-        self._prefill_fit = _OnlineFit(prefill, window, refit_every, prior_weight)
-        self._decode_fit = _OnlineFit(decode, window, refit_every, prior_weight)
+        self.kv_bytes_per_token, self.layers = kv_bytes_per_token, layers
+        self._prefill_fit = _OnlineFit(prefill, window, refit_every, prior_weight, decay)
+        self._decode_fit = _OnlineFit(decode, window, refit_every, prior_weight, decay)
 
     @classmethod
     def from_samples(cls, prefill_samples: Iterable[tuple[int, int, float]],
                      decode_samples: Iterable[tuple[int, int, float]], kv_bytes_per_token: int,
-                     peer: Link = Link(1e9, 1e-3), pool: Link = Link(5e8, 2e-3)) -> Estimator:
+                     peer: Link = DEFAULT_PEER_LINK, pool: Link = DEFAULT_POOL_LINK) -> Estimator:
         """Fit from workers' start-up profiling: (new, cached, seconds) prefills and (batch, context,
         seconds) decode steps. The default links are loopback gRPC-class guesses; measured transfers
         (`Conductor.observe_transfer`) replace them per pair."""
@@ -209,8 +270,19 @@ class Estimator:
     def transfer_time(self, tokens, src: str, dst: str, kind: str = "peer"):
         return self.transfer.link(src, dst, kind).time(np.asarray(tokens) * self.kv_bytes_per_token)
 
+    def handoff_s(self, tokens, prefill_s, src: str, dst: str) -> tuple[float, float]:
+        """(seconds the whole prompt KV takes over the src -> dst link, the part of it the request waits
+        for after its prefill: `exposed_handoff_s`)."""
+        link = self.transfer.link(src, dst)
+        moving = tokens * self.kv_bytes_per_token / link.bandwidth_Bps
+        return link.latency_s + moving, exposed_handoff_s(moving, prefill_s, self.layers, link.latency_s)
+
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
-        self.prefill = self._prefill_fit.observe(new_tokens, cached_tokens, seconds) or self.prefill
+        self.observe_prefill_step(prefill_features(new_tokens, cached_tokens), seconds)
+
+    def observe_prefill_step(self, features, seconds: float) -> None:
+        """A measured engine step: ``features`` is the sum of its chunks' `prefill_features`."""
+        self.prefill = self._prefill_fit.observe(features, seconds) or self.prefill
 
     def observe_decode_step(self, batch_size: int, context_tokens: int, seconds: float) -> None:
-        self.decode = self._decode_fit.observe(batch_size, context_tokens, seconds) or self.decode
+        self.decode = self._decode_fit.observe(DecodeModel.features(batch_size, context_tokens), seconds) or self.decode

@@ -13,7 +13,7 @@ import itertools
 import operator
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,8 +34,11 @@ class WorkerLoad:
     updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
     queued_features: optional sums of `estimator.prefill_features` over queued_prefills, for callers that
     keep them incrementally (the simulator); None means "sum queued_prefills".
-    steps / last_step_s: the worker's step count and its latest step's duration, which a decode worker's
-    reports turn into measured decode steps for the estimator.
+    steps / last_step_s: the worker's step count and its latest step's duration.
+    prefill_steps / decode_steps: the latest engine steps, measured (`step_samples`): each step that
+    computed prompt tokens as (step number, its chunks' summed `prefill_features`, seconds), each
+    decode-only step as (step number, batch, context tokens, seconds). The dispatcher feeds the ones
+    numbered above the previous report's ``steps`` to the conductor's online refits.
     A report is a snapshot: make a new object for each new report and never mutate one already passed
     to `Conductor.route` (the conductor spots new reports by object identity).
     """
@@ -53,6 +56,17 @@ class WorkerLoad:
     queued_features: tuple[float, float, float] | None = None
     steps: int = 0  # engine steps run so far, and the time of the latest (for the online TBT refit)
     last_step_s: float = 0.0
+    prefill_steps: tuple[tuple[int, float, float, float, float], ...] = ()  # step, pairs, new, chunks, s
+    decode_steps: tuple[tuple[int, int, int, float], ...] = ()  # step, batch, context tokens, s
+    # For the metrics only (the router ignores them): the engine's waiting queue, and cumulative counts
+    # since the worker started: prompt tokens looked up in / found in the prefix cache (the hits include
+    # blocks placed from the pool), computed, placed from each pool tier ("host", "disk", "redis"); preemptions.
+    num_waiting: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prompt_tokens_computed: int = 0
+    pool_hit_tokens: dict[str, int] = field(default_factory=dict)
+    num_preemptions: int = 0
 
     def row(self) -> tuple:
         """The report as one LoadTable row (see the column constants below)."""
@@ -66,6 +80,28 @@ class WorkerLoad:
         return (self.alive, self.alive and self.role in PREFILL_ROLES, self.alive and self.role in DECODE_ROLES,
                 pairs, new, count, len(self.queued_prefills), self.num_running, self.running_context_tokens,
                 self.free_blocks, self.total_blocks, max(self.block_size, 1), self.updated_at)
+
+
+def step_samples(steps) -> tuple[tuple, tuple]:
+    """A worker's latest engine steps as a load report's (prefill_steps, decode_steps).
+
+    ``steps``: (step number, composition, seconds), the composition having ``prefill_chunks`` [(request,
+    tokens computed, tokens before them)], ``decode_seqs`` and ``decode_context_tokens`` (the engine's
+    StepComposition). A step with prompt chunks is a prefill row, its decode rows counted as one-token
+    chunks on their context; a decode-only step is a decode row.
+    """
+    prefill, decode = [], []
+    for number, comp, seconds in steps:
+        if not comp.prefill_chunks:
+            decode.append((number, comp.decode_seqs, comp.decode_context_tokens, seconds))
+            continue
+        # a decode row is prefill_features(1, context - 1) = (context, 1, 1)
+        pairs, new, count = comp.decode_context_tokens, comp.decode_seqs, comp.decode_seqs
+        for _, n, before in comp.prefill_chunks:
+            p, t, one = prefill_features(n, before)
+            pairs, new, count = pairs + p, new + t, count + one
+        prefill.append((number, float(pairs), float(new), float(count), seconds))
+    return tuple(prefill), tuple(decode)
 
 
 # LoadTable.data columns

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from router.replication import HotPrefixReplicator
 from router.view import ClusterView, Decision, Reject
 
 Outcome = Decision | Reject
@@ -125,28 +126,42 @@ class Mooncake:
 
 class Tidepool:
     """Ours. Prefill: per worker the fastest of recompute-from-local, peer fetch and pool fetch, where a
-    fetch runs while the request waits in the queue (TTFT = max(queue, fetch) + prefill). Decode: load
-    projected to the moment this prefill ends — running sequences finish uniformly over their expected
-    life (mean output x TBT), releasing blocks — must fit the request's KV and keep the TBT SLO; among
-    those the one with the largest share of free KV blocks (free blocks count the requests already
-    routed there and not yet decoding, which the running batch does not show). Reject early when no pair
-    meets both SLOs, with the time until the projection says one will."""
+    fetch runs while the request waits in the queue (TTFT = max(queue, fetch) + prefill). With
+    ``inflight`` (on by default) it also counts the cache hits the queues will create: a prompt routed
+    to a worker and not yet computed is cached there by the time a request queued behind it runs, and
+    can be copied to another worker once it is computed. Decode: load projected to the moment this
+    prefill ends — running sequences finish uniformly over their expected life (mean output x TBT),
+    releasing blocks — must fit the request's KV and keep the TBT SLO; among those the one with the
+    largest share of free KV blocks (free blocks count the requests already routed there and not yet
+    decoding, which the running batch does not show). Reject early when no pair meets both SLOs (TTFT
+    including the exposed part of the KV hand-off), with the time until the projection says one will.
+    ``replicate`` (off by default) adds hot-prefix replication (`router.replication`)."""
 
-    def __init__(self, seed: int = 0):
-        pass
+    def __init__(self, seed: int = 0, inflight: bool = True, replicate: bool = False, **replication):
+        self.inflight = inflight
+        self.replicator = HotPrefixReplicator(**replication) if replicate else None
+        self.reads_heat = replicate  # the conductor tracks prefix heat for it (router.heat)
 
     def __call__(self, view: ClusterView) -> Outcome:
         q, local = view.p_queue_s, view.p_local
-        # Per worker the fastest option: 0 recompute from the local prefix, 1 peer fetch, 2 pool fetch.
-        ttft = q + view.prefill_s(local)
+        own = np.maximum(local, view.p_inflight) if self.inflight else local  # held when the request runs
+        # Per worker the fastest option: 0 its own prefix, 1 peer fetch, 2 pool fetch, 3 copy of a prefix
+        # another worker is computing now.
+        ttft = q + view.prefill_s(own)
         choice = np.zeros(len(local), dtype=np.int8)
-        for code, blocks, kind in ((1, view.p_peer, "peer"), (2, view.pool_blocks, "pool")):
-            longer = blocks > local
+        options = [(1, view.p_peer, lambda: view.fetch_s(view.p_peer, "peer"), view.peer_prefill_s),
+                   (2, view.pool_blocks, lambda: view.fetch_s(view.pool_blocks, "pool"),
+                    lambda: view.prefill_s(view.pool_blocks))]
+        if self.inflight:
+            options.append((3, view.p_future, view.future_fetch_s, view.future_prefill_s))
+        for code, blocks, fetch_s, prefill_s in options:
+            longer = blocks > own
             if not np.any(longer):
                 continue
-            t = np.where(longer, np.maximum(q, view.fetch_s(blocks, kind)) + view.prefill_s(blocks), np.inf)
-            choice = np.where(t < ttft, code, choice)
-            ttft = np.minimum(t, ttft)
+            t = np.maximum(q, fetch_s()) + prefill_s()
+            better = (t < ttft) & longer
+            choice[better] = code
+            ttft = np.where(better, t, ttft)
 
         colocated = view.p_to_d >= 0
         if colocated.all():  # every prefill worker decodes its own requests: judge each pair
@@ -166,12 +181,21 @@ class Tidepool:
                 return self._reject(view, ttft[p:p + 1], free, every)
             d = int(np.argmax(np.where(ok, free / view.d_total, -np.inf)))
             tbt = float(tbt_d[d])
-        if ttft[p] > view.slo.ttft_s:
-            return Reject("ttft", float(ttft[p] - view.slo.ttft_s))
-        if choice[p] == 0:
-            return view.decision(p, d, None, 0, local[p], ttft[p], tbt)
-        src, blocks = (view.peer_source(p), view.p_peer[p]) if choice[p] == 1 else ("pool", view.pool_blocks)
-        return view.decision(p, d, src, blocks - local[p], blocks, ttft[p], tbt)
+        code = int(choice[p])
+        if code == 0:
+            src, blocks = None, own[p]
+        else:
+            src, blocks = {1: (view.peer_source(p), view.p_peer[p]), 2: ("pool", view.pool_blocks),
+                           3: (view.future_source(p), view.p_future[p])}[code]
+        copies = ()
+        if self.replicator is not None:
+            held, queue = own.copy(), q.copy()
+            held[p], queue[p] = len(view.req.block_hashes), ttft[p]  # p computes this prompt: busy, then a holder
+            copies = self.replicator(view, held, queue)
+        dec = view.decision(p, d, src, 0 if code == 0 else blocks - local[p], blocks, ttft[p], tbt, copies)
+        if dec.est_ttft_s > view.slo.ttft_s:
+            return Reject("ttft", float(dec.est_ttft_s - view.slo.ttft_s))
+        return dec
 
     @staticmethod
     def _project(view: ClusterView, horizon, d):

@@ -11,7 +11,17 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from router.estimator import DecodeModel, Estimator, Link, PrefillModel, TransferModel
+import numpy as np
+
+from router.estimator import (
+    DEFAULT_PEER_LINK,
+    DEFAULT_POOL_LINK,
+    DecodeModel,
+    Estimator,
+    Link,
+    PrefillModel,
+    TransferModel,
+)
 
 
 @dataclass
@@ -27,11 +37,12 @@ class Profile:
     decode_block_size: int = 16
     max_batch: int = 256
     pool_tokens: int = 0  # capacity of the shared pool tier; 0 = no pool tier
+    layers: int = 1  # pieces the prefill -> decode KV hand-off streams in (1: sent after the prefill)
     notes: dict[str, str] = field(default_factory=dict)
 
     def estimator(self) -> Estimator:
         return Estimator(self.prefill, self.decode, TransferModel(self.peer_link, self.pool_link),
-                         self.kv_bytes_per_token)
+                         self.kv_bytes_per_token, layers=self.layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,7 +94,8 @@ def llama3_70b_a800() -> Profile:
     1.33 M tokens a decode instance. Each prefill node keeps a prefix cache in host DRAM: 800 GB of it
     holds 2.44 M tokens. Links: 8 x 200 Gb/s RDMA NICs (200 GB/s), 100 GB/s achieved, 1 ms setup.
     The pool tier is off: in the paper the KV store is the instances' own DRAM, which the per-worker
-    caches already model (peer fetch); `pool_tokens` adds a shared tier for what-if runs.
+    caches already model (peer fetch); `pool_tokens` adds a shared tier for what-if runs. The KV
+    hand-off to the decode instance streams layer by layer (80 layers) while the prefill computes.
     """
     kv = 2 * 80 * 8 * 128 * 2
     eff_flops = 8 * 312e12 * 0.45
@@ -100,11 +112,49 @@ def llama3_70b_a800() -> Profile:
         decode_block_size=16,
         max_batch=256,
         pool_tokens=0,
+        layers=80,
         notes={"source": "derived from A800 peaks and Llama-3-70B shapes; see router/profile.py"},
     )
 
 
 PRESETS = {"llama3-70b-a800": llama3_70b_a800}
+
+
+def fit_profile(samples: dict, name: str, max_batch: int) -> Profile:
+    """A profile fitted to what a running cluster measured: the body of ``GET /v1/cluster/profile``.
+
+    ``samples`` holds ``kv_bytes_per_token``, ``block_size``, ``workers`` ([{"role", "total_blocks"}]),
+    ``startup`` ({"prefill": [[new, cached, s]], "decode": [[batch, context, s]]}: the workers' start-up
+    profiles), ``prefill_steps`` ([[attention pairs, new tokens, chunks, s]]: engine steps, each the sum of
+    its chunks' features), ``decode_steps`` ([[batch, context, s]]) and ``transfers`` ([[src, dst, bytes,
+    s]]: KV hand-offs). The pool link is not measured there: it keeps the estimator's default.
+    """
+    try:
+        startup = samples["startup"]
+        pre = [PrefillModel.features(n, c) for n, c, _ in startup["prefill"]] + [
+            np.asarray(r[:3], dtype=float) for r in samples["prefill_steps"]]
+        pre_s = [r[2] for r in startup["prefill"]] + [r[3] for r in samples["prefill_steps"]]
+        dec = [tuple(r[:3]) for r in startup["decode"]] + [tuple(r[:3]) for r in samples["decode_steps"]]
+        transfers = [(r[2], r[3]) for r in samples["transfers"]]
+        block, kv = int(samples["block_size"]), int(samples["kv_bytes_per_token"])
+        workers = samples["workers"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"not a cluster profile sample set: {e!r}") from e
+    if not pre or not dec:
+        raise ValueError("no prefill or no decode samples to fit")
+
+    def tokens(roles: tuple[str, ...]) -> int:
+        return min((int(w["total_blocks"]) * block for w in workers if w["role"] in roles), default=0)
+
+    return Profile(
+        name=name, kv_bytes_per_token=kv,
+        prefill=PrefillModel.fit_rows(np.array(pre), np.array(pre_s)), decode=DecodeModel.fit(dec),
+        peer_link=Link.fit(transfers, DEFAULT_PEER_LINK), pool_link=DEFAULT_POOL_LINK,
+        prefill_cache_tokens=tokens(("prefill", "colocated")), decode_kv_tokens=tokens(("decode", "colocated")),
+        decode_block_size=block, max_batch=max_batch,
+        notes={"source": f"measured by tidepool profile: {len(pre)} prefill and {len(dec)} decode samples "
+                         f"(start-up profiles and engine steps), {len(transfers)} KV transfers"},
+    )
 
 
 def resolve_profile(preset: str | None, profile_path: str | None) -> Profile:

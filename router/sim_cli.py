@@ -51,7 +51,7 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
 def simulate(trace: list[TraceRequest], profile: Profile, cfg: SimConfig) -> dict:
     """One run's metrics (`sim_report.summarize`)."""
     sim = Simulation(trace, profile, cfg)
-    return summarize(sim.run(), cfg, sim.fetched_tokens)
+    return summarize(sim.run(), cfg, sim.fetched_tokens, sim.replicated_tokens)
 
 
 def sweep(trace: list[TraceRequest], profile: Profile, cfg: SimConfig, iterations: int = 5) -> dict:

@@ -15,7 +15,7 @@ def policy_label(cfg: SimConfig) -> str:
     return f"{cfg.policy}[{opts}]" if opts else cfg.policy
 
 
-def summarize(reqs: list[SimRequest], cfg: SimConfig, fetched_tokens: int = 0) -> dict:
+def summarize(reqs: list[SimRequest], cfg: SimConfig, fetched_tokens: int = 0, replicated_tokens: int = 0) -> dict:
     """Per-run metrics; latencies in seconds, rates in requests/s of simulated time."""
     served = [r for r in reqs if r.done]
     rejected = [r for r in reqs if r.reject is not None]
@@ -49,4 +49,5 @@ def summarize(reqs: list[SimRequest], cfg: SimConfig, fetched_tokens: int = 0) -
         "goodput_rps": good / max(end - first, 1e-9),
         "cache_hit_rate": sum(r.cached for r in served) / max(prompt_tokens, 1),
         "fetched_token_share": fetched_tokens / max(prompt_tokens, 1),
+        "replicated_token_share": replicated_tokens / max(prompt_tokens, 1),
     }

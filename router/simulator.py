@@ -15,69 +15,21 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstore.names import POOL_HOLDER
-from router.conductor import SLO, Conductor, Decision, RouteRequest, WorkerLoad
-from router.estimator import prefill_features
+from router.conductor import Conductor, Decision, RouteRequest, WorkerLoad
+from router.estimator import exposed_handoff_s, prefill_features
 from router.prefix_cache import BlockCache, PrefixIndex
 from router.profile import Profile
-from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from router.sim_workers import SimConfig, SimDecode, SimJob, SimPrefill, SimRequest
+from router.trace import TraceRequest
+from router.view import Replication
 
-_PREFILL_DONE, _DECODE_ARRIVE, _DECODE_EPOCH = 0, 1, 2
+__all__ = ["SimConfig", "SimRequest", "Simulation"]
 
-
-@dataclass
-class SimConfig:
-    prefill: int = 16
-    decode: int = 16
-    policy: str = "tidepool"
-    speed: float = 1.0  # arrival times are divided by this
-    slo: SLO = field(default_factory=lambda: SLO(ttft_s=30.0, tbt_s=0.1))  # the Mooncake paper's setting
-    seed: int = 0
-    noise: float = 0.05  # sigma of the log-normal jitter on each true prefill time (unknown to the router)
-    block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace hash id
-    policy_options: dict = field(default_factory=dict)  # passed to the policy (e.g. ablation switches)
-
-
-class SimRequest:
-    __slots__ = ("arrival", "prompt", "out", "hashes", "need", "cached", "ttft", "tbt", "prefill_end",
-                 "join_step", "join_t", "reject", "done", "end", "decode")
-
-    def __init__(self, t: TraceRequest, speed: float):
-        self.arrival, self.prompt, self.out = t.arrival_s / speed, t.input_length, t.output_length
-        self.hashes = t.hash_ids
-        self.cached, self.ttft, self.tbt, self.reject, self.done = 0, math.nan, math.nan, None, False
-
-
-class _Prefill:
-    def __init__(self, wid: str, cache: BlockCache):
-        self.id, self.cache = wid, cache
-        self.queue: deque = deque()  # (req, new, cached, ready_at) waiting to start
-        self.pairs: deque[tuple[int, int]] = deque()  # (new, cached) of every unfinished prefill
-        self.waiting = [0.0, 0.0, 0.0]  # summed features of the queue
-        self.running = None  # (req, new, cached, start, end)
-        self.load: WorkerLoad | None = None  # last report, reused until the state changes
-
-
-class _Decode:
-    def __init__(self, wid: str, total_blocks: int, block_size: int, max_batch: int):
-        self.id, self.total, self.bs, self.max_batch = wid, total_blocks, block_size, max_batch
-        self.t, self.step, self.batch, self.ctx = 0.0, 0, 0, 0
-        self.free, self.reserved, self.version = total_blocks, 0, 0
-        self.finishing: list = []  # heap of (finish_step, seq, req)
-        self.waiting: deque = deque()
-        self.durs = np.empty(4096)  # duration of every step so far
-        self.load: WorkerLoad | None = None
-
-    def record(self, first: float, inc: float, k: int) -> None:
-        need = self.step + k
-        if need > len(self.durs):
-            self.durs = np.concatenate([self.durs, np.empty(max(need, 2 * len(self.durs)) - len(self.durs))])
-        self.durs[self.step:need] = first + inc * np.arange(k)
+_PREFILL_DONE, _DECODE_ARRIVE, _DECODE_EPOCH, _REPLICA_DONE = 0, 1, 2, 3
 
 
 class Simulation:
@@ -89,15 +41,15 @@ class Simulation:
         self.rng = np.random.default_rng(cfg.seed)
         self.index = PrefixIndex()
         cache_blocks = profile.prefill_cache_tokens // cfg.block_tokens
-        self.prefill = {f"p{i}": _Prefill(f"p{i}", BlockCache(f"p{i}", cache_blocks, self.index))
+        self.prefill = {f"p{i}": SimPrefill(f"p{i}", BlockCache(f"p{i}", cache_blocks, self.index))
                         for i in range(cfg.prefill)}
-        self.decode = {f"d{i}": _Decode(f"d{i}", profile.decode_kv_tokens // profile.decode_block_size,
+        self.decode = {f"d{i}": SimDecode(f"d{i}", profile.decode_kv_tokens // profile.decode_block_size,
                                         profile.decode_block_size, profile.max_batch) for i in range(cfg.decode)}
         self.pool = BlockCache(POOL_HOLDER, profile.pool_tokens // cfg.block_tokens, self.index)
         self.events: list = []
         self.seq = 0
         self.now = 0.0
-        self.fetched_tokens = 0
+        self.fetched_tokens = self.replicated_tokens = 0
 
     # ----- event plumbing -----
     def _push(self, t: float, kind: int, obj) -> None:
@@ -105,7 +57,7 @@ class Simulation:
         heapq.heappush(self.events, (t, self.seq, kind, obj))
 
     def run(self) -> list[SimRequest]:
-        handlers = (self._prefill_done, self._decode_arrive, self._decode_epoch)
+        handlers = (self._prefill_done, self._decode_arrive, self._decode_epoch, self._replica_done)
         for r in self.reqs:
             while self.events and self.events[0][0] <= r.arrival:
                 self.now, _, kind, obj = heapq.heappop(self.events)
@@ -151,34 +103,77 @@ class Simulation:
         d.reserved += r.need
         p.load = d.load = None
         cached = min(dec.cached_blocks * self.cfg.block_tokens, r.prompt - 1)
-        ready = self.now
+        job = SimJob(r, r.prompt - cached, cached, self.now)
         if dec.fetch_from is not None and dec.fetch_blocks > 0:
-            src = self.pool if dec.fetch_from == "pool" else self.prefill[dec.fetch_from].cache
-            src.touch(r.hashes[:dec.cached_blocks])
-            link = self.profile.pool_link if dec.fetch_from == "pool" else self.profile.peer_link
-            tokens = min(dec.fetch_blocks * self.cfg.block_tokens, cached)
-            ready += link.time(tokens * self.profile.kv_bytes_per_token)
-            self.fetched_tokens += tokens
+            self._fetch(job, dec)
+        for rep in dec.replicate:
+            self._replicate(r, rep)
         p.cache.touch(r.hashes[:dec.cached_blocks])
-        new = r.prompt - cached
-        p.queue.append((r, new, cached, ready))
-        p.pairs.append((new, cached))
-        for i, v in enumerate(prefill_features(new, cached)):
+        p.queue.append(job)
+        p.pairs.append((job.new, job.cached))
+        for i, v in enumerate(prefill_features(job.new, job.cached)):
             p.waiting[i] += v
         if p.running is None:
             self._start_prefill(p)
 
-    # ----- prefill -----
-    def _start_prefill(self, p: _Prefill) -> None:
-        r, new, cached, ready = p.queue.popleft()
+    def _fetch(self, job: SimJob, dec: Decision) -> None:
+        """Copy the decision's prefix to the prefill worker while the request queues. A worker whose
+        prefill of that prefix is still under way (the conductor routed on it) sends it once computed."""
+        blocks = dec.cached_blocks
+        if dec.fetch_from == "pool":
+            src, link, have = self.pool, self.profile.pool_link, self.pool.leading(job.req.hashes[:blocks])
+        else:
+            holder = self.prefill[dec.fetch_from]
+            src, link, have = holder.cache, self.profile.peer_link, holder.cache.leading(job.req.hashes[:blocks])
+            producer = holder.producer(job.req.hashes, blocks) if have < blocks else None
+            if producer is not None:
+                job.ready = None
+                holder.waiters.setdefault(id(producer), []).append((job, self.prefill[dec.prefill], blocks,
+                                                                    dec.fetch_blocks))
+                return
+        self._copy(job, src, link, min(have, blocks), dec.fetch_blocks - (blocks - min(have, blocks)))
+
+    def _copy(self, job: SimJob, src, link, blocks: int, extra_blocks: int) -> None:
+        """The fetch of the first ``blocks`` prefix blocks (``extra_blocks`` of them missing here) starts now."""
+        src.touch(job.req.hashes[:blocks])
+        tokens = min(max(extra_blocks, 0) * self.cfg.block_tokens, job.req.prompt - 1)
+        job.ready = self.now + (link.time(tokens * self.profile.kv_bytes_per_token) if tokens > 0 else 0.0)
+        job.fetched = min(blocks * self.cfg.block_tokens, job.req.prompt - 1) if tokens > 0 else 0
+        self.fetched_tokens += tokens
+
+    def _replicate(self, r: SimRequest, rep: Replication) -> None:
+        """Copy r's first rep.blocks blocks from one prefill worker's cache to another's (the policy's
+        hot-prefix replication); the destination holds them once the copy lands."""
+        src = self.prefill[rep.src].cache
+        blocks = src.leading(r.hashes[:rep.blocks])
+        if blocks == 0:
+            return
+        src.touch(r.hashes[:blocks])
+        tokens = min(blocks * self.cfg.block_tokens, r.prompt)
+        self.replicated_tokens += tokens
+        done = self.now + self.profile.peer_link.time(tokens * self.profile.kv_bytes_per_token)
+        self._push(done, _REPLICA_DONE, (self.prefill[rep.dst], r.hashes[:blocks]))
+
+    def _replica_done(self, obj) -> None:
+        p, hashes = obj
+        p.cache.insert(hashes)
         p.load = None
-        for i, v in enumerate(prefill_features(new, cached)):
+
+    # ----- prefill -----
+    def _start_prefill(self, p: SimPrefill) -> None:
+        job = p.queue[0]
+        if job.ready is None:  # its prefix is still being computed elsewhere: the worker waits (FIFO)
+            return
+        p.queue.popleft()
+        p.load = None
+        for i, v in enumerate(prefill_features(job.new, job.cached)):
             p.waiting[i] -= v
-        # A sibling that finished meanwhile may have left a longer prefix here (vLLM matches at schedule time).
-        local = min(p.cache.leading(r.hashes) * self.cfg.block_tokens, r.prompt - 1)
-        if local > cached:
-            cached, new = local, r.prompt - local
-        start = max(self.now, ready)
+        r = job.req
+        # What is here when it starts: the local prefix (a request queued behind one with the same prefix
+        # finds it computed; vLLM matches at schedule time) or what was fetched, whichever is longer.
+        cached = max(min(p.cache.leading(r.hashes) * self.cfg.block_tokens, r.prompt - 1), job.fetched)
+        new = r.prompt - cached
+        start = max(self.now, job.ready)
         dur = float(self.profile.prefill.predict(new, cached))
         if self.cfg.noise > 0:
             dur *= float(self.rng.lognormal(0.0, self.cfg.noise))
@@ -186,29 +181,39 @@ class Simulation:
         r.cached = cached
         self._push(start + dur, _PREFILL_DONE, p)
 
-    def _prefill_done(self, p: _Prefill) -> None:
+    def _prefill_done(self, p: SimPrefill) -> None:
         r, new, cached, start, end = p.running
         p.running = None
         p.load = None
         p.pairs.popleft()
-        r.ttft, r.prefill_end = self.now - r.arrival, self.now
         self.conductor.observe_prefill(p.id, new, cached, end - start)
         p.cache.insert(r.hashes)
         self.pool.insert(r.hashes)
+        self._serve_waiters(p, r)
         d = r.decode
         if r.out <= 1:  # the prefill's token was the whole answer
             d.reserved -= r.need
             d.load = None
-            r.tbt, r.done, r.end = 0.0, True, self.now
-        else:  # KV streamed layer by layer while computing; the tail lands one link latency after the end
-            link = self.profile.peer_link
-            arrive = max(self.now + link.latency_s, start + link.time(r.prompt * self.profile.kv_bytes_per_token))
-            self._push(arrive, _DECODE_ARRIVE, r)
+            r.first_t, r.tbt, r.done, r.end = self.now, 0.0, True, self.now
+        else:  # KV streamed layer by layer while computing: the first token waits for the exposed rest
+            link, prof = self.profile.peer_link, self.profile
+            moving = r.prompt * prof.kv_bytes_per_token / link.bandwidth_Bps
+            r.first_t = self.now + exposed_handoff_s(moving, end - start, prof.layers, link.latency_s)
+            self._push(r.first_t, _DECODE_ARRIVE, r)
+        r.ttft = r.first_t - r.arrival
         if p.queue:
             self._start_prefill(p)
 
+    def _serve_waiters(self, p: SimPrefill, r: SimRequest) -> None:
+        """Fetches that waited for r's prefill on p start now, with whatever of their prefix p holds."""
+        for job, dst, blocks, extra in p.waiters.pop(id(r), ()):
+            have = p.cache.leading(job.req.hashes[:blocks])
+            self._copy(job, p.cache, self.profile.peer_link, have, extra - (blocks - have))
+            if dst.running is None and dst.queue and dst.queue[0] is job:
+                self._start_prefill(dst)
+
     # ----- decode -----
-    def _advance(self, d: _Decode, k: int) -> None:
+    def _advance(self, d: SimDecode, k: int) -> None:
         """Run k steps of the current batch."""
         if k <= 0:
             return
@@ -235,7 +240,7 @@ class Simulation:
         self._admit(d)
         self._schedule(d)
 
-    def _admit(self, d: _Decode) -> None:
+    def _admit(self, d: SimDecode) -> None:
         while d.waiting and d.batch < d.max_batch and (d.free >= d.waiting[0].need or d.batch == 0):
             r = d.waiting.popleft()
             d.load = None
@@ -247,7 +252,7 @@ class Simulation:
             self.seq += 1
             heapq.heappush(d.finishing, (d.step + r.out - 1, self.seq, r))
 
-    def _schedule(self, d: _Decode) -> None:
+    def _schedule(self, d: SimDecode) -> None:
         d.version += 1
         if d.batch:
             k = d.finishing[0][0] - d.step
@@ -262,7 +267,7 @@ class Simulation:
         self._admit(d)
         self._schedule(d)
 
-    def _finish_due(self, d: _Decode) -> None:
+    def _finish_due(self, d: SimDecode) -> None:
         while d.finishing and d.finishing[0][0] == d.step:
             r = heapq.heappop(d.finishing)[2]
             d.load = None
@@ -271,7 +276,7 @@ class Simulation:
             d.ctx -= r.prompt + r.out
             n = r.out - 1
             gaps = d.durs[r.join_step:r.join_step + n].copy()
-            gaps[0] += r.join_t - r.prefill_end  # first gap: from the first token to the first decode step
+            gaps[0] += r.join_t - r.first_t  # first gap: from the first token to the first decode step
             k = math.ceil(0.1 * n)  # Mooncake's TBT: mean of the slowest 10% of token gaps
             r.tbt = float(np.partition(gaps, n - k)[n - k:].mean())
             r.done, r.end = True, d.t

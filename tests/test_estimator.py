@@ -114,3 +114,100 @@ def test_estimator_from_profiling_samples_predicts_what_was_measured():
     assert est.kv_bytes_per_token == 4096
     with pytest.raises(ValueError, match="no prefill"):
         Estimator.from_samples([], _decode_samples(rng), 4096)
+
+
+@pytest.mark.timeout(60)
+def test_online_refit_forgets_old_samples_and_relearns_a_machine_that_changed_speed():
+    est = Estimator(TRUE_PREFILL, TRUE_DECODE, TransferModel(Link(1e9, 0), Link(1e9, 0)), 1,
+                    refit_every=16, prior_weight=4.0, decay=0.98)
+    rng = np.random.default_rng(4)
+    for new, cached, t in _prefill_samples(rng, 400, noise=0.0):
+        est.observe_prefill(new, cached, t)
+    np.testing.assert_allclose(est.prefill.coef, TRUE_PREFILL.coef, rtol=0.05)
+    for new, cached, t in _prefill_samples(rng, 400, noise=0.0):  # the machine got twice as slow
+        est.observe_prefill(new, cached, 2 * t)
+    # a window of 512 equal-weight samples would still hold the 400 fast ones and land near 1.5x
+    assert est.prefill.predict(8000, 4000) == pytest.approx(2 * TRUE_PREFILL.predict(8000, 4000), rel=0.1)
+
+
+@pytest.mark.timeout(60)
+def test_engine_steps_of_several_chunks_fit_as_one_row_each():
+    """A step's time is the sum of its chunks' costs: summed features make one least-squares row."""
+    rng = np.random.default_rng(5)
+    rows, seconds = [], []
+    for _ in range(300):
+        chunks = [(int(rng.integers(16, 4000)), int(rng.integers(0, 20_000))) for _ in range(rng.integers(1, 5))]
+        feats = PrefillModel.features([n for n, _ in chunks], [c for _, c in chunks]).sum(axis=0)
+        rows.append(feats)
+        seconds.append(sum(TRUE_PREFILL.predict(n, c) for n, c in chunks) * rng.lognormal(0, 0.01))
+    fit = PrefillModel.fit_rows(np.array(rows), np.array(seconds))
+    np.testing.assert_allclose(fit.coef, TRUE_PREFILL.coef, rtol=0.1)
+
+
+@pytest.mark.timeout(30)
+def test_step_samples_split_prefill_steps_from_decode_steps():
+    from router.loads import step_samples
+
+    class Step:  # the engine's StepComposition, by its attributes
+        def __init__(self, chunks, decode_seqs=0, decode_ctx=0):
+            self.prefill_chunks, self.decode_seqs, self.decode_context_tokens = chunks, decode_seqs, decode_ctx
+
+    prefill, decode = step_samples([(7, Step([("a", 100, 0), ("b", 50, 200)]), 0.5),
+                                    (8, Step([("c", 10, 0)], decode_seqs=2, decode_ctx=300), 0.2),
+                                    (9, Step([], decode_seqs=3, decode_ctx=900), 0.05)])
+    a, b, c = PrefillModel.features([100, 50, 10], [0, 200, 0])
+    assert prefill[0] == pytest.approx((7, *(a + b), 0.5))
+    # decode rows in a mixed step count as one-token chunks on their context: (context, 1, 1) each
+    assert prefill[1] == pytest.approx((8, c[0] + 300, c[1] + 2, c[2] + 2, 0.2))
+    assert decode == ((9, 3, 900, 0.05),)
+
+
+@pytest.mark.timeout(30)
+def test_handoff_wait_is_what_layer_wise_streaming_leaves_exposed():
+    from router.estimator import exposed_handoff_s
+
+    assert exposed_handoff_s(2.0, 5.0, layers=1) == pytest.approx(2.0)  # sent after the prefill: all of it
+    assert exposed_handoff_s(2.0, 5.0, layers=80) == pytest.approx(2.0 / 80)  # link faster: the last layer
+    assert exposed_handoff_s(5.0, 2.0, layers=80, latency_s=0.01) == pytest.approx(0.01 + 3.0 + 2.0 / 80)
+    tm = TransferModel(peer=Link(10e9, 0.001), pool=Link(1e9, 0.002))
+    est = Estimator(TRUE_PREFILL, TRUE_DECODE, tm, kv_bytes_per_token=1000, layers=10)
+    total, exposed = est.handoff_s(1_000_000, 0.01, "p0", "d0")  # 1 GB: 0.1 s over 10 GB/s, 0.01 s compute
+    assert total == pytest.approx(0.101) and exposed == pytest.approx(0.001 + 0.09 + 0.001)
+    for _ in range(60):  # the measured p0 -> d0 link is slower
+        tm.observe("p0", "d0", 1_000_000_000, 0.001 + 1.0)
+    assert est.handoff_s(1_000_000, 0.01, "p0", "d0")[0] == pytest.approx(1.001, rel=0.02)
+    assert est.handoff_s(1_000_000, 0.01, "p1", "d0")[0] == pytest.approx(0.101)
+
+
+@pytest.mark.timeout(30)
+def test_link_fit_separates_latency_from_bandwidth():
+    default = Link(1e9, 0.005)
+    sizes = [1e6, 1e7, 1e8, 3e8]
+    fit = Link.fit([(b, 0.002 + b / 4e9) for b in sizes], default)
+    assert fit.bandwidth_Bps == pytest.approx(4e9, rel=1e-3) and fit.latency_s == pytest.approx(0.002, rel=1e-2)
+    one = Link.fit([(1e8, 0.005 + 1e8 / 2e9)] * 3, default)  # one size: the default latency, measured bandwidth
+    assert one.latency_s == 0.005 and one.bandwidth_Bps == pytest.approx(2e9)
+    assert Link.fit([], default) == default
+
+
+@pytest.mark.timeout(30)
+def test_profile_fitted_from_cluster_samples_predicts_them():
+    from router.profile import fit_profile
+
+    rng = np.random.default_rng(6)
+    steps = [[*PrefillModel.features(n, c), t] for n, c, t in _prefill_samples(rng, 100, noise=0.0)]
+    samples = {
+        "kv_bytes_per_token": 4096, "block_size": 16,
+        "workers": [{"role": "prefill", "total_blocks": 1000}, {"role": "decode", "total_blocks": 500}],
+        "startup": {"prefill": _prefill_samples(rng, 10, noise=0.0), "decode": _decode_samples(rng, 50, noise=0.0)},
+        "prefill_steps": steps, "decode_steps": [], "transfers": [["p", "d", b, 0.001 + b / 3e9] for b in (1e6, 1e8)],
+    }
+    prof = fit_profile(samples, "m", max_batch=32)
+    np.testing.assert_allclose(prof.prefill.coef, TRUE_PREFILL.coef, rtol=1e-3)
+    np.testing.assert_allclose(prof.decode.coef, TRUE_DECODE.coef, rtol=1e-3)
+    assert prof.peer_link.bandwidth_Bps == pytest.approx(3e9, rel=1e-3)
+    assert (prof.prefill_cache_tokens, prof.decode_kv_tokens, prof.max_batch) == (16_000, 8000, 32)
+    with pytest.raises(ValueError, match="no prefill"):
+        fit_profile({**samples, "startup": {"prefill": [], "decode": []}, "prefill_steps": []}, "m", 32)
+    with pytest.raises(ValueError, match="not a cluster profile"):
+        fit_profile({"workers": []}, "m", 32)

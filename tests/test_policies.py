@@ -27,10 +27,12 @@ def decode(wid: str, running: int = 4, ctx: int = 40_000, free: int = 80_000) ->
     return WorkerLoad(wid, "decode", True, [], running, ctx, free, 83_000, 16, NOW)
 
 
-def conductor(policy: str, pool_link: Link | None = None, **options) -> Conductor:
+def conductor(policy: str, pool_link: Link | None = None, peer_link: Link | None = None, **options) -> Conductor:
     prof = llama3_70b_a800()
     if pool_link is not None:
         prof.pool_link = pool_link
+    if peer_link is not None:
+        prof.peer_link = peer_link
     return Conductor(policy, prof.estimator(), SLO(30.0, 0.1), block_size=BS, **options)
 
 
@@ -155,7 +157,10 @@ def test_overload_is_rejected_early_with_the_time_until_the_slo_fits(policy):
     assert isinstance(out, Reject) and out.reason == "ttft"
     c = conductor(policy)
     queue = c.estimator.prefill.predict(*JOB) * 12
-    assert out.retry_after_s == pytest.approx(queue + c.estimator.prefill.predict(REQ.prompt_len, 0) - 30.0, rel=1e-6)
+    prefill = c.estimator.prefill.predict(REQ.prompt_len, 0)
+    # tidepool's TTFT also counts the part of the KV hand-off the first token waits for; Algorithm 1's does not
+    handoff = c.estimator.handoff_s(REQ.prompt_len, prefill, "p0", "d0")[1] if policy == "tidepool" else 0.0
+    assert out.retry_after_s == pytest.approx(queue + prefill + handoff - 30.0, rel=1e-6)
 
 
 @pytest.mark.timeout(30)
@@ -210,3 +215,105 @@ def test_a_reported_queue_drains_with_time_since_the_report():
     # p0 reported ~8 s of prefills 30 s ago, done by now; p1 reported one just now
     stale = WorkerLoad("p0", "prefill", True, [JOB] * 3, 1, 0, 1000, 1000, BS, NOW - 30)
     assert c.route(REQ, [stale, prefill("p1", queued=1), decode("d0")], index(), now=NOW).prefill == "p0"
+
+
+# ----- cache hits the queues will create, hot-prefix replication -----
+SIBLING = RouteRequest("r2", prompt_len=32 * BS, block_hashes=HASHES[:31] + [99], max_tokens=256)
+
+
+@pytest.mark.timeout(30)
+def test_tidepool_queues_a_request_behind_the_prefill_computing_its_prefix():
+    c = conductor("tidepool")
+    loads = [prefill("p0"), prefill("p1", queued=2), decode("d0")]
+    first = c.route(REQ, loads, index(), now=NOW)
+    second = c.route(SIBLING, loads, index(), now=NOW + 0.01)  # the index does not show the prefix yet
+    # behind the first on its worker, the 31 shared blocks are computed by the time the second runs
+    assert (second.prefill, second.fetch_from, second.cached_blocks) == (first.prefill, None, 31)
+    assert second.est_ttft_s < first.est_ttft_s + 1.0  # its own prefill is one block
+    blind = conductor("tidepool", inflight=False)
+    blind.route(REQ, loads, index(), now=NOW)
+    assert blind.route(SIBLING, loads, index(), now=NOW + 0.01).cached_blocks == 0
+    moon = conductor("mooncake")
+    moon.route(REQ, loads, index(), now=NOW)
+    assert moon.route(SIBLING, loads, index(), now=NOW + 0.01).cached_blocks == 0  # Algorithm 1 recomputes
+
+
+@pytest.mark.timeout(30)
+def test_tidepool_copies_a_prefix_in_flight_once_computed_when_its_worker_has_a_queue():
+    c = conductor("tidepool")
+    # p0 computes the prefix first; then p0 takes 3 more uncached prompts before our sibling arrives
+    first = c.route(REQ, [prefill("p0"), prefill("p1", queued=3), decode("d0")], index(), now=NOW)
+    assert first.prefill == "p0"
+    loads = [prefill("p0", queued=4), prefill("p1", queued=1), decode("d0")]
+    loads[0].updated_at = loads[1].updated_at = NOW + 0.01  # the reports include the first request
+    second = c.route(SIBLING, loads, index(), now=NOW + 0.01)
+    # p1's queue (~2.7 s) outlasts p0's prefill of the prefix: copy it from p0 once computed, not queue behind 4
+    assert (second.prefill, second.fetch_from, second.cached_blocks) == ("p1", "p0", 31)
+
+
+@pytest.mark.timeout(30)
+def test_decision_carries_the_kv_handoff_it_added_to_the_ttft():
+    dec = route("tidepool", [prefill("p0"), decode("d0")], index())
+    est = conductor("tidepool").estimator
+    prefill_s = est.prefill.predict(REQ.prompt_len, 0)
+    transfer, exposed = est.handoff_s(REQ.prompt_len, prefill_s, "p0", "d0")
+    assert (dec.est_transfer_s, dec.est_handoff_s) == pytest.approx((transfer, exposed))
+    assert dec.est_ttft_s == pytest.approx(prefill_s + exposed) and 0 < exposed < transfer
+    colocated = route("tidepool", [WorkerLoad("w0", "colocated", True, [], 0, 0, 50_000, 83_000, 16, NOW)], index())
+    assert (colocated.est_transfer_s, colocated.est_handoff_s) == (0.0, 0.0)
+
+
+def _replication_case(**options) -> Decision:
+    """A prefix made hot by three requests; a minute later its holder p0 has a queue, p1 a longer one,
+    p2 and p3 are idle, and the peer link is slow: copying the prefix (5.2 GB at 1.5 GB/s) takes longer
+    than recomputing it (2.7 s)."""
+    c = conductor("tidepool", peer_link=Link(1.5e9, 0.001), replicate=True, hot_rps=0.01, **options)
+    hot = index(p0=31)
+
+    def loads(t: float) -> list[WorkerLoad]:  # fresh reports: they include everything routed before t
+        out = [prefill("p0", queued=1), prefill("p1", queued=3), prefill("p2"), prefill("p3"), decode("d0")]
+        for w in out:
+            w.updated_at = t
+        return out
+
+    for k in range(3):
+        c.route(RouteRequest(f"h{k}", 32 * BS, HASHES[:31] + [200 + k], 256), loads(NOW + k), hot, now=NOW + k)
+    return c.route(SIBLING, loads(NOW + 60), hot, now=NOW + 60)
+
+
+@pytest.mark.timeout(30)
+def test_replication_copies_a_hot_prefix_to_an_idle_worker_within_its_budget():
+    dec = _replication_case()
+    # the request recomputes on an idle worker (faster than the copy or p0's queue); p0 and p2 are busy
+    # with the prefix now, so the other idle worker gets a copy of it from p0, off any request's path
+    assert (dec.prefill, dec.fetch_from, dec.cached_blocks) == ("p2", None, 0)
+    assert [(r.src, r.dst, r.blocks) for r in dec.replicate] == [("p0", "p3", 31)]
+    # a byte budget too small for one copy (150 kB/s against the 5 GB prefix) makes none
+    assert _replication_case(budget_share=1e-4).replicate == ()
+    # a prefix nobody asked for before is not hot
+    cold = conductor("tidepool", peer_link=Link(1.5e9, 0.001), replicate=True)
+    busy = [prefill("p0", queued=1), prefill("p1", queued=3), prefill("p2"), prefill("p3"), decode("d0")]
+    assert cold.route(SIBLING, busy, index(p0=31), now=NOW).replicate == ()
+
+
+@pytest.mark.timeout(30)
+def test_inflight_prefixes_match_by_stride_and_expire_after_their_grace():
+    from router.heat import PrefixHeat
+    from router.inflight import InflightPrefixes
+
+    inflight = InflightPrefixes(stride=4, grace_s=5.0)
+    inflight.add("p0", list(range(1, 11)), ready_at=10.0)  # keys at blocks 4 and 8
+    inflight.add("p1", list(range(1, 5)), ready_at=3.0)
+    assert inflight.longest_prefix(list(range(1, 11))) == {"p0": (8, 10.0), "p1": (4, 3.0)}
+    assert inflight.longest_prefix([1, 2, 3]) == {}  # shorter than a stride
+    inflight.expire(9.0)  # p1's entry ended at 3 + 5
+    assert inflight.longest_prefix(list(range(1, 11))) == {"p0": (8, 10.0)}
+    inflight.expire(15.0)
+    assert len(inflight) == 0
+
+    heat = PrefixHeat(stride=2, window_s=10.0)
+    for t in range(5):
+        heat.add([1, 2, 3, 4], now=float(t))
+    heat.add([1, 2, 7, 8], now=5.0)
+    profile = heat.profile([1, 2, 3, 4, 5, 6], now=5.0)
+    assert profile[0] > profile[1] > 0 and profile[2] == 0  # deeper strides are never hotter
