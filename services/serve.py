@@ -1,4 +1,11 @@
-"""``tidepool serve``: the cluster plus the HTTP and gRPC gateways, stopped together on Ctrl-C/SIGTERM."""
+"""``tidepool serve``: the cluster plus the HTTP and gRPC gateways, stopped together on Ctrl-C/SIGTERM.
+
+Stopping is graceful and bounded: both gateways stop accepting at once, requests in flight get up to
+``GatewayConfig.shutdown_timeout_s`` to finish, whatever is left is cancelled by the dispatcher (its
+streams end, and its cleanup, which calls the workers, is awaited), then the cluster stops: supervisor,
+dispatcher, workers, Ray, Redis. The gateways' own cancellation (uvicorn's graceful timeout, gRPC's
+grace) comes later, only as a backstop.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import contextlib
 import logging
 import signal
 import threading
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -17,6 +25,17 @@ from services.gateway.http import create_app
 from services.sessions import SessionStore
 
 log = logging.getLogger(__name__)
+
+_CLEANUP_WAIT_S = 3.0  # for cancelled requests' cleanup (abort, free blocks) before the workers go
+_BACKSTOP_S = _CLEANUP_WAIT_S + 2.0  # the gateways cancel what is still open this long after the drain
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn without signal handlers of its own: ``Server`` takes SIGINT/SIGTERM for both gateways."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 class Server:
@@ -29,12 +48,13 @@ class Server:
         self._http_task: asyncio.Task | None = None
         self._grpc = None
         self.sessions: SessionStore | None = None
+        self._stopping: asyncio.Task | None = None
         self._stop_requested = False
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self._stop_requested = True
-        if self._http is not None:
-            self._http.should_exit = True
+    def _on_signal(self) -> None:
+        self._stop_requested = True  # a signal during start is acted on once the gateways are up
+        if self._http is not None and self._http.started and self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())  # serve_until_stopped waits for it
 
     @property
     def http_url(self) -> str:
@@ -47,45 +67,59 @@ class Server:
     async def start(self, install_signal_handlers: bool = True) -> None:
         try:
             dispatcher = await self.cluster.start()
-            if install_signal_handlers:
-                # After ray.init, which sets its own SIGTERM handler. uvicorn swaps in its handlers while it
-                # serves and re-raises the signal after it stops: landing here again, that is harmless.
+            if install_signal_handlers:  # after ray.init, which sets its own SIGTERM handler
+                loop = asyncio.get_running_loop()
                 for sig in (signal.SIGINT, signal.SIGTERM):
-                    signal.signal(sig, self._on_signal)
+                    loop.add_signal_handler(sig, self._on_signal)
             self.sessions = SessionStore(self.cluster.redis_url, ttl_s=self.gateway.session_ttl_s)
             app = create_app(dispatcher, self.sessions, self.gateway)
             self._grpc = await start_grpc_server(dispatcher, self.sessions, self.gateway)
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
-                                    log_level="warning", lifespan="off")
-            self._http = uvicorn.Server(config)
-            self._http.should_exit = self._stop_requested
+                                    log_level="warning", lifespan="off",
+                                    timeout_graceful_shutdown=self.gateway.shutdown_timeout_s + _BACKSTOP_S)
+            self._http = _Uvicorn(config)
             self._http_task = asyncio.create_task(self._http.serve())
             while not self._http.started:
                 if self._http_task.done():
                     self._http_task.result()  # surfaces a bind error
                 await asyncio.sleep(0.02)
+            if self._stop_requested:
+                self._on_signal()
         except BaseException:
             await self.stop()
             raise
 
     async def serve_until_stopped(self) -> None:
-        """Serve until uvicorn sees Ctrl-C/SIGTERM, then stop everything this server started."""
+        """Serve until Ctrl-C/SIGTERM (or until the HTTP server ends), then stop everything this server
+        started."""
         try:
             if self._http_task is not None:
-                await self._http_task
+                await asyncio.wait([self._http_task])
         finally:
             await self.stop()
 
     async def stop(self) -> None:
+        """Stop gracefully (see the module doc); safe to call again, or while a stop is under way."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop())
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self) -> None:
+        # Both gateways stop accepting now; they finish once their requests have.
+        closing = []
         if self._http is not None:
             self._http.should_exit = True
             if self._http_task is not None:
-                with contextlib.suppress(Exception):
-                    await self._http_task
-            self._http = None
+                closing.append(self._http_task)
         if self._grpc is not None:
-            await self._grpc.stop(grace=1.0)
-            self._grpc = None
+            closing.append(self._grpc.stop(grace=self.gateway.shutdown_timeout_s + _BACKSTOP_S))
+        gateways = asyncio.gather(*closing, return_exceptions=True)
+        if self.cluster.dispatcher is not None:
+            await self.cluster.dispatcher.drain(self.gateway.shutdown_timeout_s, _CLEANUP_WAIT_S)
+        for result in await gateways:
+            if isinstance(result, Exception):
+                log.warning("a gateway stopped with an error: %r", result)
+        self._http = self._grpc = None
         if self.sessions is not None:
             await self.sessions.close()
             self.sessions = None
@@ -137,8 +171,12 @@ class ThreadedServer:
         """Run a coroutine on the server's loop (e.g. a dispatcher call) and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def stop(self) -> None:
-        if not self._thread.is_alive():
+        if not self.running:
             return  # stopped already
         self.run(self.server.stop(), 120.0)
         self._loop.call_soon_threadsafe(self._loop.stop)

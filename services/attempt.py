@@ -1,0 +1,135 @@
+"""One attempt at a (sub-)request on the pair the router chose, and what a later attempt resumes from.
+
+A disaggregated attempt reserves a lease on the decode worker, has the prefill worker compute the prompt
+and push its KV into that lease, then streams the decode worker's tokens; every step has a deadline,
+and the decode stream fails when it sends nothing for ``Deadlines.token_s``. An attempt that fails
+because a worker died or stalled, or because the handoff broke, is ``resumable``: the dispatcher runs
+another on a live pair with the tokens streamed so far (``Progress``). That prefill computes the prompt
+plus those tokens and samples the next one, so the client's stream goes on with no token missing or
+repeated (see docs/RELIABILITY.md for what is guaranteed about the tokens that follow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from engine.sampling_params import SamplingParams
+from kvstore.transfer import TransferError, TransferTimeout
+from services.errors import WorkerDiedError
+from services.messages import PrefillResult, TokenEvent
+from services.worker_client import WorkerClient, WorkerStalledError
+
+T = TypeVar("T")
+
+
+@dataclass
+class Deadlines:
+    reserve_s: float = 10.0
+    prefill_s: float = 120.0  # queueing + compute + transfer of the prompt
+    lease_s: float = 150.0  # a decode reservation that is never filled is freed after this
+    token_s: float = 60.0  # a stream that sends nothing for this long has stalled: resumed elsewhere
+    resume_s: float = 90.0  # a request whose workers failed waits this long for a live pair (a replacement)
+
+
+def resumable(exc: BaseException) -> bool:
+    """A failure of the workers rather than of the request: a death, a stall, a broken handoff. A missed
+    deadline and an engine step that raised (the request may be what broke it) are not."""
+    if isinstance(exc, TransferError):
+        return not isinstance(exc, TransferTimeout)
+    return isinstance(exc, WorkerDiedError | WorkerStalledError)
+
+
+@dataclass
+class Progress:
+    """What a (sub-)request has streamed so far, across its attempts."""
+
+    output_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int | None = None  # the first attempt's prefix-cache hit
+
+    def add(self, event: TokenEvent) -> None:
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = event.num_cached_tokens
+        else:  # a resumed attempt's hit counts the request's own output: the client is told the first one
+            event.num_cached_tokens = self.num_cached_tokens
+        self.output_ids += event.token_ids
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try: the request under an id of its own (a failed try's id may still be in use on a worker)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    index: int  # which of the request's n choices
+    output_ids: tuple[int, ...]  # streamed by earlier attempts: this one continues after them
+    fetch_from: str | None
+
+
+async def unless_set(died: asyncio.Event, worker_id: str, call: Awaitable[T]) -> T:
+    """``call``'s result, or WorkerDiedError as soon as ``died`` is set (the call is then cancelled)."""
+    task = asyncio.ensure_future(call)
+    waiter = asyncio.ensure_future(died.wait())
+    try:
+        await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise WorkerDiedError(worker_id, f"worker {worker_id} died during the handoff")
+    return task.result()
+
+
+def run_colocated(attempt: Attempt, worker: WorkerClient, deadlines: Deadlines) -> AsyncIterator[TokenEvent]:
+    """One worker computes the prompt and decodes; its first event may take the prefill deadline."""
+    a = attempt
+    return worker.generate(a.request_id, a.prompt_ids, a.params, a.index, a.fetch_from, a.output_ids,
+                           deadlines.prefill_s, deadlines.token_s)
+
+
+async def run_disaggregated(
+    attempt: Attempt, prefill: WorkerClient, decode: WorkerClient, deadlines: Deadlines,
+    decode_died: asyncio.Event, on_handoff: Callable[[PrefillResult], None],
+) -> AsyncIterator[TokenEvent]:
+    """Reserve, prefill + transfer, stream the decode; ``on_handoff`` gets each completed handoff.
+
+    A decode worker that dies while the prompt is computed or sent (``decode_died``) ends the attempt at
+    once, whatever the transport would take to notice.
+    """
+    a = attempt
+    await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
+                         deadlines.reserve_s)
+    handed_off = completed = False
+    try:
+        result = await unless_set(decode_died, decode.worker_id, prefill.prefill(
+            a.request_id, a.prompt_ids, a.params, decode.info.kv_target, a.fetch_from, deadlines.prefill_s,
+            a.output_ids))
+        on_handoff(result)
+        first = TokenEvent(a.index, [result.first_token_id], result.finish_reason, len(a.prompt_ids),
+                           result.num_cached_tokens, result.text, result.logprobs and [result.logprobs])
+        if result.finish_reason is not None:
+            yield first
+            return
+        stream = decode.decode(a.request_id, a.prompt_ids, result.first_token_id, a.params, a.index,
+                               result.num_cached_tokens, a.output_ids, deadlines.token_s)
+        handed_off = True
+        yield first
+        async for event in stream:
+            yield event
+        completed = True
+    finally:
+        if not handed_off:
+            # The lease is freed whether or not the KV arrived; the prefill side cleans itself up.
+            await decode.release(a.request_id)
+            await prefill.abort(a.request_id)
+        elif not completed and not isinstance(sys.exc_info()[1], WorkerStalledError):
+            # The consumer left, possibly before the decode stream was first read (then its own
+            # cleanup never ran): stop the decode request. (A stalled stream has cancelled its own.)
+            await stream.aclose()
+            await decode.abort(a.request_id)
