@@ -18,6 +18,7 @@ GRPC_PORT ?= 50051
 setup: $(STAMP) $(PROTO_STAMP)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
 	@command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl >/dev/null)
+	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -196,7 +196,7 @@ def bench_disk(root: Path, shape: tuple[int, ...], total_bytes: int, run_blocks:
     out: dict = {"fs": filesystem_of(root), "block_bytes": len(encoded[0]), "blocks": len(hashes),
                  "run_blocks": run_blocks, "write_MB_s": {}, "read_cold_MB_s": {}, "read_warm_MB_s": {},
                  # the check every tier read makes, on one core: the ceiling of a page-cache read
-                 "crc32_one_core_MB_s": rate_MB_s(nbytes, lambda: [checksum(data) for data in encoded])}
+                 "crc32c_one_core_MB_s": rate_MB_s(nbytes, lambda: [checksum(data) for data in encoded])}
     try:
         for name, (write, read, paths) in sides.items():
             out["write_MB_s"][name] = rate_MB_s(nbytes, write, repeat=1)

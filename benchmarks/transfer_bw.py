@@ -3,7 +3,7 @@
 Backends: gRPC (a stream of 1 MiB chunks) and the torch collective (gloo on CPU, pipelined messages of
 up to 4 MiB of whole layers); with ``--layerwise`` both send layer by layer, as layer-wise streaming
 does. Both checksum every byte on both sides. Limits: memcpy of the same bytes inside one actor, and a
-plain loopback TCP socket (no checksum) between the same two actors; the crc32 column is what
+plain loopback TCP socket (no checksum) between the same two actors; the crc32c column is what
 checksumming the bytes once costs here. Goal: every backend at least 50% of loopback TCP.
 
 Each transfer is timed from the sender's first byte to the receiver holding (and, for our backends,
@@ -31,7 +31,7 @@ from kvstore.transfer.sink import TensorSink
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum
 
 BACKENDS = ("grpc", "collective")  # both stream the payload layer by layer
-LIMITS = ("memcpy", "crc32", "tcp")
+LIMITS = ("memcpy", "crc32c", "tcp")
 LAYERS = 32  # a Llama-7B-like layer count: messages are at most size/32 each
 
 
@@ -134,7 +134,7 @@ def measure(sender, receiver, backend: str, nbytes: int, repeats: int, tag: str,
     seconds = []
     for rep in range(repeats):
         header = kv_header(f"{tag}-{backend}-{nbytes}-{rep}", nbytes, layerwise)
-        if backend in ("memcpy", "crc32"):
+        if backend in ("memcpy", "crc32c"):
             seconds.append(ray.get(receiver.local_s.remote(backend, nbytes)))
             continue
         if backend.startswith("grpc"):
@@ -170,7 +170,7 @@ def main() -> None:
         medians = {}
         for backend in LIMITS + BACKENDS:
             seconds = measure(sender, receiver, backend, nbytes, args.repeats, "run", args.layerwise)
-            if backend not in ("memcpy", "crc32") and ray.get(receiver.sum_of.remote(nbytes)) != expected:
+            if backend not in ("memcpy", "crc32c") and ray.get(receiver.sum_of.remote(nbytes)) != expected:
                 raise RuntimeError(f"{backend} delivered other bytes")
             medians[backend] = nbytes / statistics.median(seconds) / 1e9
             rows.append({"size_bytes": nbytes, "backend": backend, "seconds": seconds,

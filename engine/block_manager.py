@@ -10,7 +10,9 @@ them to the KV pool).
 
 Blocks are reference counted: samples of an ``n > 1`` request share the prompt's blocks after a fork,
 and the first write into a shared, partly filled block copies it (``take_copies`` hands the pending
-(src, dst) copies to the engine, which applies them to the cache before the next forward pass).
+(src, dst) copies to the engine, which applies them to the cache before the next forward pass). A sliding
+attention window (``engine/streaming_window.py``) ``drop``s blocks it has passed: their table entries
+become ``NO_BLOCK``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from engine.block_events import BlockEvent, BlockRemoved, BlockStored
 from engine.errors import OutOfBlocksError
 from kvstore.hashing import hash_block
+
+NO_BLOCK = -1  # a block table entry whose block was dropped (behind a sequence's attention window)
 
 
 @dataclass
@@ -92,6 +96,8 @@ class BlockManager:
         used: dict[int, int] = {}
         for s in self.seqs.values():
             for i, b in enumerate(s.table):
+                if b == NO_BLOCK:
+                    continue
                 used[b] = max(used.get(b, 0), min(B, max(0, s.num_slots - i * B)))
         allocated = sum(1 for r in self.ref if r > 0) * B
         return allocated, sum(used.values())
@@ -142,7 +148,8 @@ class BlockManager:
         """``child_id`` shares every block of ``parent_id`` (copy-on-write on the first divergent write)."""
         p = self.seqs[parent_id]
         for b in p.table:
-            self.ref[b] += 1
+            if b != NO_BLOCK:
+                self.ref[b] += 1
         self.seqs[child_id] = _SeqBlocks(list(p.table), list(p.hashes), p.num_slots)
 
     def free(self, seq_id: Hashable) -> None:
@@ -150,7 +157,19 @@ class BlockManager:
         s = self.seqs.pop(seq_id, None)
         if s is not None:
             for b in reversed(s.table):
-                self._release(b)
+                if b != NO_BLOCK:
+                    self._release(b)
+
+    def drop(self, seq_id: Hashable, indices: range) -> None:
+        """Release the sequence's blocks at table ``indices`` (no query of it reads them again); a registered
+        block stays cached. Windows drop one growing run, so the walk back from its end stops at the first
+        entry dropped before."""
+        table = self.seqs[seq_id].table
+        for i in reversed(indices):
+            if table[i] == NO_BLOCK:
+                break
+            self._release(table[i])
+            table[i] = NO_BLOCK
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write (src, dst) block copies, to apply before the next forward pass."""

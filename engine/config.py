@@ -179,6 +179,17 @@ class EngineConfig:
     kv_cache_bytes: int = 256 * 1024 * 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (with kv_window: 1M tokens)
     enable_prefix_caching: bool = True
     enable_block_events: bool = False  # queue BlockStored/BlockRemoved for take_block_events (pool workers)
+    kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 | fp8 | kivi2: the KV cache format (engine/kv_format.py)
+    # Attention sinks + sliding window (engine/streaming_window.py): each query sees the first kv_sinks tokens
+    # and the kv_window most recent ones; None: full attention.
+    kv_window: int | None = None
+    kv_sinks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kv_window is None and self.kv_sinks:
+            raise ValueError("kv_sinks needs kv_window (sinks are kept next to a sliding window)")
+        if self.kv_window is not None and (self.kv_window < 1 or self.kv_sinks < 0):
+            raise ValueError(f"kv_window must be >= 1 and kv_sinks >= 0, got {self.kv_window} and {self.kv_sinks}")

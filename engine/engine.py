@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import takewhile
 
 import torch
@@ -22,35 +21,23 @@ import torch
 from engine.block_events import BlockEvent
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.engine_stats import EngineStats, StepComposition, engine_stats
 from engine.errors import InvalidRequestError
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, num_blocks_for
 from engine.loader import load_model, model_id_for, resolve_model_dir
-from engine.output import FinishReason, OutputText, RequestOutput, check_finish
+from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
+from engine.streaming_window import DEFAULT_MAX_LEN, StreamingWindow
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import salt_for
 
 # on_layer_done(layer, completing): layer ``layer``'s K/V of this step is written; ``completing`` maps each
 # prefill-only request whose prompt completes in this step to its block table (to ship that layer early).
 LayerHook = Callable[[int, dict[str, list[int]]], None]
-
-
-@dataclass
-class EngineStats:
-    free_blocks: int
-    total_blocks: int
-    num_waiting: int
-    waiting_prompt_tokens: int  # prompt tokens queued for prefill (waiting + rest of partial prefills)
-    waiting_prefills: list[tuple[int, int]]  # per queued prompt: (tokens to compute, tokens cached)
-    num_running: int
-    running_context_tokens: int
-    recent_step_times_s: list[float]
-    prompt_tokens_computed: int
-    prompt_tokens_cached: int
 
 
 class Engine:
@@ -61,17 +48,23 @@ class Engine:
         self.model_id = model_id_for(config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         self.block_size = config.block_size
-        num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // (config.block_size * self.model_config.kv_bytes_per_token(config.dtype)))
-        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.dtype, config.device)
+        num_blocks = config.num_blocks or num_blocks_for(self.model_config, config)
+        # A full window pool reclaims the windows of blocks the block manager has freed.
+        self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.dtype, config.device,
+                                config.kv_cache_dtype, config.max_num_seqs,
+                                block_in_use=lambda block: self.block_manager.ref[block] > 0)
         self.device = self.kv_cache.device
-        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache)
+        # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
+        self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings)
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
                                           config.enable_prefix_caching, config.enable_block_events)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   None if self.window is None else self.window.window)
+        self.max_model_len = config.max_model_len or (
+            self.model_config.max_position_embeddings if self.window is None else DEFAULT_MAX_LEN)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
-                                    num_blocks)
+                                    num_blocks, self.window)
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
@@ -80,13 +73,15 @@ class Engine:
         self._next_seq_id = 0
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
         self._step_times: deque[float] = deque(maxlen=64)
+        self.last_step: StepComposition | None = None  # what the latest step() computed; None: nothing
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> None:
-        """Queue a request; raises InvalidRequestError (before taking any block) when it can't run."""
+                    prefill_only: bool = False, output_ids: tuple[int, ...] | list[int] = ()) -> None:
+        """Queue a request; raises InvalidRequestError (before taking any block) when it can't run.
+        ``output_ids``: tokens it already produced elsewhere (resumed: they are recomputed, not output)."""
         self._check(request_id, prompt_ids, params, prefill_only)
-        seq = self._new_seq(request_id, list(prompt_ids), params, 0)
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids)
         seq.fanout, seq.prefill_only = params.n, prefill_only
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
@@ -112,6 +107,7 @@ class Engine:
         """Run one batch (decode rows, then prefill chunks) and sample where a sequence is complete;
         ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``)."""
         outputs, self._pending = self._pending, []
+        self.last_step = None
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
@@ -121,12 +117,18 @@ class Engine:
             self.kv_cache.copy_block(src, dst)
         chunks = []
         completing: dict[str, list[int]] = {}
+        step = StepComposition([], 0, 0)
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             pos = seq.num_computed_tokens
             table = bm.block_table(seq.seq_id)
             chunks.append(SeqChunk(seq.token_ids[pos:pos + n], pos, table))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
+            if pos >= seq.num_prompt_tokens and n == 1:  # a decode row
+                step.decode_seqs += 1
+                step.decode_context_tokens += pos + 1
+            else:
+                step.prefill_chunks.append((seq.request_id, n, pos))
         layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
         logits = self.runner.run(chunks, layer_done)
         rows: list[int] = []
@@ -137,6 +139,8 @@ class Engine:
                 self.prompt_tokens_computed += min(n, seq.num_prompt_tokens - pos)
             seq.num_computed_tokens = pos + n
             bm.commit(seq.seq_id, seq.token_ids, pos + n)
+            if self.window is not None:  # free the blocks the window has passed (registered ones stay cached)
+                bm.drop(seq.seq_id, self.window.droppable(pos + n))
             if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
                 for s in self._fork(seq) if seq.fanout > 1 else (seq,):
                     rows.append(row)
@@ -144,10 +148,12 @@ class Engine:
         if sampled:
             outputs += self._sample(logits if len(rows) == len(chunks) else logits[rows], sampled)
         self._step_times.append(time.perf_counter() - start)
+        self.last_step = step
         return outputs
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
-        token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                           [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs])
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         finished = [seq for seq, out in zip(seqs, outputs, strict=True) if out.finished]
@@ -164,7 +170,7 @@ class Engine:
                     self.block_manager.free(seq.seq_id)
         return outputs
 
-    def _append(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None) -> RequestOutput:
+    def _append(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""
         seq.token_ids.append(tok)
         reason, seq.stop_reason = check_finish(tok, seq.num_output_tokens, seq.params, self.eos_token_ids,
@@ -181,8 +187,8 @@ class Engine:
         return list(self.block_manager.block_table(self.held[request_id]))
 
     def export_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """(K/V ``[layers, 2, n, block_size, kv_heads, head_dim]``, chain hashes of the leading full
-        blocks that are registered in the prefix cache)."""
+        """(K/V as ``KVCache.export_blocks`` gives them, block axis 2 (``[layers, 2, n, block_size, kv_heads,
+        head_dim]`` unquantized), chain hashes of the leading full blocks registered in the prefix cache)."""
         hashes = list(takewhile(lambda h: h is not None, self.block_manager.hashes_of(block_ids)))
         return self.kv_cache.export_blocks(block_ids), hashes
 
@@ -206,28 +212,21 @@ class Engine:
         self.kv_cache.import_blocks(block_ids, tensor)
 
     def add_imported_request(self, request_id: str, prompt_ids: list[int], first_token_id: int,
-                             params: SamplingParams, block_ids: list[int]) -> None:
-        """Continue decoding a request whose prompt K/V was imported into its reserved ``block_ids``
-        and whose first token the prefill side sampled."""
+                             params: SamplingParams, block_ids: list[int], output_ids: tuple[int, ...] | list[int] = ()) -> None:
+        """Continue decoding a request whose K/V (prompt, then ``output_ids`` when resumed) was imported
+        into its reserved ``block_ids`` and whose next token the prefill side sampled."""
         seq_id = self.held.get(request_id)
         if seq_id is None or self.block_manager.block_table(seq_id)[:len(block_ids)] != list(block_ids):
             raise InvalidRequestError("block_ids", f"no reservation of these blocks for {request_id!r}")
         self._check(request_id, prompt_ids, params, False, reserved=True)
-        if check_finish(first_token_id, 1, params, self.eos_token_ids, None, False)[0] is not None:
+        done = check_finish(first_token_id, len(output_ids) + 1, params, self.eos_token_ids, None, False)[0]
+        if done is not None:
             raise InvalidRequestError("first_token_id", "the request already finished at its first token")
         del self.held[request_id]
-        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id)
-        seq.token_ids.append(first_token_id)
-        seq.num_computed_tokens = len(prompt_ids)
-        if seq.generator is not None and not params.greedy:
-            # the prefill side drew one row of exponentials for the first token; skip the same draw
-            torch.empty(self.model_config.vocab_size, device=self.device).exponential_(
-                generator=seq.generator)
-        if seq.text is not None:  # the prefill side handed out the first token's text (and matched no stop)
-            seq.text.push(first_token_id)
-            seq.text.emit(final=False)
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id, [*output_ids, first_token_id])
+        seq.num_computed_tokens = seq.num_tokens - 1
         self.requests[request_id] = [seq]
-        self.block_manager.commit(seq_id, seq.token_ids, len(prompt_ids))
+        self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
         self.scheduler.add_running(seq)
 
     # -- KV pool ---------------------------------------------------------------------------------
@@ -251,18 +250,7 @@ class Engine:
     # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Load figures for the router (cheap: called after every step)."""
-        sch = self.scheduler
-        queued = [(s.num_tokens - s.num_cached_tokens, s.num_cached_tokens) for s in sch.waiting]
-        queued += [(s.num_tokens - s.num_computed_tokens, 0) for s in sch.running
-                   if s.num_computed_tokens < s.num_tokens - 1]
-        return EngineStats(
-            free_blocks=self.block_manager.num_free_blocks, total_blocks=self.block_manager.num_blocks,
-            num_waiting=len(sch.waiting), waiting_prompt_tokens=sum(new for new, _ in queued),
-            waiting_prefills=queued,
-            num_running=len(sch.running), running_context_tokens=sum(s.num_tokens for s in sch.running),
-            recent_step_times_s=list(self._step_times), prompt_tokens_computed=self.prompt_tokens_computed,
-            prompt_tokens_cached=sch.prompt_tokens_cached,
-        )
+        return engine_stats(self.scheduler, self.block_manager, self._step_times, self.prompt_tokens_computed)
 
     # -- helpers ---------------------------------------------------------------------------------
     def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
@@ -277,11 +265,21 @@ class Engine:
         return self._next_seq_id
 
     def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
-                 seq_id: int | None = None) -> Sequence:
+                 seq_id: int | None = None, output_ids: tuple[int, ...] | list[int] = ()) -> Sequence:
+        """``output_ids``: tokens sampled elsewhere (the prefill side, a failed worker): their text was
+        handed out (and matched no stop), and their random draws are skipped, one row each."""
         text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop)
-        return Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, token_ids,
-                        len(token_ids), params, index,
-                        generator=make_generator(params.seed, index, self.device), text=text)
+        seq = Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, [*token_ids, *output_ids],
+                       len(token_ids), params, index,
+                       generator=make_generator(params.seed, index, self.device), text=text)
+        for token in output_ids:
+            if text is not None:
+                text.push(token)
+            if seq.generator is not None and not params.greedy:
+                torch.empty(self.model_config.vocab_size, device=self.device).exponential_(generator=seq.generator)
+        if text is not None:
+            text.emit(final=False)
+        return seq
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

@@ -15,6 +15,7 @@ import sys
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
+from engine.kv_format import FORMATS
 from engine.sampling_params import SamplingParams
 
 
@@ -43,13 +44,26 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
+                   help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
+    p.add_argument("--kv-window", type=int, default=None, metavar="TOKENS",
+                   help="attention window: each token attends to the last TOKENS tokens and the --kv-sinks first "
+                        "ones, so prompt + output may outgrow the model's context (default: full attention)")
+    p.add_argument("--kv-sinks", type=int, default=0, metavar="N",
+                   help="leading tokens every token attends to with --kv-window (attention sinks)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device))
+    try:
+        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                     kv_cache_dtype=args.kv_cache_dtype, kv_window=args.kv_window,
+                                     kv_sinks=args.kv_sinks))
+    except ValueError as err:  # options that contradict each other or the model
+        print(f"tidepool generate: {err}", file=sys.stderr)
+        return 2
     if args.prompt is not None:
         if engine.tokenizer is None:
             print("tidepool generate: this checkpoint has no tokenizer.json; use --prompt-ids", file=sys.stderr)

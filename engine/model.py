@@ -10,14 +10,16 @@ gate/up are packed into one matrix each (one matmul instead of three or two); th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.streaming_window import sink_window_attention
 
 
 @dataclass
@@ -28,6 +30,7 @@ class PrefillMeta:
     end: int
     ctx_blocks: torch.Tensor | None  # blocks holding positions [0, end position) if some were cached
     mask: torch.Tensor | None  # [n, len(ctx_blocks) * block_size] causal mask offset by the cached length
+    sink_cols: torch.Tensor | None = None  # attention sinks past a gap (engine/streaming_window.py): [S, 1]
 
 
 @dataclass
@@ -44,6 +47,11 @@ class AttentionMetadata:
     # layer and step costs more in page faults than the copy itself.
     k_buf: torch.Tensor | None = None
     v_buf: torch.Tensor | None = None
+    # Attention sinks (engine/streaming_window.py): which decode columns are sinks, and each row's cos/sin
+    # at its cache position (the sinks' view of the query); None where no row has evicted tokens.
+    decode_sink_cols: torch.Tensor | None = None
+    sink_cos: torch.Tensor | None = None
+    sink_sin: torch.Tensor | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -64,18 +72,29 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``[T, 1, head_dim]`` (broadcast over heads) exactly as transformers builds them: float32
+    position * inv_freq, then cast."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def gather(blocks: torch.Tensor, block_ids: torch.Tensor, batch: int, buf: torch.Tensor) -> torch.Tensor:
-    """[blocks, block_size, kv_heads, D] cache view -> [batch, kv_heads, S, D] context of each sequence,
-    copied into the front of ``buf``.
+class PagedKV(Protocol):
+    """One layer's paged K/V for one step (``engine/kv_cache.py``: plain, or quantized and dequantized)."""
 
-    Whole blocks are copied with index_select (several times faster on CPU than ``[]`` indexing)."""
-    out = torch.index_select(blocks, 0, block_ids, out=buf[:len(block_ids)])
-    return out.view(batch, -1, *blocks.shape[2:]).transpose(1, 2)
+    def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the step's K/V rows ``[T, kv_heads, head_dim]`` at their slots."""
+
+    def gather(self, kind: int, block_ids: torch.Tensor, batch: int, buf: torch.Tensor) -> torch.Tensor:
+        """K (``kind`` 0) or V of whole blocks -> ``[batch, kv_heads, S, head_dim]`` in the attention dtype,
+        written into the front of ``buf`` (``[>= len(block_ids), block_size, kv_heads, head_dim]``)."""
 
 
 class Linear(nn.Module):
@@ -115,8 +134,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, block_size: int, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
+                meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -124,13 +143,10 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q_sink = None if meta.sink_cos is None else q * meta.sink_cos + rotate_half(q) * meta.sink_sin
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        # k_cache/v_cache: [num_blocks * block_size, kv_heads, head_dim] views of this layer's cache
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        k_blocks = k_cache.view(-1, block_size, self.num_kv_heads, self.head_dim)
-        v_blocks = v_cache.view(-1, block_size, self.num_kv_heads, self.head_dim)
+        kv.write(k, v)
         out = torch.empty_like(q)
         for p in meta.prefills:
             # 4-D [1, heads, n, D] views: CPU SDPA only takes its fused (flash) kernel for 4-D inputs.
@@ -139,16 +155,24 @@ class Attention(nn.Module):
                 ks, vs = k[None, p.begin:p.end].transpose(1, 2), v[None, p.begin:p.end].transpose(1, 2)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
-                ks = gather(k_blocks, p.ctx_blocks, 1, meta.k_buf)
-                vs = gather(v_blocks, p.ctx_blocks, 1, meta.v_buf)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+                ks = kv.gather(0, p.ctx_blocks, 1, meta.k_buf)
+                vs = kv.gather(1, p.ctx_blocks, 1, meta.v_buf)
+                if p.sink_cols is None:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+                else:
+                    o = sink_window_attention(qs, q_sink[None, p.begin:p.end].transpose(1, 2), ks, vs, p.mask,
+                                              p.sink_cols)
             out[p.begin:p.end] = o[0].transpose(0, 1)
         if meta.num_decode:
             n = meta.num_decode
-            kd = gather(k_blocks, meta.decode_blocks, n, meta.k_buf)
-            vd = gather(v_blocks, meta.decode_blocks, n, meta.v_buf)
-            o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=meta.decode_mask,
-                                               enable_gqa=True)  # [n, H, 1, D]
+            kd = kv.gather(0, meta.decode_blocks, n, meta.k_buf)
+            vd = kv.gather(1, meta.decode_blocks, n, meta.v_buf)
+            if meta.decode_sink_cols is None:
+                o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=meta.decode_mask,
+                                                   enable_gqa=True)  # [n, H, 1, D]
+            else:
+                o = sink_window_attention(q[:n, :, None], q_sink[:n, :, None], kd, vd, meta.decode_mask,
+                                          meta.decode_sink_cols)
             out[:n] = o[:, :, 0]
         return self.o_proj(out.view(T, self.q_size))
 
@@ -172,14 +196,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Pre-norm attention and MLP, each added to the residual stream ``h``; writes every row's K/V
-        into ``kv``, this layer's ``[2, num_blocks, block_size, kv_heads, head_dim]`` cache."""
-        block_size = kv.shape[2]
-        k_cache = kv[0].view(-1, *kv.shape[3:])  # [num_blocks * block_size, kv_heads, head_dim]
-        v_cache = kv[1].view(-1, *kv.shape[3:])
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, block_size, meta)
+        into ``kv``, this layer's paged cache."""
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -207,18 +228,15 @@ class CausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor, last_rows: torch.Tensor,
+                kv_layers: Sequence[PagedKV], last_rows: torch.Tensor,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Hidden rows -> float32 logits of ``last_rows``; writes every row's K/V into ``kv_cache``
-        (``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``), calling ``on_layer_done(layer)`` once
-        a layer is done (its K/V written)."""
+        """Hidden rows -> float32 logits of ``last_rows``; writes every row's K/V into ``kv_layers`` (one
+        per layer, ``KVCache.for_step``), calling ``on_layer_done(layer)`` once a layer is done (its K/V
+        written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
-        # cos/sin exactly as transformers builds them: float32 position * inv_freq, then cast.
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, D] broadcast over heads
-        cos, sin = emb.cos().to(h.dtype), emb.sin().to(h.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_cache[i], meta)
+            h = layer(h, cos, sin, kv_layers[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         h = self.model.norm(h[last_rows])

@@ -28,6 +28,17 @@ class FinishReason(enum.StrEnum):
     PREFILLED = "prefilled"  # a prefill-only request sampled its first token; its blocks are kept
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's logprob and the ``k`` most likely tokens', from the model's raw distribution.
+
+    Plain ints and floats (it crosses process boundaries inside ``TokenEvent`` and ``PrefillResult``)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
 @dataclass
 class RequestOutput:
     request_id: str
@@ -37,7 +48,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
-    logprobs: list[dict[int, float]] | None = None  # per new token: {token id: logprob}
+    logprobs: list[TokenLogprobs] | None = None  # per new token, when the request asked for them
     # New text (when the model has a tokenizer). A matched stop string and what follows it are cut
     # (OpenAI semantics), and text that could still become a stop string is held back until it can't.
     text: str = ""

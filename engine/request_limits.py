@@ -1,12 +1,21 @@
 """An engine's limits on a request (vocabulary, context length, KV blocks), checked before the request
-takes any resource. Torch-free."""
+takes any resource. Torch-free (the attention window is only a type here).
+
+With an attention window (``engine/streaming_window.py``) ``max_model_len`` bounds the sequence, not the
+model's context: sinks + window fit the context, whatever the prompt and output add up to, and a sequence
+holds at most the window's blocks. A disaggregated request's prompt must keep all of its blocks, since the
+handoff moves whole block tables."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.streaming_window import StreamingWindow
 
 
 @dataclass(frozen=True)
@@ -15,6 +24,7 @@ class RequestLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    window: StreamingWindow | None = None
 
     def check(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
               reserved: bool) -> None:
@@ -35,7 +45,13 @@ class RequestLimits:
                 f"context of {self.max_model_len} tokens")
         if (prefill_only or reserved) and params.n != 1:
             raise InvalidRequestError("n", "disaggregated requests take n = 1")
+        if (prefill_only or reserved) and self.window is not None and self.window.droppable(len(prompt_ids)):
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens outgrow the attention window ({self.window.sinks} sinks + "
+                f"{self.window.window} tokens): a disaggregated prompt must fit it; serve it colocated")
         need = -(-(len(prompt_ids) + (1 if prefill_only else params.max_tokens)) // self.block_size)
+        if self.window is not None:
+            need = min(need, self.window.max_blocks)
         if need > self.num_blocks:
             raise InvalidRequestError(
                 "max_tokens", f"needs {need} KV blocks, the cache has {self.num_blocks}")

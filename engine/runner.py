@@ -2,7 +2,9 @@
 
 A chunk is a run of new tokens of one sequence: a whole prompt, a piece of a long prompt (chunked
 prefill, after a cached prefix) or the single token of a decode step. All chunks of a step go through
-one forward pass; nothing is padded except the decode rows' gathered context inside attention.
+one forward pass; nothing is padded except the decode rows' gathered context inside attention. With an
+attention window (``engine/streaming_window.py``), a chunk whose queries have evicted tokens gathers only
+its sink and window blocks, under the window's mask, and sinks see each query at its cache position.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
-from engine.model import AttentionMetadata, CausalLM, PrefillMeta
+from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
+from engine.streaming_window import StreamingWindow
 
 
 @dataclass
@@ -29,12 +32,13 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache):
-        self.model, self.config, self.kv_cache = model, model_config, kv_cache
+    def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
+                 window: StreamingWindow | None = None):
+        self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         # K and V gather buffers (see AttentionMetadata.k_buf), grown to the most blocks a step gathers.
-        self._gather_bufs = kv_cache.data.new_empty(2, 0, *kv_cache.data.shape[3:])
+        self._gather_bufs = kv_cache.gather_buffers(0)
 
     def _check(self, c: SeqChunk) -> int:
         n = len(c.token_ids)
@@ -67,32 +71,47 @@ class ModelRunner:
             c, n, begin = chunks[i], lens[i], len(token_ids)
             end_pos = c.start_pos + n
             pos = torch.arange(c.start_pos, end_pos)
-            table = torch.tensor(c.block_table[:(end_pos + B - 1) // B], dtype=torch.long)
+            first = c.start_pos // B  # the chunk's own blocks (a windowed table may be long and gapped)
+            own = torch.tensor(c.block_table[first:(end_pos + B - 1) // B], dtype=torch.long)
             token_ids.extend(c.token_ids)
             positions.extend(pos.tolist())
-            slots.extend((table[pos // B] * B + pos % B).tolist())
+            slots.extend((own[pos // B - first] * B + pos % B).tolist())
             last_rows[i] = begin + n - 1
-            if c.start_pos == 0:
+            if self.window is not None and self.window.applies(end_pos):
+                ctx, mask, sink_cols = self.window.prefill_context(c.block_table, pos)
+                prefills.append(PrefillMeta(begin, begin + n, torch.tensor(ctx, device=self.device),
+                                            mask.to(self.device), _to(sink_cols, self.device)))
+            elif c.start_pos == 0:
                 prefills.append(PrefillMeta(begin, begin + n, None, None))
             else:  # after cached context: query at position p sees key columns 0..p
+                table = torch.tensor(c.block_table[:(end_pos + B - 1) // B], dtype=torch.long)
                 mask = torch.arange(len(table) * B)[None, :] <= pos[:, None]
                 prefills.append(PrefillMeta(begin, begin + n, table.to(self.device), mask.to(self.device)))
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
         gathered = max([len(p.ctx_blocks) for p in prefills if p.ctx_blocks is not None], default=0)
         if decode:
-            width = max((chunks[i].start_pos + B) // B for i in decode)  # blocks covering pos 0..start
-            tables = [chunks[i].block_table[:width] + [0] * (width - len(chunks[i].block_table[:width]))
-                      for i in decode]
-            ctx = torch.tensor([chunks[i].start_pos + 1 for i in decode])
-            mask = torch.arange(width * B)[None, :] < ctx[:, None]
-            meta.decode_blocks = torch.tensor(tables, device=self.device).flatten()
+            if self.window is not None and any(self.window.applies(chunks[i].start_pos + 1) for i in decode):
+                ids, width, mask, sink_cols = self.window.decode_context(
+                    [chunks[i].block_table for i in decode], [chunks[i].start_pos for i in decode])
+                blocks, meta.decode_sink_cols = torch.tensor(ids), _to(sink_cols, self.device)
+            else:
+                width = max((chunks[i].start_pos + B) // B for i in decode)  # blocks covering pos 0..start
+                tables = [chunks[i].block_table[:width] + [0] * (width - len(chunks[i].block_table[:width]))
+                          for i in decode]
+                ctx = torch.tensor([chunks[i].start_pos + 1 for i in decode])
+                mask = torch.arange(width * B)[None, :] < ctx[:, None]
+                blocks = torch.tensor(tables).flatten()
+            meta.decode_blocks = blocks.to(self.device)
             meta.decode_mask = mask[:, None, None, :].to(self.device)
             gathered = max(gathered, len(decode) * width)
         if gathered > self._gather_bufs.shape[1]:
-            self._gather_bufs = self.kv_cache.data.new_empty(2, gathered, *self.kv_cache.data.shape[3:])
+            self._gather_bufs = self.kv_cache.gather_buffers(gathered)
         meta.k_buf, meta.v_buf = self._gather_bufs[0], self._gather_bufs[1]
-        return (torch.tensor(token_ids, dtype=torch.long, device=self.device),
-                torch.tensor(positions, device=self.device), meta,
+        pos = torch.tensor(positions, device=self.device)
+        if meta.decode_sink_cols is not None or any(p.sink_cols is not None for p in prefills):
+            meta.sink_cos, meta.sink_sin = rope_cos_sin(self.window.cache_positions(pos), self.model.inv_freq,
+                                                        self.kv_cache.dtype)
+        return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
                 torch.tensor(last_rows, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
@@ -100,4 +119,9 @@ class ModelRunner:
             on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Float32 logits ``[len(chunks), vocab]`` of each chunk's last token; writes the chunks' K/V."""
         input_ids, positions, meta, last_rows = self.prepare(chunks)
-        return self.model(input_ids, positions, meta, self.kv_cache.data, last_rows, on_layer_done)
+        kv_layers = self.kv_cache.for_step(meta.slot_mapping)
+        return self.model(input_ids, positions, meta, kv_layers, last_rows, on_layer_done)
+
+
+def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)

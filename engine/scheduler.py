@@ -2,7 +2,8 @@
 
 Each step spends a token budget (``max_num_batched_tokens``): first one token for every running
 sequence that is decoding, then the rest of any partly prefilled prompt, then new prompts from the
-waiting queue (after their prefix-cache hits), a long prompt being cut into chunks (chunked prefill).
+waiting queue (after their prefix-cache hits), a long prompt being cut into chunks (chunked prefill) of at
+most ``max_chunk`` tokens (an attention window's length, which bounds the blocks a windowed step holds).
 When a running sequence needs a block and none is free, the most recently admitted running sequence
 is preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
 with every token it has, to be prefilled again later (its prefix blocks are then usually still cached).
@@ -68,12 +69,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_chunk: int | None = None):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_chunk = max_chunk or max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prompt_tokens_cached = 0  # prompt tokens served from the prefix cache at first admission
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at first admission
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -108,7 +112,7 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
             while not self.bm.allocate(seq.seq_id, seq.num_computed_tokens, n):
                 victim = order.pop()
                 self._preempt(victim)
@@ -130,7 +134,7 @@ class Scheduler:
             # at least one token is computed, so the last position always yields logits
             prefix = self.bm.cached_prefix(seq.token_ids, (seq.num_tokens - 1) // self.bm.block_size)
             num_cached = len(prefix[0]) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget)
+            n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix):
                 break
             self.waiting.popleft()
@@ -138,6 +142,7 @@ class Scheduler:
             if not seq.admitted:
                 seq.num_cached_tokens, seq.admitted = min(num_cached, seq.num_prompt_tokens), True
                 self.prompt_tokens_cached += seq.num_cached_tokens
+                self.prefix_cache_queries += seq.num_prompt_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)

@@ -79,23 +79,28 @@ def _weights() -> dict[str, torch.Tensor]:
             for name, shape in shapes.items()}
 
 
-def write_tiny_checkpoint(path: Path) -> None:
+def write_tiny_checkpoint(path: Path, config: dict | None = None,
+                          weights: dict[str, torch.Tensor] | None = None) -> None:
     """Write the checkpoint into a private temp dir and rename it into place, so processes racing to
-    create it never see a half-written directory (the loser discards its copy)."""
+    create it never see a half-written directory (the loser discards its copy). ``config`` and
+    ``weights`` default to the built-in model; other byte-level Llamas pass theirs to share its
+    tokenizer files (benchmarks/train_tiny.py)."""
+    config = config or CONFIG
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        save_file(_weights(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(_weights() if weights is None else weights, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
         (tmp / "tokenizer.json").write_text(_tokenizer_json())
         (tmp / "tokenizer_config.json").write_text(json.dumps({
             "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[0],
             "eos_token": "<|eot|>", "pad_token": "<|end_of_text|>", "chat_template": CHAT_TEMPLATE,
-            "model_max_length": CONFIG["max_position_embeddings"], "clean_up_tokenization_spaces": False,
+            "model_max_length": config["max_position_embeddings"], "clean_up_tokenization_spaces": False,
         }, indent=2))
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": BOS, "eos_token_id": EOS_IDS, "do_sample": False}, indent=2))
-        (tmp / "config.json").write_text(json.dumps(CONFIG, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         os.rename(tmp, path)
     except OSError:
         if not (path / "config.json").exists():

@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import torch
 
-from kvstore.payload import BlockError, BlockLayout, decode_block, encode_block
+from kvstore.payload import BlockError, BlockLayout, decode_block, encode_block, layout_format
 from kvstore.pool import hex_of
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class DiskTier:
                 self._changed.notify_all()
 
     def _write(self, h: int, tensor: torch.Tensor) -> None:
-        data = encode_block(self.model_id, h, tensor)
+        data = encode_block(self.model_id, h, tensor, layout_format(self.layout))
         if len(data) > self.max_bytes:
             self._count_dropped()
             return

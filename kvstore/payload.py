@@ -35,19 +35,30 @@ class BlockError(ValueError):
     """A stored block failed its header or checksum check."""
 
 
+class LayoutMismatch(BlockError):
+    """A sound block in another layout or KV format than the reader's: a miss, not damage."""
+
+
 @dataclass(frozen=True)
 class BlockLayout:
-    """What a reader expects of every block: dtype name and shape ``[layers, 2, block_size, heads, dim]``."""
+    """What a reader expects of every block: dtype name, shape (``[layers, 2, block_size, heads, dim]``; a
+    quantized cache's ``[layers, 1, record_bytes]``) and KV cache format (``engine/kv_format.py``)."""
 
     dtype: str
     shape: tuple[int, ...]
+    kv_format: str = "auto"
 
 
-def encode_block(model_id: str, block_hash: int, tensor: torch.Tensor) -> bytes:
+def layout_format(layout: BlockLayout | None) -> str:
+    """The KV format a tier writes its blocks in."""
+    return "auto" if layout is None else layout.kv_format
+
+
+def encode_block(model_id: str, block_hash: int, tensor: torch.Tensor, kv_format: str = "auto") -> bytes:
     raw = as_bytes(tensor)
     header = json.dumps({"model": model_id, "hash": hex_of(block_hash), "layers": tensor.shape[0],
                          "dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape),
-                         "crc32": checksum(raw)}).encode()
+                         "kv_format": kv_format, "crc32c": checksum(raw)}).encode()
     return b"".join((_PREFIX.pack(MAGIC, len(header)), header, raw))
 
 
@@ -57,15 +68,16 @@ def decode_block(data: bytes, model_id: str, block_hash: int, layout: BlockLayou
         magic, size = _PREFIX.unpack_from(data)
         header = json.loads(data[_PREFIX.size:_PREFIX.size + size])
         model, h, layers, dtype = header["model"], header["hash"], header["layers"], header["dtype"]
-        shape, crc = tuple(header["shape"]), header["crc32"]
+        shape, crc, kv_format = tuple(header["shape"]), header["crc32c"], header.get("kv_format", "auto")
     except (struct.error, ValueError, KeyError, TypeError) as e:
         raise BlockError(f"unreadable block header: {e}") from e
     if magic != MAGIC or model != model_id or h != hex_of(block_hash):
         raise BlockError(f"header names model {model!r} block {h}, expected {model_id!r} {hex_of(block_hash)}")
     if dtype not in DTYPES or not shape or not all(type(d) is int and d >= 0 for d in shape) or layers != shape[0]:
         raise BlockError(f"bad header layout: dtype {dtype}, layers {layers}, shape {shape}")
-    if layout is not None and (dtype, shape) != (layout.dtype, layout.shape):
-        raise BlockError(f"block is {dtype}{list(shape)}, reader expects {layout.dtype}{list(layout.shape)}")
+    if layout is not None and (dtype, shape, kv_format) != (layout.dtype, layout.shape, layout.kv_format):
+        raise LayoutMismatch(f"block is {kv_format} {dtype}{list(shape)}, reader expects {layout.kv_format} "
+                         f"{layout.dtype}{list(layout.shape)}")
     raw = memoryview(data)[_PREFIX.size + size:]
     if len(raw) != math.prod(shape) * DTYPES[dtype].itemsize or checksum(raw) != crc:
         raise BlockError("checksum or length mismatch")
@@ -77,13 +89,17 @@ class BlockTier(Protocol):
 
 
 def fetch_prefix(hashes: Sequence[int], tiers: Sequence[BlockTier]) -> list[torch.Tensor]:
-    """Blocks for the longest leading run of ``hashes`` the tiers hold, in order: each tier continues
-    where the previous one missed (e.g. ``[host, redis]``)."""
+    """Blocks for the longest leading run of ``hashes`` the tiers hold, in order, fastest tier first
+    (e.g. ``[host, disk, redis]``): at each position the first tier not yet asked there continues the
+    run, so a hole in one tier is filled from another and the first can go on after it."""
     out: list[torch.Tensor] = []
-    for tier in tiers:
-        if len(out) == len(hashes):
+    missed_at = [-1] * len(tiers)  # the position each tier last stopped at
+    while len(out) < len(hashes):
+        i = next((i for i, at in enumerate(missed_at) if at < len(out)), None)
+        if i is None:
             break
-        out.extend(tier.get_prefix(hashes[len(out):]))
+        out.extend(tiers[i].get_prefix(hashes[len(out):]))
+        missed_at[i] = len(out)
     return out
 
 
@@ -112,7 +128,8 @@ class HostTier:
         return block_hash in self._blocks
 
     def put_blocks(self, hashes: Sequence[int], tensors: Sequence[torch.Tensor]) -> None:
-        encoded = [(h, encode_block(self.model_id, h, t)) for h, t in zip(hashes, tensors, strict=True)]
+        encoded = [(h, encode_block(self.model_id, h, t, layout_format(self.layout)))
+                   for h, t in zip(hashes, tensors, strict=True)]
         stored: list[int] = []
         with self._lock:
             for h, data in encoded:
@@ -193,7 +210,8 @@ class RedisTier:
 
     def put_blocks(self, hashes: Sequence[int], tensors: Sequence[torch.Tensor]) -> bool:
         """Store blocks in one round trip; False (and logged) when Redis dropped them."""
-        encoded = [encode_block(self.pool.model_id, h, t) for h, t in zip(hashes, tensors, strict=True)]
+        encoded = [encode_block(self.pool.model_id, h, t, layout_format(self.layout))
+                   for h, t in zip(hashes, tensors, strict=True)]
         if not encoded:
             return True
 
@@ -225,6 +243,8 @@ class RedisTier:
             if data is not None:
                 try:
                     out[i] = decode_block(data, self.pool.model_id, hashes[i], self.layout)
+                except LayoutMismatch:
+                    pass  # another deployment's format (e.g. a quantized cache) sharing this Redis: not ours to drop
                 except BlockError as e:
                     log.error("redis tier: block %s rejected (%s); treating it as a miss", hex_of(hashes[i]), e)
                     bad.append(hashes[i])

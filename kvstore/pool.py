@@ -2,7 +2,7 @@
 
 Keys live under one namespace per model and block size, ``tp:{model}:{block_size}:``:
 
-    b:{hash}      HASH    holder -> tier bits (device=1, host=2, redis=4)
+    b:{hash}      HASH    holder -> tier bits (device=1, host=2, redis=4, disk=8)
     w:{holder}    SET     hashes the holder has in any tier (resync and cleanup read it)
     lru           ZSET    hash -> last access, seconds on the Redis clock
     hb            ZSET    worker -> last heartbeat, ms on the Redis clock
@@ -36,8 +36,8 @@ from kvstore.names import POOL_HOLDER as POOL_HOLDER  # re-exported: the pool's 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-TIERS = {"device": 1, "host": 2, "redis": 4}
-ALL_TIERS = 7
+TIERS = {"device": 1, "host": 2, "redis": 4, "disk": 8}
+ALL_TIERS = 15
 
 
 def hex_of(h: int) -> str:

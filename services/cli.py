@@ -12,10 +12,12 @@ from engine.generate import add_generate_parser
 from loadtest.cli import add_bench_parser
 from router.sim_cli import add_simulate_parser
 from services.config import add_serve_arguments, configs_from_args
+from services.profile_cli import add_profile_parser
 from services.status import add_status_parser
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.placement import PlacementError
     from services.serve import Server
 
     try:
@@ -26,7 +28,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         server = Server(cluster, gateway)
-        await server.start()
+        try:
+            await server.start()
+        except PlacementError as exc:
+            raise SystemExit(f"tidepool serve: {exc}") from None
         print(server.cluster.describe_placement(), flush=True)
         print(f"tidepool: serving {server.cluster.dispatcher.model_id} on {server.http_url} (OpenAI HTTP) "
               f"and {server.grpc_target} (gRPC); Ctrl-C stops", flush=True)
@@ -47,7 +52,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 # Each command's parser is defined next to the code it drives.
 _ADD_COMMAND = {"serve": add_serve_parser, "generate": add_generate_parser, "kv-calc": add_kv_calc_parser,
-                "simulate": add_simulate_parser, "bench": add_bench_parser, "status": add_status_parser}
+                "simulate": add_simulate_parser, "bench": add_bench_parser, "status": add_status_parser,
+                "profile": add_profile_parser}
 COMMANDS = tuple(_ADD_COMMAND)
 
 

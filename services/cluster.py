@@ -1,12 +1,17 @@
-"""Start or attach to Ray, own the local Redis, place the workers by resource, and build the dispatcher."""
+"""Start or attach to Ray, own the local Redis, place the workers by resource, and build the dispatcher.
+
+A local Ray gets enough logical CPUs for the workers it starts (threads per worker are set separately,
+so logical CPUs and physical cores differ); workers that can't be placed fail the start with what is
+missing (``services/placement.py``). The supervisor replaces workers that die (``services/supervisor.py``).
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import logging
 import os
+import secrets
 import uuid
-from dataclasses import dataclass
 
 import ray
 
@@ -15,27 +20,16 @@ from engine.tokenizer import Tokenizer
 from kvstore.events import PoolMirror
 from router.conductor import SLO, Conductor
 from router.estimator import Estimator
+from services.attempt import Deadlines
 from services.config import ClusterConfig
 from services.dispatcher import Dispatcher
 from services.local_redis import LocalRedis
-from services.messages import Role
 from services.metrics import Metrics
-from services.worker import ColocatedWorker, DecodeWorker, PrefillWorker, WorkerSpec
+from services.placement import WorkerLauncher
+from services.supervisor import Supervisor
 from services.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
-
-_ACTOR_CLASSES = {Role.PREFILL: PrefillWorker, Role.DECODE: DecodeWorker, Role.COLOCATED: ColocatedWorker}
-
-
-@dataclass
-class Placement:
-    worker_id: str
-    role: Role
-    node: str
-    node_id: str
-    device: str
-    resources: dict
 
 
 class Cluster:
@@ -46,34 +40,33 @@ class Cluster:
         self.redis: LocalRedis | None = None
         self.redis_url = config.redis_url
         self.started_ray = False
-        self.workers: list[WorkerClient] = []
-        self.placements: list[Placement] = []
+        self.workers: list[WorkerClient] = []  # the first workers (the dispatcher's set follows replacements)
+        self.launcher: WorkerLauncher | None = None
+        self.supervisor: Supervisor | None = None
         self.mirror: PoolMirror | None = None
         self.dispatcher: Dispatcher | None = None
         self.cluster_id = uuid.uuid4().hex[:8]  # actor names stay unique when clusters share one Ray
+        # Every worker's KV transfer server refuses pushes without it; it reaches them in their WorkerSpec.
+        self.transfer_secret = secrets.token_hex(32)
 
     # ---- start ----------------------------------------------------------------------------------------------
     def start_infrastructure(self) -> None:
         if self.redis_url is None:
-            self.redis = LocalRedis()
+            # A password, so other users of the machine can't read or write the pool and the sessions; the
+            # watcher restarts a redis-server that dies, on the same port with the same password.
+            self.redis = LocalRedis(password=secrets.token_hex(24), restart_on_exit=True)
             self.redis_url = self.redis.url
         if not ray.is_initialized():
             if self.config.address:
                 ray.init(address=self.config.address, log_to_driver=False)
             else:
-                ray.init(num_cpus=self.config.ray_num_cpus, include_dashboard=False, log_to_driver=False)
+                # Each worker asks Ray for its threads as CPUs: give Ray at least that many logical CPUs.
+                cores = os.cpu_count() or 1
+                workers = len(self.config.roles())
+                threads = self.config.threads_per_worker or max(1, cores // workers)
+                ray.init(num_cpus=self.config.ray_num_cpus or max(cores, workers * threads),
+                         include_dashboard=False, log_to_driver=False)
                 self.started_ray = True
-
-    def _actor_options(self, role: Role, threads: int) -> tuple[dict, str]:
-        resources = ray.cluster_resources()
-        options: dict = {"num_cpus": threads}
-        device = "cpu"
-        if resources.get("GPU", 0) >= 1:
-            options["num_gpus"] = 1  # prefill and decode never share a GPU
-            device = "cuda"
-        if role != Role.COLOCATED and resources.get(role, 0) >= 1:
-            options["resources"] = {role: 1}
-        return options, device
 
     def _threads_per_worker(self) -> int:
         if self.config.threads_per_worker:
@@ -85,31 +78,24 @@ class Cluster:
         self.start_infrastructure()
         model_dir = resolve_model_dir(self.config.engine.model)
         tokenizer = Tokenizer.from_dir(model_dir)
-        threads = self._threads_per_worker()
-        counters: dict[Role, int] = {}
-        pending = []
-        for role in self.config.roles():
+        roles = self.config.roles()
+        # A cluster we joined may grow (autoscaler): it gets the placement timeout, not the fast failure.
+        self.launcher = WorkerLauncher(self.config, self.cluster_id, self.redis_url, self._threads_per_worker(),
+                                       self.transfer_secret, may_grow=not self.started_ray)
+        self.launcher.check_fits(roles)
+        counters: dict[str, int] = {}
+        ids = []
+        for role in roles:
             counters[role] = counters.get(role, 0) + 1
-            worker_id = f"{role}-{counters[role] - 1}"
-            options, device = self._actor_options(role, threads)
-            spec = WorkerSpec(
-                worker_id=worker_id, role=role, engine=dataclasses.replace(self.config.engine, device=device,
-                                                                   enable_block_events=self.redis_url is not None),
-                redis_url=self.redis_url,
-                num_threads=threads, kv_transport=self.config.kv_transport, layerwise=self.config.layerwise,
-                pool_max_bytes=self.config.pool_max_bytes,
-            )
-            actor_cls = ray.remote(_ACTOR_CLASSES[role])
-            env = {"OMP_NUM_THREADS": str(threads), **self.config.extra_env}
-            actor = actor_cls.options(
-                name=f"tidepool-{self.cluster_id}-{worker_id}", max_concurrency=1000, runtime_env={"env_vars": env},
-                **options,
-            ).remote(spec)
-            pending.append((worker_id, role, actor, options))
-        for worker_id, role, actor, options in pending:
-            info = await actor.start.remote()
-            self.workers.append(WorkerClient(info, actor))
-            self.placements.append(Placement(worker_id, role, info.node, info.node_id, info.device, options))
+            ids.append(f"{role}-{counters[role] - 1}")
+        launches = [asyncio.create_task(self.launcher.launch(i, r)) for i, r in zip(ids, roles, strict=True)]
+        try:
+            self.workers = list(await asyncio.gather(*launches))
+        except BaseException:  # the first failure (e.g. PlacementError) ends the others
+            for task in launches:
+                task.cancel()
+            await asyncio.gather(*launches, return_exceptions=True)
+            raise
         first = self.workers[0].info
         estimator = Estimator.from_samples(
             prefill_samples=[s for w in self.workers for s in w.info.profile.prefill],
@@ -120,29 +106,34 @@ class Cluster:
                               block_size=first.block_size)
         self.mirror = PoolMirror(self.redis_url, first.model_id, first.block_size)
         self.mirror.start()
-        self.dispatcher = Dispatcher(self.workers, conductor, self.mirror, tokenizer, Metrics(),
-                                     self.config.kv_transport, self.redis_url)
+        # Without replacements, a request whose workers died has nothing to wait for.
+        deadlines = Deadlines() if self.config.replace_workers else Deadlines(resume_s=0.0)
+        self.dispatcher = Dispatcher(self.workers, conductor, self.mirror, tokenizer,
+                                     Metrics(first.model_id, first.max_model_len),
+                                     self.config.kv_transport, self.redis_url, deadlines)
         await self.dispatcher.start()
+        if self.config.replace_workers:
+            self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)
+            self.supervisor.start()
         return self.dispatcher
 
     def describe_placement(self) -> str:
-        rows = [f"  {p.worker_id:<14} node={p.node} ({p.node_id[:12]}) device={p.device:<5} resources={p.resources}"
-                for p in self.placements]
-        return "\n".join(["workers:", *rows])
+        return self.launcher.describe() if self.launcher else "workers: none"
 
     # ---- stop -----------------------------------------------------------------------------------------------
     async def stop(self) -> None:
+        # Everything that calls workers stops before the workers, and they before Ray: a Ray call after
+        # ray.shutdown() would start a new local Ray.
+        if self.supervisor is not None:
+            await self.supervisor.stop()
         if self.dispatcher is not None:
             await self.dispatcher.stop()
         if self.mirror is not None:
             self.mirror.stop()
-        for worker in self.workers:
-            try:
-                ray.kill(worker.actor)
-            except Exception:  # already dead: nothing left to free
-                log.debug("worker %s already gone", worker.worker_id)
+        if self.launcher is not None:
+            self.launcher.kill_all()
         self.workers.clear()
-        if self.started_ray:
+        if self.started_ray and ray.is_initialized():
             ray.shutdown()
         if self.redis is not None:
             self.redis.stop()

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from services.messages import Role
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "mooncake", "tidepool")
@@ -34,9 +35,14 @@ class ClusterConfig:
     redis_url: str | None = None  # None: start a private redis-server
     threads_per_worker: int | None = None  # CPU threads per worker; default: the cores split evenly
     pool_max_bytes: int = 256 << 20  # cap of the Redis KV payload tier
+    kv_disk_dir: str | None = None  # each worker's disk tier lives under DIR/<worker id>; None: no disk tier
+    kv_disk_bytes: int = 16 << 30  # cap of each worker's disk tier
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 1.0  # CPU decode steps are slow: a GPU deployment sets ~0.1
-    ray_num_cpus: int | None = None  # for a local Ray: logical CPUs (defaults to the machine's)
+    ray_num_cpus: int | None = None  # for a local Ray: logical CPUs (default: enough for the workers' threads)
+    gpus_per_worker: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0 (CPU threads)
+    placement_timeout_s: float = 60.0  # workers not placed (and constructed) by then fail the start
+    replace_workers: bool = True  # a worker that dies or reports unhealthy is replaced by a new one
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def roles(self) -> list[Role]:
@@ -53,7 +59,10 @@ class GatewayConfig:
     api_key: str | None = None  # required as a bearer key on every API call when set
     max_body_bytes: int = 8 << 20  # HTTP request bodies above this are refused (413) before parsing
     max_prompt_tokens: int | None = None  # None: the model's context is the only limit
+    max_n: int = 16  # most choices (n) one request may ask for, per prompt
     session_ttl_s: float = 3600.0  # idle chat sessions expire after this
+    metrics_require_key: bool = False  # /metrics and the API docs need the API key too (/health never does)
+    shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long before they are cancelled
 
 
 class _MarkSet(argparse.Action):
@@ -81,13 +90,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=c.redis_url, help="use this Redis instead of a private redis-server")
     p.add_argument("--threads-per-worker", type=int, default=c.threads_per_worker,
                    help="CPU threads per worker (default: the cores split evenly)")
+    p.add_argument("--gpus-per-worker", type=float, default=c.gpus_per_worker,
+                   help="GPUs each worker asks Ray for (default: 1 when the Ray cluster has GPUs, else 0)")
+    p.add_argument("--placement-timeout", dest="placement_timeout_s", type=float, default=c.placement_timeout_s,
+                   help="seconds the workers may take to be placed on the Ray cluster before serve fails, "
+                        "naming what is missing (a local Ray that can never fit them fails at once)")
+    p.add_argument("--no-replace-workers", dest="replace_workers", action="store_false", default=c.replace_workers,
+                   help="leave a dead or unhealthy worker dead instead of starting a replacement")
     p.add_argument("--pool-max-bytes", type=int, default=c.pool_max_bytes, help="cap of the Redis KV payload tier")
+    p.add_argument("--kv-disk-dir", default=c.kv_disk_dir,
+                   help="keep shared KV blocks on local disk under DIR/<worker id> (reused after a restart)")
+    p.add_argument("--kv-disk-bytes", type=int, default=c.kv_disk_bytes, help="cap of each worker's disk tier")
     p.add_argument("--ttft-slo-s", type=float, default=c.ttft_slo_s, help="time-to-first-token SLO")
     p.add_argument("--tbt-slo-ms", type=float, default=c.tbt_slo_s * 1000, help="time-between-tokens SLO")
     p.add_argument("--dtype", default=e.dtype, choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--num-blocks", type=int, default=e.num_blocks,
                    help="KV blocks per worker (default: from --kv-cache-bytes)")
     p.add_argument("--kv-cache-bytes", type=int, default=e.kv_cache_bytes, help="KV cache memory per worker")
+    p.add_argument("--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
+                   help="KV cache format on every worker: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
+    p.add_argument("--kv-window", type=int, default=e.kv_window, metavar="TOKENS",
+                   help="attention window (StreamingLLM): each token attends to the last TOKENS tokens and the "
+                        "--kv-sinks first ones, blocks in between are freed, and sessions may outgrow the "
+                        "model's context (up to 1M tokens); colocated workers, since a disaggregated prompt must "
+                        "fit the window (default: full attention)")
+    p.add_argument("--kv-sinks", type=int, default=e.kv_sinks, metavar="N",
+                   help="leading tokens every token attends to with --kv-window (attention sinks)")
     p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="tokens in one engine step (chunked prefill splits longer prompts)")
@@ -100,6 +128,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, help="largest HTTP request body")
     p.add_argument("--max-prompt-tokens", type=int, default=g.max_prompt_tokens,
                    help="longest prompt accepted (default: the model's context)")
+    p.add_argument("--max-n", type=int, default=g.max_n,
+                   help="most choices (n) a request may ask for, per prompt; above it the answer is a 400")
+    p.add_argument("--metrics-require-key", action="store_true", default=g.metrics_require_key,
+                   help="require the API key for /metrics and the API docs as well (/health stays open)")
+    p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=g.shutdown_timeout_s,
+                   help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish before they are cancelled")
     p.set_defaults(prefill_set=False, decode_set=False)
 
 
@@ -110,17 +144,22 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
+        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+        kv_window=args.kv_window, kv_sinks=args.kv_sinks,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
         kv_transport=args.kv_transport, layerwise=args.layerwise, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, pool_max_bytes=args.pool_max_bytes,
-        ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000,
+        kv_disk_dir=args.kv_disk_dir and os.path.abspath(args.kv_disk_dir),  # workers run in other directories
+        kv_disk_bytes=args.kv_disk_bytes,
+        ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000, gpus_per_worker=args.gpus_per_worker,
+        placement_timeout_s=args.placement_timeout_s, replace_workers=args.replace_workers,
     )
     gateway = GatewayConfig(
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         api_key=args.api_key or os.environ.get("TIDEPOOL_API_KEY"), max_body_bytes=args.max_body_bytes,
-        max_prompt_tokens=args.max_prompt_tokens,
+        max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
+        shutdown_timeout_s=args.shutdown_timeout_s,
     )
     return cluster, gateway

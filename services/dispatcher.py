@@ -3,8 +3,9 @@
 The gateway hands a tokenized request to ``Dispatcher.generate``; the dispatcher asks the conductor for a
 prefill/decode pair (or rejects early), has the decode worker reserve blocks (a lease with a deadline),
 has the prefill worker compute the prompt and push its KV into that lease, then streams the decode
-worker's tokens. Workers are reached through typed clients (``services/worker_client.py``), so this file
-holds no Ray calls. Every step has a deadline; whatever fails or is cancelled frees both sides' blocks.
+worker's tokens (``services/attempt.py``); workers are reached through typed clients, so this file holds
+no Ray calls. Every step has a deadline; whatever fails or is cancelled frees both sides' blocks. A
+request whose workers fail is resumed on a live pair (a replacement, if need be) after its streamed tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,8 +25,11 @@ from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import block_hashes, salt_for
 from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLoad
+from router.loads import DECODE_ROLES, PREFILL_ROLES
+from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
-from services.messages import Role, TokenEvent
+from services.fanout import interleave
+from services.messages import PrefillResult, TokenEvent
 from services.metrics import Metrics
 from services.worker_client import WorkerClient
 
@@ -32,6 +37,8 @@ log = logging.getLogger(__name__)
 
 _LOAD_REFRESH_S = 0.05
 _LOAD_TIMEOUT_S = 10.0
+_RESUME_LOAD_TIMEOUT_S = 1.0  # a resumed request does not wait long on a stalled worker's report
+_MAX_ATTEMPTS = 4  # a request is resumed at most 3 times
 
 
 @dataclass
@@ -39,13 +46,6 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-
-
-@dataclass
-class Deadlines:
-    reserve_s: float = 10.0
-    prefill_s: float = 120.0  # queueing + compute + transfer of the prompt
-    lease_s: float = 150.0  # a decode reservation that is never filled is freed after this
 
 
 class Dispatcher:
@@ -72,9 +72,12 @@ class Dispatcher:
         self.kv_transport = kv_transport
         self.redis_url = redis_url
         self.rejections = 0
+        self.resumed = 0  # requests continued on another pair after streaming some tokens
         self.deadlines = deadlines or Deadlines()
         self._salt = salt_for(self.model_id)
         self._loads: dict[str, WorkerLoad] = {}
+        self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
+        self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
         self._refresher: asyncio.Task | None = None
 
     # ---- worker state -------------------------------------------------------------------------------------
@@ -96,17 +99,22 @@ class Dispatcher:
             except Exception:  # the refresher must outlive any one bad report
                 log.exception("load refresh failed")
 
-    async def refresh_loads(self) -> None:
+    async def refresh_loads(self, timeout_s: float = _LOAD_TIMEOUT_S) -> None:
         workers = list(self.workers.values())
-        results = await asyncio.gather(*(w.load(_LOAD_TIMEOUT_S) for w in workers), return_exceptions=True)
+        results = await asyncio.gather(*(w.load(timeout_s) for w in workers), return_exceptions=True)
         for worker, result in zip(workers, results, strict=True):
+            if worker.worker_id not in self.workers:  # replaced while the report was on its way
+                continue
             if isinstance(result, WorkerLoad):
                 previous = self._loads.get(worker.worker_id)
-                if (worker.role == Role.DECODE and previous is not None and result.steps > previous.steps
-                        and result.num_running):
-                    # A decode worker's steps are decode-only: measured TBT points refit the estimator.
-                    self.conductor.observe_decode_step(worker.worker_id, result.num_running,
-                                                       result.running_context_tokens, result.last_step_s)
+                seen = previous.steps if previous is not None else 0
+                # Measured engine steps refit the estimator, each once: those after the previous report.
+                for step, pairs, new, chunks, seconds in result.prefill_steps:
+                    if step > seen:
+                        self.conductor.observe_prefill_step(worker.worker_id, (pairs, new, chunks), seconds)
+                for step, batch, context, seconds in result.decode_steps:
+                    if step > seen:
+                        self.conductor.observe_decode_step(worker.worker_id, batch, context, seconds)
                 self._loads[worker.worker_id] = result
                 self.metrics.set_worker_load(result)
             elif isinstance(result, WorkerDiedError):
@@ -116,13 +124,46 @@ class Dispatcher:
 
     def _mark_dead(self, worker_id: str) -> None:
         load = self._loads.get(worker_id)
-        if load is not None and load.alive:
+        if worker_id in self.workers and (load is None or load.alive):  # None: it died before its first report
             log.warning("worker %s is dead", worker_id)
-            self._loads[worker_id] = dataclasses.replace(load, alive=False)
+            self._loads[worker_id] = dataclasses.replace(load, alive=False) if load else WorkerLoad(
+                worker_id, str(self.workers[worker_id].role), alive=False)
             self.metrics.set_worker_load(self._loads[worker_id])
+        if worker_id in self._deaths:
+            self._deaths[worker_id].set()  # handoffs into it stop waiting
 
     def alive_workers(self) -> int:
         return sum(1 for load in self._loads.values() if load.alive)
+
+    def missing_roles(self, excluded: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """The roles ("prefill", "decode") that no live worker outside ``excluded`` serves."""
+        live = {ld.role for ld in self._loads.values() if ld.alive and ld.worker_id not in excluded}
+        return [role for role, serving in (("prefill", PREFILL_ROLES), ("decode", DECODE_ROLES))
+                if not live.intersection(serving)]
+
+    def dead_workers(self) -> list[WorkerClient]:
+        """Workers found dead, or reporting themselves unhealthy (an engine step failed)."""
+        return [w for w in self.workers.values()
+                if (load := self._loads.get(w.worker_id)) is not None and not load.alive]
+
+    def add_worker(self, worker: WorkerClient) -> None:  # routed to from its first load report
+        self.workers[worker.worker_id] = worker
+
+    def remove_worker(self, worker_id: str) -> None:  # dead: requests that were on it resume on their own
+        self.workers.pop(worker_id, None)
+        self._loads.pop(worker_id, None)
+        self._deaths.pop(worker_id, None)
+
+    async def drain(self, grace_s: float, cleanup_s: float) -> None:
+        """Shutdown: running requests get ``grace_s`` to finish, then the rest are cancelled (their streams
+        end) and their cleanup, which calls workers and so must end before Ray does, gets ``cleanup_s``."""
+        if self._active:
+            await asyncio.wait(list(self._active), timeout=grace_s)
+        tasks = list(self._active)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=cleanup_s)
 
     async def worker_stats(self) -> list[dict]:
         """One JSON row per worker, for ``/status`` and ``tidepool status``."""
@@ -145,7 +186,8 @@ class Dispatcher:
             "model": self.model_id, "policy": self.conductor.policy_name, "kv_transport": self.kv_transport,
             "redis": {"url": urlunsplit(shown), "up": bool(self.index.pool.up),
                       "indexed_blocks": self.index.indexed_blocks},
-            "router": {"policy": self.conductor.policy_name, "rejections": self.rejections},
+            "router": {"policy": self.conductor.policy_name, "rejections": self.rejections,
+                       "resumed": self.resumed},
             "workers": await self.worker_stats(),
         }
 
@@ -157,14 +199,17 @@ class Dispatcher:
             raise InvalidRequestError("prompt", "the prompt is empty")
         if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
             raise PromptTooLongError(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len)
-        if self.alive_workers() == 0:
-            raise NoWorkersError("no worker is alive")
-        if req.params.n == 1:
-            async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0):
+        task = asyncio.current_task()
+        self._active.add(task)
+        try:
+            if req.params.n == 1:
+                async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0):
+                    yield event
+                return
+            async for event in self._generate_fanout(req):
                 yield event
-            return
-        async for event in self._generate_fanout(req):
-            yield event
+        finally:
+            self._active.discard(task)
 
     async def _generate_fanout(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         # Each choice is its own request (seed + i keeps seeded runs reproducible); the prompt's blocks are
@@ -174,82 +219,56 @@ class Dispatcher:
             seed = None if req.params.seed is None else req.params.seed + i
             params = dataclasses.replace(req.params, n=1, seed=seed)
             streams.append(self._generate_one(f"{req.request_id}-{i}", req.prompt_ids, params, i))
-        # Route every choice before yielding, so a rejection surfaces before the first event.
-        firsts = [await anext(s) for s in streams]
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(stream: AsyncIterator[TokenEvent]) -> None:
-            try:
-                async for event in stream:
-                    await queue.put(event)
-                await queue.put(None)
-            except BaseException as exc:
-                await queue.put(exc)
-
-        tasks = [asyncio.create_task(pump(s)) for s in streams]
-        try:
-            for event in firsts:
-                yield event
-            pending = len(tasks)  # every pump sends an end marker, even for a stream already finished
-            while pending:
-                item = await queue.get()
-                if item is None:
-                    pending -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            for stream in streams:
-                await stream.aclose()
+        async for event in interleave(streams):
+            yield event
 
     async def _generate_one(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
     ) -> AsyncIterator[TokenEvent]:
-        hashes = block_hashes(prompt_ids, self.block_size, self._salt)
-        route_req = RouteRequest(request_id, len(prompt_ids), hashes, params.max_tokens)
-        started = time.monotonic()
-        excluded: set[str] = set()
-        while True:
-            decision = self._route(route_req, excluded)
-            if decision.prefill == decision.decode:
-                stream = self._run_colocated(decision, request_id, prompt_ids, params, index)
-            else:
-                stream = self._run_disaggregated(decision, request_id, prompt_ids, params, index)
-            first_time = last_time = None
-            count = 0
-            try:
-                async for event in stream:
-                    now = time.monotonic()
-                    if first_time is None:
-                        first_time = now
-                        self.metrics.observe_ttft(now - started)
-                        self.metrics.add_cached_tokens(event.num_cached_tokens)
-                    last_time = now
-                    count += len(event.token_ids)
-                    yield event
-            except WorkerDiedError as exc:
-                self._mark_dead(exc.worker_id)
-                # Only before the first token: nothing has reached the client yet.
-                if first_time is not None or exc.worker_id in excluded:
-                    raise
-                excluded.add(exc.worker_id)
-                log.warning("request %s: %s; routing again", request_id, exc)
-                continue
-            finally:
-                await stream.aclose()
-            if count > 1 and first_time is not None and last_time is not None:
-                self.metrics.observe_tpot((last_time - first_time) / (count - 1))
-            return
+        track = self.metrics.track_request()
+        progress = Progress()
+        excluded: set[str] = set()  # workers found dead while serving this request
+        try:
+            for attempt in range(_MAX_ATTEMPTS):
+                tokens = [*prompt_ids, *progress.output_ids]
+                route_req = RouteRequest(request_id, len(tokens), block_hashes(tokens, self.block_size, self._salt),
+                                         params.max_tokens - len(progress.output_ids))
+                decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(
+                    route_req, excluded)
+                if not track.streaming:
+                    track.route(decision)
+                stream = self._run(decision, Attempt(
+                    request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
+                    tuple(progress.output_ids), decision.fetch_from))
+                try:
+                    async for event in stream:
+                        progress.add(event)
+                        # Recorded before the yield: a consumer that stops after the last event never resumes us.
+                        track.on_event(event)
+                        yield event
+                    return
+                except Exception as exc:
+                    if not resumable(exc) or attempt + 1 == _MAX_ATTEMPTS:
+                        raise
+                    failed = getattr(exc, "worker_id", None)  # a dead or a stalled worker
+                    if isinstance(exc, WorkerDiedError):
+                        self._mark_dead(failed)
+                    if failed and (isinstance(exc, WorkerDiedError) or not self.missing_roles(excluded | {failed})):
+                        excluded.add(failed)  # a stalled one only while another can take its place
+                    self.resumed += bool(progress.output_ids)
+                    log.warning("request %s: %s; resuming after %d tokens", request_id, exc,
+                                len(progress.output_ids))
+                finally:
+                    await stream.aclose()
+        finally:
+            track.stop(sys.exc_info()[1])  # whatever is ending the stream, if anything
 
     def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
+        if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in
+            raise NoWorkersError(f"no live {' or '.join(missing)} worker")
         loads = list(self._loads.values())
         if excluded:  # workers that failed this request are out for its retry
             loads = [dataclasses.replace(ld, alive=False) if ld.worker_id in excluded else ld for ld in loads]
-        if not any(load.alive for load in loads):
-            raise NoWorkersError("no worker is alive")
         decision = self.conductor.route(route_req, loads, self.index)
         if isinstance(decision, Reject):
             self.rejections += 1
@@ -257,44 +276,24 @@ class Dispatcher:
             raise RequestRejected(decision.reason, decision.retry_after_s)
         return decision
 
-    async def _run_colocated(
-        self, decision: Decision, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
-    ) -> AsyncIterator[TokenEvent]:
-        worker = self.workers[decision.prefill]
-        async for event in worker.generate(request_id, prompt_ids, params, index, decision.fetch_from):
-            yield event
+    async def _route_again(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
+        """A failed attempt's next pair: wait up to the resume deadline for one (a dead worker's replacement)."""
+        await self.refresh_loads(_RESUME_LOAD_TIMEOUT_S)  # a broken handoff may mean a dead worker
+        deadline = time.monotonic() + self.deadlines.resume_s
+        while self.missing_roles(excluded) and time.monotonic() < deadline:
+            await asyncio.sleep(_LOAD_REFRESH_S)
+        return self._route(route_req, excluded)
 
-    async def _run_disaggregated(
-        self, decision: Decision, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
-    ) -> AsyncIterator[TokenEvent]:
-        prefill = self.workers[decision.prefill]
-        decode = self.workers[decision.decode]
-        await decode.reserve(request_id, len(prompt_ids), self.deadlines.lease_s, self.deadlines.reserve_s)
-        handed_off = completed = False
-        try:
-            result = await prefill.prefill(request_id, prompt_ids, params, decode.info.kv_target,
-                                           decision.fetch_from, self.deadlines.prefill_s)
+    def _run(self, decision: Decision, attempt: Attempt) -> AsyncIterator[TokenEvent]:
+        if decision.prefill == decision.decode:
+            return run_colocated(attempt, self.workers[decision.prefill], self.deadlines)
+        died = self._deaths.setdefault(decision.decode, asyncio.Event())
+
+        def observe(result: PrefillResult) -> None:
             if result.transport:
                 self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s)
-            first = TokenEvent(index, [result.first_token_id], result.finish_reason, len(prompt_ids),
-                               result.num_cached_tokens, result.text)
-            if result.finish_reason is not None:
-                yield first
-                return
-            stream = decode.decode(request_id, prompt_ids, result.first_token_id, params, index,
-                                   result.num_cached_tokens)
-            handed_off = True
-            yield first
-            async for event in stream:
-                yield event
-            completed = True
-        finally:
-            if not handed_off:
-                # The lease is freed whether or not the KV arrived; the prefill side cleans itself up.
-                await decode.release(request_id)
-                await prefill.abort(request_id)
-            elif not completed:
-                # The consumer left, possibly before the decode stream was first read (then its own
-                # cleanup never ran): stop the decode request.
-                await stream.aclose()
-                await decode.abort(request_id)
+                self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes,
+                                                result.transfer_s)
+
+        return run_disaggregated(attempt, self.workers[decision.prefill], self.workers[decision.decode],
+                                 self.deadlines, died, observe)

@@ -4,6 +4,8 @@ The engine is not thread-safe: every call into it (add, abort, export, import, s
 thread through ``call``/``acall``; step outputs are delivered to per-request asyncio queues on the actor's
 event loop. The engine's block events go to the block-event sink (the worker's pool link) from the engine
 thread, after every step and every command. Step times are kept for the load reports the router reads.
+A step that raises ends the requests it ran with an ``EngineStepError`` on their queues (their blocks
+freed), and sets ``failure``: the worker reports itself unhealthy from then on, and is replaced.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any
 
 from engine.block_events import BlockEvent
 from engine.engine import Engine, LayerHook
+from engine.engine_stats import StepComposition
 from engine.output import RequestOutput
+from services.messages import EngineStepError
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +38,15 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
-        self._streams: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineStepError]] = {}
         self._layer_hooks: list[LayerHook] = []
         self._block_event_sink: Callable[[list[BlockEvent]], None] | None = None
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=32)
         self.steps = 0
+        # The latest steps that ran a batch: (step number, what it computed, seconds), for the router's fits.
+        self.step_log: collections.deque[tuple[int, StepComposition, float]] = collections.deque(maxlen=32)
         self.stats = engine.stats()  # refreshed on the engine thread, read by load reports without a call
+        self.failure: str | None = None  # what broke a step, once one raised: the worker is unhealthy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -54,9 +61,10 @@ class EngineLoop:
     async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.call(fn, *args))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput]:
-        """Register the queue that receives ``request_id``'s outputs (before the request is added)."""
-        stream: asyncio.Queue[RequestOutput] = asyncio.Queue()
+    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | EngineStepError]:
+        """Register the queue that receives ``request_id``'s outputs (before the request is added), or
+        the ``EngineStepError`` that ends it."""
+        stream: asyncio.Queue[RequestOutput | EngineStepError] = asyncio.Queue()
         self._streams[request_id] = stream
         return stream
 
@@ -92,18 +100,35 @@ class EngineLoop:
             start = time.perf_counter()
             try:
                 outputs = self.engine.step(on_layer_done=self._on_layer_done if self._layer_hooks else None)
-            except Exception:  # a failed step must not kill the thread that every request depends on
-                log.exception("engine step failed")
+            except Exception as exc:  # the thread every request depends on must live on
+                log.exception("engine step failed: failing its requests; this worker is now unhealthy")
+                self._fail_step(exc)
                 continue
             finally:
                 self._publish_block_events()  # whatever the step registered or evicted, even if it failed
-            self.step_times_s.append(time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            self.step_times_s.append(seconds)
             self.steps += 1
+            if self.engine.last_step is not None:
+                self.step_log.append((self.steps, self.engine.last_step, seconds))
             self.stats = self.engine.stats()
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     self._loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _fail_step(self, exc: Exception) -> None:
+        """End the requests the failed step ran (the engine's running ones) and free their blocks."""
+        self.failure = f"{type(exc).__name__}: {exc}"
+        for request_id in {seq.request_id for seq in self.engine.scheduler.running}:
+            stream = self._streams.pop(request_id, None)  # the abort notice that follows goes nowhere
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine's state is suspect now; the error still reaches the request
+                log.exception("aborting %s after the failed step failed too", request_id)
+            if stream is not None:
+                error = EngineStepError(f"the engine step running {request_id} failed: {self.failure}")
+                self._loop.call_soon_threadsafe(stream.put_nowait, error)
 
     def _on_layer_done(self, layer: int, completing: dict[str, list[int]]) -> None:
         for hook in list(self._layer_hooks):

@@ -25,9 +25,9 @@ from services.messages import KVTarget
 
 
 def kv_payload_shape(engine: Engine, num_blocks: int) -> tuple[int, ...]:
-    """Shape of ``num_blocks`` blocks of K/V as they travel: ``[layers, 2, n, block_size, kv_heads, head_dim]``."""
-    cfg = engine.model_config
-    return (cfg.num_layers, 2, num_blocks, engine.block_size, cfg.num_kv_heads, cfg.head_dim)
+    """Shape of ``num_blocks`` blocks of K/V as they travel (``KVCache.export_blocks``): ``[layers, 2, n,
+    block_size, kv_heads, head_dim]``, or ``[layers, 1, n (+ window columns), record_bytes]`` quantized."""
+    return engine.kv_cache.payload_shape(num_blocks)
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Lease:
 class HandoffReceiver:
     """The decode worker's leases and its KV endpoints (a gRPC server; collective channels on demand)."""
 
-    def __init__(self, worker_id: str, engine: Engine, loop: EngineLoop) -> None:
+    def __init__(self, worker_id: str, engine: Engine, loop: EngineLoop, secret: str) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.loop = loop
@@ -50,8 +50,8 @@ class HandoffReceiver:
         self._lock = threading.Lock()
         self._channels: dict[str, CollectiveChannel] = {}
         self._node = ray.util.get_node_ip_address()
-        # Bound to every interface on a cluster node; the address others use is the node's own.
-        self._server = KVTransferServer(self, host="0.0.0.0" if self._node != "127.0.0.1" else "127.0.0.1")
+        # Bound to the address peers use (the node's), not every interface; pushes must carry the secret.
+        self._server = KVTransferServer(self, host=self._node, secret=secret)
         self._server.start()
 
     def target(self) -> KVTarget:
@@ -88,16 +88,19 @@ class HandoffReceiver:
 
     # transfers (called from gRPC threads or worker threads)
     def _claim(self, header: TransferHeader) -> Lease:
-        expected = kv_payload_shape(self.engine, 0)
+        kv = self.engine.kv_cache
+        if header.kv_format != kv.kv_format:
+            raise TransferRejected(f"{header.request_id}: KV in format {header.kv_format!r}, this worker's "
+                                   f"cache holds {kv.kv_format!r}")
         with self._lock:
             lease = self._leases.get(header.request_id)
             if lease is None or lease.filled or lease.busy:
                 raise TransferRejected(f"no open KV lease for request {header.request_id!r}")
-            shape = expected[:2] + (len(lease.block_ids),) + expected[3:]
+            shape = kv_payload_shape(self.engine, len(lease.block_ids))
             if header.model != self.engine.model_id or header.shape != shape \
-                    or header.torch_dtype != self.engine.kv_cache.dtype:
+                    or header.torch_dtype != kv.payload_dtype:
                 raise TransferRejected(
-                    f"{header.request_id}: expected {self.engine.model_id} {self.engine.kv_cache.dtype} "
+                    f"{header.request_id}: expected {self.engine.model_id} {kv.payload_dtype} "
                     f"{list(shape)}, got {header.model} {header.dtype} {list(header.shape)}")
             lease.busy = True
         return lease

@@ -26,8 +26,10 @@ from services.messages import KVTarget
 
 
 class HandoffSender:
-    def __init__(self, worker_id: str, transport: str, layerwise: bool, engine: Engine, loop: EngineLoop) -> None:
+    def __init__(self, worker_id: str, transport: str, layerwise: bool, engine: Engine, loop: EngineLoop,
+                 secret: str) -> None:
         self.worker_id = worker_id
+        self._secret = secret  # the cluster's: receivers refuse pushes without it
         self.mode = transport
         self.layerwise = layerwise
         self.engine = engine
@@ -58,9 +60,11 @@ class HandoffSender:
 
     def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float) -> Handoff:
         num_blocks = -(-len(prompt_ids) // self.engine.block_size)
+        kv = self.engine.kv_cache
         header = TransferHeader.describe(
-            request_id, self.engine.model_id, kv_payload_shape(self.engine, num_blocks), self.engine.kv_cache.dtype,
+            request_id, self.engine.model_id, kv_payload_shape(self.engine, num_blocks), kv.payload_dtype,
             block_hashes(prompt_ids, self.engine.block_size, self._salt), layerwise=self.layerwise,
+            kv_format=kv.kv_format,
         )
         feed = None
         if self.layerwise:
@@ -83,7 +87,7 @@ class HandoffSender:
 
     def client(self, target: str) -> KVTransferClient:
         if target not in self._clients:
-            self._clients[target] = KVTransferClient(target)
+            self._clients[target] = KVTransferClient(target, self._secret)
         return self._clients[target]
 
     async def channel(self, kv_target: KVTarget) -> CollectiveChannel:
@@ -161,9 +165,10 @@ class Handoff:
         """Wait until the receiver has the KV; (bytes, seconds since the bytes started to leave)."""
         if self.feed is None:  # whole-request mode: export now that the prompt is computed
             engine = self.sender.engine
+            num_blocks = self.header.shape[2] - engine.kv_cache.window_columns  # the rest: the window
             tensor = await self.sender.loop.acall(
                 lambda: engine.kv_cache.export_blocks(engine.request_block_ids(self.header.request_id)
-                                                      [: self.header.shape[2]]))
+                                                      [:num_blocks]))
             self._start(tensor)
         if self._push is not None:
             await asyncio.to_thread(self._push.result)

@@ -10,7 +10,13 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from engine.output import FinishReason
+from engine.output import FinishReason, TokenLogprobs
+
+
+class EngineStepError(Exception):
+    """A worker's engine step raised: the requests in that step are failed with this error (their blocks
+    freed), and the worker reports itself unhealthy until it is replaced. Not retried elsewhere: the
+    request may be what broke the step."""
 
 
 class Role(enum.StrEnum):
@@ -65,6 +71,7 @@ class TokenEvent:
     num_prompt_tokens: int
     num_cached_tokens: int
     text: str = ""  # new text: the engine detokenizes, holds back a possible stop string and cuts a matched one
+    logprobs: list[TokenLogprobs] | None = None  # one per token of ``token_ids``, when the request asked
 
 
 @dataclass(frozen=True)
@@ -78,3 +85,4 @@ class PrefillResult:
     transfer_bytes: int
     transfer_s: float
     transport: str = ""  # the transport actually used ("grpc", "collective"); "" when nothing was sent
+    logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs

@@ -25,12 +25,12 @@ from engine.engine import Engine, EngineStats
 from engine.output import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.transfer.wire import TransferHeader
-from router.loads import WorkerLoad
+from router.loads import WorkerLoad, step_samples
 from services.engine_loop import EngineLoop
 from services.engine_profile import profile_engine
 from services.kv_receiver import HandoffReceiver
 from services.kv_sender import HandoffSender
-from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
+from services.messages import EngineStepError, KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
 from services.pool_link import PoolLink
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,9 @@ class WorkerSpec:
     kv_transport: str  # grpc | collective | auto
     layerwise: bool
     pool_max_bytes: int
+    kv_disk_dir: str | None  # the worker's disk tier lives under kv_disk_dir/worker_id; None: none
+    kv_disk_bytes: int
+    transfer_secret: str  # the cluster's: KV transfer servers refuse pushes without it
 
 
 class Worker:
@@ -65,7 +68,9 @@ class Worker:
         profile = await self.loop.acall(profile_engine, self.engine)
         if self.spec.redis_url:
             # Connected after profiling, so the throwaway profile prompts are never published.
-            self.pool = PoolLink(self.spec.redis_url, self.spec.worker_id, self.engine, self.spec.pool_max_bytes)
+            self.pool = PoolLink(self.spec.redis_url, self.spec.worker_id, self.engine,
+                                 self.spec.pool_max_bytes, disk_dir=self.spec.kv_disk_dir,
+                                 disk_max_bytes=self.spec.kv_disk_bytes)
             self.loop.set_block_event_sink(self.pool.publish)
         return WorkerInfo(
             worker_id=self.spec.worker_id, role=self.spec.role, node=ray.util.get_node_ip_address(),
@@ -78,12 +83,18 @@ class Worker:
 
     async def load(self) -> WorkerLoad:
         stats = self.loop.stats
+        prefill_steps, decode_steps = step_samples(tuple(self.loop.step_log))
         return WorkerLoad(
-            worker_id=self.spec.worker_id, role=self.spec.role, alive=True,
+            worker_id=self.spec.worker_id, role=self.spec.role, alive=self.loop.failure is None,
             queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
             running_context_tokens=stats.running_context_tokens, free_blocks=stats.free_blocks,
             total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=time.time(),
             steps=self.loop.steps, last_step_s=self.loop.step_times_s[-1] if self.loop.step_times_s else 0.0,
+            prefill_steps=prefill_steps, decode_steps=decode_steps,
+            num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens_computed,
+            pool_hit_tokens=dict(self.pool.hit_tokens) if self.pool else {},
+            num_preemptions=stats.num_preemptions,
         )
 
     async def stats(self) -> EngineStats:
@@ -94,10 +105,11 @@ class Worker:
 
     # ---- the KV pool ---------------------------------------------------------------------------------------------
     async def _load_prefix_from_pool(self, prompt_ids: list[int], fetch_from: str | None) -> None:
-        """Take missing prefix blocks from the pool's tiers when the router said fetching beats recompute."""
-        if self.pool is None or fetch_from is None:
+        """Take missing prefix blocks from this worker's host and disk tiers (the router counts them as its
+        local prefix), and from the shared Redis tier when the router said fetching beats recompute."""
+        if self.pool is None:
             return
-        await self.pool.load_prefix(self.loop, prompt_ids)
+        await self.pool.load_prefix(self.loop, prompt_ids, shared=fetch_from is not None)
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
     async def _stream(
@@ -115,6 +127,9 @@ class Worker:
                 outputs = [await queue.get()]
                 while not queue.empty():  # coalesce what piled up while the caller was slow
                     outputs.append(queue.get_nowait())
+                if isinstance(outputs[-1], EngineStepError):  # it ends the stream: nothing follows it
+                    finished = True  # the failed step aborted the request already
+                    raise outputs[-1]
                 event = _merge(outputs, index)
                 finished = event.finish_reason is not None
                 yield event
@@ -130,6 +145,8 @@ def _merge(outputs: list[RequestOutput], index: int) -> TokenEvent:
         index=index, token_ids=[t for o in outputs for t in o.new_token_ids], finish_reason=last.finish_reason,
         num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
         text="".join(o.text for o in outputs),
+        logprobs=None if all(o.logprobs is None for o in outputs) else [
+            lp for o in outputs for lp in o.logprobs or ()],
     )
 
 
@@ -138,11 +155,12 @@ class ColocatedWorker(Worker):
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
-        fetch_from: str | None = None,
+        fetch_from: str | None = None, output_ids: tuple[int, ...] = (),
     ) -> AsyncIterator[TokenEvent]:
-        await self._load_prefix_from_pool(prompt_ids, fetch_from)
+        """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them."""
+        await self._load_prefix_from_pool([*prompt_ids, *output_ids], fetch_from)
         async for event in self._stream(
-            request_id, index, lambda: self.engine.add_request(request_id, prompt_ids, params)
+            request_id, index, lambda: self.engine.add_request(request_id, prompt_ids, params, False, output_ids)
         ):
             yield event
 
@@ -153,29 +171,37 @@ class PrefillWorker(Worker):
     async def start(self) -> WorkerInfo:
         info = await super().start()
         self.sender = HandoffSender(self.spec.worker_id, self.spec.kv_transport, self.spec.layerwise, self.engine,
-                                    self.loop)
+                                    self.loop, self.spec.transfer_secret)
         return info
 
     async def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
-        fetch_from: str | None, deadline_s: float,
+        fetch_from: str | None, deadline_s: float, output_ids: tuple[int, ...] = (),
     ) -> PrefillResult:
+        """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
+        and the result's token is the one after them."""
         deadline = time.monotonic() + deadline_s
-        await self._load_prefix_from_pool(prompt_ids, fetch_from)
+        tokens = [*prompt_ids, *output_ids]
+        await self._load_prefix_from_pool(tokens, fetch_from)
         queue = self.loop.open_stream(request_id)
-        handoff = self.sender.open(request_id, prompt_ids, kv_target, deadline)
+        handoff = self.sender.open(request_id, tokens, kv_target, deadline)
         try:
-            await self.loop.acall(self.engine.add_request, request_id, prompt_ids, params, True)
-            output: RequestOutput = await asyncio.wait_for(queue.get(), deadline - time.monotonic())
+            await self.loop.acall(self.engine.add_request, request_id, prompt_ids, params, True, output_ids)
+            async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
+                output = await queue.get()
+            if isinstance(output, EngineStepError):
+                raise output
             first = output.new_token_ids[0]
+            logprobs = output.logprobs[0] if output.logprobs else None
             if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
                 handoff.cancel()
-                return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0)
+                return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
+                                     logprobs=logprobs)
             nbytes, seconds = await handoff.finish()
             if self.pool is not None:
                 await self.pool.store_request_blocks(self.loop, request_id)
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
-                                 handoff.transport)
+                                 handoff.transport, logprobs)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)
@@ -192,7 +218,7 @@ class DecodeWorker(Worker):
 
     async def start(self) -> WorkerInfo:
         info = await super().start()
-        self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop)
+        self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret)
         self._reaper = asyncio.create_task(self._reap_expired_leases())
         return dataclasses.replace(info, kv_target=self.receiver.target())
 
@@ -203,12 +229,14 @@ class DecodeWorker(Worker):
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
-        index: int = 0, num_cached_tokens: int = 0,
+        index: int = 0, num_cached_tokens: int = 0, output_ids: tuple[int, ...] = (),
     ) -> AsyncIterator[TokenEvent]:
+        """``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease)."""
         lease = self.receiver.take_filled_lease(request_id)
 
         def join() -> None:
-            self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids)
+            self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids,
+                                             output_ids)
 
         async for event in self._stream(request_id, index, join):
             # The prefix-cache hit happened on the prefill side; report it with the decode stream.

@@ -3,8 +3,10 @@
 ``WorkerClient`` wraps a Ray actor handle: each method is one actor call with a deadline, and Ray's
 failures become ours: ``WorkerDiedError`` when the actor is gone, ``WorkerFailedError`` when it did not
 answer in time, and the worker's own exception (e.g. ``OutOfBlocksError``) when the call raised there.
-Streams cancel the actor's generator and abort the request when the consumer stops early. Tests drive
-the dispatcher with fakes that have the same methods.
+A stream that sends nothing for its inactivity deadline fails with ``WorkerStalledError``. Streams
+cancel the actor's generator and abort the request when the consumer stops early, and a prefill whose
+caller is cancelled is cancelled on the worker too. ``output_ids`` resume a request after the tokens a failed
+attempt streamed. Tests drive the dispatcher with fakes that have the same methods.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from engine.sampling_params import SamplingParams
 from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError
 from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
+
+
+class WorkerStalledError(WorkerFailedError):
+    """A worker's stream sent nothing within its deadline: the worker may be hung."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
 
 
 class WorkerClient:
@@ -45,10 +55,12 @@ class WorkerClient:
         await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s), timeout_s)
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
-                      fetch_from: str | None, deadline_s: float) -> PrefillResult:
+                      fetch_from: str | None, deadline_s: float, output_ids: tuple[int, ...] = ()) -> PrefillResult:
         """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease."""
-        ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch_from, deadline_s)
-        return await self._call(ref, deadline_s + 5.0)  # the worker enforces the deadline; this is the backstop
+        ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch_from, deadline_s,
+                                        output_ids)
+        # The worker enforces the deadline; this is the backstop. A cancelled caller stops the prompt's compute.
+        return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)
 
     async def release(self, request_id: str) -> None:
         """Free a decode lease that never joined the batch; a dead worker has nothing left to free."""
@@ -61,39 +73,69 @@ class WorkerClient:
 
     # ---- streams ------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
-                 fetch_from: str | None) -> AsyncIterator[TokenEvent]:
-        """A colocated worker computes the prompt and decodes it."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch_from)
-        return self._stream(gen, request_id)
+                 fetch_from: str | None, output_ids: tuple[int, ...] = (), first_timeout_s: float = 120.0,
+                 token_timeout_s: float = 60.0) -> AsyncIterator[TokenEvent]:
+        """A colocated worker computes the prompt and decodes it; the first event may take
+        ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
+        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch_from, output_ids)
+        return self._stream(gen, request_id, first_timeout_s, token_timeout_s)
 
     def decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
-               index: int, num_cached_tokens: int) -> AsyncIterator[TokenEvent]:
+               index: int, num_cached_tokens: int, output_ids: tuple[int, ...] = (),
+               token_timeout_s: float = 60.0) -> AsyncIterator[TokenEvent]:
         """A decode worker continues from its filled lease and the first token the prefill side sampled."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, first_token_id, params, index, num_cached_tokens)
-        return self._stream(gen, request_id)
+        gen = self.actor.generate.remote(request_id, prompt_ids, first_token_id, params, index, num_cached_tokens,
+                                         output_ids)
+        return self._stream(gen, request_id, token_timeout_s, token_timeout_s)
 
-    async def _stream(self, gen: Any, request_id: str) -> AsyncIterator[TokenEvent]:
-        finished = False
+    async def _stream(self, gen: Any, request_id: str, first_timeout_s: float,
+                      token_timeout_s: float) -> AsyncIterator[TokenEvent]:
+        async def next_event() -> TokenEvent:
+            return await (await anext(gen))
+
+        finished = stalled = False
+        timeout_s = first_timeout_s
         try:
-            async for ref in gen:
-                event: TokenEvent = await ref
+            while not finished:
+                try:
+                    # asyncio.timeout, not wait_for: wait_for (before 3.12) may swallow a cancel that
+                    # lands as an event arrives, and the request would run on after its consumer left.
+                    async with asyncio.timeout(timeout_s):
+                        event: TokenEvent = await next_event()
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as exc:
+                    stalled = True
+                    raise WorkerStalledError(
+                        self.worker_id, f"worker {self.worker_id} sent nothing for {timeout_s:.0f}s") from exc
                 finished = event.finish_reason is not None
+                timeout_s = token_timeout_s
                 yield event
         except RayActorError as exc:
             raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died mid-stream") from exc
         except RayTaskError as exc:
             raise exc.as_instanceof_cause() from None
         finally:
-            if not finished:
-                # The consumer went away (or the stream broke): stop the request and free its blocks.
+            if not finished and ray.is_initialized():  # after ray.shutdown a Ray call would start a new Ray
+                # The consumer went away (or the stream broke): stop the request and free its blocks. A
+                # stalled worker is not waited for: the cancelled generator aborts the request when it wakes.
                 ray.cancel(gen)
-                await self.abort(request_id)
+                if not stalled:
+                    await self.abort(request_id)
 
-    async def _call(self, ref: ray.ObjectRef, timeout_s: float) -> Any:
+    async def _call(self, ref: ray.ObjectRef, timeout_s: float, cancel_with_caller: bool = False) -> Any:
+        """``cancel_with_caller``: a cancelled caller cancels the actor's task too (never for cleanup calls,
+        such as release and abort, which must run even when the request's task is cancelled again)."""
         try:
-            return await asyncio.wait_for(ref, timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):  # (not wait_for: see _stream)
+                return await ref
         except RayActorError as exc:
             raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died") from exc
+        except asyncio.CancelledError:
+            if cancel_with_caller and ray.is_initialized():
+                with contextlib.suppress(Exception):
+                    ray.cancel(ref)
+            raise
         except (TimeoutError, GetTimeoutError) as exc:
             ray.cancel(ref)
             raise WorkerFailedError(

@@ -87,30 +87,45 @@ def serving_model_dir(tmp_path_factory):
     return out
 
 
-_redis_db = iter(range(1, 16))
+_redis_dbs = list(range(1, 16))  # database 0 is the tests' own
 
 
 @pytest.fixture(scope="session")
 def start_server(ray_session, redis_url, serving_model_dir):
     """Factory: start a Tidepool server (cluster + gateways on free loopback ports) sharing the session's Ray.
 
-    Each server gets its own Redis database so pools never mix; every server started is stopped at the end.
+    Each server gets its own Redis database so pools never mix (a stopped server's is flushed and reused:
+    Redis has 16); every server started is stopped at the end.
     """
+    import redis
+
     from engine.config import EngineConfig
     from services.config import ClusterConfig, GatewayConfig
     from services.local_redis import free_port
     from services.serve import ThreadedServer
 
     started: list[ThreadedServer] = []
+    databases: dict[ThreadedServer, int] = {}  # the database each running server holds
+    base = redis_url.rsplit("/", 1)[0]
 
     def start(api_key: str | None = None, **cluster_kwargs) -> ThreadedServer:
-        base = redis_url.rsplit("/", 1)[0]
+        for stopped in [s for s in databases if not s.running]:
+            free = databases.pop(stopped)
+            with redis.Redis.from_url(f"{base}/{free}") as client:
+                client.flushdb()
+            _redis_dbs.append(free)
+        db = _redis_dbs.pop(0)
         cluster_kwargs.setdefault("threads_per_worker", 1)
         engine = EngineConfig(model=str(serving_model_dir), num_blocks=512)
-        config = ClusterConfig(engine=engine, redis_url=f"{base}/{next(_redis_db)}", **cluster_kwargs)
+        config = ClusterConfig(engine=engine, redis_url=f"{base}/{db}", **cluster_kwargs)
         gateway = GatewayConfig(http_port=free_port(), grpc_port=free_port(), api_key=api_key)
-        server = ThreadedServer(config, gateway).start()
+        try:
+            server = ThreadedServer(config, gateway).start()
+        except BaseException:
+            _redis_dbs.append(db)
+            raise
         started.append(server)
+        databases[server] = db
         return server
 
     yield start
@@ -141,11 +156,11 @@ def overloaded_server(start_server):
 
 @pytest.fixture(scope="module")
 def dead_server(start_server):
-    """Every worker killed, and the dispatcher has noticed."""
+    """Every worker killed (and not replaced), and the dispatcher has noticed."""
     import ray
     from live_helpers import wait_until
 
-    server = start_server(colocated=1)
+    server = start_server(colocated=1, replace_workers=False)
     for worker in server.dispatcher.workers.values():
         ray.kill(worker.actor)
     assert wait_until(lambda: server.dispatcher.alive_workers() == 0, 30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -19,6 +20,7 @@ import jsonschema
 import pytest
 import ray
 import yaml
+from packaging.requirements import Requirement
 from ray.autoscaler._private.commands import _bootstrap_config
 from ray.autoscaler._private.util import prepare_config, validate_config
 
@@ -39,8 +41,12 @@ def _ray_up_checks_before_aws(config: dict) -> dict:
 
 
 def _pinned_torch() -> str:
+    """The exact torch the Makefile installs; it must satisfy the package's own range."""
+    pin = re.search(r"pip install -q (torch==[\w.+]+)", (ROOT / "Makefile").read_text()).group(1)
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return next(d for d in deps if d.startswith("torch=="))
+    (torch,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    assert torch.specifier.contains(pin.removeprefix("torch=="))
+    return pin
 
 
 @pytest.mark.timeout(60)

@@ -56,7 +56,8 @@ class FakeWorker:
         self.calls.append(("reserve", request_id))
         self.leases.add(request_id)
 
-    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch_from, deadline_s) -> PrefillResult:
+    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch_from, deadline_s,
+                      output_ids=()) -> PrefillResult:
         self.calls.append(("prefill", request_id))
         assert kv_target is not None and kv_target.worker_id.startswith("d")
         if self.die_on_prefill:
@@ -73,12 +74,14 @@ class FakeWorker:
     async def abort(self, request_id: str) -> None:
         self.calls.append(("abort", request_id))
 
-    def decode(self, request_id, prompt_ids, first_token_id, params, index, num_cached_tokens):
+    def decode(self, request_id, prompt_ids, first_token_id, params, index, num_cached_tokens, output_ids=(),
+               token_timeout_s=60.0):
         self.calls.append(("decode", request_id))
         self.leases.discard(request_id)  # the lease joins the batch
         return self._tokens(index, num_cached_tokens)
 
-    def generate(self, request_id, prompt_ids, params, index, fetch_from):
+    def generate(self, request_id, prompt_ids, params, index, fetch_from, output_ids=(), first_timeout_s=120.0,
+                 token_timeout_s=60.0):
         self.calls.append(("generate", request_id))
         return self._tokens(index, 0, first=True)
 
@@ -125,7 +128,8 @@ def test_prefill_worker_death_before_first_token_retries_on_another_and_frees_th
     dispatcher = make_dispatcher(dead, spare, d)
     events = asyncio.run(collect(dispatcher))
     assert [e.token_ids for e in events] == [[7], [100], [101], [102]]
-    assert ("prefill", "r1") in dead.calls and ("prefill", "r1") in spare.calls
+    # the retry runs under an id of its own: the failed attempt's may still be in use on a live worker
+    assert ("prefill", "r1") in dead.calls and ("prefill", "r1/1") in spare.calls
     assert ("release", "r1") in d.calls  # the first attempt's lease
     assert not d.leases
     assert dispatcher.alive_workers() == 2  # the dead worker is marked so

@@ -197,8 +197,9 @@ def test_stop_strings_stop_tokens_and_logprobs(model_dir):
     outs = run_outputs(engine)
     assert "".join(o.text for o in outs) == text[:text.index(stop)]
     assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == stop
-    assert all(len(o.logprobs) == 1 and o.new_token_ids[0] in o.logprobs[0] for o in outs)
-    assert all(max(o.logprobs[0].values()) == o.logprobs[0][o.new_token_ids[0]] for o in outs)  # greedy
+    assert all(len(o.logprobs) == 1 and o.logprobs[0].token_id == o.new_token_ids[0]
+               and len(o.logprobs[0].top) == 2 for o in outs)
+    assert all(o.logprobs[0].top[0] == (o.new_token_ids[0], o.logprobs[0].logprob) for o in outs)  # greedy
 
 
 def run_outputs(engine: Engine) -> list[RequestOutput]:

@@ -7,8 +7,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import ray
@@ -60,7 +62,7 @@ def test_chat_sessions_against_the_live_server(live_server, tmp_path, backend):
 
 @pytest.mark.timeout(180)
 def test_status_marks_a_killed_worker_dead(start_server):
-    server = start_server(prefill=1, decode=2, kv_transport="grpc")
+    server = start_server(prefill=1, decode=2, kv_transport="grpc", replace_workers=False)
     try:
         victim = server.dispatcher.workers["decode-1"]
         ray.kill(victim.actor)
@@ -83,13 +85,29 @@ def _descendants(pid: int) -> set[int]:
         return set()
 
 
+def _stream_until_cut(url: str, model: str, got_text: threading.Event, events: list[str]) -> None:
+    """A chat far longer than the test waits for: streamed until the server ends it."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me everything about tides."}],
+            "stream": True, "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                events.append(line)
+                if '"content"' in line:
+                    got_text.set()
+    except httpx.HTTPError as exc:  # the server may cut the connection rather than end the stream
+        events.append(repr(exc))
+
+
 @pytest.mark.timeout(240)
-def test_serve_stops_everything_it_started_on_sigterm(tmp_path, serving_model_dir):
+def test_serve_with_more_workers_than_cores_serves_and_stops_everything_on_sigterm_mid_stream(
+        tmp_path, serving_model_dir):
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "RAY_DEDUP_LOGS": "0"}
+    # Three workers of one thread each on this machine's cores: the local Ray gets a logical CPU for each.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(serving_model_dir), "--colocated", "1",
-         "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--threads-per-worker", "1"],
+        [sys.executable, "-m", "services.cli", "serve", "--model", str(serving_model_dir), "--prefill", "2",
+         "--decode", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--shutdown-timeout", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=Path(__file__).parents[1],
         start_new_session=True,
     )
@@ -100,11 +118,25 @@ def test_serve_stops_everything_it_started_on_sigterm(tmp_path, serving_model_di
             if "tidepool: serving" in line:
                 break
         assert proc.poll() is None, "".join(lines)
+        url = f"http://127.0.0.1:{http_port}"
+        health = httpx.get(f"{url}/health", timeout=10)
+        assert health.status_code == 200 and health.json()["workers"] == 3
         started = _descendants(proc.pid)
         names = {psutil.Process(p).name() for p in started if psutil.pid_exists(p)}
         assert any("redis-server" in n for n in names) and any("raylet" in n or "gcs" in n for n in names)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        got_text, events = threading.Event(), []
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        client = threading.Thread(target=_stream_until_cut, args=(url, model, got_text, events), daemon=True)
+        client.start()
+        assert got_text.wait(60), events
+        proc.send_signal(signal.SIGTERM)  # while the long request streams
+        rest, _ = proc.communicate(timeout=120)
+        client.join(60)
+        assert not client.is_alive()  # its stream ended with the server
+        assert proc.returncode == 0 and "tidepool: stopped" in rest, rest
+        output = "".join(lines) + rest
+        # nothing after the teardown started a Ray of its own (a Ray call after ray.shutdown() would)
+        assert output.count("Started a local Ray instance") == 1 and "Traceback" not in output, output
         assert wait_until(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
                                           for p in started), 60), \
             [psutil.Process(p).cmdline() for p in started if psutil.pid_exists(p)]

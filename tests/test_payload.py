@@ -108,6 +108,15 @@ def test_header_mismatch_is_a_miss(pool, redis_client):
         decode_block(encode_block("tiny", HASHES[2], blocks(1)[0]), "other-model", HASHES[2])
 
 
+def test_a_block_of_another_kv_format_is_a_miss_that_stays_for_its_owner(pool):
+    full = RedisTier(pool, max_bytes=1 << 20, layout=BlockLayout("float32", SHAPE))
+    full.put_blocks(HASHES[:1], blocks(1))
+    quantized = RedisTier(pool, max_bytes=1 << 20, layout=BlockLayout("float32", SHAPE, kv_format="int8"))
+    assert quantized.get_blocks([HASHES[0]]) == [None]
+    (block,) = full.get_blocks([HASHES[0]])  # not discarded by the other format's reader
+    assert torch.equal(block, blocks(1)[0])
+
+
 @pytest.mark.timeout(30)
 def test_host_tier_is_a_bounded_lru_that_reports_changes():
     stored, removed = [], []

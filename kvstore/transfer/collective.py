@@ -21,6 +21,7 @@ so on CUDA it costs a device-to-host copy per layer. Gloo picks its network inte
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import zlib
@@ -74,6 +75,16 @@ def _new_group(backend: str, store: dist.Store, rank: int, timeout: timedelta):
     raise ValueError(f"backend {backend!r} is not available in this torch build")
 
 
+def _listening_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The rank-0 store, listening on ``host`` alone: given only a port, a TCPStore listens on every
+    interface of the node."""
+    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False, timeout=timeout,
+                          master_listen_fd=sock.fileno())
+    sock.detach()  # the store owns (and closes) the listening socket now
+    return store
+
+
 def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 view of a contiguous tensor, so every dtype travels alike (bfloat16 included)."""
     return tensor.reshape(-1).view(torch.uint8)
@@ -92,8 +103,7 @@ class CollectiveChannel:
             raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
         self._host = url.hostname
         store_timeout = timedelta(seconds=timeout_s)
-        self._store = (dist.TCPStore(self._host, url.port, is_master=True, wait_for_workers=False,
-                                     timeout=store_timeout) if self.rank == 0 else None)
+        self._store = _listening_store(self._host, url.port, store_timeout) if self.rank == 0 else None
         self.init_method = f"tcp://{self._host}:{self._store.port if self._store else url.port}"
         self._group = None
         self._broken: str | None = None

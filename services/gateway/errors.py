@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import InvalidRequestError, OutOfBlocksError
+from kvstore.transfer import TransferError, TransferTimeout
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerFailedError
-from services.sessions import InvalidSessionIdError
+from services.messages import EngineStepError
+from services.sessions import InvalidSessionIdError, SessionBusyError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,37 @@ class NotFoundError(Exception):
 class BodyTooLargeError(Exception):
     def __init__(self, limit: int) -> None:
         super().__init__(f"request body is over the limit of {limit} bytes")
+
+
+class MalformedBodyError(Exception):
+    """The request body is not a valid JSON document or protobuf message."""
+
+
+class UnsupportedFieldError(Exception):
+    """A request field (or value of it) this server does not implement; ``param`` is the top-level field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ClientLeftError(Exception):
+    """The client disconnected before its request started streaming (the answer is never delivered)."""
+
+
+class RedisDownError(Exception):
+    """Redis does not answer: sessions and the KV pool wait for it (``/health`` reports degraded)."""
+
+    def __init__(self) -> None:
+        super().__init__("degraded: Redis is unreachable, so sessions and the KV pool are unavailable "
+                         "(chats without a session are still served)")
+
+
+class PromptTextTooLongError(Exception):
+    """A prompt's text is too long to fit the token limit, whatever the tokenizer makes of it."""
+
+    def __init__(self, chars: int, max_chars: int, limit_tokens: int) -> None:
+        super().__init__(f"prompt has {chars} characters; at most {max_chars} can fit in {limit_tokens} tokens")
 
 
 @dataclass(frozen=True)
@@ -67,6 +100,11 @@ class ApiError:
 def _validation_error(errors: list[dict]) -> ApiError:
     # `param` is the top-level field; the message carries the full location (union members included).
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":  # its loc is the character position, not a field
+        pos = first.get("loc", ("body", 0))[-1]
+        return ApiError(400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error",
+                        f"the body is not valid JSON: {first.get('ctx', {}).get('error', 'decode error')} "
+                        f"(at character {pos})")
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = loc[0] if loc else None
     message = first.get("msg", "invalid request")
@@ -96,18 +134,46 @@ _RULES: list[tuple[type[BaseException], Callable[[Any], ApiError]]] = [
                                        param=e.param, code=f"{e.kind}_not_found")),
     (BodyTooLargeError, lambda e: ApiError(413, _FULL, "invalid_request_error", str(e),
                                            code="request_too_large")),
+    (UnsupportedFieldError, lambda e: ApiError(400, _BAD, "invalid_request_error", str(e), param=e.param,
+                                               code="unsupported_parameter")),
+    (MalformedBodyError, lambda e: ApiError(400, _BAD, "invalid_request_error", str(e))),
+    (PromptTextTooLongError, lambda e: ApiError(413, _BAD, "invalid_request_error", str(e),
+                                                code="context_length_exceeded")),
     (PromptTooLongError, lambda e: ApiError(413, _BAD, "invalid_request_error", str(e),
                                             code="context_length_exceeded")),
     (RequestRejected, lambda e: ApiError(429, _FULL, "rate_limit_error", f"server overloaded: {e.reason}",
                                          code="overloaded", retry_after_s=e.retry_after_s)),
     (OutOfBlocksError, lambda e: ApiError(429, _FULL, "rate_limit_error", f"no KV memory for the request: {e}",
                                           code="overloaded", retry_after_s=1.0)),
+    # A role without a live worker: its replacement is usually seconds away.
     (NoWorkersError, lambda e: ApiError(503, _DOWN, "service_unavailable", str(e) or "no worker is alive",
-                                        code="no_workers")),
+                                        code="no_workers", retry_after_s=2.0)),
+    # Its own message names the engine's internals: the client is told what happened, not how.
+    (EngineStepError, lambda e: ApiError(500, grpc.StatusCode.INTERNAL, "internal_error",
+                                         "the worker's engine failed while running this request; the worker "
+                                         "is being replaced", code="engine_step_failed")),
     (WorkerFailedError, lambda e: ApiError(503, _DOWN, "service_unavailable", f"worker failed: {e}",
                                            code="worker_failed")),
+    (SessionBusyError, lambda e: ApiError(409, grpc.StatusCode.ABORTED, "invalid_request_error", str(e),
+                                          param="session_id", code="session_busy")),
+    # The handoff's own messages name internal addresses: the client gets the kind of failure only.
+    (TransferTimeout, lambda e: ApiError(504, grpc.StatusCode.DEADLINE_EXCEEDED, "service_unavailable",
+                                         "the KV cache handoff between workers timed out",
+                                         code="kv_transfer_timeout", retry_after_s=1.0)),
+    (TransferError, lambda e: ApiError(503, _DOWN, "service_unavailable",
+                                       "the KV cache handoff between workers failed", code="kv_transfer_failed",
+                                       retry_after_s=1.0)),
+    # nginx's "client closed request": logged and counted only
+    (ClientLeftError, lambda e: ApiError(499, grpc.StatusCode.CANCELLED, "invalid_request_error",
+                                         "the client closed the request", code="client_closed_request")),
+    (RedisDownError, lambda e: ApiError(503, _DOWN, "service_unavailable", str(e), code="redis_unavailable",
+                                        retry_after_s=2.0)),
     (redis.exceptions.ConnectionError, lambda e: ApiError(503, _DOWN, "service_unavailable",
-                                                          "session store unavailable", code="sessions_unavailable")),
+                                                          "session store unavailable", code="sessions_unavailable",
+                                                          retry_after_s=2.0)),
+    (redis.exceptions.TimeoutError, lambda e: ApiError(503, _DOWN, "service_unavailable",
+                                                       "session store unavailable", code="sessions_unavailable",
+                                                       retry_after_s=2.0)),
     (StarletteHTTPException, _http_error),
 ]
 KNOWN_ERRORS: tuple[type[BaseException], ...] = tuple(cls for cls, _ in _RULES)

@@ -125,15 +125,16 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
 
 class _Health(health.aio.HealthServicer):
-    """Standard health service; SERVING while at least one worker is alive (checked on each call)."""
+    """Standard health service; SERVING while every role (prefill, decode) has a live worker, NOT_SERVING
+    while one has none, e.g. until a dead worker's replacement serves (checked on each call)."""
 
     def __init__(self, dispatcher: Dispatcher) -> None:
         super().__init__()
         self.dispatcher = dispatcher
 
     def _status(self) -> int:
-        return (health_pb2.HealthCheckResponse.SERVING if self.dispatcher.alive_workers() > 0
-                else health_pb2.HealthCheckResponse.NOT_SERVING)
+        return (health_pb2.HealthCheckResponse.NOT_SERVING if self.dispatcher.missing_roles()
+                else health_pb2.HealthCheckResponse.SERVING)
 
     async def Check(self, request, context):
         status = self._status()

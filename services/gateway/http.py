@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -19,12 +19,16 @@ from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend
-from services.gateway.generation import Generation, Usage
+from services.gateway.generation import Delta, Generation, Usage
+from services.gateway.json_body import StrictJSONRoute
+from services.gateway.logprobs import LogprobShapes
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.profile_samples import profile_samples
 from services.sessions import SessionStore
 
 _DISCONNECT_POLL_S = 0.25
-_OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/redoc")
+_OPEN_PATHS = ("/health",)
+_SCRAPE_PATHS = ("/metrics", "/docs", "/openapi.json", "/redoc")  # open too, unless --metrics-require-key
 
 
 class _Guard:
@@ -34,8 +38,10 @@ class _Guard:
     the streaming response still hears the client disconnect. It also counts answers per path and status.
     """
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics) -> None:
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics,
+                 open_paths: tuple[str, ...]) -> None:
         self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -43,13 +49,13 @@ class _Guard:
         path = scope["path"]
 
         async def counted_send(message) -> None:
-            if message["type"] == "http.response.start":
+            if message["type"] == "http.response.start" and path != "/metrics":  # scrapes are not API calls
                 # The route's template, not the path: session ids must not become label values.
                 route = getattr(scope.get("route"), "path", "unrouted")
                 self.metrics.inc_request(route, str(message["status"]))
             await send(message)
 
-        if not path.startswith(_OPEN_PATHS):
+        if not path.startswith(self.open_paths):
             try:
                 check_bearer(dict(scope["headers"]).get(b"authorization", b"").decode("latin-1"), self.api_key)
             except errors.UnauthorizedError as exc:
@@ -113,11 +119,13 @@ def _usage(usage: Usage) -> dict:
 
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: GatewayConfig) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn."""
-    frontend = Frontend(dispatcher, sessions, config.max_prompt_tokens)
+    frontend = Frontend(dispatcher, sessions, config)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
+    app.router.route_class = StrictJSONRoute  # NaN, Infinity and lone surrogates are malformed JSON
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       metrics=dispatcher.metrics)
+                       metrics=dispatcher.metrics,
+                       open_paths=_OPEN_PATHS + (() if config.metrics_require_key else _SCRAPE_PATHS))
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return errors.http_response(exc)
@@ -127,18 +135,25 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
     for cls in (*errors.KNOWN_ERRORS, Exception):
         app.add_exception_handler(cls, on_error)
 
+    def _logprobs(gen: Generation, body: ChatCompletionRequest | CompletionRequest) -> LogprobShapes:
+        return LogprobShapes(frontend.token_texts, body.return_tokens_as_token_ids, len(gen.texts))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_session_id: str | None = Header(None)) -> Response:
+        options = body.chat_options()
         messages = [m.as_dict() for m in body.messages]
-        gen = await frontend.chat(body.model, messages, body.chat_options(), body.session_id or x_session_id)
-        shape = _Shape(gen, body.model, chat=True)
+        gen = await _unless_client_leaves(request, frontend.chat(body.model, messages, options,
+                                                                 body.session_id or x_session_id))
+        shape = _Shape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None)
         return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        gen = await frontend.complete(body.model, body.prompt, body.options())
-        shape = _Shape(gen, body.model, chat=False)
+        options = body.completion_options()
+        gen = await _unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
+        shape = _Shape(gen, body.model, chat=False,
+                       logprobs=None if body.logprobs is None else _logprobs(gen, body))
         return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
 
     @app.get("/v1/models")
@@ -160,14 +175,21 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
     async def cluster_status() -> dict:
         return await dispatcher.cluster_status()
 
+    @app.get("/v1/cluster/profile")
+    async def cluster_profile() -> dict:
+        return profile_samples(dispatcher)
+
     @app.get("/health")
     async def health() -> dict:
+        missing = dispatcher.missing_roles()  # e.g. until a dead worker's replacement serves
+        if missing:
+            raise errors.NoWorkersError(f"degraded: no live {' or '.join(missing)} worker")
         alive = dispatcher.alive_workers()
-        if alive == 0:
-            raise errors.NoWorkersError("no worker is alive")
+        if not dispatcher.index.pool.up:  # the pool mirror's last call to Redis failed
+            raise errors.RedisDownError()
         return {"status": "ok", "workers": alive}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)  # Prometheus', not the API's
     async def metrics() -> Response:
         return Response(dispatcher.metrics.render(), media_type=dispatcher.metrics.content_type)
 
@@ -182,18 +204,24 @@ def _model_card(dispatcher: Dispatcher) -> dict:
 class _Shape:
     """OpenAI response objects: `chat.completion(.chunk)` for chat, `text_completion` for completions."""
 
-    def __init__(self, gen: Generation, model: str, chat: bool) -> None:
-        self.gen, self.chat = gen, chat
+    def __init__(self, gen: Generation, model: str, chat: bool, logprobs: LogprobShapes | None) -> None:
+        """``logprobs``: how to shape them, when the request asked for them."""
+        self.gen, self.chat, self.logprobs = gen, chat, logprobs
         self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
 
-    def _choice(self, index: int, text: str, finish_reason: str | None, *, streaming: bool) -> dict:
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: list, *,
+                streaming: bool) -> dict:
         if not self.chat:
             body = {"text": text}
         elif streaming:
             body = {"delta": {"content": text} if text else {}}
         else:
             body = {"message": {"role": "assistant", "content": text}}
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+        if self.logprobs is None:
+            shaped = None
+        else:
+            shaped = self.logprobs.chat(logprobs) if self.chat else self.logprobs.completion(index, logprobs)
+        return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason}
 
     def opening(self) -> list[dict]:
         """Chat streams announce the assistant role first, one chunk choice per index."""
@@ -208,14 +236,30 @@ class _Shape:
         # With include_usage, every chunk has "usage": null except the last, which has no choices.
         return {**out, "usage": _usage(usage) if usage else None} if with_usage else out
 
-    def delta(self, index: int, text: str, finish_reason: str | None) -> dict:
-        return self._choice(index, text, finish_reason, streaming=True)
+    def delta(self, d: Delta) -> dict:
+        return self._choice(d.index, d.text, d.finish_reason, d.logprobs or [], streaming=True)
 
     def complete(self) -> dict:
-        choices = [self._choice(i, text, self.gen.finish_reasons[i], streaming=False)
+        choices = [self._choice(i, text, self.gen.finish_reasons[i], self.gen.logprobs[i], streaming=False)
                    for i, text in enumerate(self.gen.texts)]
         return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
                 "choices": choices, "usage": _usage(self.gen.usage)}
+
+
+async def _unless_client_leaves(request: Request, starting: Awaitable[Generation]) -> Generation:
+    """The started generation, unless the client leaves first: then prompt, session, routing and prefill
+    up to the first event are cancelled (which aborts the request and frees its blocks)."""
+    task = asyncio.ensure_future(starting)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise errors.ClientLeftError()
+        return task.result()
+    finally:
+        task.cancel()  # the handler itself was cancelled (shutdown); no-op once done
 
 
 async def _collect(gen: Generation, shape: _Shape, request: Request) -> Response:
@@ -243,8 +287,8 @@ def _stream(gen: Generation, shape: _Shape, include_usage: bool) -> StreamingRes
             if opening:
                 yield _sse(shape.chunk(opening, with_usage=include_usage))
             async for d in gen:
-                if d.text or d.finish_reason:
-                    yield _sse(shape.chunk([shape.delta(d.index, d.text, d.finish_reason)], with_usage=include_usage))
+                if d.text or d.finish_reason or d.logprobs:
+                    yield _sse(shape.chunk([shape.delta(d)], with_usage=include_usage))
             if include_usage:
                 yield _sse(shape.chunk([], gen.usage, with_usage=True))
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtidepool/v1/kv_transfer.proto\x12\x0btidepool.v1\"\xaf\x01\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x11\n\tlayerwise\x18\t \x01(\x08\"r\n\x07KVChunk\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.tidepool.v1.KVHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x15\n\x08\x63hecksum\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_checksum\"N\n\x05KVAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t2@\n\nKVTransfer\x12\x32\n\x04Push\x12\x14.tidepool.v1.KVChunk\x1a\x12.tidepool.v1.KVAck(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtidepool/v1/kv_transfer.proto\x12\x0btidepool.v1\"\xc2\x01\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x11\n\tlayerwise\x18\t \x01(\x08\x12\x11\n\tkv_format\x18\n \x01(\t\"r\n\x07KVChunk\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x15.tidepool.v1.KVHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x15\n\x08\x63hecksum\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_checksum\"N\n\x05KVAck\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0ereceived_bytes\x18\x02 \x01(\x04\x12\n\n\x02ok\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t2@\n\nKVTransfer\x12\x32\n\x04Push\x12\x14.tidepool.v1.KVChunk\x1a\x12.tidepool.v1.KVAck(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tidepool.v1.kv_transfer_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVHEADER']._serialized_start=47
-  _globals['_KVHEADER']._serialized_end=222
-  _globals['_KVCHUNK']._serialized_start=224
-  _globals['_KVCHUNK']._serialized_end=338
-  _globals['_KVACK']._serialized_start=340
-  _globals['_KVACK']._serialized_end=418
-  _globals['_KVTRANSFER']._serialized_start=420
-  _globals['_KVTRANSFER']._serialized_end=484
+  _globals['_KVHEADER']._serialized_end=241
+  _globals['_KVCHUNK']._serialized_start=243
+  _globals['_KVCHUNK']._serialized_end=357
+  _globals['_KVACK']._serialized_start=359
+  _globals['_KVACK']._serialized_end=437
+  _globals['_KVTRANSFER']._serialized_start=439
+  _globals['_KVTRANSFER']._serialized_end=503
 # @@protoc_insertion_point(module_scope)

@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Map
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVHeader(_message.Message):
-    __slots__ = ("request_id", "model", "block_hashes", "num_layers", "dtype", "shape", "checksum", "total_bytes", "layerwise")
+    __slots__ = ("request_id", "model", "block_hashes", "num_layers", "dtype", "shape", "checksum", "total_bytes", "layerwise", "kv_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KVHeader(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAYERWISE_FIELD_NUMBER: _ClassVar[int]
+    KV_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class KVHeader(_message.Message):
     checksum: int
     total_bytes: int
     layerwise: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layerwise: bool = ...) -> None: ...
+    kv_format: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., checksum: _Optional[int] = ..., total_bytes: _Optional[int] = ..., layerwise: bool = ..., kv_format: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "offset", "data", "checksum")
