@@ -170,9 +170,12 @@ def learning_rate(args: TrainArgs, step: int, progress: float) -> float:
 
 
 def sample_batch(stream: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator) -> torch.Tensor:
-    """``batch`` random windows of ``seq_len + 1`` tokens (inputs and shifted targets)."""
-    starts = torch.randint(0, len(stream) - seq_len - 1, (batch,), generator=gen)
-    return torch.stack([stream[s:s + seq_len + 1] for s in starts.tolist()])
+    """``batch`` windows of ``seq_len + 1`` tokens (inputs and shifted targets): BOS, then text from a
+    random offset. Every context starts with BOS, as a served prompt does, so the model meets the same
+    first token in training and at inference (the token StreamingLLM's sinks keep)."""
+    starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=gen)
+    bos = torch.tensor([BOS], dtype=stream.dtype)
+    return torch.stack([torch.cat([bos, stream[s:s + seq_len]]) for s in starts.tolist()])
 
 
 def optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.AdamW:
