@@ -31,6 +31,7 @@ from services.errors import NoWorkersError, PromptTooLongError, RequestRejected,
 from services.fanout import interleave
 from services.messages import PrefillResult, TokenEvent
 from services.metrics import Metrics
+from services.request_metrics import RequestTracker
 from services.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -225,7 +226,7 @@ class Dispatcher:
     async def _generate_one(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
     ) -> AsyncIterator[TokenEvent]:
-        track = self.metrics.track_request()
+        track = RequestTracker(self.metrics)
         progress = Progress()
         excluded: set[str] = set()  # workers found dead while serving this request
         try:

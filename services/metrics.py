@@ -6,7 +6,7 @@ recording rules and ``promtool check metrics`` rejects it in exported names. Eve
 ``model_name`` label; docs/metrics.md maps every vLLM metric to its Tidepool equivalent.
 
 Three sources feed them: the dispatcher records each request as its token events arrive
-(``track_request``, see services/request_metrics.py), the load refresher hands in every worker report
+(a ``RequestTracker``, services/request_metrics.py), the load refresher hands in every worker report
 (``set_worker_load``: cluster and per-worker gauges, and the workers' cumulative engine counters), and
 the gateways count API answers. Each ``Metrics`` owns its registry (not prometheus_client's global one),
 so two servers in one process, as in the tests, don't collide on metric names.
@@ -15,7 +15,6 @@ so two servers in one process, as in the tests, don't collide on metric names.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -26,8 +25,6 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-
-from services.request_metrics import FINISH_REASONS, RequestTracker
 
 if TYPE_CHECKING:
     from router.loads import WorkerLoad
@@ -55,6 +52,10 @@ def token_buckets(max_model_len: int) -> list[int]:
                 return out
             out.append(m * scale)
         scale *= 10
+
+
+# vLLM's finish reasons: "abort" when the client left (or the engine aborted), "error" when the request failed
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class Metrics:
@@ -203,11 +204,7 @@ class Metrics:
         free = sum(ld.free_blocks for ld in self._loads.values())
         return (total - free) / total if total else 0.0
 
-    # ---- requests, transfers, rejections, API answers -----------------------------------------------
-    def track_request(self, arrived: float | None = None) -> RequestTracker:
-        """A tracker for one (sub-)request that arrived at ``arrived`` (``time.monotonic()``)."""
-        return RequestTracker(self, time.monotonic() if arrived is None else arrived)
-
+    # ---- transfers, rejections, API answers -----------------------------------------------------------
     def observe_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(self.model_name, transport).inc(nbytes)
         self.transfer_seconds.labels(self.model_name, transport).observe(seconds)

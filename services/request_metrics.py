@@ -16,17 +16,16 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+from services.metrics import Metrics
+
 if TYPE_CHECKING:
     from router.view import Decision
     from services.messages import TokenEvent
-    from services.metrics import Metrics
-
-# vLLM's finish reasons: "abort" when the client left (or the engine aborted), "error" when the request failed
-FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class RequestTracker:
-    def __init__(self, metrics: Metrics, arrived: float) -> None:
+    def __init__(self, metrics: Metrics, arrived: float | None = None) -> None:
+        arrived = time.monotonic() if arrived is None else arrived
         self.metrics = metrics
         self.arrived = self.routed = arrived
         self.decision: Decision | None = None

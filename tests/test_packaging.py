@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -18,8 +19,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_wheel_claims_no_import_name_of_another_package(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    had_build = (ROOT / "build").exists()
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                        "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    finally:
+        if not had_build:  # setuptools builds in the tree: leave no build/ behind
+            shutil.rmtree(ROOT / "build", ignore_errors=True)
     (wheel,) = tmp_path.glob("tidepool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
