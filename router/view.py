@@ -34,6 +34,7 @@ class RouteRequest:
     prompt_len: int
     block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks (kvstore.hashing)
     max_tokens: int
+    max_kv_tokens: int | None = None  # an attention window (sinks + window) bounds the KV it holds at once
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,10 @@ class ClusterView:
         return np.where(extra > 0, t, 0.0)
 
     def decode_need(self):
-        """KV blocks the request needs on each decode worker (prompt + max output)."""
+        """KV blocks the request needs on each decode worker (prompt + max output, or its window's worth)."""
         if self._need is None:
-            self._need = np.ceil((self.req.prompt_len + self.req.max_tokens) / self.d_bs)
+            tokens = self.req.prompt_len + self.req.max_tokens
+            self._need = np.ceil(min(tokens, self.req.max_kv_tokens or tokens) / self.d_bs)
         return self._need
 
     def tbt_now(self):

@@ -65,7 +65,7 @@ class Dispatcher:
         first = workers[0].info
         self.model_id = first.model_id
         self.block_size = first.block_size
-        self.max_model_len = first.max_model_len
+        self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
         self.conductor = conductor
         self.index = index
         self.tokenizer = tokenizer
@@ -233,7 +233,7 @@ class Dispatcher:
             for attempt in range(_MAX_ATTEMPTS):
                 tokens = [*prompt_ids, *progress.output_ids]
                 route_req = RouteRequest(request_id, len(tokens), block_hashes(tokens, self.block_size, self._salt),
-                                         params.max_tokens - len(progress.output_ids))
+                                         params.max_tokens - len(progress.output_ids), self.max_kv_tokens)
                 decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(
                     route_req, excluded)
                 if not track.streaming:

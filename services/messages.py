@@ -59,6 +59,7 @@ class WorkerInfo:
     total_blocks: int
     profile: WorkerProfile
     kv_target: KVTarget | None = None  # decode workers only
+    max_kv_tokens: int | None = None  # an attention window bounds one sequence's KV at this many tokens
 
 
 @dataclass

@@ -79,6 +79,7 @@ class Worker:
             max_model_len=self.engine.max_model_len,
             kv_bytes_per_token=self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
             total_blocks=self.engine.stats().total_blocks, profile=profile,
+            max_kv_tokens=None if self.engine.window is None else self.engine.window.max_blocks * self.engine.block_size,
         )
 
     async def load(self) -> WorkerLoad:

@@ -317,3 +317,14 @@ def test_inflight_prefixes_match_by_stride_and_expire_after_their_grace():
     heat.add([1, 2, 7, 8], now=5.0)
     profile = heat.profile([1, 2, 3, 4, 5, 6], now=5.0)
     assert profile[0] > profile[1] > 0 and profile[2] == 0  # deeper strides are never hotter
+
+
+@pytest.mark.timeout(30)
+def test_an_attention_window_bounds_the_kv_a_request_needs_on_the_decode_side():
+    # A long session: prompt + max output far beyond the decode worker's KV memory (1,000 blocks of 16).
+    loads = [prefill("p0"), WorkerLoad("d0", "decode", True, [], 0, 0, 1000, 1000, 16, NOW)]
+    long_session = RouteRequest("r-long", 16_000, HASHES[:31], max_tokens=100_000)
+    plain = conductor("tidepool").route(long_session, loads, index(), now=NOW)
+    assert isinstance(plain, Reject) and "KV memory" in plain.reason
+    windowed = RouteRequest("r-long", 16_000, HASHES[:31], max_tokens=100_000, max_kv_tokens=8_256)
+    assert isinstance(conductor("tidepool").route(windowed, loads, index(), now=NOW), Decision)
