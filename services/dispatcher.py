@@ -293,8 +293,8 @@ class Dispatcher:
         def observe(result: PrefillResult) -> None:
             if result.transport:
                 self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s)
-                self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes,
-                                                result.transfer_s)
+            if result.transport and not result.overlapped:  # a layer-wise transfer's time includes compute
+                self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes, result.transfer_s)
 
         return run_disaggregated(attempt, self.workers[decision.prefill], self.workers[decision.decode],
                                  self.deadlines, died, observe)

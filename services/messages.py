@@ -86,4 +86,5 @@ class PrefillResult:
     transfer_bytes: int
     transfer_s: float
     transport: str = ""  # the transport actually used ("grpc", "collective"); "" when nothing was sent
+    overlapped: bool = False  # layer-wise: the bytes left while the prompt computed (not a link measurement)
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs

@@ -202,7 +202,7 @@ class PrefillWorker(Worker):
             if self.pool is not None:
                 await self.pool.store_request_blocks(self.loop, request_id)
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
-                                 handoff.transport, logprobs)
+                                 handoff.transport, overlapped=handoff.feed is not None, logprobs=logprobs)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)

@@ -173,3 +173,17 @@ def test_no_live_worker_is_refused_before_any_call():
     with pytest.raises(NoWorkersError):
         asyncio.run(collect(dispatcher))
     assert p.calls == d.calls == []
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_only_a_whole_transfer_teaches_the_router_its_link(overlapped):
+    class Handoff(FakeWorker):
+        async def prefill(self, *args, **kwargs) -> PrefillResult:
+            await super().prefill(*args, **kwargs)
+            return PrefillResult(7, "a", None, 16, 1 << 20, 0.01, "grpc", overlapped=overlapped)
+
+    dispatcher = make_dispatcher(Handoff("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE))
+    asyncio.run(collect(dispatcher))
+    learned = dispatcher.conductor.estimator.transfer.pairs.get("p0", {})
+    # A layer-wise transfer's time runs while the prompt computes: it says nothing about the link.
+    assert ("d0" in learned) is not overlapped
