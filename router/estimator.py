@@ -254,14 +254,15 @@ class Estimator:
     @classmethod
     def from_samples(cls, prefill_samples: Iterable[tuple[int, int, float]],
                      decode_samples: Iterable[tuple[int, int, float]], kv_bytes_per_token: int,
-                     peer: Link = DEFAULT_PEER_LINK, pool: Link = DEFAULT_POOL_LINK) -> Estimator:
+                     peer: Link = DEFAULT_PEER_LINK, pool: Link = DEFAULT_POOL_LINK, layers: int = 1) -> Estimator:
         """Fit from workers' start-up profiling: (new, cached, seconds) prefills and (batch, context,
         seconds) decode steps. The default links are loopback gRPC-class guesses; measured transfers
-        (`Conductor.observe_transfer`) replace them per pair."""
+        (`Conductor.observe_transfer`) replace them per pair. ``layers``: pieces the hand-off streams in."""
         prefill, decode = list(prefill_samples), list(decode_samples)
         if not prefill or not decode:
             raise ValueError("profiling gave no prefill or no decode samples")
-        return cls(PrefillModel.fit(prefill), DecodeModel.fit(decode), TransferModel(peer, pool), kv_bytes_per_token)
+        return cls(PrefillModel.fit(prefill), DecodeModel.fit(decode), TransferModel(peer, pool), kv_bytes_per_token,
+                   layers=layers)
 
     def queue_time(self, feature_sums: np.ndarray):
         """Seconds of prefill work waiting: the model is linear, so summed features give summed time."""

@@ -101,6 +101,7 @@ class Cluster:
             prefill_samples=[s for w in self.workers for s in w.info.profile.prefill],
             decode_samples=[s for w in self.workers for s in w.info.profile.decode],
             kv_bytes_per_token=first.kv_bytes_per_token,
+            layers=first.num_layers if self.config.layerwise else 1,  # layer-wise KV leaves as layers finish
         )
         conductor = Conductor(self.config.policy, estimator, SLO(self.config.ttft_slo_s, self.config.tbt_slo_s),
                               block_size=first.block_size)

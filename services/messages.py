@@ -60,6 +60,7 @@ class WorkerInfo:
     profile: WorkerProfile
     kv_target: KVTarget | None = None  # decode workers only
     max_kv_tokens: int | None = None  # an attention window bounds one sequence's KV at this many tokens
+    num_layers: int = 1  # the model's layers: a layer-wise hand-off streams in this many pieces
 
 
 @dataclass

@@ -80,6 +80,7 @@ class Worker:
             kv_bytes_per_token=self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
             total_blocks=self.engine.stats().total_blocks, profile=profile,
             max_kv_tokens=None if self.engine.window is None else self.engine.window.max_blocks * self.engine.block_size,
+            num_layers=self.engine.model_config.num_layers,
         )
 
     async def load(self) -> WorkerLoad:

@@ -211,3 +211,15 @@ def test_profile_fitted_from_cluster_samples_predicts_them():
         fit_profile({**samples, "startup": {"prefill": [], "decode": []}, "prefill_steps": []}, "m", 32)
     with pytest.raises(ValueError, match="not a cluster profile"):
         fit_profile({"workers": []}, "m", 32)
+
+
+def test_estimator_from_profiling_knows_how_many_pieces_the_handoff_streams_in():
+    from router.estimator import Estimator
+
+    samples = dict(prefill_samples=[(16, 0, 0.01), (64, 0, 0.02), (256, 0, 0.08)],
+                   decode_samples=[(1, 32, 0.01), (4, 128, 0.012), (8, 512, 0.02)], kv_bytes_per_token=1 << 20)
+    whole, streamed = Estimator.from_samples(**samples), Estimator.from_samples(**samples, layers=32)
+    _, exposed_whole = whole.handoff_s(256, 0.08, "p0", "d0")
+    transfer, exposed_streamed = streamed.handoff_s(256, 0.08, "p0", "d0")
+    assert exposed_whole == pytest.approx(transfer)  # sent after the prefill: the request waits for all of it
+    assert exposed_streamed < exposed_whole
