@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from services.local_redis import LocalRedis
+# A source checkout run without installing (the bare GPU machine): the generated gRPC modules' package
+# `tidepool` lives in proto/.
+if importlib.util.find_spec("tidepool") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -18,6 +24,9 @@ def redis_server():
     if os.environ.get("REDIS_URL"):
         yield None
         return
+    # imported here: redis-py only where Redis is used (not on a bare GPU machine)
+    from services.local_redis import LocalRedis
+
     server = LocalRedis()
     yield server
     server.stop()
