@@ -6,8 +6,9 @@
 Scenarios: kill -9 the decode worker, the prefill worker, the private redis-server; idle and garbage TCP
 streams on the KV-transfer port; a burst of 10x the load's concurrency; generated HTTP bodies and gRPC
 requests (benchmarks/fuzz_inputs.py). For each: requests sent / completed / rejected (429 with
-Retry-After) / 5xx / lost, KV blocks still held once the server is idle, and seconds from the fault until
-/health is 200 and a probe request completes. Last, seconds from SIGTERM until the server exits.
+Retry-After) / 503 with Retry-After (no live worker of a role) / other 5xx / lost, KV blocks still held
+once the server is idle, and seconds from the fault until /health is 200 and a probe request completes.
+Last, seconds from SIGTERM until the server exits.
 """
 
 from __future__ import annotations
@@ -101,26 +102,30 @@ def hostile_streams(connections: int = 40):
 
 
 # ---- one scenario ----------------------------------------------------------------------------------------
-async def scenario(srv: Served, name: str, inject, requests: int, concurrency: int, max_tokens: int,
-                   delay_s: float = 1.5) -> dict:
-    """Start the load, inject the fault after ``delay_s``, wait for both and for recovery."""
-    load = asyncio.create_task(run_load(srv.base_url, srv.model, requests, concurrency, max_tokens))
-    note, recovery = "", None
+async def scenario(srv: Served, name: str, inject, requests: int, concurrency: int, max_tokens: int) -> dict:
+    """Start the load, inject the fault once a quarter of it has completed (streams in flight), wait for the
+    load and for recovery."""
+    tally = LoadTally()
+    load = asyncio.create_task(run_load(srv.base_url, srv.model, requests, concurrency, max_tokens, tally))
+    note, recovery, in_flight = "", None, None
     if inject is not None:
-        await asyncio.sleep(delay_s)
-        fault_at = time.perf_counter()
+        while tally.completed < max(1, requests // 4) and not load.done():
+            await asyncio.sleep(0.05)
+        fault_at, in_flight = time.perf_counter(), tally.in_flight
         note = await asyncio.to_thread(inject, srv)
         recovery = asyncio.create_task(time_to_recover(srv.base_url, srv.model, fault_at))
-    tally: LoadTally = await load
+    await load
     recover_s = await recovery if recovery is not None else None
     if hasattr(inject, "cleanup"):
         inject.cleanup()
     held = await asyncio.to_thread(held_blocks, srv)
     p99 = tally.p99_ttft_s()
-    return {"scenario": name, "sent": tally.sent, "completed": tally.completed, "rejected_429": tally.rejected,
-            "5xx": tally.server_errors, "lost": tally.lost, "blocks_held_after": held,
-            "recover_s": None if recover_s is None else round(recover_s, 2),
-            "p99_ttft_s": None if p99 is None else round(p99, 3), "note": note}
+    return {"scenario": name, "sent": tally.sent, "in_flight_at_fault": in_flight, "completed": tally.completed,
+            "rejected_429": tally.rejected, "503_retry_after": tally.unavailable, "5xx": tally.server_errors,
+            "lost": tally.lost,
+            "blocks_held_after": held, "recover_s": None if recover_s is None else round(recover_s, 2),
+            "p99_ttft_s": None if p99 is None else round(p99, 3), "5xx_statuses": tally.error_statuses,
+            "note": note}
 
 
 def fuzz_rows(srv: Served, http_cases: int, grpc_cases: int) -> list[dict]:
@@ -178,9 +183,13 @@ def main() -> None:
             print(f"burst: {rows[-1]}", flush=True)
         fuzz = fuzz_rows(srv, args.fuzz_http, args.fuzz_grpc)
         exit_s = sigterm_to_exit(srv)
-    headers = ["scenario", "sent", "completed", "rejected_429", "5xx", "lost", "blocks_held_after", "recover_s",
-               "p99_ttft_s"]
+    headers = ["scenario", "sent", "in_flight_at_fault", "completed", "rejected_429", "503_retry_after", "5xx", "lost",
+               "blocks_held_after", "recover_s", "p99_ttft_s"]
     print(format_table(headers, [[r[h] if r[h] is not None else "-" for h in headers] for r in rows]))
+    for r in rows:
+        if r["note"] or r["5xx_statuses"]:
+            statuses = f"; 5xx statuses {r['5xx_statuses']}" if r["5xx_statuses"] else ""
+            print(f"{r['scenario']}: {r['note']}{statuses}")
     for f in fuzz:
         print(f"{f['scenario']}: {f['cases']} cases, {f['failed']} failed, answers {f['answers']}, healthy after "
               f"{f['healthy_after']}, blocks held {f['blocks_held_after']}, {f['seconds']} s")

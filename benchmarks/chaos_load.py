@@ -1,5 +1,6 @@
 """Load and probes for ``benchmarks/chaos.py``: a bounded number of concurrent greedy streaming completions,
-each classified as completed, rejected (429 with Retry-After), a 5xx, or lost (anything else: a broken
+each classified as completed, rejected (429 with Retry-After), unavailable (503 with Retry-After), another 5xx,
+or lost (anything else: a broken
 stream, an error event mid-stream, a stream without its end, another status)."""
 
 from __future__ import annotations
@@ -19,9 +20,15 @@ class LoadTally:
     sent: int = 0
     completed: int = 0
     rejected: int = 0  # 429 with Retry-After: the server said no cleanly
+    unavailable: int = 0  # 503 with Retry-After: no live worker of a role yet (a replacement is starting)
     server_errors: int = 0
     lost: int = 0
+    error_statuses: list[int] = field(default_factory=list)  # each 5xx answer's status code
     ttfts_s: list[float] = field(default_factory=list)  # completed requests' time to first token
+
+    @property
+    def in_flight(self) -> int:
+        return self.sent - self.completed - self.rejected - self.unavailable - self.server_errors - self.lost
 
     def p99_ttft_s(self) -> float | None:
         if not self.ttfts_s:
@@ -37,11 +44,13 @@ async def _stream(client: httpx.AsyncClient, model: str, max_tokens: int, tally:
     start, first, finished = time.perf_counter(), None, False
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
-            if response.status_code == 429 and "retry-after" in response.headers:
-                tally.rejected += 1
+            if response.status_code in (429, 503) and "retry-after" in response.headers:
+                tally.rejected += response.status_code == 429
+                tally.unavailable += response.status_code == 503
                 return
             if response.status_code >= 500:
                 tally.server_errors += 1
+                tally.error_statuses.append(response.status_code)
                 return
             if response.status_code != 200:
                 tally.lost += 1
@@ -67,9 +76,9 @@ async def _stream(client: httpx.AsyncClient, model: str, max_tokens: int, tally:
 
 
 async def run_load(base_url: str, model: str, requests: int, concurrency: int, max_tokens: int,
-                   timeout_s: float = 120.0) -> LoadTally:
-    """Send ``requests`` streams, at most ``concurrency`` at once; each is bounded by ``timeout_s``."""
-    tally, gate = LoadTally(), asyncio.Semaphore(concurrency)
+                   tally: LoadTally, timeout_s: float = 120.0) -> LoadTally:
+    """Send ``requests`` streams into ``tally``, at most ``concurrency`` at once; each bounded by ``timeout_s``."""
+    gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
         async def one() -> None:
