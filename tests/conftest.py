@@ -99,6 +99,19 @@ def serving_model_dir(tmp_path_factory):
 _redis_dbs = list(range(1, 16))  # database 0 is the tests' own
 
 
+def _start_on_free_ports(server_cls, config, make_gateway, tries: int = 3):
+    """Start a server on ports found free; another process may take one between the probe and the bind
+    (uvicorn then exits, gRPC raises), so a bind failure tries fresh ports."""
+    for attempt in range(tries):
+        server = server_cls(config, make_gateway())
+        try:
+            return server.start()
+        except (OSError, RuntimeError, SystemExit) as exc:
+            server.stop()
+            if attempt == tries - 1 or not (isinstance(exc, SystemExit) or "bind" in str(exc).lower()):
+                raise
+
+
 @pytest.fixture(scope="session")
 def start_server(ray_session, redis_url, serving_model_dir):
     """Factory: start a Tidepool server (cluster + gateways on free loopback ports) sharing the session's Ray.
@@ -127,9 +140,9 @@ def start_server(ray_session, redis_url, serving_model_dir):
         cluster_kwargs.setdefault("threads_per_worker", 1)
         engine = EngineConfig(model=str(serving_model_dir), num_blocks=512)
         config = ClusterConfig(engine=engine, redis_url=f"{base}/{db}", **cluster_kwargs)
-        gateway = GatewayConfig(http_port=free_port(), grpc_port=free_port(), api_key=api_key)
         try:
-            server = ThreadedServer(config, gateway).start()
+            server = _start_on_free_ports(ThreadedServer, config, lambda: GatewayConfig(
+                http_port=free_port(), grpc_port=free_port(), api_key=api_key))
         except BaseException:
             _redis_dbs.append(db)
             raise
