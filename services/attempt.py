@@ -19,9 +19,9 @@ from typing import TypeVar
 
 from engine.sampling_params import SamplingParams
 from kvstore.transfer import TransferError, TransferTimeout
-from services.errors import WorkerDiedError
+from services.errors import WorkerDiedError, WorkerLostError, WorkerStalledError
 from services.messages import PrefillResult, TokenEvent
-from services.worker_client import WorkerClient, WorkerStalledError
+from services.worker_client import WorkerClient
 
 T = TypeVar("T")
 
@@ -40,7 +40,7 @@ def resumable(exc: BaseException) -> bool:
     deadline and an engine step that raised (the request may be what broke it) are not."""
     if isinstance(exc, TransferError):
         return not isinstance(exc, TransferTimeout)
-    return isinstance(exc, WorkerDiedError | WorkerStalledError)
+    return isinstance(exc, WorkerLostError)
 
 
 @dataclass

@@ -29,9 +29,17 @@ class WorkerFailedError(Exception):
     """A worker died or a handoff step failed for this request (the request was not completed)."""
 
 
-class WorkerDiedError(WorkerFailedError):
-    """The worker's process is gone (its actor died); the router may pick another one."""
+class WorkerLostError(WorkerFailedError):
+    """A known worker stopped serving this request; the request may resume on another one."""
 
     def __init__(self, worker_id: str, message: str) -> None:
         super().__init__(message)
         self.worker_id = worker_id
+
+
+class WorkerDiedError(WorkerLostError):
+    """The worker's process is gone (its actor died); the router may pick another one."""
+
+
+class WorkerStalledError(WorkerLostError):
+    """A worker's stream sent nothing within its deadline: the worker may be hung."""

@@ -21,16 +21,8 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from engine.sampling_params import SamplingParams
 from router.loads import WorkerLoad
-from services.errors import WorkerDiedError, WorkerFailedError
+from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledError
 from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
-
-
-class WorkerStalledError(WorkerFailedError):
-    """A worker's stream sent nothing within its deadline: the worker may be hung."""
-
-    def __init__(self, worker_id: str, message: str) -> None:
-        super().__init__(message)
-        self.worker_id = worker_id
 
 
 class WorkerClient:
@@ -64,11 +56,11 @@ class WorkerClient:
 
     async def release(self, request_id: str) -> None:
         """Free a decode lease that never joined the batch; a dead worker has nothing left to free."""
-        with contextlib.suppress(WorkerDiedError, WorkerFailedError):
+        with contextlib.suppress(WorkerFailedError):
             await self._call(self.actor.release.remote(request_id), 10.0)
 
     async def abort(self, request_id: str) -> None:
-        with contextlib.suppress(WorkerDiedError, WorkerFailedError):
+        with contextlib.suppress(WorkerFailedError):
             await self._call(self.actor.abort.remote(request_id), 10.0)
 
     # ---- streams ------------------------------------------------------------------------------------------

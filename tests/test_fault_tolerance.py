@@ -36,14 +36,13 @@ from engine.output import FinishReason
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from services.dispatcher import GenerateRequest
-from services.errors import WorkerDiedError
+from services.errors import WorkerDiedError, WorkerStalledError
 from services.gateway import errors
 from services.gateway.chat_prompt import encode_chat
 from services.gateway.token_texts import TokenTexts
 from services.local_redis import free_port
 from services.messages import EngineStepError, Role, TokenEvent
 from services.worker import ColocatedWorker, WorkerSpec
-from services.worker_client import WorkerStalledError
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,7 +13,7 @@ interleaves their events, whose choice indices the frontend has shifted to ``pro
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -49,7 +49,6 @@ class Generation:
     """Iterate it for `Delta`s; `start()` first, which raises the dispatcher's up-front errors."""
 
     def __init__(self, request_id: str, events: AsyncIterator, n: int,
-                 on_complete: Callable[[Generation], Awaitable[None]] | None = None,
                  choices_per_prompt: int | None = None) -> None:
         """``n`` choices in all, ``choices_per_prompt`` of them (default: all) for each prompt."""
         self.request_id = request_id
@@ -60,7 +59,6 @@ class Generation:
         self._per_prompt = choices_per_prompt or n
         self._prompt_tokens: dict[int, int] = {}  # prompt -> its tokens
         self._cached_tokens: dict[int, int] = {}  # prompt -> its prefix-cache hit
-        self._on_complete = on_complete
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(events))
         self._first: object = _END
@@ -99,8 +97,6 @@ class Generation:
                 break
             event = await self._next()
         self.close()
-        if self.finished and self._on_complete is not None and "abort" not in self.finish_reasons:
-            await self._on_complete(self)
 
     def _apply(self, event) -> Delta:
         i = event.index
