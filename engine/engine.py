@@ -234,12 +234,27 @@ class Engine:
         """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks)."""
         return len(self.block_manager.cached_prefix(prompt_ids)[0]) * self.block_size
 
-    def insert_cached_blocks(self, token_ids: list[int], tensor: torch.Tensor) -> int:
-        """Put K/V of the first ``tensor.shape[2]`` full blocks of ``token_ids`` (fetched from the pool)
-        into the prefix cache; returns how many blocks were newly placed."""
-        placed = self.block_manager.insert(token_ids, tensor.shape[2])
+    def export_cached_prefix(self, token_ids: list[int], skip_blocks: int = 0,
+                             max_blocks: int | None = None) -> tuple[torch.Tensor | None, list[int]]:
+        """K/V (as ``export_blocks``) and chain hashes of the cached full blocks of ``token_ids`` after the
+        first ``skip_blocks``, up to ``max_blocks`` in all; (None, []) when there are none. A copy made
+        here, so the blocks may be evicted once this returns."""
+        block_ids, hashes = self.block_manager.cached_prefix(token_ids, max_blocks)
+        if len(block_ids) <= skip_blocks:
+            return None, []
+        ids = block_ids[skip_blocks:]
+        # Only the blocks' own columns: a windowed format's trailing window belongs to a live sequence.
+        return self.kv_cache.export_blocks(ids)[:, :, :len(ids)].contiguous(), hashes[skip_blocks:]
+
+    def insert_cached_blocks(self, token_ids: list[int], tensor: torch.Tensor, first_block: int = 0) -> int:
+        """Put K/V of full blocks ``first_block .. first_block + tensor.shape[2]`` of ``token_ids`` (fetched
+        from the pool or a peer) into the prefix cache, after the ``first_block`` cached ones; returns how
+        many blocks were newly placed (0 when those leading blocks are no longer cached)."""
+        if first_block and self.cached_prefix_len(token_ids) // self.block_size < first_block:
+            return 0  # evicted meanwhile: the fetched blocks no longer continue a cached chain
+        placed = self.block_manager.insert(token_ids, first_block + tensor.shape[2])
         if placed:
-            index = torch.tensor([i for i, _ in placed], device=tensor.device)
+            index = torch.tensor([i - first_block for i, _ in placed], device=tensor.device)
             self.kv_cache.import_blocks([b for _, b in placed], tensor.index_select(2, index))
         return len(placed)
 

@@ -26,6 +26,7 @@ from router.view import SLO, ClusterView, Decision, Reject, RouteRequest
 __all__ = ["SLO", "Conductor", "Decision", "PrefixIndex", "Reject", "RouteRequest", "WorkerLoad"]
 
 _INFLIGHT_STRIDE_TOKENS = 512  # granularity of in-flight prefix matches
+_MIN_COPY_WAIT_S = 0.5
 
 
 def is_pool_holder(holder: str) -> bool:
@@ -40,8 +41,12 @@ class PrefixIndex(Protocol):
 
 class Conductor:
     def __init__(self, policy_name: str, estimator: Estimator, slo: SLO,
-                 *, block_size: int = 16, seed: int = 0, pending_ttl_s: float = 30.0, **policy_options):
+                 *, block_size: int = 16, seed: int = 0, pending_ttl_s: float = 30.0, copy_inflight: bool = False,
+                 **policy_options):
         self.policy_name, self.estimator, self.slo, self.block_size = policy_name, estimator, slo, block_size
+        # The live cluster's choice (any policy copies a prefix another worker is computing); the simulator
+        # leaves it off to compare the policies as published.
+        self.copy_inflight = copy_inflight
         self.policy = make_policy(policy_name, seed=seed, **policy_options)
         self.pending_ttl_s = pending_ttl_s
         self.mean_output_tokens = 256.0  # running mean of max_tokens: the expected decode length
@@ -69,6 +74,8 @@ class Conductor:
         view = ClusterView(req, self.estimator, self.slo, self.block_size, now, self.mean_output_tokens, table,
                            matches, pool, inflight, heat, self._stride)
         out = self.policy(view)
+        if self.copy_inflight and isinstance(out, Decision) and out.fetch_from is None:
+            out = self._copy_inflight(out, view)
         self.mean_output_tokens += 0.01 * (req.max_tokens - self.mean_output_tokens)
         if self._heat is not None:
             self._heat.add(hashes, now)
@@ -77,6 +84,11 @@ class Conductor:
             if hashes:
                 self._inflight.add(out.prefill, hashes, now + out.est_ttft_s - out.est_handoff_s)
         return out
+
+    def copy_wait_s(self, dec: Decision) -> float:
+        """How long a prefix copy from ``dec.fetch_from`` may wait for blocks still being computed there:
+        past the time to compute them on the chosen worker, waiting cannot win."""
+        return max(_MIN_COPY_WAIT_S, float(self.estimator.prefill.predict(dec.cached_blocks * self.block_size, 0)))
 
     def observe_prefill(self, worker: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A measured prefill of one prompt alone (all workers share one model: they run the same model
@@ -99,6 +111,21 @@ class Conductor:
             return  # nothing moved: no bandwidth to learn
         self.estimator.transfer.observe(src, dst, nbytes, seconds, "pool" if src == "pool" else "peer")
         self.measurements.add_transfer(src, dst, nbytes, seconds)
+
+    @staticmethod
+    def _copy_inflight(dec: Decision, view: ClusterView) -> Decision:
+        """Whatever the policy: when another worker is computing (or has just computed, before the pool
+        lists it) more of this prompt's prefix than the chosen worker has or the pool can give it, copy it
+        from there once computed instead of computing it again, if that gives the earlier first token."""
+        p = list(view.p_ids).index(dec.prefill)
+        blocks = float(view.p_future[p])
+        if blocks <= max(dec.cached_blocks, view.pool_blocks):
+            return dec
+        ttft = max(float(view.p_queue_s[p]), float(view.future_fetch_s()[p])) + float(view.future_prefill_s()[p])
+        if ttft >= dec.est_ttft_s - dec.est_handoff_s:
+            return dec
+        return view.decision(p, list(view.d_ids).index(dec.decode), view.future_source(p),
+                             blocks - view.p_local[p], blocks, ttft, dec.est_tbt_s, dec.replicate)
 
     def _remember(self, dec: Decision, req: RouteRequest, view: ClusterView, now: float) -> None:
         """Count this request on its workers until their reports include it."""

@@ -20,7 +20,7 @@ from typing import TypeVar
 from engine.sampling_params import SamplingParams
 from kvstore.transfer import TransferError, TransferTimeout
 from services.errors import WorkerDiedError, WorkerLostError, WorkerStalledError
-from services.messages import PrefillResult, TokenEvent
+from services.messages import PrefillResult, PrefixFetch, TokenEvent
 from services.worker_client import WorkerClient
 
 T = TypeVar("T")
@@ -67,7 +67,7 @@ class Attempt:
     params: SamplingParams
     index: int  # which of the request's n choices
     output_ids: tuple[int, ...]  # streamed by earlier attempts: this one continues after them
-    fetch_from: str | None
+    fetch: PrefixFetch | None  # the prefix copy the router chose, if any
 
 
 async def unless_set(died: asyncio.Event, worker_id: str, call: Awaitable[T]) -> T:
@@ -89,7 +89,7 @@ async def unless_set(died: asyncio.Event, worker_id: str, call: Awaitable[T]) ->
 def run_colocated(attempt: Attempt, worker: WorkerClient, deadlines: Deadlines) -> AsyncIterator[TokenEvent]:
     """One worker computes the prompt and decodes; its first event may take the prefill deadline."""
     a = attempt
-    return worker.generate(a.request_id, a.prompt_ids, a.params, a.index, a.fetch_from, a.output_ids,
+    return worker.generate(a.request_id, a.prompt_ids, a.params, a.index, a.fetch, a.output_ids,
                            deadlines.prefill_s, deadlines.token_s)
 
 
@@ -108,7 +108,7 @@ async def run_disaggregated(
     handed_off = completed = False
     try:
         result = await unless_set(decode_died, decode.worker_id, prefill.prefill(
-            a.request_id, a.prompt_ids, a.params, decode.info.kv_target, a.fetch_from, deadlines.prefill_s,
+            a.request_id, a.prompt_ids, a.params, decode.info.kv_target, a.fetch, deadlines.prefill_s,
             a.output_ids))
         on_handoff(result)
         first = TokenEvent(a.index, [result.first_token_id], result.finish_reason, len(a.prompt_ids),

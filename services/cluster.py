@@ -104,7 +104,7 @@ class Cluster:
             layers=first.num_layers if self.config.layerwise else 1,  # layer-wise KV leaves as layers finish
         )
         conductor = Conductor(self.config.policy, estimator, SLO(self.config.ttft_slo_s, self.config.tbt_slo_s),
-                              block_size=first.block_size)
+                              block_size=first.block_size, copy_inflight=True, **self.config.policy_options())
         self.mirror = PoolMirror(self.redis_url, first.model_id, first.block_size)
         self.mirror.start()
         # Without replacements, a request whose workers died has nothing to wait for.

@@ -29,6 +29,7 @@ class ClusterConfig:
     decode: int = 1
     colocated: int = 0  # > 0 serves colocated workers instead of prefill/decode pairs
     policy: str = "tidepool"
+    replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
     kv_transport: str = "auto"  # grpc | collective | auto (collective on GPUs and CPUs, gRPC across devices)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
     address: str | None = None  # "auto" joins a running Ray cluster
@@ -44,6 +45,12 @@ class ClusterConfig:
     placement_timeout_s: float = 60.0  # workers not placed (and constructed) by then fail the start
     replace_workers: bool = True  # a worker that dies or reports unhealthy is replaced by a new one
     extra_env: dict[str, str] = field(default_factory=dict)
+
+    def policy_options(self) -> dict:
+        """Options of the routing policy (``router.policies``) this config turns on."""
+        if self.replicate_hot_prefixes and self.policy != "tidepool":
+            raise ValueError(f"hot-prefix replication is the tidepool policy's, not {self.policy}'s")
+        return {"replicate": True} if self.replicate_hot_prefixes else {}
 
     def roles(self) -> list[Role]:
         if self.colocated:
@@ -82,6 +89,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=c.colocated,
                    help="serve N colocated workers (prefill and decode in one engine) instead")
     p.add_argument("--policy", default=c.policy, choices=POLICIES, help="how the router picks workers")
+    p.add_argument("--replicate-hot-prefixes", action="store_true", default=c.replicate_hot_prefixes,
+                   help="copy prefixes many requests share to idle prefill workers ahead of demand "
+                        "(tidepool policy)")
     p.add_argument("--kv-transport", default=c.kv_transport, choices=KV_TRANSPORTS,
                    help="how KV moves from prefill to decode workers")
     p.add_argument("--no-layerwise", dest="layerwise", action="store_false", default=c.layerwise,
@@ -149,7 +159,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
-        kv_transport=args.kv_transport, layerwise=args.layerwise, address=args.address, redis_url=args.redis_url,
+        replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, pool_max_bytes=args.pool_max_bytes,
         kv_disk_dir=args.kv_disk_dir and os.path.abspath(args.kv_disk_dir),  # workers run in other directories
         kv_disk_bytes=args.kv_disk_bytes,

@@ -29,7 +29,7 @@ from router.loads import DECODE_ROLES, PREFILL_ROLES
 from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
 from services.fanout import interleave
-from services.messages import PrefillResult, TokenEvent
+from services.messages import PrefillResult, PrefixFetch, TokenEvent
 from services.metrics import Metrics
 from services.request_metrics import RequestTracker
 from services.worker_client import WorkerClient
@@ -79,6 +79,7 @@ class Dispatcher:
         self._loads: dict[str, WorkerLoad] = {}
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
+        self._copies: set[asyncio.Task] = set()  # hot-prefix copies under way
         self._refresher: asyncio.Task | None = None
 
     # ---- worker state -------------------------------------------------------------------------------------
@@ -87,6 +88,8 @@ class Dispatcher:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def stop(self) -> None:
+        for task in self._copies:
+            task.cancel()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -238,9 +241,10 @@ class Dispatcher:
                     route_req, excluded)
                 if not track.streaming:
                     track.route(decision)
+                self._replicate(decision, tokens)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), decision.fetch_from))
+                    tuple(progress.output_ids), self._prefix_fetch(decision)))
                 try:
                     async for event in stream:
                         progress.add(event)
@@ -285,6 +289,32 @@ class Dispatcher:
             await asyncio.sleep(_LOAD_REFRESH_S)
         return self._route(route_req, excluded)
 
+    def _prefix_fetch(self, decision: Decision, source: str | None = None, blocks: int = 0) -> PrefixFetch | None:
+        """The peer copy a decision asks for (a pool read is the worker's own call); None without one."""
+        source = source or decision.fetch_from
+        holder = self.workers.get(source) if source is not None else None
+        if holder is None:  # "pool", or a holder that is gone since
+            return None
+        return PrefixFetch(source, blocks or decision.cached_blocks, self.conductor.copy_wait_s(decision),
+                           holder.actor)
+
+    def _replicate(self, decision: Decision, tokens: list[int]) -> None:
+        """Start the hot-prefix copies the conductor asked for, in the background: they only warm a cache,
+        and the requests wanting them are routed by what the index shows once they landed."""
+        for copy in decision.replicate:
+            fetch, taker = self._prefix_fetch(decision, copy.src, copy.blocks), self.workers.get(copy.dst)
+            if fetch is None or taker is None:
+                continue
+            task = asyncio.create_task(taker.copy_prefix(tokens[: copy.blocks * self.block_size + 1], fetch,
+                                                         self.deadlines.prefill_s))
+            self._copies.add(task)
+            task.add_done_callback(self._copy_done)
+
+    def _copy_done(self, task: asyncio.Task) -> None:
+        self._copies.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("hot-prefix copy failed: %r", task.exception())
+
     def _run(self, decision: Decision, attempt: Attempt) -> AsyncIterator[TokenEvent]:
         if decision.prefill == decision.decode:
             return run_colocated(attempt, self.workers[decision.prefill], self.deadlines)
@@ -295,6 +325,8 @@ class Dispatcher:
                 self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s)
             if result.transport and not result.overlapped:  # a layer-wise transfer's time includes compute
                 self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes, result.transfer_s)
+            for source, nbytes, seconds in result.prefix_copies:
+                self.conductor.observe_transfer(source, decision.prefill, nbytes, seconds)
 
         return run_disaggregated(attempt, self.workers[decision.prefill], self.workers[decision.decode],
                                  self.deadlines, died, observe)

@@ -18,7 +18,7 @@ from engine.engine import Engine
 from kvstore.hashing import block_hashes, salt_for
 from kvstore.transfer import PeerLost, TransferError
 from kvstore.transfer.collective import CollectiveChannel, backend_for, pick_transport
-from kvstore.transfer.grpc import KVTransferClient, PushCall
+from kvstore.transfer.grpc import KVTransferClients, PushCall
 from kvstore.transfer.wire import LayerFeed, TransferHeader
 from services.engine_loop import EngineLoop
 from services.kv_receiver import kv_payload_shape
@@ -29,13 +29,12 @@ class HandoffSender:
     def __init__(self, worker_id: str, transport: str, layerwise: bool, engine: Engine, loop: EngineLoop,
                  secret: str) -> None:
         self.worker_id = worker_id
-        self._secret = secret  # the cluster's: receivers refuse pushes without it
         self.mode = transport
         self.layerwise = layerwise
         self.engine = engine
         self.loop = loop
         self._salt = salt_for(engine.model_id)
-        self._clients: dict[str, KVTransferClient] = {}
+        self.clients = KVTransferClients(secret)  # the cluster's secret: receivers refuse pushes without it
         self._channels: dict[str, CollectiveChannel] = {}
         self._pair_locks: dict[str, asyncio.Lock] = {}
         self._feeds: dict[str, LayerFeed] = {}  # request -> per-layer feed, filled on the engine thread
@@ -84,11 +83,6 @@ class HandoffSender:
         channel = self._channels.pop(decode_id, None)
         if channel is not None:
             channel.close()
-
-    def client(self, target: str) -> KVTransferClient:
-        if target not in self._clients:
-            self._clients[target] = KVTransferClient(target, self._secret)
-        return self._clients[target]
 
     async def channel(self, kv_target: KVTarget) -> CollectiveChannel:
         decode_id = kv_target.worker_id
@@ -139,7 +133,7 @@ class Handoff:
     def _start(self, payload) -> None:
         self._started = time.perf_counter()
         if self.transport == "grpc":
-            client = self.sender.client(self.kv_target.grpc_address)
+            client = self.sender.clients.get(self.kv_target.grpc_address)
             self._push = client.start_push(self.header, payload, self._remaining())
         else:
             self._collective = asyncio.create_task(self._send_collective(payload))

@@ -36,6 +36,16 @@ class KVTarget:
 
 
 @dataclass(frozen=True)
+class PrefixFetch:
+    """The router's choice to copy a prompt's leading blocks from another worker before computing it."""
+
+    source: str  # the holder's worker id
+    blocks: int  # leading blocks of the prompt the holder has, or will have once its prefill of them ends
+    wait_s: float  # how long the holder may wait for blocks it is still computing
+    actor: Any  # the holder's Ray actor handle: asked to push the blocks
+
+
+@dataclass(frozen=True)
 class WorkerProfile:
     """Timings a worker measured on its own engine at start, for the router's estimator."""
 
@@ -59,6 +69,7 @@ class WorkerInfo:
     total_blocks: int
     profile: WorkerProfile
     kv_target: KVTarget | None = None  # decode workers only
+    prefix_address: str | None = None  # host:port peers push prefix copies to (prefill and colocated workers)
     max_kv_tokens: int | None = None  # an attention window bounds one sequence's KV at this many tokens
     num_layers: int = 1  # the model's layers: a layer-wise hand-off streams in this many pieces
 
@@ -89,3 +100,5 @@ class PrefillResult:
     transport: str = ""  # the transport actually used ("grpc", "collective"); "" when nothing was sent
     overlapped: bool = False  # layer-wise: the bytes left while the prompt computed (not a link measurement)
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+    # Prefix blocks copied in before the prefill: (source, bytes, seconds) per source ("pool", a worker id)
+    prefix_copies: tuple[tuple[str, int, float], ...] = ()

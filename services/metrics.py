@@ -96,7 +96,7 @@ class Metrics:
             "tidepool_prompt_tokens_by_source",
             "Prompt tokens by where their KV came from: computed, local prefix cache, or a pool tier",
             [*m, "source"], registry=r)
-        for source in (*_LOCAL_SOURCES, "pool_host", "pool_disk", "pool_redis"):
+        for source in (*_LOCAL_SOURCES, "pool_host", "pool_disk", "pool_redis", "pool_peer"):
             self.tokens_by_source.labels(model_name, source)
 
         # ---- requests, recorded by the dispatcher (services/request_metrics.py)

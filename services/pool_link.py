@@ -1,17 +1,22 @@
 """A worker's link to the KV pool: publish its block events, share computed prefixes, load missing ones.
 
 ``publish`` (the engine loop's block-event sink) only buffers the engine's block events (the publisher
-thread sends them in batches), so a step never waits on Redis. After a prefill the request's full blocks
-go to the host tier, to the Redis tier, where any worker can fetch them, and (when configured) to this
-worker's disk tier, whose writer thread keeps them across restarts; before a prefill, prefix blocks this
-engine lacks are taken from those tiers (host, then disk, then Redis: the local disk reads faster than
-Redis, see docs/BENCHMARKS.md) and placed in its prefix cache, so the engine computes only the rest.
+thread sends them in batches), so a step never waits on Redis. After a prefill (and after a decode, so the
+next chat turn finds the answer too) the sequence's full blocks go to the host tier, to the Redis tier,
+where any worker can fetch them, and (when configured) to this worker's disk tier, whose writer thread
+keeps them across restarts. Before a prefill, prefix blocks this engine lacks are taken from those tiers
+(host, then disk, then Redis: the local disk reads faster than Redis, see docs/BENCHMARKS.md) and placed
+in its prefix cache, so the engine computes only the rest. This happens whatever the routing policy: the
+worker itself weighs a Redis read against recomputing (``FetchCost``), its own tiers always win.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,18 +25,53 @@ from engine.block_events import BlockEvent, BlockRemoved, BlockStored
 from engine.engine import Engine
 from kvstore.disk_tier import DiskTier
 from kvstore.hashing import block_hashes, salt_for
-from kvstore.payload import BlockLayout, HostTier, RedisTier, fetch_prefix
+from kvstore.payload import BlockLayout, BlockTier, HostTier, RedisTier, fetch_prefix
 from kvstore.pool import POOL_HOLDER, KVPool
 from kvstore.publisher import PoolPublisher
+from router.estimator import PrefillModel
 from services.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class PrefixLoad:
+    """What one ``load_prefix`` placed, and what its Redis reads cost (for the router's pool link)."""
+
+    blocks: int = 0
+    shared_bytes: int = 0
+    shared_s: float = 0.0
+
+
+class FetchCost:
+    """Whether reading blocks from the shared Redis tier beats computing them here: this worker's prefill
+    model (its start-up profile) against the read rate it measured on its earlier reads. Until a read was
+    measured, reading wins (and measures); without a prefill model it always does."""
+
+    def __init__(self, prefill: PrefillModel | None, block_size: int, block_bytes: int, alpha: float = 0.3):
+        self.prefill, self.block_size, self.block_bytes, self.alpha = prefill, block_size, block_bytes, alpha
+        self.seconds_per_byte: float | None = None
+
+    def worth_reading(self, first_block: int, num_blocks: int) -> bool:
+        if self.prefill is None or self.seconds_per_byte is None:
+            return True
+        read_s = num_blocks * self.block_bytes * self.seconds_per_byte
+        # The marginal cost of those tokens: the rest of the prompt is computed either way.
+        compute_s = self.prefill.predict(num_blocks * self.block_size, first_block * self.block_size) \
+            - self.prefill.fixed_s
+        return read_s < compute_s
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            rate = seconds / nbytes
+            old = self.seconds_per_byte
+            self.seconds_per_byte = rate if old is None else old + self.alpha * (rate - old)
+
+
 class PoolLink:
     def __init__(self, redis_url: str, worker_id: str, engine: Engine, redis_max_bytes: int,
                  host_max_bytes: int = 256 << 20, disk_dir: str | None = None,
-                 disk_max_bytes: int = 0) -> None:
+                 disk_max_bytes: int = 0, prefill_model: PrefillModel | None = None) -> None:
         self.engine = engine
         self.block_size = engine.block_size
         self._salt = salt_for(engine.model_id)
@@ -46,9 +86,10 @@ class PoolLink:
         self.disk = None if disk_dir is None else DiskTier(
             Path(disk_dir) / worker_id / f"{engine.model_id}-{engine.block_size}", engine.model_id,
             disk_max_bytes, layout, *self.publisher.callbacks("disk"))
-        self._tiers = [t for t in (self.host, self.disk, self.redis) if t is not None]  # fastest first
+        self._own = [t for t in (self.host, self.disk) if t is not None]  # fastest first; Redis after them
+        self.fetch_cost = FetchCost(prefill_model, self.block_size, math.prod(kv.block_shape) * kv.payload_dtype.itemsize)
         self._sharing: set[asyncio.Task] = set()  # background writes to the tiers
-        self.hit_tokens: dict[str, int] = {}  # prompt tokens placed from each tier ("host", ...), for the metrics
+        self.hit_tokens: dict[str, int] = {}  # prompt tokens placed from each source ("host", ...), for the metrics
         self.publisher.start()
 
     def publish(self, events: list[BlockEvent]) -> None:
@@ -61,52 +102,48 @@ class PoolLink:
                 case BlockRemoved(hashes):
                     self.publisher.on_removed(hashes)
 
-    async def load_prefix(self, loop: EngineLoop, prompt_ids: list[int], shared: bool = True) -> int:
-        """Place prefix blocks this engine lacks from the host/disk/Redis tiers; returns how many were placed.
-        ``shared=False`` leaves out the Redis tier: only this worker's own tiers, which the pool index lists
-        under its name and the router counts as its local prefix.
+    def count_hits(self, source: str, blocks: int) -> None:
+        self.hit_tokens[source] = self.hit_tokens.get(source, 0) + blocks * self.block_size
+
+    async def load_prefix(self, loop: EngineLoop, prompt_ids: list[int]) -> PrefixLoad:
+        """Place prefix blocks this engine lacks from the host, disk and Redis tiers (Redis only where
+        ``fetch_cost`` says reading beats recomputing).
 
         Only blocks before the prompt's last token count: that token is always computed for its logits.
         """
         usable = (len(prompt_ids) - 1) // self.block_size
         hashes = block_hashes(prompt_ids[: usable * self.block_size], self.block_size, self._salt)
-        own = [t for t in self._tiers if t is not self.redis]
-        if not shared and not any(h in t for t in own for h in hashes):
-            return 0  # nothing to place: spare the engine thread the prefix lookup
         local = await loop.acall(self.engine.cached_prefix_len, prompt_ids) // self.block_size
         if local >= len(hashes):
-            return 0
-        served: dict[str, int] = {}
-        tiers = [_Counted(t, served) for t in (self._tiers if shared else own)]
-        blocks = await asyncio.to_thread(fetch_prefix, hashes[local:], tiers)
+            return PrefixLoad()
+        reads = [_Read(t, self.fetch_cost if t is self.redis else None, len(hashes)) for t in (*self._own, self.redis)]
+        blocks = await asyncio.to_thread(fetch_prefix, hashes[local:], reads)
+        shared = reads[-1]
+        self.fetch_cost.observe(shared.nbytes, shared.seconds)
         if not blocks:
-            return 0
-        placed = await loop.acall(self._place, prompt_ids, local, blocks)
-        if placed:
-            for tier, n in served.items():
-                self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n * self.block_size
-        return placed
-
-    def _place(self, prompt_ids: list[int], local: int, blocks: list[torch.Tensor]) -> int:
-        """Engine thread: insert fetched blocks after the ``local`` cached ones, if those are still cached."""
-        if self.engine.cached_prefix_len(prompt_ids) // self.block_size < local:
-            return 0  # evicted meanwhile: the fetched blocks no longer continue a cached chain
+            return PrefixLoad(0, shared.nbytes, shared.seconds)
         fetched = torch.stack(blocks, dim=2).to(self.engine.device)
-        shape = list(fetched.shape)
-        shape[2] += local
-        full = torch.empty(shape, dtype=fetched.dtype, device=fetched.device)
-        full[:, :, local:] = fetched  # the first ``local`` blocks are cached already and are not placed
-        return self.engine.insert_cached_blocks(prompt_ids[: shape[2] * self.block_size], full)
+        placed = await loop.acall(self.engine.insert_cached_blocks, prompt_ids, fetched, local)
+        if placed:
+            for read in reads:
+                self.count_hits(read.name, read.blocks)
+        return PrefixLoad(placed, shared.nbytes, shared.seconds)
 
-    async def store_request_blocks(self, loop: EngineLoop, request_id: str) -> None:
-        """Share a prefilled request's full blocks through the host, Redis and disk tiers.
+    async def store_prefix(self, loop: EngineLoop, token_ids: list[int], skip_blocks: int = 0) -> None:
+        """Share the cached full blocks of ``token_ids`` after the first ``skip_blocks`` (those were shared
+        when computed) through the host, Redis and disk tiers: a prompt just computed, or a finished
+        sequence's answer, which the next chat turn's prompt carries.
 
-        Only the copy out of the KV cache happens before this returns (the request still holds its blocks);
-        the writes to the tiers run in the background, off the request's critical path.
+        Only the copy out of the KV cache happens before this returns; the writes to the tiers run in the
+        background, off the request's critical path.
         """
-        engine = self.engine
-        tensor, hashes = await loop.acall(lambda: engine.export_blocks(engine.request_block_ids(request_id)))
-        task = asyncio.create_task(self._share(tensor, hashes))
+        tensor, hashes = await loop.acall(self.engine.export_cached_prefix, token_ids, skip_blocks)
+        if tensor is None:
+            return
+        self.track(asyncio.create_task(self._share(tensor, hashes)))
+
+    def track(self, task: asyncio.Task) -> None:
+        """Count ``task`` (a write to the tiers) among those ``wait_shared`` waits for."""
         self._sharing.add(task)
         task.add_done_callback(self._sharing.discard)
 
@@ -116,7 +153,7 @@ class PoolLink:
             await asyncio.gather(*self._sharing, return_exceptions=True)
 
     async def _share(self, tensor: torch.Tensor, hashes: list[int]) -> None:
-        stored = self.pool.longest_prefix(hashes).get(POOL_HOLDER, 0)  # leading blocks the tier already has
+        stored = (await asyncio.to_thread(self.pool.longest_prefix, hashes)).get(POOL_HOLDER, 0)  # already there
         # The disk keeps its own copy of what Redis has (Redis may evict it first); it skips what it holds.
         first = stored if self.disk is None else min(stored, next(
             (i for i, h in enumerate(hashes) if h not in self.disk), len(hashes)))
@@ -138,14 +175,22 @@ class PoolLink:
         self.pool.close()
 
 
-class _Counted:
-    """A tier that counts the blocks it hands out, by tier name ("host" for HostTier, ...)."""
+class _Read:
+    """One tier's part in a ``load_prefix``: the blocks it handed out and, for Redis, the bytes and time
+    they took; ``cost`` (Redis only) may decline a read that recomputing would beat."""
 
-    def __init__(self, tier, served: dict[str, int]) -> None:
-        self.tier, self.served = tier, served
+    def __init__(self, tier: BlockTier, cost: FetchCost | None, total: int) -> None:
+        self.tier, self.cost, self.total = tier, cost, total
         self.name = type(tier).__name__.removesuffix("Tier").lower()
+        self.blocks, self.nbytes, self.seconds = 0, 0, 0.0
 
     def get_prefix(self, hashes: list[int]) -> list[torch.Tensor]:
+        first = self.total - len(hashes)  # the prompt block hashes[0] is (the reads continue one run)
+        if self.cost is not None and not self.cost.worth_reading(first, len(hashes)):
+            return []
+        start = time.perf_counter()
         blocks = self.tier.get_prefix(hashes)
-        self.served[self.name] = self.served.get(self.name, 0) + len(blocks)
+        self.seconds += time.perf_counter() - start
+        self.blocks += len(blocks)
+        self.nbytes += sum(b.numel() * b.element_size() for b in blocks)
         return blocks

@@ -25,15 +25,27 @@ from engine.engine import Engine, EngineStats
 from engine.output import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.transfer.wire import TransferHeader
+from router.estimator import PrefillModel
 from router.loads import WorkerLoad, step_samples
 from services.engine_loop import EngineLoop
 from services.engine_profile import profile_engine
 from services.kv_receiver import HandoffReceiver
 from services.kv_sender import HandoffSender
-from services.messages import EngineStepError, KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
+from services.messages import (
+    EngineStepError,
+    KVTarget,
+    PrefillResult,
+    PrefixFetch,
+    Role,
+    TokenEvent,
+    WorkerInfo,
+)
+from services.peer_copy import PrefixCopier
 from services.pool_link import PoolLink
 
 log = logging.getLogger(__name__)
+
+_COLOCATED_COPY_TIMEOUT_S = 30.0  # a colocated request's prefix copy from a peer (prefills have a deadline)
 
 
 @dataclass
@@ -60,27 +72,34 @@ class Worker:
         self.pool: PoolLink | None = None
         self.engine = Engine(spec.engine)
         self.loop: EngineLoop | None = None
+        self.copier: PrefixCopier | None = None
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
         """Start the engine thread, profile the engine for the router, and say where this worker runs."""
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         profile = await self.loop.acall(profile_engine, self.engine)
+        node = ray.util.get_node_ip_address()
+        # Prefill and colocated workers take prefix copies from peers (decode workers only give them):
+        # their transfer server binds the node's address, as the decode worker's does.
+        self.copier = PrefixCopier(self.engine, self.loop, self.spec.transfer_secret,
+                                   host=None if self.spec.role == Role.DECODE else node)
         if self.spec.redis_url:
             # Connected after profiling, so the throwaway profile prompts are never published.
             self.pool = PoolLink(self.spec.redis_url, self.spec.worker_id, self.engine,
                                  self.spec.pool_max_bytes, disk_dir=self.spec.kv_disk_dir,
-                                 disk_max_bytes=self.spec.kv_disk_bytes)
+                                 disk_max_bytes=self.spec.kv_disk_bytes,
+                                 prefill_model=PrefillModel.fit(profile.prefill))
             self.loop.set_block_event_sink(self.pool.publish)
         return WorkerInfo(
-            worker_id=self.spec.worker_id, role=self.spec.role, node=ray.util.get_node_ip_address(),
+            worker_id=self.spec.worker_id, role=self.spec.role, node=node,
             node_id=ray.get_runtime_context().get_node_id(), device=str(self.engine.device),
             model_id=self.engine.model_id, block_size=self.engine.block_size,
             max_model_len=self.engine.max_model_len,
             kv_bytes_per_token=self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
             total_blocks=self.engine.stats().total_blocks, profile=profile,
             max_kv_tokens=None if self.engine.window is None else self.engine.window.max_blocks * self.engine.block_size,
-            num_layers=self.engine.model_config.num_layers,
+            num_layers=self.engine.model_config.num_layers, prefix_address=self.copier.address,
         )
 
     async def load(self) -> WorkerLoad:
@@ -95,7 +114,7 @@ class Worker:
             prefill_steps=prefill_steps, decode_steps=decode_steps,
             num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens_computed,
-            pool_hit_tokens=dict(self.pool.hit_tokens) if self.pool else {},
+            pool_hit_tokens={**(self.pool.hit_tokens if self.pool else {}), "peer": self.copier.hit_tokens},
             num_preemptions=stats.num_preemptions,
         )
 
@@ -105,20 +124,48 @@ class Worker:
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(self.engine.abort, request_id)
 
-    # ---- the KV pool ---------------------------------------------------------------------------------------------
-    async def _load_prefix_from_pool(self, prompt_ids: list[int], fetch_from: str | None) -> None:
-        """Take missing prefix blocks from this worker's host and disk tiers (the router counts them as its
-        local prefix), and from the shared Redis tier when the router said fetching beats recompute."""
-        if self.pool is None:
-            return
-        await self.pool.load_prefix(self.loop, prompt_ids, shared=fetch_from is not None)
+    # ---- the KV pool and peer copies ------------------------------------------------------------------------
+    async def _load_prefix(self, token_ids: list[int], fetch: PrefixFetch | None,
+                           timeout_s: float) -> tuple[tuple[str, int, float], ...]:
+        """Place the prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then
+        from the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing).
+        Returns (source, bytes, seconds) of each copy, for the router's link fits."""
+        copies = []
+        if fetch is not None:
+            copy = await self.copier.take(token_ids, fetch, timeout_s)
+            if copy.blocks:
+                copies.append((fetch.source, copy.nbytes, copy.seconds))
+        if self.pool is not None:
+            loaded = await self.pool.load_prefix(self.loop, token_ids)
+            if loaded.shared_bytes:
+                copies.append(("pool", loaded.shared_bytes, loaded.shared_s))
+        return tuple(copies)
+
+    async def push_prefix(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int,
+                          address: str, wait_s: float, timeout_s: float) -> tuple[int, float]:
+        """Push cached blocks of ``token_ids`` to a peer's prefix copy (``services/peer_copy.py``)."""
+        return await self.copier.push(copy_id, token_ids, skip_blocks, wait_blocks, address, wait_s, timeout_s)
+
+    async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
+        """Replication: copy a hot prefix from ``fetch.source`` ahead of the requests that will want it;
+        returns the blocks placed."""
+        return (await self.copier.take(token_ids, fetch, timeout_s)).blocks
+
+    def _share_finished(self, token_ids: list[int], skip_blocks: int) -> None:
+        """After a sequence finished: its answer's blocks to the pool, in the background, so the next chat
+        turn (whose prompt carries this one and its answer) finds all of it."""
+        if self.pool is not None:
+            task = asyncio.create_task(self.pool.store_prefix(self.loop, token_ids, skip_blocks))
+            self.pool.track(task)
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
     async def _stream(
-        self, request_id: str, index: int, start: Callable[[], None]
+        self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
     ) -> AsyncIterator[TokenEvent]:
         """Run ``start`` on the engine thread, then yield the request's outputs until it finishes.
 
+        ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
+        blocks are in the pool already: once finished, the rest of the sequence's blocks are shared.
         If the consumer goes away first (Ray cancels the generator), the request is aborted.
         """
         queue = self.loop.open_stream(request_id)
@@ -133,7 +180,10 @@ class Worker:
                     finished = True  # the failed step aborted the request already
                     raise outputs[-1]
                 event = _merge(outputs, index)
+                sequence = [*sequence, *event.token_ids]
                 finished = event.finish_reason is not None
+                if finished:
+                    self._share_finished(sequence, shared_blocks)
                 yield event
         finally:
             self.loop.close_stream(request_id)
@@ -157,12 +207,16 @@ class ColocatedWorker(Worker):
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
-        fetch_from: str | None = None, output_ids: tuple[int, ...] = (),
+        fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (),
     ) -> AsyncIterator[TokenEvent]:
         """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them."""
-        await self._load_prefix_from_pool([*prompt_ids, *output_ids], fetch_from)
+        tokens = [*prompt_ids, *output_ids]
+        await self._load_prefix(tokens, fetch, _COLOCATED_COPY_TIMEOUT_S)
+        # Nothing of the prompt is in the pool for sure: the finished sequence is shared whole (the pool
+        # skips the blocks it has).
         async for event in self._stream(
-            request_id, index, lambda: self.engine.add_request(request_id, prompt_ids, params, False, output_ids)
+            request_id, index, lambda: self.engine.add_request(request_id, prompt_ids, params, False, output_ids),
+            tokens, 0,
         ):
             yield event
 
@@ -178,13 +232,13 @@ class PrefillWorker(Worker):
 
     async def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
-        fetch_from: str | None, deadline_s: float, output_ids: tuple[int, ...] = (),
+        fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
     ) -> PrefillResult:
         """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
         and the result's token is the one after them."""
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
-        await self._load_prefix_from_pool(tokens, fetch_from)
+        copies = await self._load_prefix(tokens, fetch, deadline_s)
         queue = self.loop.open_stream(request_id)
         handoff = self.sender.open(request_id, tokens, kv_target, deadline)
         try:
@@ -198,12 +252,13 @@ class PrefillWorker(Worker):
             if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
                 handoff.cancel()
                 return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, prefix_copies=copies)
             nbytes, seconds = await handoff.finish()
-            if self.pool is not None:
-                await self.pool.store_request_blocks(self.loop, request_id)
+            if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
+                await self.pool.store_prefix(self.loop, tokens, output.num_cached_tokens // self.engine.block_size)
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
-                                 handoff.transport, overlapped=handoff.feed is not None, logprobs=logprobs)
+                                 handoff.transport, overlapped=handoff.feed is not None, logprobs=logprobs,
+                                 prefix_copies=copies)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)
@@ -240,7 +295,10 @@ class DecodeWorker(Worker):
             self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids,
                                              output_ids)
 
-        async for event in self._stream(request_id, index, join):
+        sequence = [*prompt_ids, *output_ids, first_token_id]
+        # The prefill worker shared the prompt's blocks: the answer's are this worker's to share.
+        async for event in self._stream(request_id, index, join, sequence,
+                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size):
             # The prefix-cache hit happened on the prefill side; report it with the decode stream.
             event.num_cached_tokens = num_cached_tokens
             yield event

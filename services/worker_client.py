@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from engine.sampling_params import SamplingParams
 from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledError
-from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo
+from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
 
 
 class WorkerClient:
@@ -47,12 +47,17 @@ class WorkerClient:
         await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s), timeout_s)
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
-                      fetch_from: str | None, deadline_s: float, output_ids: tuple[int, ...] = ()) -> PrefillResult:
+                      fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = ()) -> PrefillResult:
         """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease."""
-        ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch_from, deadline_s,
+        ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch, deadline_s,
                                         output_ids)
         # The worker enforces the deadline; this is the backstop. A cancelled caller stops the prompt's compute.
         return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)
+
+    async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
+        """Replication: have this worker copy the prefix ``fetch`` names from its holder; the blocks placed."""
+        return await self._call(self.actor.copy_prefix.remote(token_ids, fetch, timeout_s),
+                                fetch.wait_s + timeout_s + 5.0)
 
     async def release(self, request_id: str) -> None:
         """Free a decode lease that never joined the batch; a dead worker has nothing left to free."""
@@ -65,11 +70,11 @@ class WorkerClient:
 
     # ---- streams ------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
-                 fetch_from: str | None, output_ids: tuple[int, ...] = (), first_timeout_s: float = 120.0,
+                 fetch: PrefixFetch | None, output_ids: tuple[int, ...] = (), first_timeout_s: float = 120.0,
                  token_timeout_s: float = 60.0) -> AsyncIterator[TokenEvent]:
         """A colocated worker computes the prompt and decodes it; the first event may take
         ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch_from, output_ids)
+        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids)
         return self._stream(gen, request_id, first_timeout_s, token_timeout_s)
 
     def decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,

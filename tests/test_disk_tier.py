@@ -18,6 +18,7 @@ from test_pool_engine import GREEDY, _engine, _generate
 from kvstore.disk_tier import TMP_SUFFIX, DiskTier
 from kvstore.hashing import block_hashes, salt_for
 from kvstore.payload import BlockLayout, encode_block
+from router.estimator import PrefillModel
 from services.engine_loop import EngineLoop
 from services.pool_link import PoolLink
 
@@ -233,7 +234,7 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
         loop.set_block_event_sink(link.publish)
         try:
             await _generate(loop, "turn-1", prompt, GREEDY, prefill_only=True)
-            await link.store_request_blocks(loop, "turn-1")
+            await link.store_prefix(loop, prompt)
             await link.wait_shared()
             await loop.acall(loop.engine.release, "turn-1")
         finally:
@@ -250,15 +251,14 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
             hashes = block_hashes(prompt, loop.engine.block_size, salt_for(loop.engine.model_id))
             holders = link.pool.longest_prefix(hashes)
             assert len(link.host) == 0 and link.redis.get_prefix(hashes) == []  # only the disk has them
-            # shared=False, as the worker loads when the router counts the disk blocks as its local prefix
-            placed = await link.load_prefix(loop, prompt, shared=False)
+            placed = (await link.load_prefix(loop, prompt)).blocks
             tokens, cached = await _generate(loop, "turn-2", prompt, GREEDY)
         finally:
             link.close()
             loop.stop()
         block_size = loop.engine.block_size
         assert holders == {"engine-a": len(hashes)}  # the restarted worker published its disk
-        assert placed == (len(prompt) - 1) // block_size
+        assert placed == (len(prompt) - 1) // block_size == link.hit_tokens["disk"] // block_size
         assert cached == placed * block_size > 0 and cached_cold == 0
         assert tokens == expected
 
@@ -267,28 +267,31 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
 
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_without_shared_only_the_workers_own_tiers_are_read(redis_url, redis_client, serving_model_dir):
-    """What another worker put in Redis is loaded only when the router chose to fetch it."""
+def test_redis_blocks_are_read_only_when_reading_beats_recomputing(redis_url, redis_client, serving_model_dir):
+    """Whatever the routing policy, a worker reads what another put in Redis, unless its own prefill model
+    says computing those tokens is faster than its measured Redis read rate."""
     prompt = [random.Random(4).randrange(3, 250) for _ in range(70)]
 
     async def run() -> tuple[int, int, int]:
         aio = asyncio.get_running_loop()
-        loops = [EngineLoop(_engine(serving_model_dir), aio) for _ in range(2)]
-        links = [PoolLink(redis_url, f"engine-{n}", lp.engine, redis_max_bytes=64 << 20)
-                 for n, lp in zip("ab", loops, strict=True)]
+        loops = [EngineLoop(_engine(serving_model_dir), aio) for _ in range(3)]
+        free_compute = PrefillModel(per_pair_s=0.0, per_token_s=1e-12, fixed_s=0.0)
+        links = [PoolLink(redis_url, f"engine-{n}", lp.engine, redis_max_bytes=64 << 20, prefill_model=model)
+                 for n, lp, model in zip("abc", loops, (None, None, free_compute), strict=True)]
         try:
             await _generate(loops[0], "on-a", prompt, GREEDY, prefill_only=True)
-            await links[0].store_request_blocks(loops[0], "on-a")
+            await links[0].store_prefix(loops[0], prompt)
             await links[0].wait_shared()
-            return (await links[1].load_prefix(loops[1], prompt, shared=False),
-                    await links[1].load_prefix(loops[1], prompt), loops[1].engine.block_size)
+            links[2].fetch_cost.observe(1 << 20, 0.001)  # a measured read: 1 GB/s, slower than "free" compute
+            return ((await links[1].load_prefix(loops[1], prompt)).blocks,
+                    (await links[2].load_prefix(loops[2], prompt)).blocks, loops[1].engine.block_size)
         finally:
             for link, lp in zip(links, loops, strict=True):
                 link.close()
                 lp.stop()
 
-    own_only, with_redis, block_size = asyncio.run(run())
-    assert own_only == 0 and with_redis == (len(prompt) - 1) // block_size
+    read, declined, block_size = asyncio.run(run())
+    assert read == (len(prompt) - 1) // block_size and declined == 0
 
 
 @pytest.mark.ray

@@ -56,7 +56,7 @@ class FakeWorker:
         self.calls.append(("reserve", request_id))
         self.leases.add(request_id)
 
-    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch_from, deadline_s,
+    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s,
                       output_ids=()) -> PrefillResult:
         self.calls.append(("prefill", request_id))
         assert kv_target is not None and kv_target.worker_id.startswith("d")
@@ -80,7 +80,7 @@ class FakeWorker:
         self.leases.discard(request_id)  # the lease joins the batch
         return self._tokens(index, num_cached_tokens)
 
-    def generate(self, request_id, prompt_ids, params, index, fetch_from, output_ids=(), first_timeout_s=120.0,
+    def generate(self, request_id, prompt_ids, params, index, fetch, output_ids=(), first_timeout_s=120.0,
                  token_timeout_s=60.0):
         self.calls.append(("generate", request_id))
         return self._tokens(index, 0, first=True)

@@ -298,13 +298,13 @@ def test_quantized_blocks_go_through_the_pool_exactly_and_other_formats_miss(red
         (a, b, c), (link_a, link_b, link_c) = loops, links
         try:
             await generate(a, "share", prompt, prefill_only=True)
-            await link_a.store_request_blocks(a, "share")
+            await link_a.store_prefix(a, prompt)
             await link_a.wait_shared()
             await a.acall(a.engine.release, "share")
             want = await generate(a, "again", prompt)  # reads its own quantized prefix blocks
-            assert await link_b.load_prefix(b, prompt) == 6
+            assert (await link_b.load_prefix(b, prompt)).blocks == 6
             assert await generate(b, "fetched", prompt) == want == (want[0], 96)  # the same bytes
-            assert await link_c.load_prefix(c, prompt) == 0  # kivi2 blocks are a miss for an int8 cache
+            assert (await link_c.load_prefix(c, prompt)).blocks == 0  # kivi2 blocks are a miss for an int8 cache
         finally:
             for link in links:
                 link.close()

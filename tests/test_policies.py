@@ -252,6 +252,34 @@ def test_tidepool_copies_a_prefix_in_flight_once_computed_when_its_worker_has_a_
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "mooncake"])
+def test_live_conductor_has_any_policy_copy_a_prefix_another_worker_is_computing(policy):
+    """The live cluster's conductor (copy_inflight): a policy that would compute a prefix again copies it
+    from the worker computing it, when waiting for that prefill and copying gives the earlier first token."""
+    c = conductor(policy, copy_inflight=True)
+    first = c.route(REQ, [prefill("p0"), prefill("p1", queued=1), decode("d0")], index(), now=NOW)
+    assert first.prefill == "p0"
+    loads = [prefill("p0", queued=1), prefill("p1"), decode("d0")]
+    for load in loads:
+        load.updated_at = NOW + 2.0  # the reports include the first request
+    # 2 s into p0's ~2.7 s prefill of the prefix: waiting for it beats computing it again on p1
+    late = c.route(SIBLING, loads, index(), now=NOW + 2.0)
+    assert (late.prefill, late.fetch_from, late.cached_blocks) == ("p1", "p0", 31)
+    assert c.copy_wait_s(late) > 0
+    plain = conductor(policy)  # the simulator's: the policy as published
+    plain.route(REQ, [prefill("p0"), prefill("p1", queued=1), decode("d0")], index(), now=NOW)
+    assert plain.route(SIBLING, loads, index(), now=NOW + 2.0).fetch_from is None
+
+
+@pytest.mark.timeout(30)
+def test_a_prefix_just_started_elsewhere_is_computed_again_when_that_is_as_fast():
+    c = conductor("round_robin", copy_inflight=True)
+    c.route(REQ, [prefill("p0"), prefill("p1"), decode("d0")], index(), now=NOW)
+    second = c.route(SIBLING, [prefill("p0"), prefill("p1"), decode("d0")], index(), now=NOW)
+    assert (second.prefill, second.fetch_from) == ("p1", None)  # waiting for p0 would take as long
+
+
+@pytest.mark.timeout(30)
 def test_decision_carries_the_kv_handoff_it_added_to_the_ttft():
     dec = route("tidepool", [prefill("p0"), decode("d0")], index())
     est = conductor("tidepool").estimator

@@ -10,6 +10,8 @@ subclasses.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 import grpc
@@ -27,8 +29,8 @@ from kvstore.transfer.grpc_server import OPTIONS, SERVICE, KVTransferServer, Ser
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum, payload_pieces
 from tidepool.v1 import kv_transfer_pb2
 
-__all__ = ["KVTransferClient", "KVTransferServer", "PushCall", "ServerLimits", "chunk_stream",
-           "encode_data_chunk"]
+__all__ = ["KVTransferClient", "KVTransferClients", "KVTransferServer", "PushCall", "ServerLimits",
+           "chunk_stream", "encode_data_chunk"]
 
 SEND_CHUNK_BYTES = 1 << 20  # what the client sends; 1 MiB streamed faster than 4 MiB in benchmarks
 
@@ -140,3 +142,30 @@ class KVTransferClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class KVTransferClients:
+    """One client per receiver address, the least recently used closed beyond ``max_open`` (a long-lived
+    worker meets many peers over a cluster's life: replacements get new addresses)."""
+
+    def __init__(self, secret: str | None, max_open: int = 64) -> None:
+        self._secret, self._max_open = secret, max_open
+        self._clients: OrderedDict[str, KVTransferClient] = OrderedDict()
+        self._lock = threading.Lock()  # used from the actor's loop and from transfer threads
+
+    def get(self, target: str) -> KVTransferClient:
+        with self._lock:
+            client = self._clients.pop(target, None) or KVTransferClient(target, self._secret)
+            self._clients[target] = client
+            while len(self._clients) > self._max_open:
+                self._clients.popitem(last=False)[1].close()  # its calls in flight end with CANCELLED
+            return client
+
+    def __len__(self) -> int:
+        return len(self._clients)
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()

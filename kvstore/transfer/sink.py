@@ -12,6 +12,7 @@ copy into memory is fine); ``commit`` runs in a worker thread and may wait, e.g.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -45,30 +46,39 @@ class SinkOutcome:
 
 
 class TensorSink:
-    """A KVSink that writes each expected request into its own CPU tensor (host staging, tests, benchmarks)."""
+    """A KVSink that writes each expected request into its own CPU tensor (host staging, tests, benchmarks,
+    prefix copies between workers)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._expected: dict[str, torch.Tensor] = {}
+        self._expected: dict[str, Callable[[TransferHeader], torch.Tensor]] = {}
         self._outcomes: dict[str, SinkOutcome] = {}
 
     def expect(self, request_id: str, out: torch.Tensor) -> None:
         """Reserve ``out`` (a contiguous CPU tensor) as the destination of one transfer of ``request_id``."""
         if out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError("a TensorSink writes into contiguous CPU tensors only")
-        with self._cond:
-            self._expected[request_id] = out
 
-    def begin(self, header: TransferHeader) -> KVWriter:
-        with self._cond:
-            out = self._expected.get(header.request_id)
-            if out is None:
-                raise TransferRejected(f"no reservation for request {header.request_id!r}")
+        def exactly_out(header: TransferHeader) -> torch.Tensor:
             if tuple(out.shape) != header.shape or out.dtype != header.torch_dtype:
                 raise TransferRejected(f"{header.request_id}: reserved {out.dtype} {list(out.shape)}, "
                                        f"header says {header.dtype} {list(header.shape)}")
-            del self._expected[header.request_id]
-        return _TensorWriter(self, header.request_id, out)
+            return out
+
+        self.expect_sized(request_id, exactly_out)
+
+    def expect_sized(self, request_id: str, destination: Callable[[TransferHeader], torch.Tensor]) -> None:
+        """Expect one transfer of ``request_id`` whose size is known only from its header: ``destination``
+        checks the header (raising TransferRejected) and returns a CPU tensor of its shape to write into."""
+        with self._cond:
+            self._expected[request_id] = destination
+
+    def begin(self, header: TransferHeader) -> KVWriter:
+        with self._cond:
+            destination = self._expected.pop(header.request_id, None)
+        if destination is None:
+            raise TransferRejected(f"no reservation for request {header.request_id!r}")
+        return _TensorWriter(self, header.request_id, destination(header))
 
     def wait(self, request_id: str, timeout_s: float) -> SinkOutcome:
         """Block until the transfer of ``request_id`` was committed or aborted, and forget it."""
@@ -76,6 +86,12 @@ class TensorSink:
             if not self._cond.wait_for(lambda: request_id in self._outcomes, timeout_s):
                 raise TimeoutError(f"no outcome for {request_id} after {timeout_s} s")
             return self._outcomes.pop(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop the expectation or outcome of ``request_id``, whichever is left (a transfer given up on)."""
+        with self._cond:
+            self._expected.pop(request_id, None)
+            self._outcomes.pop(request_id, None)
 
     def _finish(self, request_id: str, outcome: SinkOutcome) -> None:
         with self._cond:
