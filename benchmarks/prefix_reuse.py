@@ -9,8 +9,11 @@ turns + answers) plus the new message. Run over Tidepool's gRPC API against
   (on)  tidepool serve                        (prefix caching on, blocks published to the Redis pool)
   (off) tidepool serve --no-prefix-caching
 
-With caching on, a turn recomputes only its new message and the previous answer; off, it recomputes the
-whole history, which grows every turn. Goal: mean TTFT at least 60% lower with caching on.
+With caching on, a turn recomputes only its new message: the previous turn's prompt is in the prefill
+worker's cache (or the pool), its answer's blocks were shared by the decode worker, and the session keeps
+the turn's token ids, so the next prompt starts with exactly them. Off, it recomputes the whole history,
+which grows every turn. No cache can serve the new messages (and each user's first system prompt until
+one is computed): the table's "ceiling" is the share of prompt tokens left, the most any cache could hit.
 """
 
 from __future__ import annotations
@@ -62,11 +65,16 @@ def main() -> int:
         for name, r in results.items()]))
     on, off = results.values()
     reduction = 1 - on["mean_ttft_ms"] / off["mean_ttft_ms"] if off["mean_ttft_ms"] else float("nan")
-    print(f"(ms) mean TTFT {100 * reduction:.0f}% lower with caching (goal >= 60%); "
+    # Never cacheable: every turn's new message, and the shared system prompt once.
+    fresh = args.users * args.turns * args.message_len + args.system_len
+    ceiling = 1 - fresh / on["total_input_tokens"] if on["total_input_tokens"] else float("nan")
+    print(f"(ms) mean TTFT {100 * reduction:.0f}% lower with caching; {100 * on['cache_hit_rate']:.1f}% of prompt "
+          f"tokens from cache against a ceiling of {100 * ceiling:.1f}% (new messages are never cached); "
           f"load average now {load_average()}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"mean_ttft_reduction": reduction, "args": vars(args), "results": results}, indent=2) + "\n")
+            {"mean_ttft_reduction": reduction, "cache_ceiling": ceiling, "args": vars(args), "results": results},
+            indent=2) + "\n")
     return 0
 
 

@@ -36,6 +36,15 @@ class KVTarget:
 
 
 @dataclass(frozen=True)
+class SessionSequence:
+    """A chat session's last turn as the model saw and wrote it: its prompt's token ids, then its reply's
+    (the next turn's prompt starts with them, so it finds that turn's KV)."""
+
+    prompt_len: int
+    ids: list[int]
+
+
+@dataclass(frozen=True)
 class PrefixFetch:
     """The router's choice to copy a prompt's leading blocks from another worker before computing it."""
 

@@ -27,11 +27,12 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import RedisError
 
-from services.messages import TokenEvent
+from services.messages import SessionSequence, TokenEvent
 
 log = logging.getLogger(__name__)
 
 _KEY_PREFIX = "tidepool:session:"
+_IDS_PREFIX = "tidepool:session-ids:"  # the last turn's token ids (JSON), for the next turn's prompt
 _LOCK_PREFIX = "tidepool:session-lock:"
 # Session ids land in Redis keys and logs: keep them short and printable.
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -40,11 +41,13 @@ _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _RENEW = ("if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end "
           "return 0")
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
-# KEYS[1] the history, KEYS[2] the lock; ARGV[1] the token, ARGV[2] the idle TTL in ms, ARGV[3..] messages.
+# KEYS[1] the history, KEYS[2] the lock, KEYS[3] the token ids; ARGV[1] the token, ARGV[2] the idle TTL in
+# ms, ARGV[3] the turn's token ids ("": none), ARGV[4..] messages.
 _COMMIT = """
 if redis.call('get', KEYS[2]) ~= ARGV[1] then return 0 end
-for i = 3, #ARGV do redis.call('rpush', KEYS[1], ARGV[i]) end
-if #ARGV > 2 then redis.call('pexpire', KEYS[1], ARGV[2]) end
+for i = 4, #ARGV do redis.call('rpush', KEYS[1], ARGV[i]) end
+if #ARGV > 3 then redis.call('pexpire', KEYS[1], ARGV[2]) end
+if ARGV[3] == '' then redis.call('del', KEYS[3]) else redis.call('set', KEYS[3], ARGV[3], 'PX', ARGV[2]) end
 redis.call('del', KEYS[2])
 return 1
 """
@@ -91,6 +94,11 @@ class SessionStore:
         items = await self._redis.lrange(_KEY_PREFIX + _check_id(session_id), 0, -1)
         return [json.loads(item) for item in items]
 
+    async def last_sequence(self, session_id: str) -> SessionSequence | None:
+        """The session's last turn as token ids (None when it has none stored)."""
+        ids = await self._redis.get(_IDS_PREFIX + _check_id(session_id))
+        return None if ids is None else SessionSequence(**json.loads(ids))
+
     async def begin_turn(self, session_id: str, messages: list[dict]) -> SessionTurn:
         """Take the session's lock for a turn that adds ``messages``; SessionBusyError while another runs."""
         lock = _LOCK_PREFIX + _check_id(session_id)
@@ -101,7 +109,8 @@ class SessionStore:
 
     async def delete(self, session_id: str) -> bool:
         """Forget the session; False when there was none."""
-        return bool(await self._redis.delete(_KEY_PREFIX + _check_id(session_id)))
+        session_id = _check_id(session_id)
+        return bool(await self._redis.delete(_KEY_PREFIX + session_id, _IDS_PREFIX + session_id))
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -113,15 +122,20 @@ class SessionTurn:
 
     def __init__(self, store: SessionStore, session_id: str, token: str, messages: list[dict]) -> None:
         self.store, self.session_id, self.messages = store, session_id, messages
+        self.prompt_ids: list[int] | None = None  # the turn's prompt, once built
         self._token = token
         self._lock = _LOCK_PREFIX + session_id
 
-    async def finish(self, reply: str) -> bool:
-        """Append the turn's messages and ``reply`` and release the lock, in one step; False (nothing
-        stored) when the lock was lost meanwhile."""
+    async def finish(self, reply: str, reply_ids: list[int] | None = None) -> bool:
+        """Append the turn's messages and ``reply`` (and keep the turn's token ids: its prompt's, then
+        ``reply_ids``) and release the lock, in one step; False (nothing stored) when the lock was lost
+        meanwhile."""
         rows = [json.dumps(m, ensure_ascii=False) for m in [*self.messages, {"role": "assistant", "content": reply}]]
-        stored = bool(await self.store._commit(keys=[_KEY_PREFIX + self.session_id, self._lock],
-                                               args=[self._token, int(self.store.ttl_s * 1000), *rows]))
+        ids = "" if self.prompt_ids is None or reply_ids is None else json.dumps(
+            {"prompt_len": len(self.prompt_ids), "ids": [*self.prompt_ids, *reply_ids]})
+        stored = bool(await self.store._commit(
+            keys=[_KEY_PREFIX + self.session_id, self._lock, _IDS_PREFIX + self.session_id],
+            args=[self._token, int(self.store.ttl_s * 1000), ids, *rows]))
         if not stored:
             log.warning("session %s: the turn's lock was lost before it finished; its messages were not stored",
                         self.session_id)
@@ -151,15 +165,18 @@ class SessionTurn:
         the end of a turn finds it in the history. Any other end releases the lock."""
         keep_alive = asyncio.create_task(self._keep_alive())
         texts: list[str] = [""] * n
+        reply_ids: list[int] = []  # choice 0's, the reply kept
         reasons: list[str | None] = [None] * n
         stored = False
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     texts[event.index] += event.text
+                    if event.index == 0:
+                        reply_ids += event.token_ids
                     reasons[event.index] = event.finish_reason
                     if not stored and all(r is not None and r != "abort" for r in reasons):
-                        await self.finish(texts[0])  # releases the lock, stored or not
+                        await self.finish(texts[0], reply_ids)  # releases the lock, stored or not
                         stored = True
                     yield event
         finally:

@@ -28,3 +28,19 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
             return True
         time.sleep(0.1)
     return predicate()
+
+
+def last_sequence(server, session_id: str):
+    """The token ids a live server's session store keeps of the session's last turn."""
+    import asyncio
+
+    from services.sessions import SessionStore
+
+    async def read():
+        store = SessionStore(server.server.cluster.redis_url)
+        try:
+            return await store.last_sequence(session_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(read())

@@ -13,7 +13,7 @@ import uuid
 import httpx
 import openai
 import pytest
-from live_helpers import free_blocks, idle, wait_until
+from live_helpers import free_blocks, idle, last_sequence, wait_until
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(240)]
 
@@ -117,20 +117,27 @@ def test_stop_string_ends_the_choice_and_is_not_returned(live_server):
 
 # ---- sessions ------------------------------------------------------------------------------------------------
 
-def test_two_turn_session_reuses_the_prefix_and_matches_the_full_prompt(live_server):
+def test_two_turn_session_reuses_the_prefix_and_continues_the_first_turns_tokens(live_server):
+    """Turn 2's prompt is turn 1's prompt and answer as token ids (the answer was random bytes: its text,
+    encoded again, would be other tokens), then the rest of the history through the template."""
     c = client(live_server)
     sid = f"s-{uuid.uuid4().hex}"
     first = [{"role": "user", "content": "Describe the intertidal zone in one sentence, please."}]
     second = [{"role": "user", "content": "And what lives there?"}]
-    turn1 = c.chat.completions.create(model=live_server.model_id, messages=first,
-                                      extra_headers={"X-Session-Id": sid}, **greedy(6))
+    c.chat.completions.create(model=live_server.model_id, messages=first, extra_headers={"X-Session-Id": sid},
+                              **greedy(6))
+    turn1 = last_sequence(live_server, sid)
     turn2 = c.chat.completions.create(model=live_server.model_id, messages=second,
                                       extra_headers={"X-Session-Id": sid}, **greedy(6))
     assert turn2.usage.prompt_tokens_details.cached_tokens > 0
-    history = first + [{"role": "assistant", "content": turn1.choices[0].message.content}] + second
-    stateless = c.chat.completions.create(model=live_server.model_id, messages=history, **greedy(6))
-    assert turn2.usage.prompt_tokens == stateless.usage.prompt_tokens
-    assert turn2.choices[0].message.content == stateless.choices[0].message.content
+    prompt2 = last_sequence(live_server, sid)
+    assert prompt2.ids[:len(turn1.ids)] == turn1.ids and len(turn1.ids) == turn1.prompt_len + 6
+    assert prompt2.prompt_len == turn2.usage.prompt_tokens
+    stateless = c.completions.create(model=live_server.model_id, prompt=prompt2.ids[:prompt2.prompt_len],
+                                     **greedy(6))
+    assert turn2.choices[0].message.content == stateless.choices[0].text
+
+
 
 
 def test_session_id_in_the_body_and_delete(live_server):

@@ -5,12 +5,16 @@ over the KV transfer layer, and the output equals a cold run."""
 from __future__ import annotations
 
 import contextlib
+import uuid
 
 import httpx
 import openai
 import pytest
-from live_helpers import wait_until
+from live_helpers import last_sequence, wait_until
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvstore.hashing import block_hashes, salt_for
+from kvstore.pool import POOL_HOLDER, KVPool
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -71,3 +75,43 @@ def test_prefix_held_only_by_another_worker_is_copied_from_it_not_recomputed(sta
         assert again.choices[0].text == first.choices[0].text
         assert wait_until(lambda: prompt_tokens_by_source(server).get("pool_peer", 0) >= 0.95 * prompt, 10)
         assert prompt_tokens_by_source(server).get("pool_redis", 0) == 0
+
+
+@pytest.mark.timeout(300)
+def test_a_session_turn_finds_the_previous_prompt_and_answer_cached(live_server):
+    """Whole-session reuse: the decode worker shares the answer's blocks, and the next turn's prompt keeps
+    the previous turn's token ids (the answer's text, encoded again, could give other tokens): turn 2
+    computes little more than its new message."""
+    sid = f"reuse-{uuid.uuid4().hex}"
+    url = f"{live_server.http_url}/v1/chat/completions"
+    system = {"role": "system", "content": LONG_PROMPT}
+
+    def turn(text: str) -> dict:
+        body = {"model": live_server.model_id, "messages": ([system] if text == "first" else []) + [
+            {"role": "user", "content": text}], "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+            "session_id": sid}
+        response = httpx.post(url, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    first = turn("first")
+    sequence = last_sequence(live_server, sid)
+    assert sequence.ids[:sequence.prompt_len] and len(sequence.ids) == first["prompt_tokens"] + 40
+    block_size = live_server.dispatcher.block_size
+    assert wait_until(lambda: _pooled_blocks(live_server, sequence.ids) == len(sequence.ids) // block_size, 30)
+    second = turn("second")
+    # every full block of turn 1's prompt and answer; the new message and the partial block are computed
+    assert second["prompt_tokens_details"]["cached_tokens"] == len(sequence.ids) // block_size * block_size
+    assert second["prompt_tokens"] - second["prompt_tokens_details"]["cached_tokens"] < 2 * block_size + 16
+
+
+
+
+def _pooled_blocks(server, token_ids: list[int]) -> int:
+    """Leading blocks of ``token_ids`` the pool's Redis tier holds."""
+    model, size = server.dispatcher.model_id, server.dispatcher.block_size
+    pool = KVPool(server.server.cluster.redis_url, model, size)
+    try:
+        return pool.longest_prefix(block_hashes(token_ids, size, salt_for(model))).get(POOL_HOLDER, 0)
+    finally:
+        pool.close()

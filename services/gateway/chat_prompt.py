@@ -16,23 +16,61 @@ import uuid
 
 from engine.errors import InvalidRequestError
 from services.gateway.token_texts import TokenTexts
+from services.messages import SessionSequence
 
 
-def encode_chat(texts: TokenTexts, messages: list[dict]) -> list[int]:
+def encode_chat(texts: TokenTexts, messages: list[dict], previous: SessionSequence | None = None) -> list[int]:
     """Token ids of ``messages`` through the chat template, ready for generation (blocking: run it in a
-    thread for long prompts)."""
+    thread for long prompts).
+
+    ``previous``: the session turn whose reply is the last assistant message of ``messages``. Its token ids
+    are kept as they were, and only the text after the reply is encoded: encoding the reply's text again
+    may give other tokens (BPE merges across the boundary; a random model's invalid UTF-8, decoded as
+    U+FFFD), and the turn's KV, in the pool under its own tokens, would then be recomputed.
+    """
+    prompt = texts.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    kept = None if previous is None else _continued(texts, messages, prompt, previous)
+    if kept is not None:
+        ids, start = kept
+        return ids + _encode(texts, messages, prompt, start)
+    return _encode(texts, messages, prompt, 0)
+
+
+def _continued(texts: TokenTexts, messages: list[dict], prompt: str,
+               previous: SessionSequence) -> tuple[list[int], int] | None:
+    """(the previous turn's ids, where in ``prompt`` the text after its reply starts), when ``prompt``
+    renders that turn exactly (its prompt's text, then its reply's); None otherwise."""
     tokenizer = texts.tokenizer
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = tokenizer.encode(prompt)
+    reply_at = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if reply_at is None:
+        return None
+    try:
+        start, end = _content_spans(tokenizer, messages, prompt)[reply_at]
+    except InvalidRequestError:  # a template that rewrites content: no exact place for the reply
+        return None
+    if prompt[:start] != tokenizer.apply_chat_template(messages[:reply_at], add_generation_prompt=True):
+        return None
+    reply = previous.ids[previous.prompt_len:]
+    while reply and texts.is_special(reply[-1]):  # an end-of-turn token: the template writes its own
+        reply = reply[:-1]
+    if tokenizer.decode(reply) != messages[reply_at]["content"]:  # e.g. a stop string cut the text
+        return None
+    return previous.ids[:previous.prompt_len] + reply, end
+
+
+def _encode(texts: TokenTexts, messages: list[dict], prompt: str, start: int) -> list[int]:
+    """Token ids of ``prompt[start:]``, special-token strings inside message content encoded as text."""
+    tokenizer = texts.tokenizer
+    ids = tokenizer.encode(prompt[start:])
     specials = {texts.text(t) for t in set(ids) if texts.is_special(t)}
     forged = {s for s in specials if any(s in m["content"] for m in messages)}
     if not forged:
         return ids
     pattern = re.compile("|".join(re.escape(s) for s in sorted(forged, key=len, reverse=True)))
     out: list[int] = []
-    done = 0  # characters of ``prompt`` encoded so far
-    for start, end in _content_spans(tokenizer, messages, prompt):
-        for match in pattern.finditer(prompt, start, end):
+    done = start  # characters of ``prompt`` encoded so far
+    for span_start, span_end in _content_spans(tokenizer, messages, prompt):
+        for match in pattern.finditer(prompt, max(span_start, start), max(span_end, start)):
             out += tokenizer.encode(prompt[done:match.start()]) + _encode_plain(texts, match.group())
             done = match.end()
     return out + tokenizer.encode(prompt[done:])

@@ -105,12 +105,16 @@ class Frontend:
                 raise InvalidRequestError("session_id", "sessions are not enabled on this server")
             turn = await self.sessions.begin_turn(session_id, messages)
         try:
+            previous = None
             if turn is not None:
-                history = await self.sessions.history(session_id)
+                history, previous = await asyncio.gather(self.sessions.history(session_id),
+                                                         self.sessions.last_sequence(session_id))
             if not history and not messages:
                 raise InvalidRequestError("messages", "at least one message is required")
             self._check_text_size(sum(len(m["content"]) for m in history + messages))
-            prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages)
+            prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous)
+            if turn is not None:
+                turn.prompt_ids = prompt_ids
             return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
         except BaseException:
             if turn is not None:  # once the turn's events run, they release it themselves; twice is harmless
