@@ -101,6 +101,10 @@ class Conductor:
         self.estimator.observe_prefill_step(features, seconds)
         self.measurements.add_prefill_step(features, seconds)
 
+    def observe_ttft(self, dec: Decision, measured_s: float) -> None:
+        """A routed request's measured time to first token (from its routing), against ``dec``'s estimate."""
+        self.estimator.observe_ttft(measured_s, dec.est_ttft_s - dec.est_overhead_s)
+
     def observe_decode_step(self, worker: str, batch_size: int, context_tokens: int, seconds: float) -> None:
         self.estimator.observe_decode_step(batch_size, context_tokens, seconds)
         self.measurements.add_decode_step(batch_size, context_tokens, seconds)
@@ -122,7 +126,7 @@ class Conductor:
         if blocks <= max(dec.cached_blocks, view.pool_blocks):
             return dec
         ttft = max(float(view.p_queue_s[p]), float(view.future_fetch_s()[p])) + float(view.future_prefill_s()[p])
-        if ttft >= dec.est_ttft_s - dec.est_handoff_s:
+        if ttft >= dec.est_ttft_s - dec.est_handoff_s - dec.est_overhead_s:
             return dec
         return view.decision(p, list(view.d_ids).index(dec.decode), view.future_source(p),
                              blocks - view.p_local[p], blocks, ttft, dec.est_tbt_s, dec.replicate)

@@ -206,21 +206,23 @@ class TransferModel:
 
 class _OnlineFit:
     """Measured feature rows, weighted by exponential forgetting (a sample ``k`` samples old counts
-    ``decay**k``, so a machine that changes speed is relearned); refits every ``every`` samples,
-    ridge-pulled toward the prior (the start-up profile)."""
+    ``decay**k``, so a machine that changes speed is relearned), ridge-pulled toward the prior (the
+    start-up profile). Refits after 1, 2, 4, ... samples, then every ``every``: the profile is taken on an
+    idle machine before serving, so the first measured steps under load correct it at once rather than
+    after ``every`` of them (a short run may never see that many)."""
 
     def __init__(self, prior, window: int, every: int, prior_weight: float, decay: float):
         self.prior, self.every, self.prior_weight, self.decay = prior, every, prior_weight, decay
         self.rows: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
-        self.pending = 0
+        self.pending, self.next_refit = 0, 1
 
     def observe(self, features, seconds: float):
         """Returns a refitted model when it is time to refit, else None."""
         self.rows.append((np.asarray(features, dtype=float), float(seconds)))
         self.pending += 1
-        if self.pending < self.every:
+        if self.pending < self.next_refit:
             return None
-        self.pending = 0
+        self.pending, self.next_refit = 0, min(2 * self.next_refit, self.every)
         feats = np.array([f for f, _ in self.rows])
         secs = np.array([t for _, t in self.rows])
         weights = self.decay ** np.arange(len(secs) - 1, -1, -1, dtype=float)
@@ -250,6 +252,9 @@ class Estimator:
         self.kv_bytes_per_token, self.layers = kv_bytes_per_token, layers
         self._prefill_fit = _OnlineFit(prefill, window, refit_every, prior_weight, decay)
         self._decode_fit = _OnlineFit(decode, window, refit_every, prior_weight, decay)
+        # What a request's first token costs beyond queue, copy, prefill and hand-off (RPCs, admission,
+        # waits for engine step boundaries), learned from measured TTFTs; 0 until one was measured.
+        self.request_overhead_s = 0.0
 
     @classmethod
     def from_samples(cls, prefill_samples: Iterable[tuple[int, int, float]],
@@ -284,6 +289,14 @@ class Estimator:
     def observe_prefill_step(self, features, seconds: float) -> None:
         """A measured engine step: ``features`` is the sum of its chunks' `prefill_features`."""
         self.prefill = self._prefill_fit.observe(features, seconds) or self.prefill
+
+    def observe_ttft(self, measured_s: float, modelled_s: float, alpha: float = 0.1) -> None:
+        """A request's measured TTFT against the modelled part of its estimate: the rest is overhead. A
+        running median (steps of ``alpha`` of the gap, at most the gap): one slow request, queued behind
+        a burst the reports had not shown, does not move it far."""
+        gap = measured_s - modelled_s - self.request_overhead_s
+        step = min(abs(gap), alpha * max(modelled_s + self.request_overhead_s, 1e-3))
+        self.request_overhead_s = max(0.0, self.request_overhead_s + (step if gap > 0 else -step))
 
     def observe_decode_step(self, batch_size: int, context_tokens: int, seconds: float) -> None:
         self.decode = self._decode_fit.observe(DecodeModel.features(batch_size, context_tokens), seconds) or self.decode

@@ -61,6 +61,7 @@ class Decision:
     est_tbt_s: float
     est_transfer_s: float = 0.0  # the whole prompt KV over the prefill -> decode link (0: colocated)
     est_handoff_s: float = 0.0  # the part of that transfer the first token waits for (in est_ttft_s)
+    est_overhead_s: float = 0.0  # the measured per-request overhead included in est_ttft_s
     replicate: tuple[Replication, ...] = ()  # copies of a hot prefix to start now (policy option)
 
 
@@ -243,5 +244,6 @@ class ClusterView:
         if self.p_ids[p] != self.d_ids[d]:
             transfer, exposed = self.est.handoff_s(self.req.prompt_len, self._prefill_one_s(float(cached_blocks)),
                                                    self.p_ids[p], self.d_ids[d])
+        overhead = self.est.request_overhead_s
         return Decision(self.p_ids[p], self.d_ids[d], fetch_from, int(fetch_blocks), int(cached_blocks),
-                        float(ttft_s) + exposed, tbt, transfer, exposed, tuple(replicate))
+                        float(ttft_s) + exposed + overhead, tbt, transfer, exposed, overhead, tuple(replicate))

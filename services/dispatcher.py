@@ -229,7 +229,7 @@ class Dispatcher:
     async def _generate_one(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
     ) -> AsyncIterator[TokenEvent]:
-        track = RequestTracker(self.metrics)
+        track = RequestTracker(self.metrics, on_ttft=self.conductor.observe_ttft)
         progress = Progress()
         excluded: set[str] = set()  # workers found dead while serving this request
         try:

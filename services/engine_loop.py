@@ -46,6 +46,7 @@ class EngineLoop:
         # The latest steps that ran a batch: (step number, what it computed, seconds), for the router's fits.
         self.step_log: collections.deque[tuple[int, StepComposition, float]] = collections.deque(maxlen=32)
         self.stats = engine.stats()  # refreshed on the engine thread, read by load reports without a call
+        self.stats_at = time.time()  # when: a report covers the requests the engine had admitted by then
         self.failure: str | None = None  # what broke a step, once one raised: the worker is unhealthy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -94,7 +95,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self._drain_commands(block=not self.engine.has_unfinished()):
-                self.stats = self.engine.stats()
+                self._take_stats()
             if not self.engine.has_unfinished():
                 continue
             start = time.perf_counter()
@@ -111,11 +112,14 @@ class EngineLoop:
             self.steps += 1
             if self.engine.last_step is not None:
                 self.step_log.append((self.steps, self.engine.last_step, seconds))
-            self.stats = self.engine.stats()
+            self._take_stats()
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:
                     self._loop.call_soon_threadsafe(stream.put_nowait, output)
+
+    def _take_stats(self) -> None:
+        self.stats, self.stats_at = self.engine.stats(), time.time()
 
     def _fail_step(self, exc: Exception) -> None:
         """End the requests the failed step ran (the engine's running ones) and free their blocks."""

@@ -140,9 +140,9 @@ class PoolLink:
         tensor, hashes = await loop.acall(self.engine.export_cached_prefix, token_ids, skip_blocks)
         if tensor is None:
             return
-        self.track(asyncio.create_task(self._share(tensor, hashes)))
+        self._track(asyncio.create_task(self._share(tensor, hashes)))
 
-    def track(self, task: asyncio.Task) -> None:
+    def _track(self, task: asyncio.Task) -> None:
         """Count ``task`` (a write to the tiers) among those ``wait_shared`` waits for."""
         self._sharing.add(task)
         task.add_done_callback(self._sharing.discard)

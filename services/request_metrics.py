@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from services.metrics import Metrics
@@ -24,9 +25,11 @@ if TYPE_CHECKING:
 
 
 class RequestTracker:
-    def __init__(self, metrics: Metrics, arrived: float | None = None) -> None:
+    def __init__(self, metrics: Metrics, arrived: float | None = None,
+                 on_ttft: Callable[[Decision, float], None] | None = None) -> None:
+        """``on_ttft(decision, seconds from routing to first token)``: the router learns from it."""
         arrived = time.monotonic() if arrived is None else arrived
-        self.metrics = metrics
+        self.metrics, self.on_ttft = metrics, on_ttft
         self.arrived = self.routed = arrived
         self.decision: Decision | None = None
         self.first_token_at: float | None = None
@@ -51,6 +54,8 @@ class RequestTracker:
             m.prompt_tokens.inc(event.num_prompt_tokens)
             if self.decision is not None:
                 self._estimate_error("ttft", now - self.routed, self.decision.est_ttft_s)
+                if self.on_ttft is not None:
+                    self.on_ttft(self.decision, now - self.routed)
         elif n:
             # Tokens that arrive together (the worker coalesces while the consumer is slow) share the gap.
             for _ in range(n):

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 
 import ray
@@ -73,6 +73,7 @@ class Worker:
         self.engine = Engine(spec.engine)
         self.loop: EngineLoop | None = None
         self.copier: PrefixCopier | None = None
+        self._tasks: set[asyncio.Task] = set()  # background work (pool writes, releases) under way
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -109,7 +110,7 @@ class Worker:
             worker_id=self.spec.worker_id, role=self.spec.role, alive=self.loop.failure is None,
             queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
             running_context_tokens=stats.running_context_tokens, free_blocks=stats.free_blocks,
-            total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=time.time(),
+            total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=self.loop.stats_at,
             steps=self.loop.steps, last_step_s=self.loop.step_times_s[-1] if self.loop.step_times_s else 0.0,
             prefill_steps=prefill_steps, decode_steps=decode_steps,
             num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
@@ -155,8 +156,18 @@ class Worker:
         """After a sequence finished: its answer's blocks to the pool, in the background, so the next chat
         turn (whose prompt carries this one and its answer) finds all of it."""
         if self.pool is not None:
-            task = asyncio.create_task(self.pool.store_prefix(self.loop, token_ids, skip_blocks))
-            self.pool.track(task)
+            self._background(self.pool.store_prefix(self.loop, token_ids, skip_blocks))
+
+    def _background(self, work: Coroutine) -> None:
+        """Run ``work`` off the request's path; kept referenced until done, its failure logged."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background work failed: %r", task.exception())
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
     async def _stream(
@@ -238,6 +249,7 @@ class PrefillWorker(Worker):
         and the result's token is the one after them."""
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
+        released = False  # the blocks' release was handed to a background task
         copies = await self._load_prefix(tokens, fetch, deadline_s)
         queue = self.loop.open_stream(request_id)
         handoff = self.sender.open(request_id, tokens, kv_target, deadline)
@@ -254,8 +266,10 @@ class PrefillWorker(Worker):
                 return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
                                      logprobs=logprobs, prefix_copies=copies)
             nbytes, seconds = await handoff.finish()
-            if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
-                await self.pool.store_prefix(self.loop, tokens, output.num_cached_tokens // self.engine.block_size)
+            # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
+            # step boundaries, so they run after it.
+            self._background(self._share_and_release(request_id, tokens, output.num_cached_tokens))
+            released = True
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
                                  handoff.transport, overlapped=handoff.feed is not None, logprobs=logprobs,
                                  prefix_copies=copies)
@@ -266,6 +280,14 @@ class PrefillWorker(Worker):
         finally:
             self.loop.close_stream(request_id)
             handoff.close()
+            if not released:
+                await self.loop.acall(self.engine.release, request_id)
+
+    async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int) -> None:
+        try:
+            if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
+                await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size)
+        finally:
             # Blocks go back to the free list with their contents and hashes: a later prompt still hits them.
             await self.loop.acall(self.engine.release, request_id)
 

@@ -54,6 +54,25 @@ def test_online_refit_moves_a_wrong_prior_to_the_measured_truth():
 
 
 @pytest.mark.timeout(30)
+def test_online_refit_starts_with_the_first_measured_steps_not_after_a_full_batch():
+    """The start-up profile is taken on an idle machine: a serving machine twice as slow shows in the
+    model after its first steps, long before ``refit_every`` of them."""
+    slow = PrefillModel(*(2 * TRUE_PREFILL.coef))
+    est = Estimator(TRUE_PREFILL, TRUE_DECODE, TransferModel(Link(1e9, 0), Link(1e9, 0)), 1, refit_every=32,
+                    prior_weight=4.0)
+    rng = np.random.default_rng(3)
+    before = est.prefill.predict(4000, 0)
+    refits = []
+    for i, (new, cached, _) in enumerate(_prefill_samples(rng, 16), 1):
+        model = est.prefill
+        est.observe_prefill(new, cached, slow.predict(new, cached))
+        if est.prefill is not model:
+            refits.append(i)
+    assert refits == [1, 3, 7, 15]  # after 1, 2, 4, 8 more samples (then 16, then every 32)
+    assert est.prefill.predict(4000, 0) > 1.5 * before
+
+
+@pytest.mark.timeout(30)
 def test_queue_time_is_the_sum_of_predicted_prefills():
     est = llama3_70b_a800().estimator()
     queued = [(8000, 0), (2000, 6000), (500, 30_000)]
@@ -223,3 +242,17 @@ def test_estimator_from_profiling_knows_how_many_pieces_the_handoff_streams_in()
     transfer, exposed_streamed = streamed.handoff_s(256, 0.08, "p0", "d0")
     assert exposed_whole == pytest.approx(transfer)  # sent after the prefill: the request waits for all of it
     assert exposed_streamed < exposed_whole
+
+
+@pytest.mark.timeout(30)
+def test_measured_ttfts_teach_the_per_request_overhead_which_outliers_barely_move():
+    est = Estimator(TRUE_PREFILL, TRUE_DECODE, TransferModel(Link(1e9, 0), Link(1e9, 0)), 1)
+    assert est.request_overhead_s == 0.0
+    for _ in range(200):  # every first token comes 0.4 s after the model's 1 s
+        est.observe_ttft(measured_s=1.4, modelled_s=1.0)
+    assert est.request_overhead_s == pytest.approx(0.4, abs=0.02)
+    est.observe_ttft(measured_s=30.0, modelled_s=1.0)  # one request behind a burst the reports missed
+    assert est.request_overhead_s < 0.6
+    for _ in range(200):
+        est.observe_ttft(measured_s=0.9, modelled_s=1.0)  # faster than the model: no overhead at all
+    assert est.request_overhead_s == 0.0
