@@ -7,6 +7,7 @@ retry after a worker death before the first token, and that every exit path free
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from engine.sampling_params import SamplingParams
 from router.conductor import SLO, Conductor
 from router.estimator import Estimator
 from router.loads import WorkerLoad
+from router.view import Replication
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import NoWorkersError, WorkerDiedError
 from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo, WorkerProfile
@@ -38,6 +40,8 @@ class FakeWorker:
         self.die_on_prefill, self.fail_on_prefill, self.tokens = die_on_prefill, fail_on_prefill, tokens
         self.calls: list[tuple[str, str]] = []
         self.leases: set[str] = set()
+        self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
+        self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
 
     @property
     def worker_id(self) -> str:
@@ -59,6 +63,7 @@ class FakeWorker:
     async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s,
                       output_ids=()) -> PrefillResult:
         self.calls.append(("prefill", request_id))
+        self.fetches.append(fetch)
         assert kv_target is not None and kv_target.worker_id.startswith("d")
         if self.die_on_prefill:
             self.alive = False
@@ -66,6 +71,11 @@ class FakeWorker:
         if self.fail_on_prefill is not None:
             raise self.fail_on_prefill
         return PrefillResult(7, "a", None, 16, 1000, 0.001, "grpc")
+
+    async def copy_prefix(self, token_ids, fetch, timeout_s) -> int:
+        self.calls.append(("copy_prefix", str(len(token_ids))))
+        self.fetches.append(fetch)
+        return fetch.blocks
 
     async def release(self, request_id: str) -> None:
         self.calls.append(("release", request_id))
@@ -187,3 +197,36 @@ def test_only_a_whole_transfer_teaches_the_router_its_link(overlapped):
     learned = dispatcher.conductor.estimator.transfer.pairs.get("p0", {})
     # A layer-wise transfer's time runs while the prompt computes: it says nothing about the link.
     assert ("d0" in learned) is not overlapped
+
+
+@pytest.mark.parametrize("source", ["p1", "pool"])
+def test_a_peer_fetch_reaches_the_prefill_worker_with_its_holder_and_a_pool_fetch_is_the_workers_call(source):
+    p0, p1, d0 = FakeWorker("p0", Role.PREFILL), FakeWorker("p1", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p0, p1, d0)
+    route = dispatcher.conductor.route
+    dispatcher.conductor.route = lambda *a, **k: dataclasses.replace(
+        route(*a, **k), prefill="p0", fetch_from=source, fetch_blocks=2, cached_blocks=2)
+    asyncio.run(collect(dispatcher))
+    (fetch,) = p0.fetches
+    if source == "pool":
+        assert fetch is None  # the worker weighs the pool's tiers itself, whatever the policy
+    else:
+        assert (fetch.source, fetch.blocks, fetch.actor) == ("p1", 2, "actor-of-p1") and fetch.wait_s > 0
+
+
+def test_replications_the_conductor_asks_for_run_on_their_destination_from_their_source():
+    p0, p1, d0 = FakeWorker("p0", Role.PREFILL), FakeWorker("p1", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p0, p1, d0)
+    route = dispatcher.conductor.route
+    dispatcher.conductor.route = lambda *a, **k: dataclasses.replace(
+        route(*a, **k), replicate=(Replication("p0", "p1", 2),))
+
+    async def run() -> None:
+        await collect(dispatcher)
+        while dispatcher._copies:  # the copy runs beside the request, off its path
+            await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    copy = p1.fetches[-1]
+    assert ("copy_prefix", str(2 * 16 + 1)) in p1.calls  # two blocks, and a token after them
+    assert (copy.source, copy.blocks, copy.actor) == ("p0", 2, "actor-of-p0")
