@@ -234,6 +234,12 @@ class Engine:
         """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks)."""
         return len(self.block_manager.cached_prefix(prompt_ids)[0]) * self.block_size
 
+    def cached_prefix_hint(self, prompt_ids: list[int]) -> int:
+        """``cached_prefix_len`` from any thread, without waiting for a step boundary: a read that may race
+        the engine thread's evictions (each lookup it makes is atomic), so only a hint of what to fetch;
+        ``insert_cached_blocks`` checks again on the engine thread."""
+        return self.cached_prefix_len(prompt_ids)
+
     def export_cached_prefix(self, token_ids: list[int], skip_blocks: int = 0,
                              max_blocks: int | None = None) -> tuple[torch.Tensor | None, list[int]]:
         """K/V (as ``export_blocks``) and chain hashes of the cached full blocks of ``token_ids`` after the

@@ -7,7 +7,7 @@ the checksums and the deadlines of the KV hand-off. The holder may still be comp
 saw that prefill in flight): it waits up to ``wait_s`` for them, then sends the longest run it has. The
 header's block hashes must continue the taker's cached chain exactly, so a block evicted meanwhile only
 shortens the copy, and anything else is refused, never placed. Received blocks go into the taker's
-prefix cache as blocks read from the pool do; a copy that fails leaves the prompt to be computed.
+prefix cache as blocks read from the pool are; a copy that fails leaves the prompt to be computed.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
@@ -28,20 +27,12 @@ from kvstore.transfer.sink import TensorSink
 from kvstore.transfer.wire import TransferHeader
 from services.engine_loop import EngineLoop
 from services.messages import PrefixFetch
+from services.pool_link import FetchedBlocks
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.02  # how often a holder looks whether the blocks it is computing are cached yet
 _CALL_SLACK_S = 5.0  # the holder's call may take this long beyond its wait and transfer deadline
-
-
-@dataclass(frozen=True)
-class PrefixCopy:
-    """What one copy placed, and what it cost (for the router's link fits)."""
-
-    blocks: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
 
 
 class PrefixCopier:
@@ -54,43 +45,40 @@ class PrefixCopier:
         self.clients = KVTransferClients(secret)
         self.sink = TensorSink()
         self._server = None if host is None else KVTransferServer(self.sink, host=host, secret=secret).start()
-        self.hit_tokens = 0  # prompt tokens placed from peers, for the metrics
 
     @property
     def address(self) -> str | None:
         return None if self._server is None else self._server.target
 
     # ---- the taker -----------------------------------------------------------------------------------
-    async def take(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> PrefixCopy:
-        """Copy the blocks of ``token_ids`` that ``fetch.source`` holds beyond this engine's cached prefix
-        (never the block of the last token, which is computed for its logits) into the prefix cache."""
-        engine, size = self.engine, self.engine.block_size
+    async def take(self, token_ids: list[int], fetch: PrefixFetch, have: int, timeout_s: float) -> FetchedBlocks:
+        """Copy the blocks of ``token_ids`` after the first ``have`` (this engine's) that ``fetch.source``
+        holds (never the block of the last token, which is computed for its logits); placing them is the
+        caller's, on the engine thread. A copy that fails gives no blocks: they are computed instead."""
+        size = self.engine.block_size
         usable = (len(token_ids) - 1) // size
-        local = await self.loop.acall(engine.cached_prefix_len, token_ids) // size
-        if self._server is None or min(fetch.blocks, usable) <= local:
-            return PrefixCopy()
+        if self._server is None or min(fetch.blocks, usable) <= have:
+            return FetchedBlocks(fetch.source, None)
         # The router knows the holder has fetch.blocks (in-flight prompts are tracked coarsely); it sends
         # whatever longer run it has.
-        expected = block_hashes(token_ids[: usable * size], size, self._salt)[local:]
+        expected = block_hashes(token_ids[: usable * size], size, self._salt)[have:]
         copy_id = f"copy-{uuid.uuid4().hex}"
         self.sink.expect_sized(copy_id, lambda header: self._destination(header, expected))
         try:
             sent, seconds = await asyncio.wait_for(
-                fetch.actor.push_prefix.remote(copy_id, token_ids[: usable * size], local,
+                fetch.actor.push_prefix.remote(copy_id, token_ids[: usable * size], have,
                                                min(fetch.blocks, usable), self.address, fetch.wait_s, timeout_s),
                 fetch.wait_s + timeout_s + _CALL_SLACK_S)
             if not sent:
-                return PrefixCopy()
-            outcome = self.sink.wait(copy_id, 0.0)  # committed before the holder's push was acknowledged
-            tensor = outcome.tensor.to(engine.device)
-            placed = await self.loop.acall(engine.insert_cached_blocks, token_ids, tensor, local)
+                return FetchedBlocks(fetch.source, None)
+            tensor = self.sink.wait(copy_id, 0.0).tensor  # committed before the holder's push was acknowledged
         except Exception as exc:  # a dead, slow or evicting holder: the prompt is computed instead
             log.warning("prefix copy from %s failed, computing those tokens: %r", fetch.source, exc)
-            return PrefixCopy()
+            return FetchedBlocks(fetch.source, None)
         finally:
             self.sink.forget(copy_id)
-        self.hit_tokens += placed * size
-        return PrefixCopy(placed, tensor.numel() * tensor.element_size(), seconds)
+        return FetchedBlocks(fetch.source, tensor.to(self.engine.device), have,
+                             tensor.numel() * tensor.element_size(), seconds, (("peer", sent),))
 
     def _destination(self, header: TransferHeader, expected: list[int]) -> torch.Tensor:
         """Where a pushed copy lands, once its header proved it continues this engine's chain."""
@@ -116,7 +104,7 @@ class PrefixCopier:
         engine = self.engine
         want = wait_blocks * engine.block_size
         until = time.monotonic() + wait_s
-        while await self.loop.acall(engine.cached_prefix_len, token_ids) < want and time.monotonic() < until:
+        while engine.cached_prefix_hint(token_ids) < want and time.monotonic() < until:
             await asyncio.sleep(_POLL_S)
         tensor, hashes = await self.loop.acall(engine.export_cached_prefix, token_ids, skip_blocks)
         if tensor is None:

@@ -35,12 +35,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PrefixLoad:
-    """What one ``load_prefix`` placed, and what its Redis reads cost (for the router's pool link)."""
+class FetchedBlocks:
+    """Prefix blocks read from the pool or copied from a peer for one prompt, to be placed in the prefix
+    cache on the engine thread (in the call that admits the request), and what they cost."""
 
-    blocks: int = 0
-    shared_bytes: int = 0
-    shared_s: float = 0.0
+    source: str  # "pool", or the worker they were copied from
+    tensor: torch.Tensor | None  # K/V of blocks first_block .. first_block + n (block axis 2); None: none
+    first_block: int = 0
+    nbytes: int = 0  # bytes that crossed a link (Redis reads, a peer copy): the router's link fit
+    seconds: float = 0.0
+    counts: tuple[tuple[str, int], ...] = ()  # blocks per tier ("host", "disk", "redis", "peer"), in order
+
+    @property
+    def blocks(self) -> int:
+        return 0 if self.tensor is None else self.tensor.shape[2]
 
 
 class FetchCost:
@@ -89,7 +97,6 @@ class PoolLink:
         self._own = [t for t in (self.host, self.disk) if t is not None]  # fastest first; Redis after them
         self.fetch_cost = FetchCost(prefill_model, self.block_size, math.prod(kv.block_shape) * kv.payload_dtype.itemsize)
         self._sharing: set[asyncio.Task] = set()  # background writes to the tiers
-        self.hit_tokens: dict[str, int] = {}  # prompt tokens placed from each source ("host", ...), for the metrics
         self.publisher.start()
 
     def publish(self, events: list[BlockEvent]) -> None:
@@ -102,32 +109,21 @@ class PoolLink:
                 case BlockRemoved(hashes):
                     self.publisher.on_removed(hashes)
 
-    def count_hits(self, source: str, blocks: int) -> None:
-        self.hit_tokens[source] = self.hit_tokens.get(source, 0) + blocks * self.block_size
-
-    async def load_prefix(self, loop: EngineLoop, prompt_ids: list[int]) -> PrefixLoad:
-        """Place prefix blocks this engine lacks from the host, disk and Redis tiers (Redis only where
-        ``fetch_cost`` says reading beats recomputing).
-
-        Only blocks before the prompt's last token count: that token is always computed for its logits.
-        """
+    async def read_prefix(self, prompt_ids: list[int], have: int) -> FetchedBlocks:
+        """Read the prefix blocks after the first ``have`` (this engine's) from the host, disk and Redis
+        tiers, Redis only where ``fetch_cost`` says reading beats recomputing. Only blocks before the
+        prompt's last token count: that token is always computed for its logits."""
         usable = (len(prompt_ids) - 1) // self.block_size
         hashes = block_hashes(prompt_ids[: usable * self.block_size], self.block_size, self._salt)
-        local = await loop.acall(self.engine.cached_prefix_len, prompt_ids) // self.block_size
-        if local >= len(hashes):
-            return PrefixLoad()
+        if have >= len(hashes):
+            return FetchedBlocks("pool", None)
         reads = [_Read(t, self.fetch_cost if t is self.redis else None, len(hashes)) for t in (*self._own, self.redis)]
-        blocks = await asyncio.to_thread(fetch_prefix, hashes[local:], reads)
+        blocks = await asyncio.to_thread(fetch_prefix, hashes[have:], reads)
         shared = reads[-1]
         self.fetch_cost.observe(shared.nbytes, shared.seconds)
-        if not blocks:
-            return PrefixLoad(0, shared.nbytes, shared.seconds)
-        fetched = torch.stack(blocks, dim=2).to(self.engine.device)
-        placed = await loop.acall(self.engine.insert_cached_blocks, prompt_ids, fetched, local)
-        if placed:
-            for read in reads:
-                self.count_hits(read.name, read.blocks)
-        return PrefixLoad(placed, shared.nbytes, shared.seconds)
+        tensor = torch.stack(blocks, dim=2).to(self.engine.device) if blocks else None
+        return FetchedBlocks("pool", tensor, have, shared.nbytes, shared.seconds,
+                             tuple((r.name, r.blocks) for r in reads if r.blocks))
 
     async def store_prefix(self, loop: EngineLoop, token_ids: list[int], skip_blocks: int = 0) -> None:
         """Share the cached full blocks of ``token_ids`` after the first ``skip_blocks`` (those were shared

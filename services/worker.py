@@ -41,7 +41,7 @@ from services.messages import (
     WorkerInfo,
 )
 from services.peer_copy import PrefixCopier
-from services.pool_link import PoolLink
+from services.pool_link import FetchedBlocks, PoolLink
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,9 @@ class Worker:
         self.loop: EngineLoop | None = None
         self.copier: PrefixCopier | None = None
         self._tasks: set[asyncio.Task] = set()  # background work (pool writes, releases) under way
+        # Prompt tokens placed from each pool tier and from peers ("host", "redis", "peer", ...); counted on
+        # the engine thread, copied whole (atomically under the GIL) by load reports.
+        self.hit_tokens: dict[str, int] = {}
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -115,7 +118,7 @@ class Worker:
             prefill_steps=prefill_steps, decode_steps=decode_steps,
             num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens_computed,
-            pool_hit_tokens={**(self.pool.hit_tokens if self.pool else {}), "peer": self.copier.hit_tokens},
+            pool_hit_tokens=dict(self.hit_tokens),
             num_preemptions=stats.num_preemptions,
         )
 
@@ -126,21 +129,30 @@ class Worker:
         await self.loop.acall(self.engine.abort, request_id)
 
     # ---- the KV pool and peer copies ------------------------------------------------------------------------
-    async def _load_prefix(self, token_ids: list[int], fetch: PrefixFetch | None,
-                           timeout_s: float) -> tuple[tuple[str, int, float], ...]:
-        """Place the prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then
-        from the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing).
-        Returns (source, bytes, seconds) of each copy, for the router's link fits."""
-        copies = []
+    async def _fetch_prefix(self, token_ids: list[int], fetch: PrefixFetch | None,
+                            timeout_s: float) -> list[FetchedBlocks]:
+        """The prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then from
+        the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing). They
+        are placed by ``_place`` on the engine thread, in the call that admits the request."""
+        have = self.engine.cached_prefix_hint(token_ids) // self.engine.block_size
+        fetched = []
         if fetch is not None:
-            copy = await self.copier.take(token_ids, fetch, timeout_s)
-            if copy.blocks:
-                copies.append((fetch.source, copy.nbytes, copy.seconds))
+            fetched.append(await self.copier.take(token_ids, fetch, have, timeout_s))
+            have += fetched[-1].blocks
         if self.pool is not None:
-            loaded = await self.pool.load_prefix(self.loop, token_ids)
-            if loaded.shared_bytes:
-                copies.append(("pool", loaded.shared_bytes, loaded.shared_s))
-        return tuple(copies)
+            fetched.append(await self.pool.read_prefix(token_ids, have))
+        return fetched
+
+    def _place(self, token_ids: list[int], fetched: list[FetchedBlocks]) -> None:
+        """Engine thread: put fetched blocks in the prefix cache, in order (each continues the one before)."""
+        for blocks in fetched:
+            if blocks.tensor is None:
+                continue
+            placed = self.engine.insert_cached_blocks(token_ids, blocks.tensor, blocks.first_block)
+            for tier, n in blocks.counts:  # the placed blocks, credited to the tiers in reading order
+                n = min(n, placed)
+                self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n * self.engine.block_size
+                placed -= n
 
     async def push_prefix(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int,
                           address: str, wait_s: float, timeout_s: float) -> tuple[int, float]:
@@ -149,8 +161,11 @@ class Worker:
 
     async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
         """Replication: copy a hot prefix from ``fetch.source`` ahead of the requests that will want it;
-        returns the blocks placed."""
-        return (await self.copier.take(token_ids, fetch, timeout_s)).blocks
+        returns the blocks copied."""
+        have = self.engine.cached_prefix_hint(token_ids) // self.engine.block_size
+        copied = await self.copier.take(token_ids, fetch, have, timeout_s)
+        await self.loop.acall(self._place, token_ids, [copied])
+        return copied.blocks
 
     def _share_finished(self, token_ids: list[int], skip_blocks: int) -> None:
         """After a sequence finished: its answer's blocks to the pool, in the background, so the next chat
@@ -222,13 +237,15 @@ class ColocatedWorker(Worker):
     ) -> AsyncIterator[TokenEvent]:
         """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them."""
         tokens = [*prompt_ids, *output_ids]
-        await self._load_prefix(tokens, fetch, _COLOCATED_COPY_TIMEOUT_S)
+        fetched = await self._fetch_prefix(tokens, fetch, _COLOCATED_COPY_TIMEOUT_S)
+
+        def admit() -> None:
+            self._place(tokens, fetched)
+            self.engine.add_request(request_id, prompt_ids, params, False, output_ids)
+
         # Nothing of the prompt is in the pool for sure: the finished sequence is shared whole (the pool
         # skips the blocks it has).
-        async for event in self._stream(
-            request_id, index, lambda: self.engine.add_request(request_id, prompt_ids, params, False, output_ids),
-            tokens, 0,
-        ):
+        async for event in self._stream(request_id, index, admit, tokens, 0):
             yield event
 
 
@@ -250,11 +267,17 @@ class PrefillWorker(Worker):
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
-        copies = await self._load_prefix(tokens, fetch, deadline_s)
+        fetched = await self._fetch_prefix(tokens, fetch, deadline_s)
+        copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_stream(request_id)
         handoff = self.sender.open(request_id, tokens, kv_target, deadline)
+
+        def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
+            self._place(tokens, fetched)
+            self.engine.add_request(request_id, prompt_ids, params, True, output_ids)
+
         try:
-            await self.loop.acall(self.engine.add_request, request_id, prompt_ids, params, True, output_ids)
+            await self.loop.acall(admit)
             async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
                 output = await queue.get()
             if isinstance(output, EngineStepError):

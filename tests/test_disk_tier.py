@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 from live_helpers import wait_until
-from test_pool_engine import GREEDY, _engine, _generate
+from test_pool_engine import GREEDY, _engine, _generate, load_prefix
 
 from kvstore.disk_tier import TMP_SUFFIX, DiskTier
 from kvstore.hashing import block_hashes, salt_for
@@ -251,14 +251,14 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
             hashes = block_hashes(prompt, loop.engine.block_size, salt_for(loop.engine.model_id))
             holders = link.pool.longest_prefix(hashes)
             assert len(link.host) == 0 and link.redis.get_prefix(hashes) == []  # only the disk has them
-            placed = (await link.load_prefix(loop, prompt)).blocks
+            placed, tiers = await load_prefix(loop, link, prompt)
             tokens, cached = await _generate(loop, "turn-2", prompt, GREEDY)
         finally:
             link.close()
             loop.stop()
         block_size = loop.engine.block_size
         assert holders == {"engine-a": len(hashes)}  # the restarted worker published its disk
-        assert placed == (len(prompt) - 1) // block_size == link.hit_tokens["disk"] // block_size
+        assert placed == (len(prompt) - 1) // block_size and tiers == {"disk": placed}
         assert cached == placed * block_size > 0 and cached_cold == 0
         assert tokens == expected
 
@@ -283,8 +283,8 @@ def test_redis_blocks_are_read_only_when_reading_beats_recomputing(redis_url, re
             await links[0].store_prefix(loops[0], prompt)
             await links[0].wait_shared()
             links[2].fetch_cost.observe(1 << 20, 0.001)  # a measured read: 1 GB/s, slower than "free" compute
-            return ((await links[1].load_prefix(loops[1], prompt)).blocks,
-                    (await links[2].load_prefix(loops[2], prompt)).blocks, loops[1].engine.block_size)
+            return ((await load_prefix(loops[1], links[1], prompt))[0],
+                    (await load_prefix(loops[2], links[2], prompt))[0], loops[1].engine.block_size)
         finally:
             for link, lp in zip(links, loops, strict=True):
                 link.close()

@@ -58,6 +58,17 @@ async def _two_engines_on_the_pool(model_dir, redis_url):
             loop.stop()
 
 
+async def load_prefix(loop: EngineLoop, link: PoolLink, prompt: list[int]) -> tuple[int, dict[str, int]]:
+    """Read the prompt's missing prefix blocks from the pool and place them, as a worker admitting it does:
+    (blocks placed, blocks read per tier)."""
+    have = await loop.acall(loop.engine.cached_prefix_len, prompt) // loop.engine.block_size
+    fetched = await link.read_prefix(prompt, have)
+    if fetched.tensor is None:
+        return 0, {}
+    placed = await loop.acall(loop.engine.insert_cached_blocks, prompt, fetched.tensor, fetched.first_block)
+    return placed, dict(fetched.counts)
+
+
 async def _compute_and_share(loop: EngineLoop, link: PoolLink, request_id: str, prompt: list[int]) -> None:
     """Compute the prompt as a prefill worker does, share its blocks through the pool, release them."""
     await _generate(loop, request_id, prompt, GREEDY, prefill_only=True)
@@ -75,7 +86,7 @@ def test_prefix_computed_by_engine_a_is_served_by_engine_b_from_redis(redis_url,
         async with _two_engines_on_the_pool(serving_model_dir, redis_url) as ((loop_a, loop_b), (link_a, link_b)):
             tokens_plain, cached_plain = await _generate(loop_a, "plain", prompt, GREEDY)
             await _compute_and_share(loop_a, link_a, "on-a", prompt)
-            placed = (await link_b.load_prefix(loop_b, prompt)).blocks
+            placed, _ = await load_prefix(loop_b, link_b, prompt)
             tokens_b, cached_b = await _generate(loop_b, "on-b", prompt, GREEDY)
             engine = loop_a.engine
             hashes = block_hashes(prompt, engine.block_size, salt_for(engine.model_id))
@@ -108,7 +119,7 @@ def test_corrupted_pool_block_is_a_miss_and_the_prompt_is_recomputed(redis_url, 
             data = bytearray(redis_client.get(key))
             data[len(data) // 2] ^= 0xFF
             redis_client.set(key, bytes(data))
-            placed = (await link_b.load_prefix(loop_b, prompt)).blocks
+            placed, _ = await load_prefix(loop_b, link_b, prompt)
             tokens_b, cached_b = await _generate(loop_b, "on-b", prompt, GREEDY)
         assert placed == 0 and cached_b == 0
         assert tokens_b == expected
