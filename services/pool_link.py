@@ -4,10 +4,11 @@
 thread sends them in batches), so a step never waits on Redis. After a prefill (and after a decode, so the
 next chat turn finds the answer too) the sequence's full blocks go to the host tier, to the Redis tier,
 where any worker can fetch them, and (when configured) to this worker's disk tier, whose writer thread
-keeps them across restarts. Before a prefill, prefix blocks this engine lacks are taken from those tiers
-(host, then disk, then Redis: the local disk reads faster than Redis, see docs/BENCHMARKS.md) and placed
-in its prefix cache, so the engine computes only the rest. This happens whatever the routing policy: the
-worker itself weighs a Redis read against recomputing (``FetchCost``), its own tiers always win.
+keeps them across restarts. Before a prefill, prefix blocks this engine lacks are read from those tiers
+(host, then disk, then Redis: the local disk reads faster than Redis, see docs/BENCHMARKS.md); the worker
+places them in its prefix cache in the engine call that admits the request, so the engine computes only
+the rest. This happens whatever the routing policy: the worker itself weighs a Redis read against
+recomputing (``FetchCost``); its own tiers always win.
 """
 
 from __future__ import annotations

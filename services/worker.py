@@ -134,6 +134,8 @@ class Worker:
         """The prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then from
         the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing). They
         are placed by ``_place`` on the engine thread, in the call that admits the request."""
+        if not self.engine.block_manager.enable_prefix_caching:
+            return []  # nothing fetched could be placed
         have = self.engine.cached_prefix_hint(token_ids) // self.engine.block_size
         fetched = []
         if fetch is not None:
