@@ -92,7 +92,7 @@ def test_abort_during_transfer_returns_blocks_on_both_sides(pd_server, cancel_af
     # and wherever it lands both workers must end with the blocks they started with.
     baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
     dispatcher = pd_server.server.cluster.dispatcher
-    prompt = [random.Random(7).randrange(3, 250) for _ in range(1500)]
+    prompt = random.Random(7).choices(range(3, 250), k=1500)
 
     async def start_then_cancel() -> None:
         task = asyncio.create_task(_collect(dispatcher, f"abort-{cancel_after_s}", prompt, max_tokens=500))
@@ -111,7 +111,7 @@ def test_missed_deadline_fails_the_request_and_returns_blocks(pd_server):
     dispatcher = pd_server.server.cluster.dispatcher
     saved = dispatcher.deadlines
     dispatcher.deadlines = Deadlines(reserve_s=10.0, prefill_s=0.05, lease_s=30.0)
-    prompt = [random.Random(8).randrange(3, 250) for _ in range(1800)]
+    prompt = random.Random(8).choices(range(3, 250), k=1800)
     try:
         with pytest.raises(WorkerFailedError):
             pd_server.run(_collect(dispatcher, "too-slow", prompt))

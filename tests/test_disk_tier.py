@@ -218,7 +218,7 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
                                                                  tmp_path):
     """Engine A computes a prompt and shares it; A stops (its device and host tiers are gone) and Redis loses
     the blocks; A restarted on the same disk finds them, publishes them, and its output equals a cold run."""
-    prompt = [random.Random(3).randrange(3, 250) for _ in range(100)]
+    prompt = random.Random(3).choices(range(3, 250), k=100)
     disk = {"disk_dir": str(tmp_path), "disk_max_bytes": 64 << 20}
 
     async def run() -> None:
@@ -270,7 +270,7 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
 def test_redis_blocks_are_read_only_when_reading_beats_recomputing(redis_url, redis_client, serving_model_dir):
     """Whatever the routing policy, a worker reads what another put in Redis, unless its own prefill model
     says computing those tokens is faster than its measured Redis read rate."""
-    prompt = [random.Random(4).randrange(3, 250) for _ in range(70)]
+    prompt = random.Random(4).choices(range(3, 250), k=70)
 
     async def run() -> tuple[int, int, int]:
         aio = asyncio.get_running_loop()

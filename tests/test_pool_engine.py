@@ -80,7 +80,7 @@ async def _compute_and_share(loop: EngineLoop, link: PoolLink, request_id: str, 
 @pytest.mark.timeout(120)
 def test_prefix_computed_by_engine_a_is_served_by_engine_b_from_redis(redis_url, redis_client,
                                                                         serving_model_dir):
-    prompt = [random.Random(1).randrange(3, 250) for _ in range(100)]
+    prompt = random.Random(1).choices(range(3, 250), k=100)
 
     async def run() -> None:
         async with _two_engines_on_the_pool(serving_model_dir, redis_url) as ((loop_a, loop_b), (link_a, link_b)):
@@ -106,7 +106,7 @@ def test_prefix_computed_by_engine_a_is_served_by_engine_b_from_redis(redis_url,
 @pytest.mark.timeout(120)
 def test_corrupted_pool_block_is_a_miss_and_the_prompt_is_recomputed(redis_url, redis_client,
                                                                        serving_model_dir):
-    prompt = [random.Random(2).randrange(3, 250) for _ in range(80)]
+    prompt = random.Random(2).choices(range(3, 250), k=80)
 
     async def run() -> None:
         async with _two_engines_on_the_pool(serving_model_dir, redis_url) as ((loop_a, loop_b), (link_a, link_b)):
