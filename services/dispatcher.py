@@ -323,8 +323,8 @@ class Dispatcher:
         def observe(result: PrefillResult) -> None:
             if result.transport:
                 self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s)
-            if result.transport and not result.overlapped:  # a layer-wise transfer's time includes compute
-                self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes, result.transfer_s)
+            if result.transport and result.link_s > 0:
+                self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes, result.link_s)
             for source, nbytes, seconds in result.prefix_copies:
                 self.conductor.observe_transfer(source, decision.prefill, nbytes, seconds)
 

@@ -155,8 +155,9 @@ class Handoff:
                 self.sender.drop_channel(self.kv_target.worker_id)  # the next transfer opens a new pair
                 raise
 
-    async def finish(self) -> tuple[int, float]:
-        """Wait until the receiver has the KV; (bytes, seconds since the bytes started to leave)."""
+    async def finish(self) -> tuple[int, float, float]:
+        """Wait until the receiver has the KV; (bytes, seconds since the transfer started, seconds the
+        bytes were moving: less the waits for layers still being computed, which are no link's time)."""
         if self.feed is None:  # whole-request mode: export now that the prompt is computed
             engine = self.sender.engine
             num_blocks = self.header.shape[2] - engine.kv_cache.window_columns  # the rest: the window
@@ -168,7 +169,8 @@ class Handoff:
             await asyncio.to_thread(self._push.result)
         else:
             await self._collective
-        return self.header.total_bytes, time.perf_counter() - self._started
+        seconds = time.perf_counter() - self._started
+        return self.header.total_bytes, seconds, seconds - (self.feed.waited_s if self.feed is not None else 0.0)
 
     def cancel(self) -> None:
         if self.feed is not None:

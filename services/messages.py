@@ -107,7 +107,9 @@ class PrefillResult:
     transfer_bytes: int
     transfer_s: float
     transport: str = ""  # the transport actually used ("grpc", "collective"); "" when nothing was sent
-    overlapped: bool = False  # layer-wise: the bytes left while the prompt computed (not a link measurement)
+    # Seconds the bytes were moving: transfer_s less a layer-wise sender's waits for layers still being
+    # computed; what the router learns the link from (0: nothing sent)
+    link_s: float = 0.0
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
     # Prefix blocks copied in before the prefill: (source, bytes, seconds) per source ("pool", a worker id)
     prefix_copies: tuple[tuple[str, int, float], ...] = ()

@@ -290,13 +290,13 @@ class PrefillWorker(Worker):
                 handoff.cancel()
                 return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
                                      logprobs=logprobs, prefix_copies=copies)
-            nbytes, seconds = await handoff.finish()
+            nbytes, seconds, link_s = await handoff.finish()
             # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
             # step boundaries, so they run after it.
             self._background(self._share_and_release(request_id, tokens, output.num_cached_tokens))
             released = True
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
-                                 handoff.transport, overlapped=handoff.feed is not None, logprobs=logprobs,
+                                 handoff.transport, link_s=link_s, logprobs=logprobs,
                                  prefix_copies=copies)
         except BaseException:
             handoff.cancel()

@@ -42,9 +42,9 @@ def test_calibration_prompts_share_three_quarters_of_each_length():
 
 @pytest.fixture(scope="module")
 def live_server(start_server):
-    """Its own small server: the samples it measured are this module's alone. Whole-request hand-offs, since
-    only those measure the link (a layer-wise transfer runs while the prompt computes)."""
-    server = start_server(prefill=1, decode=1, layerwise=False)
+    """Its own small server: the samples it measured are this module's alone. Layer-wise hand-offs, the
+    default: their link time leaves out the sender's waits for layers still being computed."""
+    server = start_server(prefill=1, decode=1)
     yield server
     server.stop()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import queue
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -179,6 +180,7 @@ class LayerFeed:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.waited_s = 0.0  # the consumer's time blocked on layers not yet produced (not link time)
 
     def put(self, layer: torch.Tensor) -> None:
         self._queue.put(layer)
@@ -191,7 +193,9 @@ class LayerFeed:
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
+            start = time.perf_counter()
             item = self._queue.get()
+            self.waited_s += time.perf_counter() - start
             if item is self._END:
                 return
             if isinstance(item, BaseException):
