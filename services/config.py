@@ -172,4 +172,5 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
         shutdown_timeout_s=args.shutdown_timeout_s,
     )
+    cluster.policy_options()  # refuses an option the chosen policy does not have
     return cluster, gateway

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from services.cli import COMMANDS, build_parser, main
+from services.config import configs_from_args
 
 
 def test_an_unknown_option_before_the_command_is_named(capsys):
@@ -51,3 +52,11 @@ def test_serve_help_shows_the_config_defaults():
 
 def test_commands_list_matches_the_parser():
     assert set(_subparsers(build_parser())) == set(COMMANDS)
+
+
+def test_hot_prefix_replication_is_refused_with_a_policy_that_has_none():
+    parser = build_parser()
+    cluster, _ = configs_from_args(parser.parse_args(["serve", "--replicate-hot-prefixes"]))
+    assert cluster.policy_options() == {"replicate": True}
+    with pytest.raises(ValueError, match="tidepool policy's, not round_robin's"):
+        configs_from_args(parser.parse_args(["serve", "--policy", "round_robin", "--replicate-hot-prefixes"]))
