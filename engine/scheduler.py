@@ -74,6 +74,10 @@ class Scheduler:
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_chunk = max_chunk or max_num_batched_tokens
+        # A new prompt starts in a step only while the step holds fewer prompt tokens than this (DistServe's
+        # saturation length): past it, batching more prompts saves nothing and only makes the prompts
+        # ahead wait for the ones behind. None: fill the budget (the worker sets it from its profile).
+        self.prefill_batch_tokens: int | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prompt_tokens_cached = 0  # prompt tokens served from the prefix cache at first admission
@@ -127,7 +131,10 @@ class Scheduler:
         if preempted:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         # admit waiting prompts (none while blocks are so short that we had to preempt)
+        prompt_tokens = sum(n for s, n in zip(seqs, counts, strict=True) if s.num_computed_tokens < s.num_tokens - 1)
         while self.waiting and budget > 0 and not preempted:
+            if self.prefill_batch_tokens is not None and prompt_tokens >= self.prefill_batch_tokens:
+                break
             seq = self.waiting[0]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
@@ -148,6 +155,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            prompt_tokens += n
         return ScheduledBatch(seqs, counts, preempted)
 
     def _preempt(self, seq: Sequence) -> None:

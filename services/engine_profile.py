@@ -12,6 +12,7 @@ import time
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from router.estimator import DecodeModel, PrefillModel
 from services.messages import WorkerProfile
 
 _PROFILE_PROMPT_LENS = (16, 64, 128, 256, 512)
@@ -52,3 +53,17 @@ def profile_engine(engine: Engine) -> WorkerProfile:
         while engine.has_unfinished():
             engine.step()
     return WorkerProfile(prefill=prefill, decode=decode)
+
+
+def prefill_batch_tokens(profile: WorkerProfile, overhead_share: float = 0.1) -> int:
+    """DistServe's saturation length, from the measured profile: the prompt tokens from which one step's
+    compute is so large that its fixed cost (what a step costs with nothing in it: the decode fit's
+    intercept) is at most ``overhead_share`` of it. Batching prompts past that saves almost nothing and
+    makes the prompts ahead wait for the ones behind: on CPUs a few dozen tokens, on GPUs more than a
+    step's budget."""
+    prefill, decode = PrefillModel.fit(profile.prefill), DecodeModel.fit(profile.decode)
+    target = max(decode.fixed_s, 0.0) * (1 - overhead_share) / overhead_share
+    tokens = 1
+    while prefill.predict(tokens, 0) - prefill.fixed_s < target and tokens < 1 << 20:
+        tokens *= 2
+    return tokens

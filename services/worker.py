@@ -28,7 +28,7 @@ from kvstore.transfer.wire import TransferHeader
 from router.estimator import PrefillModel
 from router.loads import WorkerLoad, step_samples
 from services.engine_loop import EngineLoop
-from services.engine_profile import profile_engine
+from services.engine_profile import prefill_batch_tokens, profile_engine
 from services.kv_receiver import HandoffReceiver
 from services.kv_sender import HandoffSender
 from services.messages import (
@@ -83,6 +83,7 @@ class Worker:
         """Start the engine thread, profile the engine for the router, and say where this worker runs."""
         self.loop = EngineLoop(self.engine, asyncio.get_running_loop())
         profile = await self.loop.acall(profile_engine, self.engine)
+        await self.loop.acall(setattr, self.engine.scheduler, "prefill_batch_tokens", prefill_batch_tokens(profile))
         node = ray.util.get_node_ip_address()
         # Prefill and colocated workers take prefix copies from peers (decode workers only give them):
         # their transfer server binds the node's address, as the decode worker's does.

@@ -256,3 +256,20 @@ def test_measured_ttfts_teach_the_per_request_overhead_which_outliers_barely_mov
     for _ in range(200):
         est.observe_ttft(measured_s=0.9, modelled_s=1.0)  # faster than the model: no overhead at all
     assert est.request_overhead_s == 0.0
+
+
+@pytest.mark.timeout(30)
+def test_prefill_batch_tokens_is_where_a_steps_fixed_cost_stops_mattering():
+    from services.engine_profile import prefill_batch_tokens
+    from services.messages import WorkerProfile
+
+    def profile(per_token_s: float, step_s: float) -> WorkerProfile:
+        prefill = [(n, 0, step_s + per_token_s * n) for n in (16, 64, 128, 256, 512)]
+        decode = [(b, c, step_s + 1e-4 * b + 1e-8 * c) for b, c in ((1, 32), (4, 32), (8, 32), (1, 512), (2, 512))]
+        return WorkerProfile(prefill, decode)
+
+    # A CPU: 3 ms a token against an 18 ms step: batching stops paying after a few dozen tokens.
+    cpu = prefill_batch_tokens(profile(3e-3, 0.018))
+    assert 32 <= cpu <= 128
+    # A GPU: 3 us a token against a 13 ms step: past any step's budget.
+    assert prefill_batch_tokens(profile(3e-6, 0.013)) >= 32768

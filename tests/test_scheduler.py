@@ -104,3 +104,25 @@ def test_remove_at_any_point_keeps_queues_consistent():
     sch.remove([a])
     bm.free(a.seq_id)
     assert not sch.has_unfinished() and bm.num_free_blocks == 64
+
+
+def test_prefill_batch_tokens_starts_no_new_prompt_past_the_saturation_length():
+    """Prompts that arrived together run one after another once a step holds the saturation length: the
+    first prompt's first token does not wait for the second's compute. Short prompts still share a step."""
+    sch, bm = make(budget=64)
+    sch.prefill_batch_tokens = 10
+    first, second, third = seq(1, 12), seq(2, 12), seq(3, 4)
+    for s in (first, second, third):
+        sch.add(s)
+    assert [(s.seq_id, n) for s, n in advance(sch, bm)] == [(1, 12)]  # 12 >= 10: nobody starts beside it
+    assert [(s.seq_id, n) for s, n in advance(sch, bm)] == [(1, 1), (2, 12)]  # the first decodes meanwhile
+    small = [seq(4, 3), seq(5, 3), seq(6, 3), seq(7, 3)]
+    sch2, bm2 = make(budget=64)
+    sch2.prefill_batch_tokens = 10
+    for s in small:
+        sch2.add(s)
+    assert [s.seq_id for s, _ in advance(sch2, bm2)] == [4, 5, 6, 7]  # 3 + 3 + 3 < 10 when the 4th starts
+    unlimited, bm3 = make(budget=64)
+    for s in (seq(8, 12), seq(9, 12)):
+        unlimited.add(s)
+    assert [s.seq_id for s, _ in advance(unlimited, bm3)] == [8, 9]
