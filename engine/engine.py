@@ -77,12 +77,14 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    prefill_only: bool = False, output_ids: tuple[int, ...] | list[int] = ()) -> None:
+                    prefill_only: bool = False, output_ids: tuple[int, ...] | list[int] = (),
+                    priority: int | None = None) -> None:
         """Queue a request; raises InvalidRequestError (before taking any block) when it can't run.
-        ``output_ids``: tokens it already produced elsewhere (resumed: they are recomputed, not output)."""
+        ``output_ids``: tokens it already produced elsewhere (resumed: they are recomputed, not output).
+        ``priority``: its place among waiting requests, lower first (the router's order); None: last."""
         self._check(request_id, prompt_ids, params, prefill_only)
         seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids)
-        seq.fanout, seq.prefill_only = params.n, prefill_only
+        seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
             seq.token_ids, (seq.num_tokens - 1) // self.block_size)[0])

@@ -40,6 +40,7 @@ class Sequence:
     index: int = 0  # which of the request's n samples
     fanout: int = 1  # samples this sequence forks into when its prompt is done (n > 1)
     prefill_only: bool = False
+    priority: int | None = None  # lower is earlier in the waiting queue (the router's order); None: last
     generator: torch.Generator | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
@@ -56,6 +57,10 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+def _later(waiting: Sequence, priority: int) -> bool:
+    return waiting.priority is not None and waiting.priority > priority and not waiting.admitted
 
 
 @dataclass
@@ -85,8 +90,15 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` after every waiting sequence of lower or no priority: requests reach the engine
+        in another order than the router sent them (each passes its own prefix read first), and the
+        router's TTFT estimates assume its order."""
         seq.status = SeqStatus.WAITING
-        self.waiting.append(seq)
+        i = len(self.waiting)
+        if seq.priority is not None:  # never ahead of a preempted sequence (admitted before: it goes first)
+            while i > 0 and _later(self.waiting[i - 1], seq.priority):
+                i -= 1
+        self.waiting.insert(i, seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose blocks already hold its K/V (imported): it decodes from the next step."""

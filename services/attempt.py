@@ -68,6 +68,7 @@ class Attempt:
     index: int  # which of the request's n choices
     output_ids: tuple[int, ...]  # streamed by earlier attempts: this one continues after them
     fetch: PrefixFetch | None  # the prefix copy the router chose, if any
+    priority: int  # the router's order: the worker's engine queues it among its waiting prompts by it
 
 
 async def unless_set(died: asyncio.Event, worker_id: str, call: Awaitable[T]) -> T:
@@ -90,7 +91,7 @@ def run_colocated(attempt: Attempt, worker: WorkerClient, deadlines: Deadlines) 
     """One worker computes the prompt and decodes; its first event may take the prefill deadline."""
     a = attempt
     return worker.generate(a.request_id, a.prompt_ids, a.params, a.index, a.fetch, a.output_ids,
-                           deadlines.prefill_s, deadlines.token_s)
+                           deadlines.prefill_s, deadlines.token_s, a.priority)
 
 
 async def run_disaggregated(
@@ -109,7 +110,7 @@ async def run_disaggregated(
     try:
         result = await unless_set(decode_died, decode.worker_id, prefill.prefill(
             a.request_id, a.prompt_ids, a.params, decode.info.kv_target, a.fetch, deadlines.prefill_s,
-            a.output_ids))
+            a.output_ids, a.priority))
         on_handoff(result)
         first = TokenEvent(a.index, [result.first_token_id], result.finish_reason, len(a.prompt_ids),
                            result.num_cached_tokens, result.text, result.logprobs and [result.logprobs])

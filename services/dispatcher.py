@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import sys
 import time
@@ -80,6 +81,7 @@ class Dispatcher:
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
         self._copies: set[asyncio.Task] = set()  # hot-prefix copies under way
+        self._routed = itertools.count()  # routing order, kept by the workers' engine queues
         self._refresher: asyncio.Task | None = None
 
     # ---- worker state -------------------------------------------------------------------------------------
@@ -244,7 +246,7 @@ class Dispatcher:
                 self._replicate(decision, tokens)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), self._prefix_fetch(decision)))
+                    tuple(progress.output_ids), self._prefix_fetch(decision), next(self._routed)))
                 try:
                     async for event in stream:
                         progress.add(event)

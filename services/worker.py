@@ -236,15 +236,16 @@ class ColocatedWorker(Worker):
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
-        fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (),
+        fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (), priority: int | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them."""
+        """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them.
+        ``priority``: the router's order, which the engine's waiting queue keeps."""
         tokens = [*prompt_ids, *output_ids]
         fetched = await self._fetch_prefix(tokens, fetch, _COLOCATED_COPY_TIMEOUT_S)
 
         def admit() -> None:
             self._place(tokens, fetched)
-            self.engine.add_request(request_id, prompt_ids, params, False, output_ids)
+            self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority)
 
         # Nothing of the prompt is in the pool for sure: the finished sequence is shared whole (the pool
         # skips the blocks it has).
@@ -264,6 +265,7 @@ class PrefillWorker(Worker):
     async def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
         fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
+        priority: int | None = None,
     ) -> PrefillResult:
         """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
         and the result's token is the one after them."""
@@ -277,7 +279,7 @@ class PrefillWorker(Worker):
 
         def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
             self._place(tokens, fetched)
-            self.engine.add_request(request_id, prompt_ids, params, True, output_ids)
+            self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority)
 
         try:
             await self.loop.acall(admit)

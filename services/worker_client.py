@@ -47,10 +47,11 @@ class WorkerClient:
         await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s), timeout_s)
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
-                      fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = ()) -> PrefillResult:
+                      fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
+                      priority: int | None = None) -> PrefillResult:
         """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease."""
         ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch, deadline_s,
-                                        output_ids)
+                                        output_ids, priority)
         # The worker enforces the deadline; this is the backstop. A cancelled caller stops the prompt's compute.
         return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)
 
@@ -71,10 +72,10 @@ class WorkerClient:
     # ---- streams ------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
                  fetch: PrefixFetch | None, output_ids: tuple[int, ...] = (), first_timeout_s: float = 120.0,
-                 token_timeout_s: float = 60.0) -> AsyncIterator[TokenEvent]:
+                 token_timeout_s: float = 60.0, priority: int | None = None) -> AsyncIterator[TokenEvent]:
         """A colocated worker computes the prompt and decodes it; the first event may take
         ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids)
+        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids, priority)
         return self._stream(gen, request_id, first_timeout_s, token_timeout_s)
 
     def decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,

@@ -61,7 +61,7 @@ class FakeWorker:
         self.leases.add(request_id)
 
     async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s,
-                      output_ids=()) -> PrefillResult:
+                      output_ids=(), priority=None) -> PrefillResult:
         self.calls.append(("prefill", request_id))
         self.fetches.append(fetch)
         assert kv_target is not None and kv_target.worker_id.startswith("d")
@@ -91,7 +91,7 @@ class FakeWorker:
         return self._tokens(index, num_cached_tokens)
 
     def generate(self, request_id, prompt_ids, params, index, fetch, output_ids=(), first_timeout_s=120.0,
-                 token_timeout_s=60.0):
+                 token_timeout_s=60.0, priority=None):
         self.calls.append(("generate", request_id))
         return self._tokens(index, 0, first=True)
 

@@ -178,7 +178,8 @@ class RecordingPrefill(FakeWorker):
         super().__init__(*args, **kwargs)
         self.resumed_after: list[tuple] = []
 
-    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s, output_ids=()):
+    async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s, output_ids=(),
+                      priority=None):
         self.resumed_after.append((request_id, kv_target.worker_id, tuple(output_ids)))
         return await super().prefill(request_id, prompt_ids, params, kv_target, fetch, deadline_s)
 
