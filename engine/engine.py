@@ -1,20 +1,20 @@
 """The engine: the one object a worker drives.
 
 ``add_request`` queues a prompt, ``step`` runs one forward pass over whatever the scheduler picked and
-returns each sampled token, ``abort`` drops a request at any point. Disaggregated serving adds:
-a prefill-only request stops after its first token (``FinishReason.PREFILLED``) and keeps its blocks
-for ``export_blocks``; the decode side ``reserve_blocks``, ``import_blocks`` and continues with
-``add_imported_request``; ``release`` frees what either side still holds. ``insert_cached_blocks``
-turns prefix blocks fetched from the KV pool into local prefix-cache hits, and ``take_block_events``
-hands out the blocks the prefix cache stored and evicted, for the worker to publish to the pool.
+returns each sampled token, ``abort`` drops a request at any point. Disaggregated serving adds: a
+prefill-only request stops after its first token (``FinishReason.PREFILLED``) and keeps its blocks for
+the hand-off (``request_block_ids``); the decode side ``reserve_blocks``, ``import_blocks`` and continues
+with ``add_imported_request``; ``release`` frees what either side still holds. ``export_cached_prefix``
+copies cached blocks out for the pool and peers, ``insert_cached_blocks`` makes blocks fetched from them
+prefix-cache hits, and ``take_block_events`` hands out what the prefix cache stored and evicted.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from itertools import takewhile
 
 import torch
 
@@ -70,12 +70,11 @@ class Engine:
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self.prompt_tokens_computed = 0
-        self._next_seq_id = 0
+        self._seq_ids = itertools.count(1)
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
         self._step_times: deque[float] = deque(maxlen=64)
         self.last_step: StepComposition | None = None  # what the latest step() computed; None: nothing
 
-    # -- requests --------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, output_ids: tuple[int, ...] | list[int] = (),
                     priority: int | None = None) -> None:
@@ -104,7 +103,6 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
-    # -- the step --------------------------------------------------------------------------------
     def step(self, on_layer_done: LayerHook | None = None) -> list[RequestOutput]:
         """Run one batch (decode rows, then prefill chunks) and sample where a sequence is complete;
         ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``)."""
@@ -188,12 +186,6 @@ class Engine:
         """Blocks held by a prefilled (or reserved) request, in position order."""
         return list(self.block_manager.block_table(self.held[request_id]))
 
-    def export_blocks(self, block_ids: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """(K/V as ``KVCache.export_blocks`` gives them, block axis 2 (``[layers, 2, n, block_size, kv_heads,
-        head_dim]`` unquantized), chain hashes of the leading full blocks registered in the prefix cache)."""
-        hashes = list(takewhile(lambda h: h is not None, self.block_manager.hashes_of(block_ids)))
-        return self.kv_cache.export_blocks(block_ids), hashes
-
     def release(self, request_id: str) -> None:
         """Free blocks a prefilled request or an unused reservation still holds (no-op otherwise)."""
         seq_id = self.held.pop(request_id, None)
@@ -205,7 +197,7 @@ class Engine:
         """Blocks for ``num_tokens`` prompt positions whose K/V will be imported; OutOfBlocksError."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        seq_id = self._new_seq_id()
+        seq_id = next(self._seq_ids)
         block_ids = self.block_manager.reserve(seq_id, num_tokens)
         self.held[request_id] = seq_id
         return block_ids
@@ -233,14 +225,9 @@ class Engine:
 
     # -- KV pool ---------------------------------------------------------------------------------
     def cached_prefix_len(self, prompt_ids: list[int]) -> int:
-        """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks)."""
+        """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks). Callable from any
+        thread as a hint (each lookup is atomic, but an eviction may race it): placing blocks checks again."""
         return len(self.block_manager.cached_prefix(prompt_ids)[0]) * self.block_size
-
-    def cached_prefix_hint(self, prompt_ids: list[int]) -> int:
-        """``cached_prefix_len`` from any thread, without waiting for a step boundary: a read that may race
-        the engine thread's evictions (each lookup it makes is atomic), so only a hint of what to fetch;
-        ``insert_cached_blocks`` checks again on the engine thread."""
-        return self.cached_prefix_len(prompt_ids)
 
     def export_cached_prefix(self, token_ids: list[int], skip_blocks: int = 0,
                              max_blocks: int | None = None) -> tuple[torch.Tensor | None, list[int]]:
@@ -270,12 +257,10 @@ class Engine:
         """Prefix-cache blocks stored and evicted since the last call, oldest first (for the KV pool)."""
         return self.block_manager.take_events()
 
-    # -- introspection ---------------------------------------------------------------------------
     def stats(self) -> EngineStats:
         """Load figures for the router (cheap: called after every step)."""
         return engine_stats(self.scheduler, self.block_manager, self._step_times, self.prompt_tokens_computed)
 
-    # -- helpers ---------------------------------------------------------------------------------
     def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
                reserved: bool = False) -> None:
         params.validate()
@@ -283,16 +268,12 @@ class Engine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.limits.check(prompt_ids, params, prefill_only, reserved)
 
-    def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id
-
     def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
                  seq_id: int | None = None, output_ids: tuple[int, ...] | list[int] = ()) -> Sequence:
         """``output_ids``: tokens sampled elsewhere (the prefill side, a failed worker): their text was
         handed out (and matched no stop), and their random draws are skipped, one row each."""
         text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop)
-        seq = Sequence(self._new_seq_id() if seq_id is None else seq_id, request_id, [*token_ids, *output_ids],
+        seq = Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, [*token_ids, *output_ids],
                        len(token_ids), params, index,
                        generator=make_generator(params.seed, index, self.device), text=text)
         for token in output_ids:

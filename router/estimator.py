@@ -206,10 +206,8 @@ class TransferModel:
 
 class _OnlineFit:
     """Measured feature rows, weighted by exponential forgetting (a sample ``k`` samples old counts
-    ``decay**k``, so a machine that changes speed is relearned), ridge-pulled toward the prior (the
-    start-up profile). Refits after 1, 2, 4, ... samples, then every ``every``: the profile is taken on an
-    idle machine before serving, so the first measured steps under load correct it at once rather than
-    after ``every`` of them (a short run may never see that many)."""
+    ``decay**k``: a machine that changes speed is relearned), ridge-pulled toward the prior (the start-up
+    profile, taken on an idle machine). Refits after 1, 2, 4, ... samples, then every ``every``."""
 
     def __init__(self, prior, window: int, every: int, prior_weight: float, decay: float):
         self.prior, self.every, self.prior_weight, self.decay = prior, every, prior_weight, decay

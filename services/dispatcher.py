@@ -19,7 +19,6 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
@@ -30,8 +29,9 @@ from router.loads import DECODE_ROLES, PREFILL_ROLES
 from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
 from services.fanout import interleave
-from services.messages import PrefillResult, PrefixFetch, TokenEvent
+from services.messages import PrefillResult, TokenEvent
 from services.metrics import Metrics
+from services.prefix_copies import PrefixCopies
 from services.request_metrics import RequestTracker
 from services.worker_client import WorkerClient
 
@@ -76,11 +76,11 @@ class Dispatcher:
         self.rejections = 0
         self.resumed = 0  # requests continued on another pair after streaming some tokens
         self.deadlines = deadlines or Deadlines()
+        self.copies = PrefixCopies(self.workers, conductor, self.block_size, self.deadlines.prefill_s)
         self._salt = salt_for(self.model_id)
         self._loads: dict[str, WorkerLoad] = {}
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
-        self._copies: set[asyncio.Task] = set()  # hot-prefix copies under way
         self._routed = itertools.count()  # routing order, kept by the workers' engine queues
         self._refresher: asyncio.Task | None = None
 
@@ -90,8 +90,7 @@ class Dispatcher:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def stop(self) -> None:
-        for task in self._copies:
-            task.cancel()
+        self.copies.cancel()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -138,6 +137,11 @@ class Dispatcher:
         if worker_id in self._deaths:
             self._deaths[worker_id].set()  # handoffs into it stop waiting
 
+    @property
+    def loads(self) -> dict[str, WorkerLoad]:
+        """The latest load report of each worker (read-only: the refresher replaces it)."""
+        return self._loads
+
     def alive_workers(self) -> int:
         return sum(1 for load in self._loads.values() if load.alive)
 
@@ -170,32 +174,6 @@ class Dispatcher:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=cleanup_s)
-
-    async def worker_stats(self) -> list[dict]:
-        """One JSON row per worker, for ``/status`` and ``tidepool status``."""
-        out = []
-        for worker in self.workers.values():
-            load = self._loads.get(worker.worker_id)
-            out.append({
-                "id": worker.worker_id, "role": str(worker.role), "alive": bool(load and load.alive),
-                "node": worker.info.node, "device": worker.info.device,
-                "free_blocks": load.free_blocks if load else 0, "total_blocks": load.total_blocks if load else 0,
-                "waiting": len(load.queued_prefills) if load else 0, "running": load.num_running if load else 0,
-            })
-        return out
-
-    async def cluster_status(self) -> dict:
-        """What ``tidepool status`` shows: the workers, the pool's Redis and the router."""
-        url = urlsplit(self.redis_url)
-        shown = url._replace(netloc=f"***@{url.hostname}:{url.port}") if url.password else url
-        return {
-            "model": self.model_id, "policy": self.conductor.policy_name, "kv_transport": self.kv_transport,
-            "redis": {"url": urlunsplit(shown), "up": bool(self.index.pool.up),
-                      "indexed_blocks": self.index.indexed_blocks},
-            "router": {"policy": self.conductor.policy_name, "rejections": self.rejections,
-                       "resumed": self.resumed},
-            "workers": await self.worker_stats(),
-        }
 
     # ---- one request ----------------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
@@ -243,10 +221,10 @@ class Dispatcher:
                     route_req, excluded)
                 if not track.streaming:
                     track.route(decision)
-                self._replicate(decision, tokens)
+                self.copies.replicate(decision, tokens)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), self._prefix_fetch(decision), next(self._routed)))
+                    tuple(progress.output_ids), self.copies.fetch_for(decision), next(self._routed)))
                 try:
                     async for event in stream:
                         progress.add(event)
@@ -290,32 +268,6 @@ class Dispatcher:
         while self.missing_roles(excluded) and time.monotonic() < deadline:
             await asyncio.sleep(_LOAD_REFRESH_S)
         return self._route(route_req, excluded)
-
-    def _prefix_fetch(self, decision: Decision, source: str | None = None, blocks: int = 0) -> PrefixFetch | None:
-        """The peer copy a decision asks for (a pool read is the worker's own call); None without one."""
-        source = source or decision.fetch_from
-        holder = self.workers.get(source) if source is not None else None
-        if holder is None:  # "pool", or a holder that is gone since
-            return None
-        return PrefixFetch(source, blocks or decision.cached_blocks, self.conductor.copy_wait_s(decision),
-                           holder.actor)
-
-    def _replicate(self, decision: Decision, tokens: list[int]) -> None:
-        """Start the hot-prefix copies the conductor asked for, in the background: they only warm a cache,
-        and the requests wanting them are routed by what the index shows once they landed."""
-        for copy in decision.replicate:
-            fetch, taker = self._prefix_fetch(decision, copy.src, copy.blocks), self.workers.get(copy.dst)
-            if fetch is None or taker is None:
-                continue
-            task = asyncio.create_task(taker.copy_prefix(tokens[: copy.blocks * self.block_size + 1], fetch,
-                                                         self.deadlines.prefill_s))
-            self._copies.add(task)
-            task.add_done_callback(self._copy_done)
-
-    def _copy_done(self, task: asyncio.Task) -> None:
-        self._copies.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("hot-prefix copy failed: %r", task.exception())
 
     def _run(self, decision: Decision, attempt: Attempt) -> AsyncIterator[TokenEvent]:
         if decision.prefill == decision.decode:

@@ -104,7 +104,7 @@ class PrefixCopier:
         engine = self.engine
         want = wait_blocks * engine.block_size
         until = time.monotonic() + wait_s
-        while engine.cached_prefix_hint(token_ids) < want and time.monotonic() < until:
+        while engine.cached_prefix_len(token_ids) < want and time.monotonic() < until:  # lock-free reads
             await asyncio.sleep(_POLL_S)
         tensor, hashes = await self.loop.acall(engine.export_cached_prefix, token_ids, skip_blocks)
         if tensor is None:

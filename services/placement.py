@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import ray
 
 from services.config import ClusterConfig
+from services.decode_worker import DecodeWorker
 from services.messages import Role
-from services.worker import ColocatedWorker, DecodeWorker, PrefillWorker, WorkerSpec
+from services.prefill_worker import PrefillWorker
+from services.worker import ColocatedWorker, WorkerSpec
 from services.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)

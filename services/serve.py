@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from services.cluster import Cluster
+from services.cluster_status import worker_rows
 from services.config import ClusterConfig, GatewayConfig
 from services.gateway.grpc import start_grpc_server
 from services.gateway.http import create_app
@@ -165,7 +166,7 @@ class ThreadedServer:
         return self.dispatcher.model_id
 
     def worker_stats(self) -> list[dict]:
-        return self.run(self.dispatcher.worker_stats())
+        return worker_rows(self.dispatcher)
 
     def run(self, coro, timeout_s: float = 60.0):
         """Run a coroutine on the server's loop (e.g. a dispatcher call) and return its result."""

@@ -1,4 +1,5 @@
-"""Ray actors wrapping ``engine.Engine``: the prefill, decode and colocated workers.
+"""Ray actors wrapping ``engine.Engine``: the base every worker shares and the colocated worker (the prefill
+and decode workers are ``services/prefill_worker.py`` and ``services/decode_worker.py``).
 
 Each worker owns one engine, driven on its own thread by ``EngineLoop``; actor methods are async, so a
 worker serves many requests at once. Token streams go back through Ray streaming generators (async
@@ -10,10 +11,7 @@ joins its batch (or the lease expires); every exit path frees them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 
@@ -22,19 +20,14 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats
-from engine.output import FinishReason, RequestOutput
+from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
-from kvstore.transfer.wire import TransferHeader
 from router.estimator import PrefillModel
 from router.loads import WorkerLoad, step_samples
 from services.engine_loop import EngineLoop
 from services.engine_profile import prefill_batch_tokens, profile_engine
-from services.kv_receiver import HandoffReceiver
-from services.kv_sender import HandoffSender
 from services.messages import (
     EngineStepError,
-    KVTarget,
-    PrefillResult,
     PrefixFetch,
     Role,
     TokenEvent,
@@ -137,7 +130,7 @@ class Worker:
         are placed by ``_place`` on the engine thread, in the call that admits the request."""
         if not self.engine.block_manager.enable_prefix_caching:
             return []  # nothing fetched could be placed
-        have = self.engine.cached_prefix_hint(token_ids) // self.engine.block_size
+        have = self.engine.cached_prefix_len(token_ids) // self.engine.block_size  # a lock-free hint
         fetched = []
         if fetch is not None:
             fetched.append(await self.copier.take(token_ids, fetch, have, timeout_s))
@@ -165,7 +158,7 @@ class Worker:
     async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
         """Replication: copy a hot prefix from ``fetch.source`` ahead of the requests that will want it;
         returns the blocks copied."""
-        have = self.engine.cached_prefix_hint(token_ids) // self.engine.block_size
+        have = self.engine.cached_prefix_len(token_ids) // self.engine.block_size  # a lock-free hint
         copied = await self.copier.take(token_ids, fetch, have, timeout_s)
         await self.loop.acall(self._place, token_ids, [copied])
         return copied.blocks
@@ -251,126 +244,3 @@ class ColocatedWorker(Worker):
         # skips the blocks it has).
         async for event in self._stream(request_id, index, admit, tokens, 0):
             yield event
-
-
-class PrefillWorker(Worker):
-    """Computes prompts, samples the first token and pushes the KV into a decode worker's lease."""
-
-    async def start(self) -> WorkerInfo:
-        info = await super().start()
-        self.sender = HandoffSender(self.spec.worker_id, self.spec.kv_transport, self.spec.layerwise, self.engine,
-                                    self.loop, self.spec.transfer_secret)
-        return info
-
-    async def prefill(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
-        fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-        priority: int | None = None,
-    ) -> PrefillResult:
-        """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
-        and the result's token is the one after them."""
-        deadline = time.monotonic() + deadline_s
-        tokens = [*prompt_ids, *output_ids]
-        released = False  # the blocks' release was handed to a background task
-        fetched = await self._fetch_prefix(tokens, fetch, deadline_s)
-        copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
-        queue = self.loop.open_stream(request_id)
-        handoff = self.sender.open(request_id, tokens, kv_target, deadline)
-
-        def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
-            self._place(tokens, fetched)
-            self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority)
-
-        try:
-            await self.loop.acall(admit)
-            async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
-                output = await queue.get()
-            if isinstance(output, EngineStepError):
-                raise output
-            first = output.new_token_ids[0]
-            logprobs = output.logprobs[0] if output.logprobs else None
-            if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
-                handoff.cancel()
-                return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
-                                     logprobs=logprobs, prefix_copies=copies)
-            nbytes, seconds, link_s = await handoff.finish()
-            # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
-            # step boundaries, so they run after it.
-            self._background(self._share_and_release(request_id, tokens, output.num_cached_tokens))
-            released = True
-            return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
-                                 handoff.transport, link_s=link_s, logprobs=logprobs,
-                                 prefix_copies=copies)
-        except BaseException:
-            handoff.cancel()
-            await self.loop.acall(self.engine.abort, request_id)
-            raise
-        finally:
-            self.loop.close_stream(request_id)
-            handoff.close()
-            if not released:
-                await self.loop.acall(self.engine.release, request_id)
-
-    async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int) -> None:
-        try:
-            if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
-                await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size)
-        finally:
-            # Blocks go back to the free list with their contents and hashes: a later prompt still hits them.
-            await self.loop.acall(self.engine.release, request_id)
-
-
-class DecodeWorker(Worker):
-    """Holds leases of reserved blocks, receives KV into them, and decodes in a continuous batch."""
-
-    async def start(self) -> WorkerInfo:
-        info = await super().start()
-        self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret)
-        self._reaper = asyncio.create_task(self._reap_expired_leases())
-        return dataclasses.replace(info, kv_target=self.receiver.target())
-
-    async def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> None:
-        """Reserve blocks for ``num_tokens`` of prompt KV; raises OutOfBlocksError when they don't fit."""
-        block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens)
-        self.receiver.add_lease(request_id, block_ids, time.monotonic() + lease_s)
-
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
-        index: int = 0, num_cached_tokens: int = 0, output_ids: tuple[int, ...] = (),
-    ) -> AsyncIterator[TokenEvent]:
-        """``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease)."""
-        lease = self.receiver.take_filled_lease(request_id)
-
-        def join() -> None:
-            self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids,
-                                             output_ids)
-
-        sequence = [*prompt_ids, *output_ids, first_token_id]
-        # The prefill worker shared the prompt's blocks: the answer's are this worker's to share.
-        async for event in self._stream(request_id, index, join, sequence,
-                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size):
-            # The prefix-cache hit happened on the prefill side; report it with the decode stream.
-            event.num_cached_tokens = num_cached_tokens
-            yield event
-
-    async def open_collective(self, prefill_id: str) -> str:
-        """A collective channel for ``prefill_id``'s transfers; returns the address it connects to."""
-        return self.receiver.open_collective(prefill_id)
-
-    async def receive_collective(self, prefill_id: str, header: TransferHeader, timeout_s: float) -> int:
-        """Receive one collective transfer into its lease (the header travels in this call)."""
-        header.validate()
-        return await asyncio.to_thread(self.receiver.receive_collective, prefill_id, header, timeout_s)
-
-    async def release(self, request_id: str) -> None:
-        """Free a lease that never joined the batch (the handoff failed or was cancelled)."""
-        if self.receiver.drop_lease(request_id):
-            await self.loop.acall(self.engine.release, request_id)
-
-    async def _reap_expired_leases(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            for request_id in self.receiver.expired_leases(time.monotonic()):
-                log.warning("lease of %s expired before its KV arrived; freeing it", request_id)
-                with contextlib.suppress(Exception):
-                    await self.release(request_id)

@@ -229,7 +229,7 @@ def test_disaggregated_handoff_moves_a_prompt_that_fits_the_window_and_refuses_a
     prefill, decode = make_engine(model_dir, **options), make_engine(model_dir, num_blocks=8, **options)
     prefill.add_request("r", ids, params, prefill_only=True)
     (first,) = run_outputs(prefill)  # two chunks of at most the window
-    tensor, _ = prefill.export_blocks(prefill.request_block_ids("r"))
+    tensor = prefill.kv_cache.export_blocks(prefill.request_block_ids("r"))
     prefill.release("r")
     reserved = decode.reserve_blocks("r", len(ids))
     decode.import_blocks(reserved, tensor)

@@ -45,7 +45,7 @@ def _run_batch(server, prompts: list[list[int]], tag: str) -> list[list[int]]:
 
 
 def _free_blocks(server) -> dict[str, int]:
-    stats = server.run(server.server.cluster.dispatcher.worker_stats())
+    stats = server.worker_stats()
     return {s["id"]: s["free_blocks"] for s in stats if s["alive"]}
 
 
@@ -131,6 +131,6 @@ def test_decode_worker_killed_before_handoff_fails_over(start_server):
         outputs = _run_batch(server, _prompts(6, seed=3), "after-kill")
         assert all(len(tokens) == 12 for tokens in outputs)
         assert time.monotonic() - started < 120
-        assert not any(s["alive"] for s in server.run(dispatcher.worker_stats()) if s["id"] == "decode-0")
+        assert not any(s["alive"] for s in server.worker_stats() if s["id"] == "decode-0")
     finally:
         server.stop()

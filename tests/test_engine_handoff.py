@@ -31,7 +31,7 @@ def hand_off(model_dir, ids: list[int], params: SamplingParams) -> tuple[list[Re
     (first,) = prefill.step()
     assert first.finish_reason is FinishReason.PREFILLED and not prefill.has_unfinished()
     block_ids = prefill.request_block_ids("r")
-    tensor, hashes = prefill.export_blocks(block_ids)
+    tensor, hashes = prefill.kv_cache.export_blocks(block_ids), prefill.export_cached_prefix(ids)[1]
     prefill.release("r")
     assert prefill.stats().free_blocks == prefill.stats().total_blocks
 
@@ -91,7 +91,7 @@ def test_reservations_and_pool_inserts(model_dir):
     source.add_request("s", shared + [1], SamplingParams(max_tokens=4, **GREEDY), prefill_only=True)
     source.step()
     assert source.take_block_events() == [BlockStored(hashes)]
-    tensor, _ = source.export_blocks(source.request_block_ids("s")[:3])
+    tensor, _ = source.export_cached_prefix(shared)
     target = make_engine(model_dir)
     assert target.cached_prefix_len(shared) == 0
     assert target.insert_cached_blocks(shared, tensor) == 3

@@ -80,7 +80,7 @@ def test_a_resumed_request_continues_exactly_as_the_undisturbed_one(model_dir, s
     prefill.add_request("r", ids, params, prefill_only=True, output_ids=streamed)
     (first,) = prefill.step()
     assert first.finish_reason is FinishReason.PREFILLED and first.new_token_ids == [tokens[k]]
-    tensor, _ = prefill.export_blocks(prefill.request_block_ids("r"))
+    tensor = prefill.kv_cache.export_blocks(prefill.request_block_ids("r"))
     prefill.release("r")
     reserved = decode.reserve_blocks("r", len(ids) + k)
     decode.import_blocks(reserved, tensor)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.cluster_status import cluster_status
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
@@ -172,8 +173,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         return {"id": session_id, "object": "session", "deleted": True}
 
     @app.get("/v1/cluster/status")
-    async def cluster_status() -> dict:
-        return await dispatcher.cluster_status()
+    async def get_cluster_status() -> dict:
+        return cluster_status(dispatcher)
 
     @app.get("/v1/cluster/profile")
     async def cluster_profile() -> dict:

@@ -1,0 +1,37 @@
+"""What ``GET /v1/cluster/status`` answers (and ``tidepool status`` shows): each worker's row, the pool's
+Redis and the router, read from the dispatcher's latest load reports."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit, urlunsplit
+
+from services.dispatcher import Dispatcher
+
+
+def worker_rows(dispatcher: Dispatcher) -> list[dict]:
+    """One JSON row per worker."""
+    out = []
+    for worker in dispatcher.workers.values():
+        load = dispatcher.loads.get(worker.worker_id)
+        out.append({
+            "id": worker.worker_id, "role": str(worker.role), "alive": bool(load and load.alive),
+            "node": worker.info.node, "device": worker.info.device,
+            "free_blocks": load.free_blocks if load else 0, "total_blocks": load.total_blocks if load else 0,
+            "waiting": len(load.queued_prefills) if load else 0, "running": load.num_running if load else 0,
+        })
+    return out
+
+
+def cluster_status(dispatcher: Dispatcher) -> dict:
+    """The workers, the pool's Redis (its password masked) and the router."""
+    url = urlsplit(dispatcher.redis_url)
+    shown = url._replace(netloc=f"***@{url.hostname}:{url.port}") if url.password else url
+    index = dispatcher.index
+    return {
+        "model": dispatcher.model_id, "policy": dispatcher.conductor.policy_name,
+        "kv_transport": dispatcher.kv_transport,
+        "redis": {"url": urlunsplit(shown), "up": bool(index.pool.up), "indexed_blocks": index.indexed_blocks},
+        "router": {"policy": dispatcher.conductor.policy_name, "rejections": dispatcher.rejections,
+                   "resumed": dispatcher.resumed},
+        "workers": worker_rows(dispatcher),
+    }

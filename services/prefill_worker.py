@@ -1,0 +1,80 @@
+"""The prefill worker: computes prompts, samples each one's first token and pushes its KV into a decode
+worker's lease (``services/kv_sender.py``), then shares the prompt's new blocks with the pool."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.output import FinishReason
+from engine.sampling_params import SamplingParams
+from services.kv_sender import HandoffSender
+from services.messages import EngineStepError, KVTarget, PrefillResult, PrefixFetch, WorkerInfo
+from services.worker import Worker
+
+
+class PrefillWorker(Worker):
+    """Computes prompts, samples the first token and pushes the KV into a decode worker's lease."""
+
+    async def start(self) -> WorkerInfo:
+        info = await super().start()
+        self.sender = HandoffSender(self.spec.worker_id, self.spec.kv_transport, self.spec.layerwise, self.engine,
+                                    self.loop, self.spec.transfer_secret)
+        return info
+
+    async def prefill(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
+        fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
+        priority: int | None = None,
+    ) -> PrefillResult:
+        """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
+        and the result's token is the one after them."""
+        deadline = time.monotonic() + deadline_s
+        tokens = [*prompt_ids, *output_ids]
+        released = False  # the blocks' release was handed to a background task
+        fetched = await self._fetch_prefix(tokens, fetch, deadline_s)
+        copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
+        queue = self.loop.open_stream(request_id)
+        handoff = self.sender.open(request_id, tokens, kv_target, deadline)
+
+        def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
+            self._place(tokens, fetched)
+            self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority)
+
+        try:
+            await self.loop.acall(admit)
+            async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
+                output = await queue.get()
+            if isinstance(output, EngineStepError):
+                raise output
+            first = output.new_token_ids[0]
+            logprobs = output.logprobs[0] if output.logprobs else None
+            if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
+                handoff.cancel()
+                return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
+                                     logprobs=logprobs, prefix_copies=copies)
+            nbytes, seconds, link_s = await handoff.finish()
+            # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
+            # step boundaries, so they run after it.
+            self._background(self._share_and_release(request_id, tokens, output.num_cached_tokens))
+            released = True
+            return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
+                                 handoff.transport, link_s=link_s, logprobs=logprobs,
+                                 prefix_copies=copies)
+        except BaseException:
+            handoff.cancel()
+            await self.loop.acall(self.engine.abort, request_id)
+            raise
+        finally:
+            self.loop.close_stream(request_id)
+            handoff.close()
+            if not released:
+                await self.loop.acall(self.engine.release, request_id)
+
+    async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int) -> None:
+        try:
+            if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
+                await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size)
+        finally:
+            # Blocks go back to the free list with their contents and hashes: a later prompt still hits them.
+            await self.loop.acall(self.engine.release, request_id)
