@@ -10,6 +10,7 @@ workers are torn down by the server itself), then ends whatever of its group is 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -111,6 +112,24 @@ def served_command(command: list[str], port: int, model: str, health_path: str,
         yield srv
     finally:
         stop(srv)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, users: int, turns: int) -> None:
+    """The load-test harness's multi-turn ``chat`` workload, as the chat benchmarks take it."""
+    parser.add_argument("--users", type=int, default=users)
+    parser.add_argument("--turns", type=int, default=turns)
+    parser.add_argument("--message-len", type=int, default=256, help="tokens of each user message")
+    parser.add_argument("--answer-len", type=int, default=32, help="tokens of each answer")
+    parser.add_argument("--system-len", type=int, default=256, help="tokens of system prompt shared by all users")
+    parser.add_argument("--user-rate", type=float, default=1.0, help="users (conversations) starting per second")
+    parser.add_argument("--think-time-s", type=float, default=1.0)
+
+
+def chat_workload(args: argparse.Namespace) -> dict:
+    """``BenchConfig`` fields of the ``chat`` workload ``add_chat_arguments`` parsed."""
+    return dict(workload="chat", num_users=args.users, turns=args.turns, think_time_s=args.think_time_s,
+                input_len=args.message_len, output_len=args.answer_len, prefix_len=args.system_len,
+                request_rate=args.user_rate)
 
 
 def format_table(headers: list[str], rows: list[list]) -> str:

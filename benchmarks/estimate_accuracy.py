@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import REPO, format_table, load_average, served  # noqa: E402
+from benchmarks._serve import REPO, add_chat_arguments, chat_workload, format_table, load_average, served  # noqa: E402
 from benchmarks.make_traces import main as make_trace  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
 
@@ -84,12 +84,6 @@ def summarize(before: dict[float, float], after: dict[float, float]) -> dict:
             "p90_abs_error": quantile(0.9), "buckets": {str(k): v for k, v in cum.items()}}
 
 
-def chat_config(args: argparse.Namespace) -> dict:
-    return dict(workload="chat", num_users=args.users, turns=args.turns, think_time_s=args.think_time_s,
-                input_len=args.message_len, output_len=args.answer_len, prefix_len=args.system_len,
-                request_rate=args.user_rate)
-
-
 def mooncake_config(args: argparse.Namespace, trace: str) -> dict:
     return dict(workload="mooncake", trace=trace, length_scale=args.length_scale, time_scale=args.time_scale,
                 max_requests=args.max_requests)
@@ -127,14 +121,7 @@ def main() -> int:
     p.add_argument("--policy", default="tidepool", help="the router's policy (`tidepool serve --policy`)")
     p.add_argument("--serve-args", default="", help="extra `tidepool serve` arguments")
     p.add_argument("--seed", type=int, default=0)
-    chat = p.add_argument_group("chat")
-    chat.add_argument("--users", type=int, default=8)
-    chat.add_argument("--turns", type=int, default=5)
-    chat.add_argument("--message-len", type=int, default=256, help="tokens of each user message")
-    chat.add_argument("--answer-len", type=int, default=32, help="tokens of each answer")
-    chat.add_argument("--system-len", type=int, default=256, help="tokens of system prompt shared by all users")
-    chat.add_argument("--user-rate", type=float, default=1.0, help="users (conversations) starting per second")
-    chat.add_argument("--think-time-s", type=float, default=1.0)
+    add_chat_arguments(p.add_argument_group("chat"), users=8, turns=5)
     moon = p.add_argument_group("mooncake")
     moon.add_argument("--trace", default=str(TRACE), help="a Mooncake-format trace (default: the shared "
                       "conversation trace beside the repository; generated when missing)")
@@ -149,7 +136,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.workloads.split(","):
             if name == "chat":
-                workload = chat_config(args)
+                workload = chat_workload(args)
             elif name == "mooncake":
                 workload = mooncake_config(args, trace_file(args, Path(tmp)))
             else:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import format_table, load_average, served  # noqa: E402
+from benchmarks._serve import add_chat_arguments, chat_workload, format_table, load_average, served  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
 
 SIDES = {"caching on (+ pool)": [], "caching off": ["--no-prefix-caching"]}
@@ -33,13 +33,7 @@ SIDES = {"caching on (+ pool)": [], "caching off": ["--no-prefix-caching"]}
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--users", type=int, default=6)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--message-len", type=int, default=256, help="tokens of each user message")
-    p.add_argument("--answer-len", type=int, default=32, help="tokens of each answer")
-    p.add_argument("--system-len", type=int, default=256, help="tokens of system prompt shared by all users")
-    p.add_argument("--user-rate", type=float, default=1.0, help="users (conversations) starting per second")
-    p.add_argument("--think-time-s", type=float, default=1.0)
+    add_chat_arguments(p, users=6, turns=4)
     p.add_argument("--serve-args", default="", help="extra `tidepool serve` arguments for both sides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the results here")
@@ -50,9 +44,7 @@ def main() -> int:
         load = load_average()
         with served([*args.serve_args.split(), *side_args]) as srv:
             results[name] = run_benchmark(BenchConfig(
-                model=srv.model, backend="grpc", target=srv.grpc_target, workload="chat", num_users=args.users,
-                turns=args.turns, think_time_s=args.think_time_s, input_len=args.message_len,
-                output_len=args.answer_len, prefix_len=args.system_len, request_rate=args.user_rate,
+                model=srv.model, backend="grpc", target=srv.grpc_target, **chat_workload(args),
                 seed=args.seed, percentiles=[50, 99], progress=False, print_table=False))
         results[name]["load_average_before"] = load
         print(f"{name}: done, load average before the run {load}", flush=True)

@@ -90,7 +90,7 @@ class Dispatcher:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def stop(self) -> None:
-        self.copies.cancel()
+        self.copies.running.cancel()
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -30,6 +30,7 @@ from kvstore.payload import BlockLayout, BlockTier, HostTier, RedisTier, fetch_p
 from kvstore.pool import POOL_HOLDER, KVPool
 from kvstore.publisher import PoolPublisher
 from router.estimator import PrefillModel
+from services.background import BackgroundTasks
 from services.engine_loop import EngineLoop
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ class PoolLink:
             disk_max_bytes, layout, *self.publisher.callbacks("disk"))
         self._own = [t for t in (self.host, self.disk) if t is not None]  # fastest first; Redis after them
         self.fetch_cost = FetchCost(prefill_model, self.block_size, math.prod(kv.block_shape) * kv.payload_dtype.itemsize)
-        self._sharing: set[asyncio.Task] = set()  # background writes to the tiers
+        self._sharing = BackgroundTasks("a write to the pool's tiers")
         self.publisher.start()
 
     def publish(self, events: list[BlockEvent]) -> None:
@@ -137,17 +138,11 @@ class PoolLink:
         tensor, hashes = await loop.acall(self.engine.export_cached_prefix, token_ids, skip_blocks)
         if tensor is None:
             return
-        self._track(asyncio.create_task(self._share(tensor, hashes)))
-
-    def _track(self, task: asyncio.Task) -> None:
-        """Count ``task`` (a write to the tiers) among those ``wait_shared`` waits for."""
-        self._sharing.add(task)
-        task.add_done_callback(self._sharing.discard)
+        self._sharing.spawn(self._share(tensor, hashes))
 
     async def wait_shared(self) -> None:
         """Wait until the background writes started so far have reached the tiers."""
-        while self._sharing:
-            await asyncio.gather(*self._sharing, return_exceptions=True)
+        await self._sharing.wait()
 
     async def _share(self, tensor: torch.Tensor, hashes: list[int]) -> None:
         stored = (await asyncio.to_thread(self.pool.longest_prefix, hashes)).get(POOL_HOLDER, 0)  # already there

@@ -56,7 +56,7 @@ class PrefillWorker(Worker):
             nbytes, seconds, link_s = await handoff.finish()
             # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
             # step boundaries, so they run after it.
-            self._background(self._share_and_release(request_id, tokens, output.num_cached_tokens))
+            self.background.spawn(self._share_and_release(request_id, tokens, output.num_cached_tokens))
             released = True
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
                                  handoff.transport, link_s=link_s, logprobs=logprobs,

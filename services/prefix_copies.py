@@ -5,14 +5,10 @@ A pool read is no decision's: every worker weighs it itself (``services/pool_lin
 
 from __future__ import annotations
 
-import asyncio
-import logging
-
 from router.conductor import Conductor, Decision
+from services.background import BackgroundTasks
 from services.messages import PrefixFetch
 from services.worker_client import WorkerClient
-
-log = logging.getLogger(__name__)
 
 
 class PrefixCopies:
@@ -20,7 +16,7 @@ class PrefixCopies:
                  timeout_s: float) -> None:
         self.workers, self.conductor = workers, conductor  # workers: the dispatcher's own, kept current
         self.block_size, self.timeout_s = block_size, timeout_s
-        self._running: set[asyncio.Task] = set()  # replications under way
+        self.running = BackgroundTasks("a hot-prefix copy")
 
     def fetch_for(self, decision: Decision, source: str | None = None, blocks: int = 0) -> PrefixFetch | None:
         """The peer copy ``decision`` asks for (of ``blocks`` from ``source``, when given); None without one."""
@@ -38,20 +34,5 @@ class PrefixCopies:
             fetch, taker = self.fetch_for(decision, copy.src, copy.blocks), self.workers.get(copy.dst)
             if fetch is None or taker is None:
                 continue
-            task = asyncio.create_task(taker.copy_prefix(tokens[: copy.blocks * self.block_size + 1], fetch,
-                                                         self.timeout_s))
-            self._running.add(task)
-            task.add_done_callback(self._done)
-
-    @property
-    def running(self) -> int:
-        return len(self._running)
-
-    def cancel(self) -> None:
-        for task in self._running:
-            task.cancel()
-
-    def _done(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("hot-prefix copy failed: %r", task.exception())
+            self.running.spawn(taker.copy_prefix(tokens[: copy.blocks * self.block_size + 1], fetch,
+                                                 self.timeout_s))

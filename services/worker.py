@@ -11,8 +11,7 @@ joins its batch (or the lease expires); every exit path frees them.
 from __future__ import annotations
 
 import asyncio
-import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import ray
@@ -24,6 +23,7 @@ from engine.output import RequestOutput
 from engine.sampling_params import SamplingParams
 from router.estimator import PrefillModel
 from router.loads import WorkerLoad, step_samples
+from services.background import BackgroundTasks
 from services.engine_loop import EngineLoop
 from services.engine_profile import prefill_batch_tokens, profile_engine
 from services.messages import (
@@ -35,8 +35,6 @@ from services.messages import (
 )
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
-
-log = logging.getLogger(__name__)
 
 _COLOCATED_COPY_TIMEOUT_S = 30.0  # a colocated request's prefix copy from a peer (prefills have a deadline)
 
@@ -66,7 +64,7 @@ class Worker:
         self.engine = Engine(spec.engine)
         self.loop: EngineLoop | None = None
         self.copier: PrefixCopier | None = None
-        self._tasks: set[asyncio.Task] = set()  # background work (pool writes, releases) under way
+        self.background = BackgroundTasks("work after a request (pool write, release)")
         # Prompt tokens placed from each pool tier and from peers ("host", "redis", "peer", ...); counted on
         # the engine thread, copied whole (atomically under the GIL) by load reports.
         self.hit_tokens: dict[str, int] = {}
@@ -167,18 +165,7 @@ class Worker:
         """After a sequence finished: its answer's blocks to the pool, in the background, so the next chat
         turn (whose prompt carries this one and its answer) finds all of it."""
         if self.pool is not None:
-            self._background(self.pool.store_prefix(self.loop, token_ids, skip_blocks))
-
-    def _background(self, work: Coroutine) -> None:
-        """Run ``work`` off the request's path; kept referenced until done, its failure logged."""
-        task = asyncio.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._background_done)
-
-    def _background_done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background work failed: %r", task.exception())
+            self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks))
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
     async def _stream(
@@ -187,11 +174,13 @@ class Worker:
         """Run ``start`` on the engine thread, then yield the request's outputs until it finishes.
 
         ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
-        blocks are in the pool already: once finished, the rest of the sequence's blocks are shared.
+        blocks are in the pool already (as are those the engine found cached): once finished, the rest of
+        the sequence's blocks are shared.
         If the consumer goes away first (Ray cancels the generator), the request is aborted.
         """
         queue = self.loop.open_stream(request_id)
         finished = False
+        generated: list[int] = []
         try:
             await self.loop.acall(start)
             while not finished:
@@ -202,10 +191,11 @@ class Worker:
                     finished = True  # the failed step aborted the request already
                     raise outputs[-1]
                 event = _merge(outputs, index)
-                sequence = [*sequence, *event.token_ids]
+                generated += event.token_ids
                 finished = event.finish_reason is not None
                 if finished:
-                    self._share_finished(sequence, shared_blocks)
+                    cached = event.num_cached_tokens // self.engine.block_size  # shared when computed
+                    self._share_finished([*sequence, *generated], max(shared_blocks, cached))
                 yield event
         finally:
             self.loop.close_stream(request_id)
@@ -240,7 +230,6 @@ class ColocatedWorker(Worker):
             self._place(tokens, fetched)
             self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority)
 
-        # Nothing of the prompt is in the pool for sure: the finished sequence is shared whole (the pool
-        # skips the blocks it has).
+        # The prompt's new blocks are this worker's to share, with the answer's.
         async for event in self._stream(request_id, index, admit, tokens, 0):
             yield event

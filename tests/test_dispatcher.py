@@ -226,8 +226,7 @@ def test_replications_the_conductor_asks_for_run_on_their_destination_from_their
 
     async def run() -> None:
         await collect(dispatcher)
-        while dispatcher.copies.running:  # the copy runs beside the request, off its path
-            await asyncio.sleep(0.01)
+        await dispatcher.copies.running.wait()  # the copy runs beside the request, off its path
 
     asyncio.run(run())
     copy = p1.fetches[-1]

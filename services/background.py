@@ -1,0 +1,39 @@
+"""Work started off a request's path (pool writes, releases, hot-prefix copies): each task is kept
+referenced until it ends (asyncio holds only weak references), its failure logged, and its owner can
+wait for or cancel what is still running."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundTasks:
+    def __init__(self, what: str) -> None:
+        self.what = what  # names the work in the log line of a failure
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, work: Coroutine) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def wait(self) -> None:
+        """Until every task started so far, and any they started, has ended."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed: %r", self.what, task.exception())
