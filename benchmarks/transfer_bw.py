@@ -2,13 +2,18 @@
 
 Backends: gRPC (a stream of 1 MiB chunks) and the torch collective (gloo on CPU, pipelined messages of
 up to 4 MiB of whole layers); with ``--layerwise`` both send layer by layer, as layer-wise streaming
-does. Both checksum every byte on both sides. Limits: memcpy of the same bytes inside one actor, and a
-plain loopback TCP socket (no checksum) between the same two actors; the crc32c column is what
-checksumming the bytes once costs here. Goal: every backend at least 50% of loopback TCP.
+does. Both checksum every byte (CRC-32C) on both sides, and both land where a decode worker's do: straight
+in the reserved blocks of a paged KV cache (scattered block ids, as in a cache in use), through the same
+``engine/kv_import.py`` writer, with no staging copy. Limits: memcpy of the same bytes inside one actor, a
+plain loopback TCP socket (no checksum) between the same two actors receiving into one contiguous buffer,
+and the crc32c column, what checksumming the bytes once costs here. Goals (issue 13): the collective at
+least 90% of loopback TCP, gRPC at least 60%.
 
 Each transfer is timed from the sender's first byte to the receiver holding (and, for our backends,
-having checksummed) the last one, on CLOCK_MONOTONIC, which every process on one host shares: run both
-actors on one machine. GB/s is 1e9 bytes per second; the median of ``--repeats`` runs is reported.
+having checksummed and placed) the last one, on CLOCK_MONOTONIC, which every process on one host shares:
+run both actors on one machine. GB/s is 1e9 bytes per second; the median of ``--repeats`` runs is reported.
+The KV is bf16 of 32 layers x 4 KV heads x 64 channels, 16-token blocks (512 KiB a block): sizes are
+rounded to whole blocks.
 
     python benchmarks/transfer_bw.py --sizes 1,4,16,64,256 --json transfer_bw.json
 """
@@ -18,54 +23,96 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
+import threading
 import time
 
 import ray
 import torch
 
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.kv_import import BlockImport
 from kvstore.transfer.collective import CollectiveChannel
 from kvstore.transfer.grpc import KVTransferClient, KVTransferServer
-from kvstore.transfer.sink import TensorSink
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum
 
-BACKENDS = ("grpc", "collective")  # both stream the payload layer by layer
+BACKENDS = ("grpc", "collective")
 LIMITS = ("memcpy", "crc32c", "tcp")
-LAYERS = 32  # a Llama-7B-like layer count: messages are at most size/32 each
+SHAPE = ModelConfig("LlamaForCausalLM", 256, 256, 256, num_layers=32, num_heads=8, num_kv_heads=4, head_dim=64)
+BLOCK_SIZE = 16
+BLOCK_BYTES = 2 * SHAPE.num_layers * BLOCK_SIZE * SHAPE.num_kv_heads * SHAPE.head_dim * 2  # K and V, bf16
 
 
-def kv_header(request_id: str, nbytes: int, layerwise: bool) -> TransferHeader:
-    return TransferHeader.describe(request_id, "bench", (LAYERS, nbytes // LAYERS // 2), torch.bfloat16,
-                                   layerwise=layerwise)
+def kv_header(request_id: str, num_blocks: int, layerwise: bool) -> TransferHeader:
+    shape = (SHAPE.num_layers, 2, num_blocks, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
+    return TransferHeader.describe(request_id, "bench", shape, torch.bfloat16, layerwise=layerwise)
+
+
+class BlockSink:
+    """A KVSink writing each push straight into the receiver's reserved blocks (as a decode worker's does)."""
+
+    def __init__(self, receiver: Receiver) -> None:
+        self._receiver, self.done = receiver, threading.Event()
+        self.error: str | None = None
+
+    def begin(self, header: TransferHeader) -> BlockSink.Writer:
+        return BlockSink.Writer(self, BlockImport(self._receiver.cache, self._receiver.reserved(header)))
+
+    class Writer:
+        def __init__(self, sink: BlockSink, arrival: BlockImport) -> None:
+            self._sink, self._arrival = sink, arrival
+
+        def write(self, offset: int, data: memoryview) -> None:
+            self._arrival.write(offset, data)
+
+        def commit(self) -> None:
+            self._arrival.finish()
+            self._sink.done.set()
+
+        def abort(self, reason: str) -> None:
+            self._sink.error = reason
+            self._sink.done.set()
 
 
 @ray.remote(num_cpus=1)
 class Receiver:
-    """The decode side: a TCP listener, a KVTransferServer and the decode end of a collective channel."""
+    """The decode side: a paged KV cache with reserved blocks, a KVTransferServer, the decode end of a
+    collective channel, and a TCP listener."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_blocks: int) -> None:
         torch.set_num_threads(1)
-        self.sink = TensorSink()
+        # Twice the blocks any transfer needs, pre-faulted like a cache in use; a transfer's blocks are every
+        # other one, shuffled, so no two neighbours in the payload are neighbours in the cache.
+        self.cache = KVCache(SHAPE, 2 * max_blocks, BLOCK_SIZE, torch.bfloat16, "cpu")
+        self.cache.data.fill_(1)
+        self.ids = list(range(0, 2 * max_blocks, 2))
+        random.Random(0).shuffle(self.ids)
+        self.sink = BlockSink(self)
         self.server = KVTransferServer(self.sink).start()
         self.channel = CollectiveChannel("decode", "tcp://127.0.0.1:0", backend="gloo", timeout_s=120)
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.conn: socket.socket | None = None
-        self.out: dict[int, torch.Tensor] = {}
+        self.out = torch.empty(0, dtype=torch.uint8)
 
     def endpoints(self) -> dict[str, object]:
         return {"grpc": self.server.target, "collective": self.channel.init_method,
                 "tcp": self.listener.getsockname()[1]}
 
+    def reserved(self, header: TransferHeader) -> list[int]:
+        return self.ids[:header.shape[2]]
+
     def buffer(self, nbytes: int) -> torch.Tensor:
-        """The reserved destination (pre-faulted, like KV blocks already in use)."""
-        if nbytes not in self.out:
-            self.out = {nbytes: torch.ones(LAYERS, nbytes // LAYERS // 2, dtype=torch.bfloat16)}
-        return self.out[nbytes]
+        """The TCP peer's contiguous destination (pre-faulted)."""
+        if len(self.out) != nbytes:
+            self.out = torch.ones(nbytes, dtype=torch.uint8)
+        return self.out
 
     def local_s(self, backend: str, nbytes: int) -> float:
-        """One actor alone: copy the bytes into the reserved buffer, or checksum them."""
-        src = torch.rand(LAYERS, nbytes // LAYERS // 2).to(torch.bfloat16)
+        """One actor alone: copy the bytes into a buffer, or checksum them."""
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         dst = self.buffer(nbytes)
         start = time.perf_counter()
         if backend == "memcpy":
@@ -74,31 +121,35 @@ class Receiver:
             checksum(as_bytes(src))
         return time.perf_counter() - start
 
-    def expect(self, header: TransferHeader) -> None:
-        self.sink.expect(header.request_id, self.buffer(header.total_bytes))
+    def expect(self) -> None:
+        self.sink.done.clear()
+        self.sink.error = None
 
     def receive(self, backend: str, header: TransferHeader) -> float:
         """Receive one transfer; returns the monotonic time the last byte was in place."""
-        out = self.buffer(header.total_bytes)
         if backend == "tcp":
             if self.conn is None:
                 self.conn, _ = self.listener.accept()
-            view, got = memoryview(out.view(-1).view(torch.uint8).numpy()), 0
+            view, got = as_bytes(self.buffer(header.total_bytes)), 0
             while got < len(view):
                 n = self.conn.recv_into(view[got:], min(len(view) - got, 4 << 20))
                 if n == 0:
                     raise ConnectionError("sender closed")
                 got += n
-        elif backend.startswith("grpc"):
-            outcome = self.sink.wait(header.request_id, 120)
-            if not outcome.committed:
-                raise RuntimeError(outcome.reason)
+        elif backend == "grpc":
+            if not self.sink.done.wait(120) or self.sink.error:
+                raise RuntimeError(self.sink.error or "no gRPC transfer within 120 s")
         else:
-            self.channel.recv(header, out=out)
+            arrival = BlockImport(self.cache, self.reserved(header))
+            self.channel.recv_into(header, arrival)
+            arrival.finish()
         return time.monotonic()
 
-    def sum_of(self, nbytes: int) -> float:
-        return float(self.buffer(nbytes).float().sum())
+    def received_crc(self, backend: str, header: TransferHeader) -> int:
+        """CRC-32C of what the last transfer left: the TCP buffer, or the reserved blocks in payload order."""
+        if backend == "tcp":
+            return checksum(as_bytes(self.buffer(header.total_bytes)))
+        return checksum(as_bytes(self.cache.export_blocks(self.reserved(header))))
 
 
 @ray.remote(num_cpus=1)
@@ -112,33 +163,34 @@ class Sender:
         self.sock = socket.create_connection(("127.0.0.1", endpoints["tcp"]))
         self.source = torch.empty(0)
 
-    def make_source(self, nbytes: int) -> float:
-        self.source = torch.rand(LAYERS, nbytes // LAYERS // 2).to(torch.bfloat16)
-        return float(self.source.float().sum())
+    def make_source(self, header: TransferHeader) -> int:
+        """A random payload of ``header``'s shape; returns its CRC-32C."""
+        self.source = torch.rand(header.shape).to(torch.bfloat16)
+        return checksum(as_bytes(self.source))
 
     def send(self, backend: str, header: TransferHeader) -> float:
         """Send one transfer of the current source; returns the monotonic time of its start."""
         assert self.source.numel() * 2 == header.total_bytes, "make_source first"
         start = time.monotonic()
         if backend == "tcp":
-            self.sock.sendall(memoryview(self.source.view(-1).view(torch.uint8).numpy()))
-        elif backend.startswith("grpc"):
+            self.sock.sendall(as_bytes(self.source))
+        elif backend == "grpc":
             self.client.push(header, self.source, timeout_s=120)
         else:
             self.channel.send(header, self.source)
         return start
 
 
-def measure(sender, receiver, backend: str, nbytes: int, repeats: int, tag: str,
+def measure(sender, receiver, backend: str, num_blocks: int, repeats: int, tag: str,
             layerwise: bool) -> list[float]:
     seconds = []
     for rep in range(repeats):
-        header = kv_header(f"{tag}-{backend}-{nbytes}-{rep}", nbytes, layerwise)
+        header = kv_header(f"{tag}-{backend}-{num_blocks}-{rep}", num_blocks, layerwise)
         if backend in ("memcpy", "crc32c"):
-            seconds.append(ray.get(receiver.local_s.remote(backend, nbytes)))
+            seconds.append(ray.get(receiver.local_s.remote(backend, header.total_bytes)))
             continue
-        if backend.startswith("grpc"):
-            ray.get(receiver.expect.remote(header))
+        if backend == "grpc":
+            ray.get(receiver.expect.remote())
         done = receiver.receive.remote(backend, header)
         start = ray.get(sender.send.remote(backend, header))
         seconds.append(ray.get(done) - start)
@@ -152,25 +204,26 @@ def main() -> None:
     parser.add_argument("--layerwise", action="store_true", help="one message (stream) per layer")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    sizes = [int(float(s) * (1 << 20)) for s in args.sizes.split(",")]
+    blocks = [max(1, round(float(s) * (1 << 20) / BLOCK_BYTES)) for s in args.sizes.split(",")]
 
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2))
-    receiver = Receiver.remote()
+    receiver = Receiver.remote(max(blocks))
     sender = Sender.remote(ray.get(receiver.endpoints.remote()))
-    ray.get(sender.make_source.remote(1 << 20))
+    ray.get(sender.make_source.remote(kv_header("warmup", 2, args.layerwise)))
     for backend in LIMITS[2:] + BACKENDS:  # warm up: connect sockets, channels and the gloo group
-        measure(sender, receiver, backend, 1 << 20, 1, "warmup", args.layerwise)
+        measure(sender, receiver, backend, 2, 1, "warmup", args.layerwise)
 
     rows = []
-    print(f"cpus={os.cpu_count()} layers={LAYERS} dtype=bfloat16 layerwise={args.layerwise} "
-          f"repeats={args.repeats} (median GB/s)")
+    print(f"cpus={os.cpu_count()} layers={SHAPE.num_layers} dtype=bfloat16 layerwise={args.layerwise} "
+          f"repeats={args.repeats} (median GB/s; gRPC and collective into scattered KV blocks)")
     print(f"{'MiB':>6} " + " ".join(f"{b:>20}" for b in LIMITS + BACKENDS))
-    for nbytes in sizes:
-        expected = ray.get(sender.make_source.remote(nbytes))
+    for num_blocks in blocks:
+        header = kv_header("size", num_blocks, args.layerwise)
+        nbytes, expected = header.total_bytes, ray.get(sender.make_source.remote(header))
         medians = {}
         for backend in LIMITS + BACKENDS:
-            seconds = measure(sender, receiver, backend, nbytes, args.repeats, "run", args.layerwise)
-            if backend not in ("memcpy", "crc32c") and ray.get(receiver.sum_of.remote(nbytes)) != expected:
+            seconds = measure(sender, receiver, backend, num_blocks, args.repeats, "run", args.layerwise)
+            if backend not in ("memcpy", "crc32c") and ray.get(receiver.received_crc.remote(backend, header)) != expected:
                 raise RuntimeError(f"{backend} delivered other bytes")
             medians[backend] = nbytes / statistics.median(seconds) / 1e9
             rows.append({"size_bytes": nbytes, "backend": backend, "seconds": seconds,
@@ -181,7 +234,8 @@ def main() -> None:
             else f"{medians[b]:>20.2f}" for b in LIMITS + BACKENDS))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"cpus": os.cpu_count(), "layers": LAYERS, "dtype": "bfloat16", "layerwise": args.layerwise,
+            json.dump({"cpus": os.cpu_count(), "layers": SHAPE.num_layers, "dtype": "bfloat16",
+                       "layerwise": args.layerwise, "destination": "scattered KV cache blocks",
                        "repeats": args.repeats, "results": rows}, f, indent=1)
     ray.shutdown()
 

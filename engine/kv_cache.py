@@ -200,9 +200,12 @@ class KVCache:
         n = len(block_ids)
         tensor = tensor.to(self.data.device, self.data.dtype).contiguous()
         self.data[layers].index_copy_(2, self._index(block_ids), tensor[:, :, :n])
-        if self.windows is None:
-            return
-        window = tensor[:, 0, n:].flatten(1) if tensor.shape[2] > n else None
+        if self.windows is not None:
+            self.import_windows(layers, block_ids, tensor[:, 0, n:].flatten(1) if tensor.shape[2] > n else None)
+
+    def import_windows(self, layers: slice, block_ids: list[int], window: torch.Tensor | None) -> None:
+        """After the records of ``block_ids`` were imported: the last block's window from the payload's
+        window columns (``[layers, window_columns * record_bytes]`` uint8), or none (every block full)."""
         if window is None or not bool(window[0, 0]):  # every block is a full record now
             self.windows.release(block_ids)
             return

@@ -32,6 +32,7 @@ class ClusterConfig:
     replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
     kv_transport: str = "auto"  # grpc | collective | auto (collective on GPUs and CPUs, gRPC across devices)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
+    max_kv_channels: int = 16  # collective KV channels (process groups) a worker keeps open, LRU-evicted
     address: str | None = None  # "auto" joins a running Ray cluster
     redis_url: str | None = None  # None: start a private redis-server
     threads_per_worker: int | None = None  # CPU threads per worker; default: the cores split evenly
@@ -96,6 +97,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how KV moves from prefill to decode workers")
     p.add_argument("--no-layerwise", dest="layerwise", action="store_false", default=c.layerwise,
                    help="send KV after the whole prefill instead of layer by layer")
+    p.add_argument("--max-kv-channels", type=int, default=c.max_kv_channels,
+                   help="collective KV channels each worker keeps open (least recently used closed beyond)")
     p.add_argument("--address", default=c.address, help="join a Ray cluster ('auto') instead of starting one")
     p.add_argument("--redis-url", default=c.redis_url, help="use this Redis instead of a private redis-server")
     p.add_argument("--threads-per-worker", type=int, default=c.threads_per_worker,
@@ -151,6 +154,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     """The parsed options as the two configs; ValueError when they contradict each other."""
     if args.colocated and (args.prefill_set or args.decode_set):
         raise ValueError("use either --colocated N or --prefill/--decode, not both")
+    if args.max_kv_channels < 1:
+        raise ValueError(f"--max-kv-channels must be at least 1, got {args.max_kv_channels}")
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -159,7 +164,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
-        replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise, address=args.address, redis_url=args.redis_url,
+        replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
+        max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, pool_max_bytes=args.pool_max_bytes,
         kv_disk_dir=args.kv_disk_dir and os.path.abspath(args.kv_disk_dir),  # workers run in other directories
         kv_disk_bytes=args.kv_disk_bytes,

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 from engine.sampling_params import SamplingParams
+from kvstore.transfer.channel_pool import ChannelUse
 from kvstore.transfer.wire import TransferHeader
 from services.kv_receiver import HandoffReceiver
 from services.messages import TokenEvent, WorkerInfo
@@ -24,8 +25,9 @@ class DecodeWorker(Worker):
 
     async def start(self) -> WorkerInfo:
         info = await super().start()
-        self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret)
-        self._reaper = asyncio.create_task(self._reap_expired_leases())
+        self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret,
+                                        self.spec.max_kv_channels)
+        self._reaper = asyncio.create_task(self._reap_expired())
         return dataclasses.replace(info, kv_target=self.receiver.target())
 
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> None:
@@ -52,23 +54,34 @@ class DecodeWorker(Worker):
             event.num_cached_tokens = num_cached_tokens
             yield event
 
-    async def open_collective(self, prefill_id: str) -> str:
-        """A collective channel for ``prefill_id``'s transfers; returns the address it connects to."""
-        return self.receiver.open_collective(prefill_id)
+    async def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
+        """The address of the collective channel ``prefill_id``'s next transfer uses (opened on demand),
+        held for that transfer (``HandoffReceiver.collective_address``)."""
+        return self.receiver.collective_address(prefill_id, hold_s, fresh)
+
+    async def close_collective(self, prefill_id: str) -> None:
+        """``prefill_id`` closed its end of our collective channel: close ours."""
+        self.receiver.close_collective(prefill_id)
+
+    async def kv_channels(self) -> ChannelUse:
+        """Collective channels open to prefill workers, and the threads receiving over them."""
+        return self.receiver.channels.use("kv-recv")
 
     async def receive_collective(self, prefill_id: str, header: TransferHeader, timeout_s: float) -> int:
         """Receive one collective transfer into its lease (the header travels in this call)."""
         header.validate()
-        return await asyncio.to_thread(self.receiver.receive_collective, prefill_id, header, timeout_s)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.receiver.receive_threads, self.receiver.receive_collective, prefill_id, header, timeout_s)
 
     async def release(self, request_id: str) -> None:
         """Free a lease that never joined the batch (the handoff failed or was cancelled)."""
         if self.receiver.drop_lease(request_id):
             await self.loop.acall(self.engine.release, request_id)
 
-    async def _reap_expired_leases(self) -> None:
+    async def _reap_expired(self) -> None:
         while True:
             await asyncio.sleep(0.5)
+            self.receiver.channels.close_idle()
             for request_id in self.receiver.expired_leases(time.monotonic()):
                 log.warning("lease of %s expired before its KV arrived; freeing it", request_id)
                 with contextlib.suppress(Exception):

@@ -1,25 +1,32 @@
 """The decode side of the KV handoff: leases of reserved blocks, and the endpoints KV arrives at.
 
 ``HandoffReceiver`` holds the leases (blocks reserved per request, with a deadline). A transfer is
-accepted only for a live, unfilled lease whose shape matches; its bytes land in a staging tensor and are
-imported into the reserved blocks only after the checksum matched, so a corrupt or cut transfer never
-reaches the KV cache. Transfers come over gRPC (a server this receiver runs) or a collective channel
-per prefill worker, opened on demand.
+accepted only for a live, unfilled lease whose shape matches; its bytes are written straight into the
+reserved blocks as they arrive (``engine/kv_import.py``: no staging copy of the payload), and the lease
+counts as filled only after the checksum matched. Until then the blocks are in no sequence's table, so a
+corrupt or cut transfer is never read: its lease is released. Transfers come over gRPC (a server this
+receiver runs) or a collective channel per prefill worker, opened on demand and kept in a bounded pool
+(``kvstore/transfer/channel_pool.py``): a prefill worker asks for its channel's address before each
+transfer, which holds the channel until the transfer ends, and receives run on a thread pool of the
+same bound, so N x M pairs never pin more groups or threads than that.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import ray
-import torch
 
 from engine.engine import Engine
+from engine.kv_import import BlockImport
 from kvstore.transfer import TransferRejected
+from kvstore.transfer.channel_pool import ChannelPool
 from kvstore.transfer.collective import CollectiveChannel, backend_for
 from kvstore.transfer.grpc import KVTransferServer
-from kvstore.transfer.wire import TransferHeader, as_bytes
+from kvstore.transfer.wire import TransferHeader
 from services.engine_loop import EngineLoop
 from services.messages import KVTarget
 
@@ -42,13 +49,17 @@ class Lease:
 class HandoffReceiver:
     """The decode worker's leases and its KV endpoints (a gRPC server; collective channels on demand)."""
 
-    def __init__(self, worker_id: str, engine: Engine, loop: EngineLoop, secret: str) -> None:
+    def __init__(self, worker_id: str, engine: Engine, loop: EngineLoop, secret: str, max_channels: int = 16,
+                 channel_idle_s: float = 300.0) -> None:
         self.worker_id = worker_id
         self.engine = engine
         self.loop = loop
         self._leases: dict[str, Lease] = {}
         self._lock = threading.Lock()
-        self._channels: dict[str, CollectiveChannel] = {}
+        self.channels: ChannelPool[CollectiveChannel] = ChannelPool(max_channels, channel_idle_s,
+                                                                    lambda _peer, channel: channel.close())
+        # One receive at a time per channel: as many threads as channels serve them all.
+        self.receive_threads = ThreadPoolExecutor(max_channels, thread_name_prefix="kv-recv")
         self._node = ray.util.get_node_ip_address()
         # Bound to the address peers use (the node's), not every interface; pushes must carry the secret.
         self._server = KVTransferServer(self, host=self._node, secret=secret)
@@ -60,8 +71,8 @@ class HandoffReceiver:
 
     def stop(self) -> None:
         self._server.stop()
-        for channel in self._channels.values():
-            channel.close()
+        self.channels.close_all()
+        self.receive_threads.shutdown(wait=False, cancel_futures=True)
 
     # leases (called from the actor's event loop)
     def add_lease(self, request_id: str, block_ids: list[int], deadline: float) -> None:
@@ -105,55 +116,71 @@ class HandoffReceiver:
             lease.busy = True
         return lease
 
-    def _fill(self, lease: Lease, staging: torch.Tensor | None) -> None:
-        """Import verified bytes into the lease's blocks (or release the claim when ``staging`` is None)."""
+    def _fill(self, lease: Lease, arrived: BlockImport | None) -> None:
+        """Finish a verified transfer into the lease's blocks (or release the claim when ``arrived`` is None)."""
         try:
-            if staging is not None:
-                self.loop.call(self.engine.import_blocks, lease.block_ids, staging).result()
+            if arrived is not None:
+                if arrived.needs_engine_thread:
+                    self.loop.call(arrived.finish).result()
+                else:
+                    arrived.finish()
         finally:
             with self._lock:
                 lease.busy = False
-                lease.filled = staging is not None
+                lease.filled = arrived is not None
 
     def begin(self, header: TransferHeader) -> _LeaseWriter:  # KVSink, for the gRPC server
         lease = self._claim(header)
-        return _LeaseWriter(self, lease, torch.empty(header.shape, dtype=header.torch_dtype))
+        return _LeaseWriter(self, lease, BlockImport(self.engine.kv_cache, lease.block_ids))
 
-    def open_collective(self, prefill_id: str) -> str:
-        """A channel for one prefill worker (replacing a broken one); returns its ``tcp://`` address."""
-        old = self._channels.pop(prefill_id, None)
-        if old is not None:
-            old.close()
-        channel = CollectiveChannel("decode", f"tcp://{self._node}:0", backend_for(self.engine.device),
-                                    device=self.engine.device)
-        self._channels[prefill_id] = channel
+    def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
+        """The ``tcp://`` address of the channel ``prefill_id``'s next transfer uses, held for it until the
+        transfer ends or ``hold_s`` passes. ``fresh``: the prefill side has no channel to us (first use, or
+        it closed its end), so any channel we still hold for it is replaced."""
+        channel = self.channels.get(prefill_id)
+        if channel is None or channel.broken or fresh:
+            channel = CollectiveChannel("decode", f"tcp://{self._node}:0", backend_for(self.engine.device),
+                                        device=self.engine.device)
+        self.channels.hold(prefill_id, channel, time.monotonic() + hold_s)  # may close the LRU idle one
         return channel.init_method
 
+    def close_collective(self, prefill_id: str) -> None:
+        """The prefill side closed its end of our pair (its pool evicted it): close ours."""
+        channel = self.channels.pop(prefill_id)
+        if channel is not None:
+            channel.close()
+
     def receive_collective(self, prefill_id: str, header: TransferHeader, timeout_s: float) -> int:
-        channel = self._channels.get(prefill_id)
+        channel = self.channels.get(prefill_id)
         if channel is None:
             raise TransferRejected(f"no collective channel from {prefill_id}")
-        lease = self._claim(header)
-        staging = None
         try:
-            staging = channel.recv(header, timeout_s=timeout_s)
+            lease = self._claim(header)
+            arrived = None
+            try:
+                incoming = BlockImport(self.engine.kv_cache, lease.block_ids)
+                channel.recv_into(header, incoming, timeout_s=timeout_s)
+                arrived = incoming
+            finally:
+                self._fill(lease, arrived)
         finally:
-            self._fill(lease, staging)
+            self.channels.release(prefill_id, channel)
+            if channel.broken and self.channels.get(prefill_id) is channel:
+                self.close_collective(prefill_id)  # out of step after a failure: the next transfer opens a new pair
         return header.total_bytes
 
 
 class _LeaseWriter:
-    """Receives one gRPC transfer into host staging; imports into the lease's blocks on commit."""
+    """Writes one gRPC transfer straight into the lease's blocks; the lease is filled on commit."""
 
-    def __init__(self, receiver: HandoffReceiver, lease: Lease, staging: torch.Tensor) -> None:
-        self._receiver, self._lease, self._staging = receiver, lease, staging
-        self._bytes = as_bytes(staging)
+    def __init__(self, receiver: HandoffReceiver, lease: Lease, arrival: BlockImport) -> None:
+        self._receiver, self._lease, self._arrival = receiver, lease, arrival
 
     def write(self, offset: int, data: memoryview) -> None:
-        self._bytes[offset:offset + len(data)] = data
+        self._arrival.write(offset, data)
 
     def commit(self) -> None:
-        self._receiver._fill(self._lease, self._staging.to(self._receiver.engine.device))
+        self._receiver._fill(self._lease, self._arrival)
 
     def abort(self, reason: str) -> None:
         self._receiver._fill(self._lease, None)

@@ -3,7 +3,13 @@
 ``HandoffSender.open`` starts a transfer before the prompt is computed. In layer-wise mode an engine hook
 exports layer l of every request whose prompt completes in the running step as soon as that layer is
 written, so the bytes leave while later layers compute; otherwise the whole KV is exported after the
-first token. ``Handoff.finish`` waits for the receiver's ack; ``cancel`` and ``close`` end it on any path.
+first token. A layer-wise transfer takes its stream (or collective pair) only when the first layer is ready,
+so a prompt still queued holds nothing on the receiver. ``Handoff.finish`` waits for the receiver's ack
+without holding a thread; ``cancel`` and ``close`` end it on any path.
+
+Collective channels live in a bounded pool (``kvstore/transfer/channel_pool.py``), one per decode worker,
+least recently used closed beyond ``max_channels`` (and both ends told); the blocking sends run on a thread
+pool of the same bound.
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from engine.engine import Engine
 from kvstore.hashing import block_hashes, salt_for
-from kvstore.transfer import PeerLost, TransferError
+from kvstore.transfer import TransferError
+from kvstore.transfer.channel_pool import ChannelPool
 from kvstore.transfer.collective import CollectiveChannel, backend_for, pick_transport
 from kvstore.transfer.grpc import KVTransferClients, PushCall
 from kvstore.transfer.wire import LayerFeed, TransferHeader
@@ -27,7 +35,7 @@ from services.messages import KVTarget
 
 class HandoffSender:
     def __init__(self, worker_id: str, transport: str, layerwise: bool, engine: Engine, loop: EngineLoop,
-                 secret: str) -> None:
+                 secret: str, max_channels: int = 16, channel_idle_s: float = 300.0) -> None:
         self.worker_id = worker_id
         self.mode = transport
         self.layerwise = layerwise
@@ -35,7 +43,10 @@ class HandoffSender:
         self.loop = loop
         self._salt = salt_for(engine.model_id)
         self.clients = KVTransferClients(secret)  # the cluster's secret: receivers refuse pushes without it
-        self._channels: dict[str, CollectiveChannel] = {}
+        # decode worker -> (our end of the pair, its actor, told to close its end when we close ours)
+        self.channels: ChannelPool[tuple[CollectiveChannel, object]] = ChannelPool(
+            max_channels, channel_idle_s, self._close_pair)
+        self.send_threads = ThreadPoolExecutor(max_channels, thread_name_prefix="kv-send")
         self._pair_locks: dict[str, asyncio.Lock] = {}
         self._feeds: dict[str, LayerFeed] = {}  # request -> per-layer feed, filled on the engine thread
         self._layer_lock = threading.Lock()
@@ -79,20 +90,37 @@ class HandoffSender:
     def pair_lock(self, decode_id: str) -> asyncio.Lock:
         return self._pair_locks.setdefault(decode_id, asyncio.Lock())
 
-    def drop_channel(self, decode_id: str) -> None:
-        channel = self._channels.pop(decode_id, None)
-        if channel is not None:
-            channel.close()
-
-    async def channel(self, kv_target: KVTarget) -> CollectiveChannel:
+    async def hold_channel(self, kv_target: KVTarget, until: float) -> CollectiveChannel:
+        """Our end of the pair with ``kv_target``, held for one transfer until ``release_channel`` (or the
+        monotonic ``until``). The decode worker names the channel it holds for us; a different one (it
+        evicted ours, or either end broke) replaces ours."""
+        self.channels.close_idle()
         decode_id = kv_target.worker_id
-        channel = self._channels.get(decode_id)
-        if channel is None:
-            init_method = await kv_target.actor.open_collective.remote(self.worker_id)
-            channel = CollectiveChannel("prefill", init_method, backend_for(self.engine.device),
-                                        device=self.engine.device)
-            self._channels[decode_id] = channel
-        return channel
+        held = self.channels.get(decode_id)
+        if held is not None and held[0].broken:
+            self._close_pair(decode_id, self.channels.pop(decode_id))
+            held = None
+        address = await kv_target.actor.collective_address.remote(self.worker_id, until - time.monotonic(),
+                                                                   held is None)
+        if held is None or held[0].init_method != address:
+            if held is not None:
+                self.channels.pop(decode_id)[0].close()  # the decode worker already replaced its end
+            held = (CollectiveChannel("prefill", address, backend_for(self.engine.device), device=self.engine.device),
+                    kv_target.actor)
+        self.channels.hold(decode_id, held, until)
+        return held[0]
+
+    def release_channel(self, decode_id: str, channel: CollectiveChannel) -> None:
+        held = self.channels.get(decode_id)
+        if held is not None and held[0] is channel:
+            self.channels.release(decode_id, held)
+            if channel.broken:  # out of step after a failure: the next transfer opens a new pair
+                self._close_pair(decode_id, self.channels.pop(decode_id))
+
+    def _close_pair(self, decode_id: str, pair: tuple[CollectiveChannel, object]) -> None:
+        channel, actor = pair
+        channel.close()
+        actor.close_collective.remote(self.worker_id)  # fire and forget: a dead peer has nothing to close
 
 
 class _Feed(LayerFeed):
@@ -115,60 +143,61 @@ class _Feed(LayerFeed):
 
 
 class Handoff:
-    """One request's transfer: started at ``open``, awaited with ``finish``, ended by ``close``."""
+    """One request's transfer: started at ``open`` (layer-wise) or ``finish``, ended by ``close``."""
 
     def __init__(self, sender: HandoffSender, header: TransferHeader, kv_target: KVTarget, deadline: float,
                  feed: _Feed | None) -> None:
         self.sender, self.header, self.kv_target, self.deadline, self.feed = sender, header, kv_target, deadline, feed
         self.transport = sender.transport_for(kv_target)
         self._push: PushCall | None = None
-        self._collective: asyncio.Task | None = None
         self._started = time.perf_counter()
+        self._sending: asyncio.Task | None = None
         if feed is not None:
-            self._start(feed)
+            self._begin(feed)
+
+    def _begin(self, payload) -> None:
+        self._sending = asyncio.create_task(self._send(payload))
+        # Read a failure even when nobody awaits it (the prefill ended another way): no "never retrieved".
+        self._sending.add_done_callback(lambda task: task.cancelled() or task.exception())
 
     def _remaining(self) -> float:
         return max(0.001, self.deadline - time.monotonic())
 
-    def _start(self, payload) -> None:
-        self._started = time.perf_counter()
+    async def _send(self, payload) -> None:
+        if self.feed is not None:  # nothing is opened on the receiver while the prompt waits to be computed
+            await self.feed.first_layer.wait()
         if self.transport == "grpc":
+            self._started = time.perf_counter()
             client = self.sender.clients.get(self.kv_target.grpc_address)
             self._push = client.start_push(self.header, payload, self._remaining())
-        else:
-            self._collective = asyncio.create_task(self._send_collective(payload))
-
-    async def _send_collective(self, payload) -> None:
+            await self._push.wait()
+            return
         # A pair carries one transfer at a time, and both ends must take them in the same order: the
         # sender holds the pair from the first computed layer until the receiver has every byte.
-        if self.feed is not None:
-            await self.feed.first_layer.wait()
-        async with self.sender.pair_lock(self.kv_target.worker_id):
+        decode_id = self.kv_target.worker_id
+        async with self.sender.pair_lock(decode_id):
             self._started = time.perf_counter()
-            channel = await self.sender.channel(self.kv_target)
-            receive = self.kv_target.actor.receive_collective.remote(
-                self.sender.worker_id, self.header, self._remaining())
-            send = asyncio.to_thread(channel.send, self.header, payload, self._remaining())
+            channel = await self.sender.hold_channel(self.kv_target, self.deadline)
             try:
+                receive = self.kv_target.actor.receive_collective.remote(
+                    self.sender.worker_id, self.header, self._remaining())
+                send = asyncio.get_running_loop().run_in_executor(
+                    self.sender.send_threads, channel.send, self.header, payload, self._remaining())
                 await asyncio.gather(send, receive)
-            except PeerLost:
-                self.sender.drop_channel(self.kv_target.worker_id)  # the next transfer opens a new pair
-                raise
+            finally:
+                self.sender.release_channel(decode_id, channel)
 
     async def finish(self) -> tuple[int, float, float]:
         """Wait until the receiver has the KV; (bytes, seconds since the transfer started, seconds the
         bytes were moving: less the waits for layers still being computed, which are no link's time)."""
-        if self.feed is None:  # whole-request mode: export now that the prompt is computed
+        if self._sending is None:  # whole-request mode: export now that the prompt is computed
             engine = self.sender.engine
             num_blocks = self.header.shape[2] - engine.kv_cache.window_columns  # the rest: the window
             tensor = await self.sender.loop.acall(
                 lambda: engine.kv_cache.export_blocks(engine.request_block_ids(self.header.request_id)
                                                       [:num_blocks]))
-            self._start(tensor)
-        if self._push is not None:
-            await asyncio.to_thread(self._push.result)
-        else:
-            await self._collective
+            self._begin(tensor)
+        await self._sending
         seconds = time.perf_counter() - self._started
         return self.header.total_bytes, seconds, seconds - (self.feed.waited_s if self.feed is not None else 0.0)
 
@@ -177,8 +206,8 @@ class Handoff:
             self.feed.fail(TransferError("prefill ended before its KV was complete"))
         if self._push is not None:
             self._push.cancel()
-        if self._collective is not None:
-            self._collective.cancel()
+        if self._sending is not None:
+            self._sending.cancel()
 
     def close(self) -> None:
         self.sender._forget(self.header.request_id)

@@ -109,7 +109,8 @@ class WorkerLauncher:
             engine=dataclasses.replace(self.config.engine, device=device,
                                        enable_block_events=self.redis_url is not None),
             redis_url=self.redis_url, num_threads=self.threads, kv_transport=self.config.kv_transport,
-            layerwise=self.config.layerwise, pool_max_bytes=self.config.pool_max_bytes,
+            layerwise=self.config.layerwise, max_kv_channels=self.config.max_kv_channels,
+            pool_max_bytes=self.config.pool_max_bytes,
             kv_disk_dir=self.config.kv_disk_dir, kv_disk_bytes=self.config.kv_disk_bytes,
             transfer_secret=self.transfer_secret,
         )

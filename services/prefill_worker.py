@@ -8,6 +8,7 @@ import time
 
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
+from kvstore.transfer.channel_pool import ChannelUse
 from services.kv_sender import HandoffSender
 from services.messages import EngineStepError, KVTarget, PrefillResult, PrefixFetch, WorkerInfo
 from services.worker import Worker
@@ -19,7 +20,7 @@ class PrefillWorker(Worker):
     async def start(self) -> WorkerInfo:
         info = await super().start()
         self.sender = HandoffSender(self.spec.worker_id, self.spec.kv_transport, self.spec.layerwise, self.engine,
-                                    self.loop, self.spec.transfer_secret)
+                                    self.loop, self.spec.transfer_secret, self.spec.max_kv_channels)
         return info
 
     async def prefill(
@@ -70,6 +71,10 @@ class PrefillWorker(Worker):
             handoff.close()
             if not released:
                 await self.loop.acall(self.engine.release, request_id)
+
+    async def kv_channels(self) -> ChannelUse:
+        """Collective channels open to decode workers, and the threads sending over them."""
+        return self.sender.channels.use("kv-send")
 
     async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int) -> None:
         try:

@@ -50,6 +50,7 @@ class WorkerSpec:
     num_threads: int
     kv_transport: str  # grpc | collective | auto
     layerwise: bool
+    max_kv_channels: int  # collective channels (and their transfer threads) kept open, LRU-evicted
     pool_max_bytes: int
     kv_disk_dir: str | None  # the worker's disk tier lives under kv_disk_dir/worker_id; None: none
     kv_disk_bytes: int

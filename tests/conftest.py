@@ -63,7 +63,8 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
+        # Logical CPUs (a worker asks for one per thread): room for 8 x 8 workers next to the shared servers.
+        ray.init(num_cpus=24, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()

@@ -10,14 +10,25 @@ import torch
 
 from kvstore.transfer import ChecksumMismatch, PeerLost, TransferCancelled, TransferError, TransferTimeout
 from kvstore.transfer.collective import CollectiveChannel, backend_for, pick_transport
-from kvstore.transfer.wire import LayerFeed, TransferHeader
+from kvstore.transfer.wire import LayerFeed, TransferHeader, as_bytes
 
 pytestmark = pytest.mark.ray
 SHAPE = (4, 2, 6, 16, 2, 32)  # [layers, 2, blocks, block_size, kv_heads, head_dim]
 
 
-def kv(seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(SHAPE, generator=torch.Generator().manual_seed(seed)).to(dtype)
+def kv(seed: int, dtype: torch.dtype = torch.float32, shape: tuple[int, ...] = SHAPE) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+class PieceLog:
+    """A ``recv_into`` writer that places each piece into ``out`` and records where it went."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        self.out, self.offsets = out, []
+
+    def write(self, offset: int, data: torch.Tensor) -> None:
+        self.offsets.append(offset)
+        as_bytes(self.out)[offset:offset + data.numel()] = as_bytes(data)
 
 
 class Peer:
@@ -31,7 +42,7 @@ class Peer:
         return self.channel.init_method
 
     def send(self, header: TransferHeader, seed: int, fail_after: int | None = None) -> str:
-        source = kv(seed, header.torch_dtype)
+        source = kv(seed, header.torch_dtype, header.shape)
         payload = source
         if header.layerwise:  # the layers come from a producer, as from a prefill's on_layer_done
             payload = LayerFeed()
@@ -62,6 +73,11 @@ class Peer:
     def recv(self, header: TransferHeader, timeout_s: float | None = None) -> torch.Tensor:
         return self.channel.recv(header, timeout_s=timeout_s)
 
+    def recv_into(self, header: TransferHeader) -> tuple[torch.Tensor, list[int]]:
+        log = PieceLog(torch.zeros(header.shape, dtype=header.torch_dtype))
+        self.channel.recv_into(header, log)
+        return log.out, log.offsets
+
 
 def peer_actor(ray, max_concurrency: int = 1):
     # The test module is not importable in Ray's workers: ship Peer by value.
@@ -80,8 +96,8 @@ def pair(ray_session):
     ray.kill(decode)
 
 
-def header(request_id: str, dtype=torch.float32, layerwise=False, checksum=0) -> TransferHeader:
-    return TransferHeader.describe(request_id, "tiny", SHAPE, dtype, layerwise=layerwise, checksum=checksum)
+def header(request_id: str, dtype=torch.float32, layerwise=False, checksum=0, shape=SHAPE) -> TransferHeader:
+    return TransferHeader.describe(request_id, "tiny", shape, dtype, layerwise=layerwise, checksum=checksum)
 
 
 @pytest.mark.timeout(120)
@@ -93,6 +109,23 @@ def test_send_recv_between_two_actors_equals_the_source(pair, layerwise, dtype):
     received = decode.recv.remote(h)
     assert ray.get(prefill.send.remote(h, seed=7)) == "sent"
     assert torch.equal(ray.get(received).view(torch.uint8), kv(7, dtype).view(torch.uint8))
+
+
+@pytest.mark.timeout(120)
+def test_recv_into_hands_every_piece_over_in_order_through_rotating_buffers(pair):
+    ray, prefill, decode = pair
+    shape = (12, *SHAPE[1:])  # 12 layer-wise pieces: the 4 receive buffers are each reused 3 times
+    h = header("r-pieces", layerwise=True, shape=shape)
+    received = decode.recv_into.remote(h)
+    assert ray.get(prefill.send.remote(h, seed=5)) == "sent"
+    out, offsets = ray.get(received)
+    assert offsets == [layer * h.layer_bytes for layer in range(12)]
+    assert torch.equal(out, kv(5, shape=shape))
+    bad = header("r-pieces-bad", layerwise=True, shape=shape, checksum=1)  # the receiver expects other bytes
+    received = decode.recv_into.remote(bad)
+    ray.get(prefill.send.remote(header("r-pieces-bad", layerwise=True, shape=shape), seed=6))
+    with pytest.raises(ChecksumMismatch):
+        ray.get(received)
 
 
 @pytest.mark.timeout(120)

@@ -7,8 +7,9 @@ before the prefill side connects; the group itself is created lazily, on the fir
 
 The header travels out of band (the caller hands it over, e.g. in a Ray call); the collective carries
 the payload (one message per layer when ``header.layerwise``, else runs of whole layers of up to 4 MiB;
-sends pipelined, receives all posted up front, checksums computed while later pieces are in flight) and
-then a trailer ``[checksum, status, tag]``. A sender whose layer producer fails still sends the remaining layers (as
+sends pipelined; receives posted ahead, all at once into a whole tensor or a few at a time into rotating
+buffers whose pieces a writer places, e.g. straight into KV blocks; checksums computed while later pieces
+are in flight) and then a trailer ``[checksum, status, tag]``. A sender whose layer producer fails still sends the remaining layers (as
 zeros) with status "aborted", so the channel stays aligned for the next request. A timeout or lost
 connection mid-transfer leaves the two sides out of step: the channel is torn down and every later call
 raises ``PeerLost``; the caller opens a new channel (or picks another pair).
@@ -26,9 +27,10 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Protocol
 from urllib.parse import urlparse
 
 import torch
@@ -47,6 +49,13 @@ from kvstore.transfer.wire import (
 ROLES = {"decode": 0, "prefill": 1}
 _OK, _ABORTED = 0, 1
 _MAX_IN_FLIGHT = 4  # pieces sent but not yet confirmed, per transfer
+_RECV_AHEAD = 4  # receives posted at once into rotating buffers (recv_into): memory of 4 pieces at most
+
+
+class PieceWriter(Protocol):
+    """Where ``recv_into`` puts each received piece: ``offset`` is its place in the payload's bytes."""
+
+    def write(self, offset: int, data: torch.Tensor) -> None: ...
 
 
 def pick_transport(mode: str, prefill_device: str | torch.device, decode_device: str | torch.device) -> str:
@@ -109,6 +118,11 @@ class CollectiveChannel:
         self._broken: str | None = None
         self._lock = threading.Lock()  # one transfer at a time: point-to-point messages pair up in order
 
+    @property
+    def broken(self) -> bool:
+        """Whether the channel was torn down (closed, or out of step after a failure): open a new one."""
+        return self._broken is not None
+
     def send(self, header: TransferHeader, payload: torch.Tensor | Iterable[torch.Tensor],
              timeout_s: float | None = None) -> None:
         """Send the payload: per layer when ``header.layerwise`` (layers pulled as they are produced),
@@ -146,18 +160,44 @@ class CollectiveChannel:
         if tuple(out.shape) != header.shape or out.dtype != header.torch_dtype or not out.is_contiguous():
             raise TransferError(f"{header.request_id}: out is {out.dtype} {list(out.shape)}, header says "
                                 f"{header.dtype} {list(header.shape)}")
+        # Views: the bytes land in ``out``, in the pieces the sender derives from the same header; every
+        # receive is posted up front, so the sender never waits for us between pieces.
+        views = [_flat_bytes(out[start:end]) for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
+        self._receive(header, lambda i, _size: views[i], None, len(views) + 1, timeout_s)
+        return out
+
+    def recv_into(self, header: TransferHeader, writer: PieceWriter, timeout_s: float | None = None) -> None:
+        """Receive the payload piece by piece into a few rotating buffers, handing each to
+        ``writer.write(offset, piece)`` once checksummed (e.g. straight into reserved KV blocks), so no
+        buffer of the whole payload is ever held; ``_RECV_AHEAD`` receives stay posted meanwhile."""
+        largest = max(end - start for start, end in piece_ranges(header, MAX_CHUNK_BYTES)) * header.layer_bytes
+        ring = [torch.empty(largest, dtype=torch.uint8, device=self.device) for _ in range(_RECV_AHEAD)]
+        self._receive(header, lambda i, size: ring[i % _RECV_AHEAD][:size], writer.write, _RECV_AHEAD, timeout_s)
+
+    def _receive(self, header: TransferHeader, buffer: Callable[[int, int], torch.Tensor],
+                 deliver: Callable[[int, torch.Tensor], None] | None, ahead: int, timeout_s: float | None) -> None:
+        """Receive piece i into ``buffer(i, size)`` with up to ``ahead`` receives posted, checksum it and
+        ``deliver(offset, piece)``; then the trailer. A piece's buffer is reused ``ahead`` pieces later."""
+        sizes = [(end - start) * header.layer_bytes for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
         with self._transfer(timeout_s) as deadline:
             group, tag = self._connect(), _tag(header)
-            # Views: the bytes land in ``out``, in the pieces the sender derives from the same header.
-            pieces = [_flat_bytes(out[start:end]) for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
             trailer = torch.zeros(3, dtype=torch.int64, device=self.device)
-            # Post every receive up front, so the sender never waits for us between pieces.
-            works = [group.recv([data], 1 - self.rank, tag) for data in [*pieces, trailer]]
-            crc = 0
-            for work, data in zip(works, pieces, strict=False):
-                self._wait(work, deadline)
-                crc = checksum(as_bytes(data), crc)  # overlaps the next layer's arrival
-            self._wait(works[-1], deadline)
+
+            def post(m: int) -> dist.Work:  # message m: piece m, or the trailer after the last piece
+                return group.recv([trailer if m == len(sizes) else buffer(m, sizes[m])], 1 - self.rank, tag)
+
+            posted = deque(post(m) for m in range(min(ahead, len(sizes) + 1)))
+            crc, offset = 0, 0
+            for i, size in enumerate(sizes):
+                self._wait(posted.popleft(), deadline)
+                data = buffer(i, size)
+                crc = checksum(as_bytes(data), crc)  # overlaps the next pieces' arrival
+                if deliver is not None:
+                    deliver(offset, data)
+                offset += size
+                if i + ahead <= len(sizes):
+                    posted.append(post(i + ahead))  # into the buffer piece i just left
+            self._wait(posted.popleft(), deadline)
         sent_crc, status, tag = trailer.tolist()
         if tag != _tag(header):
             raise TransferError(f"{header.request_id}: received another request's KV (tag {tag})")
@@ -166,7 +206,6 @@ class CollectiveChannel:
         if crc != sent_crc or header.checksum not in (0, crc):
             raise ChecksumMismatch(f"{header.request_id}: received {crc:#x}, sender said {sent_crc:#x} "
                                    f"(header {header.checksum:#x})")
-        return out
 
     def close(self) -> None:
         """Tear the group down; later calls raise PeerLost."""

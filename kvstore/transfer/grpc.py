@@ -10,6 +10,8 @@ subclasses.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -102,6 +104,23 @@ class PushCall:
 
     def cancel(self) -> None:
         self._future.cancel()
+
+    async def wait(self) -> kv_transfer_pb2.KVAck:
+        """``result()`` for an event loop: awaits the ack without holding a thread meanwhile."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle() -> None:
+            if not done.done():  # the awaiting task may have been cancelled meanwhile
+                done.set_result(None)
+
+        def on_done(_future: grpc.Future) -> None:  # on a gRPC thread
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(settle)
+
+        self._future.add_done_callback(on_done)
+        await done
+        return self.result()
 
     def result(self) -> kv_transfer_pb2.KVAck:
         try:
