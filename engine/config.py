@@ -20,6 +20,7 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
 }
 ROPE_TYPES = ("default", "llama3")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # Bytes per element by dtype name; torch dtypes are accepted through their str() ("torch.float16").
@@ -175,7 +176,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
-    num_blocks: int | None = None  # None: derive from kv_cache_bytes
+    num_blocks: int | None = None  # None: from gpu_memory_utilization on CUDA, else from kv_cache_bytes
     kv_cache_bytes: int = 256 * 1024 * 1024
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -187,8 +188,22 @@ class EngineConfig:
     # and the kv_window most recent ones; None: full attention.
     kv_window: int | None = None
     kv_sinks: int = 0
+    # auto | torch | triton (engine/triton_attention.py). auto: triton on CUDA when triton imports and the
+    # cache is plain (kv_cache_dtype auto, no kv_window); torch (gather + SDPA) otherwise, e.g. on CPU.
+    attention_backend: str = "auto"
+    # On CUDA with num_blocks None: the fraction of device memory for weights, activations and the KV cache,
+    # which gets what is left after a profiling pass (engine/device_memory.py); kv_cache_bytes is for CPU.
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
+                             f"{', '.join(ATTENTION_BACKENDS)}")
+        if self.attention_backend == "triton" and (self.kv_cache_dtype != "auto" or self.kv_window):
+            raise ValueError("attention_backend 'triton' reads a plain cache only: it needs kv_cache_dtype "
+                             f"'auto' (got {self.kv_cache_dtype!r}) and no kv_window (got {self.kv_window})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_window is None and self.kv_sinks:
             raise ValueError("kv_sinks needs kv_window (sinks are kept next to a sliding window)")
         if self.kv_window is not None and (self.kv_window < 1 or self.kv_sinks < 0):

@@ -21,9 +21,10 @@ import torch
 from engine.block_events import BlockEvent
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.device_memory import engine_num_blocks
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
 from engine.errors import InvalidRequestError
-from engine.kv_cache import KVCache, num_blocks_for
+from engine.kv_cache import KVCache
 from engine.loader import load_model, model_id_for, resolve_model_dir
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
@@ -33,6 +34,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.streaming_window import DEFAULT_MAX_LEN, StreamingWindow
 from engine.tokenizer import Tokenizer
+from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
 
 # on_layer_done(layer, completing): layer ``layer``'s K/V of this step is written; ``completing`` maps each
@@ -42,13 +44,12 @@ LayerHook = Callable[[int, dict[str, list[int]]], None]
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        self.config = config
-        model_dir = resolve_model_dir(config.model)
+        self.config, self.block_size = config, config.block_size
+        self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
+        model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
-        self.model_id = model_id_for(config.model)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        self.block_size = config.block_size
-        num_blocks = config.num_blocks or num_blocks_for(self.model_config, config)
+        num_blocks = engine_num_blocks(self.model, self.model_config, config, backend)
         # A full window pool reclaims the windows of blocks the block manager has freed.
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.dtype, config.device,
                                 config.kv_cache_dtype, config.max_num_seqs,
@@ -56,7 +57,7 @@ class Engine:
         self.device = self.kv_cache.device
         # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
         self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings)
-        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window)
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
                                           config.enable_prefix_caching, config.enable_block_events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -69,8 +70,7 @@ class Engine:
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
-        self.prompt_tokens_computed = 0
-        self._seq_ids = itertools.count(1)
+        self.prompt_tokens_computed, self._seq_ids = 0, itertools.count(1)
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
         self._step_times: deque[float] = deque(maxlen=64)
         self.last_step: StepComposition | None = None  # what the latest step() computed; None: nothing

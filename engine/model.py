@@ -3,7 +3,10 @@
 Tokens of every sequence in a batch are flattened into one ``[T, hidden]`` row set, so the linear layers
 run once for the whole batch with no padding. Only attention looks at sequence boundaries: each prefill
 chunk attends over its own context with SDPA, and all 1-token decode rows (placed first) share one
-batched SDPA call over their context, gathered block by block and padded to the longest table. Parameter names follow Hugging Face except that q/k/v and
+batched SDPA call over their context, gathered block by block and padded to the longest table. That is
+the torch attention path (CPU, quantized caches, attention sinks, and the reference); with the Triton
+backend (``engine/triton_attention.py``) the runner sets ``AttentionMetadata.paged`` instead and the
+kernels read the cache blocks in place. Parameter names follow Hugging Face except that q/k/v and
 gate/up are packed into one matrix each (one matmul instead of three or two); the loader packs them.
 """
 
@@ -20,6 +23,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.streaming_window import sink_window_attention
+from engine.triton_attention import PagedAttentionMeta, paged_attention
 
 
 @dataclass
@@ -52,6 +56,8 @@ class AttentionMetadata:
     decode_sink_cols: torch.Tensor | None = None
     sink_cos: torch.Tensor | None = None
     sink_sin: torch.Tensor | None = None
+    # The Triton backend's block tables and lengths; when set, only slot_mapping and num_decode above are.
+    paged: PagedAttentionMeta | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -129,6 +135,7 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5  # SDPA's default
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -146,6 +153,9 @@ class Attention(nn.Module):
         q_sink = None if meta.sink_cos is None else q * meta.sink_cos + rotate_half(q) * meta.sink_sin
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if meta.paged is not None:  # Triton backend: write and attend in place
+            out = paged_attention(q, k, v, kv, meta.paged, meta.num_decode, self.scale)
+            return self.o_proj(out.view(T, self.q_size))
         kv.write(k, v)
         out = torch.empty_like(q)
         for p in meta.prefills:

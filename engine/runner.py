@@ -2,7 +2,8 @@
 
 A chunk is a run of new tokens of one sequence: a whole prompt, a piece of a long prompt (chunked
 prefill, after a cached prefix) or the single token of a decode step. All chunks of a step go through
-one forward pass; nothing is padded except the decode rows' gathered context inside attention. With an
+one forward pass; nothing is padded except the decode rows' gathered context inside attention (the torch
+path; the Triton backend only pads the block tables its kernels read, ``engine/triton_attention.py``). With an
 attention window (``engine/streaming_window.py``), a chunk whose queries have evicted tokens gathers only
 its sink and window blocks, under the window's mask, and sinks see each query at its cache position.
 """
@@ -18,6 +19,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
 from engine.streaming_window import StreamingWindow
+from engine.triton_attention import paged_metadata
 
 
 @dataclass
@@ -33,12 +35,20 @@ class SeqChunk:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
-                 window: StreamingWindow | None = None):
+                 window: StreamingWindow | None = None, attention_backend: str = "torch"):
+        """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``, a
+        plain cache and no window); ``engine.triton_attention.attention_backend`` resolves "auto"."""
+        if attention_backend not in ("torch", "triton"):
+            raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
+        if attention_backend == "triton" and (kv_cache.kv_format != "auto" or window is not None):
+            raise ValueError("the triton attention backend needs a plain cache and no attention window")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
-        # K and V gather buffers (see AttentionMetadata.k_buf), grown to the most blocks a step gathers.
-        self._gather_bufs = kv_cache.gather_buffers(0)
+        self.paged = attention_backend == "triton"
+        # K and V gather buffers (see AttentionMetadata.k_buf), grown to the most blocks a step gathers;
+        # the Triton kernels gather nothing.
+        self._gather_bufs = None if self.paged else kv_cache.gather_buffers(0)
 
     def _check(self, c: SeqChunk) -> int:
         n = len(c.token_ids)
@@ -77,28 +87,46 @@ class ModelRunner:
             positions.extend(pos.tolist())
             slots.extend((own[pos // B - first] * B + pos % B).tolist())
             last_rows[i] = begin + n - 1
-            if self.window is not None and self.window.applies(end_pos):
-                ctx, mask, sink_cols = self.window.prefill_context(c.block_table, pos)
-                prefills.append(PrefillMeta(begin, begin + n, torch.tensor(ctx, device=self.device),
-                                            mask.to(self.device), _to(sink_cols, self.device)))
-            elif c.start_pos == 0:
-                prefills.append(PrefillMeta(begin, begin + n, None, None))
-            else:  # after cached context: query at position p sees key columns 0..p
-                table = torch.tensor(c.block_table[:(end_pos + B - 1) // B], dtype=torch.long)
-                mask = torch.arange(len(table) * B)[None, :] <= pos[:, None]
-                prefills.append(PrefillMeta(begin, begin + n, table.to(self.device), mask.to(self.device)))
+            if not self.paged:
+                prefills.append(self._prefill_meta(c, begin, n, pos))
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
+        pos = torch.tensor(positions, device=self.device)
+        if self.paged:
+            meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],
+                                        [(chunks[i].block_table, lens[i], chunks[i].start_pos + lens[i])
+                                         for i in prefill], B, self.device)
+        else:
+            self._decode_meta(meta, [chunks[i] for i in decode], pos)
+        return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
+                torch.tensor(last_rows, dtype=torch.long, device=self.device))
+
+    def _prefill_meta(self, c: SeqChunk, begin: int, n: int, pos: torch.Tensor) -> PrefillMeta:
+        """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it."""
+        B, end_pos = self.block_size, c.start_pos + n
+        if self.window is not None and self.window.applies(end_pos):
+            ctx, mask, sink_cols = self.window.prefill_context(c.block_table, pos)
+            return PrefillMeta(begin, begin + n, torch.tensor(ctx, device=self.device), mask.to(self.device),
+                               _to(sink_cols, self.device))
+        if c.start_pos == 0:
+            return PrefillMeta(begin, begin + n, None, None)
+        # after cached context: query at position p sees key columns 0..p
+        table = torch.tensor(c.block_table[:(end_pos + B - 1) // B], dtype=torch.long)
+        mask = torch.arange(len(table) * B)[None, :] <= pos[:, None]
+        return PrefillMeta(begin, begin + n, table.to(self.device), mask.to(self.device))
+
+    def _decode_meta(self, meta: AttentionMetadata, decode: list[SeqChunk], pos: torch.Tensor) -> None:
+        """The torch path's decode tables and masks, gather buffers and attention-sink rotations."""
+        B, prefills = self.block_size, meta.prefills
         gathered = max([len(p.ctx_blocks) for p in prefills if p.ctx_blocks is not None], default=0)
         if decode:
-            if self.window is not None and any(self.window.applies(chunks[i].start_pos + 1) for i in decode):
+            if self.window is not None and any(self.window.applies(c.start_pos + 1) for c in decode):
                 ids, width, mask, sink_cols = self.window.decode_context(
-                    [chunks[i].block_table for i in decode], [chunks[i].start_pos for i in decode])
+                    [c.block_table for c in decode], [c.start_pos for c in decode])
                 blocks, meta.decode_sink_cols = torch.tensor(ids), _to(sink_cols, self.device)
             else:
-                width = max((chunks[i].start_pos + B) // B for i in decode)  # blocks covering pos 0..start
-                tables = [chunks[i].block_table[:width] + [0] * (width - len(chunks[i].block_table[:width]))
-                          for i in decode]
-                ctx = torch.tensor([chunks[i].start_pos + 1 for i in decode])
+                width = max((c.start_pos + B) // B for c in decode)  # blocks covering pos 0..start
+                tables = [c.block_table[:width] + [0] * (width - len(c.block_table[:width])) for c in decode]
+                ctx = torch.tensor([c.start_pos + 1 for c in decode])
                 mask = torch.arange(width * B)[None, :] < ctx[:, None]
                 blocks = torch.tensor(tables).flatten()
             meta.decode_blocks = blocks.to(self.device)
@@ -107,12 +135,9 @@ class ModelRunner:
         if gathered > self._gather_bufs.shape[1]:
             self._gather_bufs = self.kv_cache.gather_buffers(gathered)
         meta.k_buf, meta.v_buf = self._gather_bufs[0], self._gather_bufs[1]
-        pos = torch.tensor(positions, device=self.device)
         if meta.decode_sink_cols is not None or any(p.sink_cols is not None for p in prefills):
             meta.sink_cos, meta.sink_sin = rope_cos_sin(self.window.cache_positions(pos), self.model.inv_freq,
                                                         self.kv_cache.dtype)
-        return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
-                torch.tensor(last_rows, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk],

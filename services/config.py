@@ -11,7 +11,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
+from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from services.messages import Role
 
@@ -118,8 +118,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tbt-slo-ms", type=float, default=c.tbt_slo_s * 1000, help="time-between-tokens SLO")
     p.add_argument("--dtype", default=e.dtype, choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--num-blocks", type=int, default=e.num_blocks,
-                   help="KV blocks per worker (default: from --kv-cache-bytes)")
-    p.add_argument("--kv-cache-bytes", type=int, default=e.kv_cache_bytes, help="KV cache memory per worker")
+                   help="KV blocks per worker (default: from --gpu-memory-utilization on GPUs, else "
+                        "from --kv-cache-bytes)")
+    p.add_argument("--kv-cache-bytes", type=int, default=e.kv_cache_bytes,
+                   help="KV cache memory per worker on CPUs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
+                   help="share of each GPU for weights, activations and the KV cache, which gets what a "
+                        "profiling pass leaves")
+    p.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
+                   help="paged attention: triton kernels reading blocks in place (auto: on GPUs with a "
+                        "plain cache) or torch (gather + SDPA)")
     p.add_argument("--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV cache format on every worker: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
     p.add_argument("--kv-window", type=int, default=e.kv_window, metavar="TOKENS",
@@ -160,7 +168,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-        kv_window=args.kv_window, kv_sinks=args.kv_sinks,
+        kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
+        gpu_memory_utilization=args.gpu_memory_utilization,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

@@ -60,3 +60,17 @@ def test_hot_prefix_replication_is_refused_with_a_policy_that_has_none():
     assert cluster.policy_options() == {"replicate": True}
     with pytest.raises(ValueError, match="tidepool policy's, not round_robin's"):
         configs_from_args(parser.parse_args(["serve", "--policy", "round_robin", "--replicate-hot-prefixes"]))
+
+
+def test_gpu_engine_and_channel_options_reach_the_configs():
+    parser = build_parser()
+    cluster, _ = configs_from_args(parser.parse_args(
+        ["serve", "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--max-kv-channels", "4"]))
+    assert (cluster.engine.gpu_memory_utilization, cluster.engine.attention_backend) == (0.8, "torch")
+    assert cluster.max_kv_channels == 4
+    with pytest.raises(ValueError, match="max-kv-channels must be at least 1"):
+        configs_from_args(parser.parse_args(["serve", "--max-kv-channels", "0"]))
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
+        configs_from_args(parser.parse_args(["serve", "--gpu-memory-utilization", "1.5"]))
+    with pytest.raises(ValueError, match="triton' reads a plain cache only"):
+        configs_from_args(parser.parse_args(["serve", "--attention-backend", "triton", "--kv-cache-dtype", "int8"]))

@@ -1,13 +1,15 @@
-"""KV leaving GPU memory over gRPC (skipped without CUDA; the bf16 engine on CUDA is in test_engine_model)."""
+"""On CUDA (skipped without it): KV leaving GPU memory over gRPC, the KV cache sized from device memory, and
+the Triton attention backend compiled for the device (the bf16 engine on CUDA is in test_engine_model)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-
-from kvstore.transfer.grpc import KVTransferClient, KVTransferServer
-from kvstore.transfer.sink import TensorSink
-from kvstore.transfer.wire import TransferHeader
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -15,6 +17,11 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.timeout(120)
 def test_grpc_push_from_gpu_memory_arrives_intact():
+    pytest.importorskip("grpc")  # the engine tests below run on a bare CUDA machine without it
+    from kvstore.transfer.grpc import KVTransferClient, KVTransferServer
+    from kvstore.transfer.sink import TensorSink
+    from kvstore.transfer.wire import TransferHeader
+
     source = torch.randn(4, 2, 8, 16, 2, 64, device="cuda").to(torch.bfloat16)
     header = TransferHeader.describe("gpu-push", "tiny", source.shape, source.dtype)
     sink = TensorSink()
@@ -27,3 +34,74 @@ def test_grpc_push_from_gpu_memory_arrives_intact():
     finally:
         server.stop()
     assert torch.equal(out, source.cpu())
+
+
+# ---- the engine on CUDA: KV cache sized from device memory, the Triton attention backend ----------
+
+def _engine_config(model_dir, **kwargs):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=str(model_dir), device="cuda", block_size=8, **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
+    """num_blocks unset: the profiled budget holds the weights and the KV cache under utilization x total,
+    leaves the KV cache nearly all of what was free below that line, and too small a share is refused."""
+    from test_engine_loop import GREEDY, prompt, write_model
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model_dir = write_model(tmp_path)
+    torch.cuda.empty_cache()
+    free_before, total = torch.cuda.mem_get_info()
+    engine = Engine(_engine_config(model_dir, dtype="bfloat16", gpu_memory_utilization=0.3))
+    kv_bytes = engine.kv_cache.data.nbytes
+    assert engine.stats().total_blocks == engine.kv_cache.num_blocks  # what load reports and status show
+    assert torch.cuda.memory_allocated() <= 0.3 * total
+    assert kv_bytes >= 0.3 * total - (total - free_before) - (1 << 30)  # the tiny model needs far below 1 GiB
+    engine.add_request("r", prompt(20, 1), SamplingParams(max_tokens=4, **GREEDY))
+    while engine.has_unfinished():
+        engine.step()
+    del engine
+    torch.cuda.empty_cache()
+    with pytest.raises(ValueError, match="lower max_num_batched_tokens or raise --gpu-memory-utilization"):
+        Engine(_engine_config(model_dir, gpu_memory_utilization=1e-4))
+
+
+@pytest.mark.timeout(600)
+def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
+    """Compiled kernels (not the interpreter): float32 greedy tokens equal the torch path's for mixed
+    lengths, chunked prefill and a prefix-cache hit; auto picks triton on CUDA."""
+    from engine.kernels import triton_available
+
+    if not triton_available():
+        pytest.skip("triton is not importable")
+    from engine.kernels.common import interpreting
+
+    if interpreting():  # another test module put this process's triton in interpreter mode: use a fresh one
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                 f"{__file__}::test_triton_backend_on_cuda_matches_torch_backend"],
+                                cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True,
+                                timeout=580)
+        assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
+        return
+    from test_engine_loop import GREEDY, prompt, run, write_model
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model_dir = write_model(tmp_path)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    b = prompt(19, 2)
+    requests = {"a": (prompt(5, 1), params), "b": (b, params), "c": (prompt(45, 3), params),
+                "b-again": (b + prompt(4, 4), params)}  # joins at step 2, after b's blocks are cached
+    runs = {}
+    for backend in ("torch", "auto"):
+        engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=32,
+                                       attention_backend=backend))
+        runs[engine.attention_backend] = run(engine, requests, arrivals=[0, 0, 0, 2])
+    assert set(runs) == {"torch", "triton"}
+    assert runs["triton"] == runs["torch"] and all(len(t) == 8 for t in runs["torch"].values())

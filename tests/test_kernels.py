@@ -1,5 +1,6 @@
 """Triton paged-attention and KV-write kernels, run on CPU by the Triton interpreter, against the torch
-references in engine.kernels.reference (which are themselves checked against dense causal SDPA)."""
+references in engine.kernels.reference (which are themselves checked against dense causal SDPA); the fused
+residual add + RMSNorm against the model's own add and RMSNorm."""
 
 from __future__ import annotations
 
@@ -310,3 +311,39 @@ def test_this_file_skips_cleanly_without_triton(tmp_path: Path):
     # a module-level skip collects no test: NO_TESTS_COLLECTED on its own, not an error
     assert result.returncode in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED), result.stdout + result.stderr
     assert "1 skipped" in result.stdout and "triton is not importable" in result.stdout, result.stdout
+
+
+# ---- residual add fused with RMSNorm --------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [64, 80])
+def test_fused_add_rms_norm_matches_the_model_add_then_rmsnorm(dtype: torch.dtype, hidden: int):
+    """The decoder layer's ``h = h + out`` then ``RMSNorm(h)`` (engine.model): the residual is updated in
+    place and the normalized rows come out; rows of wider tensors (strided ``x`` and ``out``) work."""
+    from engine.kernels.add_rms_norm import fused_add_rms_norm
+    from engine.model import RMSNorm
+
+    norm = RMSNorm(hidden, 1e-5, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(hidden))
+    x = torch.randn(7, 3, hidden).to(dtype)[:, 0]  # rows 3 * hidden apart
+    residual = (3 * torch.randn(7, hidden)).to(dtype)
+    expected_h = residual + x
+    with torch.no_grad():
+        expected = norm(expected_h)
+    wide = torch.randn(7, 2, hidden).to(dtype)
+    out = fused_add_rms_norm(x, residual, norm.weight, 1e-5, out=wide[:, 1])
+    assert out.data_ptr() == wide[:, 1].data_ptr()
+    # the bf16 sum differs by its last bit where the interpreter truncates instead of rounding (see above)
+    h_tol = dict(atol=0, rtol=0) if dtype != torch.bfloat16 else dict(atol=0.02, rtol=0.01)
+    torch.testing.assert_close(residual, expected_h, **h_tol)
+    assert_close(out, expected)
+
+
+def test_fused_add_rms_norm_rejects_mismatched_shapes():
+    from engine.kernels.add_rms_norm import fused_add_rms_norm
+
+    with pytest.raises(ValueError, match="must be"):
+        fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 16), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).half(), torch.ones(8), 1e-6)

@@ -1,9 +1,10 @@
-"""Triton kernels for the GPU engine: paged decode and prefill attention, and the K/V cache write.
+"""Triton kernels for the GPU engine: paged decode and prefill attention, the K/V cache write, and the
+residual add fused with RMSNorm (not wired into the model yet).
 
-All take one layer's cache as ``k_cache``/``v_cache`` ``[num_blocks, block_size, kv_heads, head_dim]``
-(``KVCache.data[layer, 0]`` and ``[layer, 1]``). Importing this package never imports triton: the
-kernel functions load on first access, so the CPU path can ask ``triton_available()`` first. The torch
-references in ``engine.kernels.reference`` need only torch.
+The attention and write kernels take one layer's cache as ``k_cache``/``v_cache``
+``[num_blocks, block_size, kv_heads, head_dim]`` (``KVCache.data[layer, 0]`` and ``[layer, 1]``).
+Importing this package never imports triton: the kernel functions load on first access, so the CPU path
+can ask ``triton_available()`` first. The torch references in ``engine.kernels.reference`` need only torch.
 """
 
 from __future__ import annotations
@@ -15,12 +16,14 @@ from typing import Any
 # public name -> module that defines it (imported on first attribute access, never cached here, so a
 # test that reloads a module under TRITON_INTERPRET=1 is seen by later lookups)
 _LAZY = {
+    "fused_add_rms_norm": "engine.kernels.add_rms_norm",
     "paged_decode_attention": "engine.kernels.paged_decode",
     "paged_prefill_attention": "engine.kernels.paged_prefill",
     "write_kv": "engine.kernels.kv_write",
 }
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "triton_available", "write_kv"]
+__all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "triton_available",
+           "write_kv"]
 
 
 @cache

@@ -1,0 +1,83 @@
+"""How many KV blocks an engine gets: ``num_blocks`` when given, the ``kv_cache_bytes`` budget on CPU, and
+on CUDA what the device has left (vLLM's ``--gpu-memory-utilization``).
+
+On CUDA, after the weights are loaded, one profiling forward pass runs at the engine's largest step:
+``max_num_batched_tokens`` prompt tokens split over ``min(max_num_seqs, tokens)`` sequences (so the
+logits are as many rows as a full batch samples), into a scratch cache just large enough. Then
+
+    kv_cache_bytes = total × gpu_memory_utilization − used
+    used = peak torch allocation during the pass (weights, activations, anything else this process holds)
+           − the scratch cache
+           + memory outside torch's allocator (total − free − torch reserved: the CUDA context, library
+             workspaces, and what other processes hold on the device, which this engine cannot have)
+
+as vLLM computes it, so ``gpu_memory_utilization`` caps everything this engine puts on the device. Decode
+steps allocate less than such a prefill; what the pass does not see (split-K scratch, sampling copies,
+allocator fragmentation) comes out of the share left above the utilization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVCache, num_blocks_for
+from engine.model import CausalLM
+from engine.runner import ModelRunner, SeqChunk
+
+GIB = 1024**3
+
+
+def kv_cache_bytes_for_device(total_bytes: int, used_bytes: int, utilization: float) -> int:
+    """``total_bytes × utilization − used_bytes`` (the module docstring); ValueError when nothing is left."""
+    budget = int(total_bytes * utilization) - used_bytes
+    if budget <= 0:
+        raise ValueError(f"weights and activations need {used_bytes / GIB:.2f} GiB of "
+                         f"{total_bytes / GIB:.2f} GiB at gpu_memory_utilization {utilization:g}, leaving "
+                         "nothing for the KV cache: "
+                         "lower max_num_batched_tokens or raise --gpu-memory-utilization")
+    return budget
+
+
+@torch.inference_mode()
+def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: EngineConfig,
+                          attention_backend: str) -> tuple[int, int]:
+    """(device total bytes, bytes used besides the KV cache) from one forward pass at
+    ``max_num_batched_tokens`` on ``config.device`` (CUDA), as the module docstring defines them."""
+    device = torch.device(config.device)
+    tokens, B = config.max_num_batched_tokens, config.block_size
+    seqs = min(config.max_num_seqs, tokens)
+    lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+    blocks = [-(-n // B) for n in lens]
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    scratch = KVCache(model_config, sum(blocks), B, config.dtype, device, config.kv_cache_dtype, seqs)
+    scratch_bytes = torch.cuda.memory_allocated(device) - before
+    runner = ModelRunner(model, model_config, scratch, None, attention_backend)
+    firsts = [sum(blocks[:i]) for i in range(seqs)]
+    runner.run([SeqChunk([0] * n, 0, list(range(first, first + nb)))
+                for n, nb, first in zip(lens, blocks, firsts, strict=True)])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    del runner, scratch
+    torch.cuda.empty_cache()
+    return total, peak - scratch_bytes + max(0, outside)
+
+
+def engine_num_blocks(model: CausalLM, model_config: ModelConfig, config: EngineConfig,
+                      attention_backend: str) -> int:
+    """``config.num_blocks`` if set; on CUDA the blocks that fit the profiled budget; else the blocks of
+    ``config.kv_cache_bytes`` (``kv_cache.num_blocks_for``: windows of fp8/kivi2 come off either budget)."""
+    if config.num_blocks:
+        return config.num_blocks
+    if torch.device(config.device).type != "cuda":
+        return num_blocks_for(model_config, config)
+    total, used = profile_device_memory(model, model_config, config, attention_backend)
+    budget = kv_cache_bytes_for_device(total, used, config.gpu_memory_utilization)
+    return num_blocks_for(model_config, replace(config, kv_cache_bytes=budget))

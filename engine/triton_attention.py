@@ -1,0 +1,104 @@
+"""The Triton attention backend: paged attention that reads K/V blocks where they are.
+
+Per layer and step: ``write_kv`` stores the step's K/V rows at their slots, then the decode rows (first,
+as in ``AttentionMetadata``) go through ``paged_decode_attention`` and every multi-token chunk through
+``paged_prefill_attention``, both reading the layer's cache through block tables, so nothing is gathered
+into contiguous buffers. Since the chunk's own K/V is already in the cache, a fresh prompt is just a
+chunk with no prefix; one prefill launch serves fresh prompts and chunks after a cached prefix alike.
+
+The backend covers the plain cache only (``kv_cache_dtype`` auto, no ``kv_window``); quantized formats
+and attention sinks keep the torch path (gather + SDPA in ``engine/model.py``), which is also the CPU
+path and the reference. On CPU the kernels run only under ``TRITON_INTERPRET=1`` (the tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import kernels
+from engine.config import EngineConfig
+from engine.kv_cache import DenseLayerKV
+
+
+def attention_backend(config: EngineConfig) -> str:
+    """"torch" or "triton": ``config.attention_backend`` with "auto" resolved (triton on CUDA when triton
+    imports and the cache is plain). EngineConfig has already refused triton with a quantized cache or a
+    window; an explicit "triton" that cannot run here raises ValueError."""
+    on_cuda = torch.device(config.device).type == "cuda"
+    if config.attention_backend == "auto":
+        plain = config.kv_cache_dtype == "auto" and config.kv_window is None
+        return "triton" if on_cuda and plain and kernels.triton_available() else "torch"
+    if config.attention_backend == "triton":
+        if not kernels.triton_available():
+            raise ValueError("attention_backend 'triton' needs the triton package, which does not import")
+        from engine.kernels.common import interpreting  # imports triton
+
+        if not on_cuda and not interpreting():
+            raise ValueError(f"attention_backend 'triton' on device {config.device!r} runs only under the "
+                             "Triton interpreter (TRITON_INTERPRET=1); use a CUDA device or 'torch'")
+    return config.attention_backend
+
+
+@dataclass
+class PagedAttentionMeta:
+    """What the kernels read besides the caches; int32, on the cache's device. Decode rows come first in
+    the step's rows, prefill chunks follow (``cu_seqlens_q`` counts from the first prefill row)."""
+
+    decode_tables: torch.Tensor  # [num_decode, max_blocks], padded with block 0 (never read)
+    context_lens: torch.Tensor  # [num_decode]: each decode row's position + 1
+    max_context_len: int  # sizes the decode split-K without a device sync
+    prefill_tables: torch.Tensor  # [num_prefills, max_blocks]
+    cu_seqlens_q: torch.Tensor  # [num_prefills + 1]
+    seq_lens: torch.Tensor  # [num_prefills]: cached prefix + chunk
+    max_query_len: int  # sizes the prefill grid without a device sync
+
+
+def _padded(tables: list[list[int]], lens: list[int], block_size: int) -> tuple[list[int], int]:
+    """Each table cut to the blocks covering its length and padded to the longest: (flat rows, width)."""
+    width = max((-(-n // block_size) for n in lens), default=0)
+    flat: list[int] = []
+    for table, n in zip(tables, lens, strict=True):
+        row = table[:-(-n // block_size)]
+        flat += row + [0] * (width - len(row))
+    return flat, width
+
+
+def paged_metadata(decode: list[tuple[list[int], int]], prefill: list[tuple[list[int], int, int]],
+                   block_size: int, device: torch.device) -> PagedAttentionMeta:
+    """``decode``: (block table, context length) per decode row; ``prefill``: (block table, query length,
+    sequence length) per chunk, in row order. Everything travels to the device as one int32 copy."""
+    dec_flat, dec_width = _padded([t for t, _ in decode], [n for _, n in decode], block_size)
+    pre_flat, pre_width = _padded([t for t, _, _ in prefill], [n for _, _, n in prefill], block_size)
+    cu = [0]
+    for _, q, _ in prefill:
+        cu.append(cu[-1] + q)
+    parts = [dec_flat, [n for _, n in decode], pre_flat, cu, [n for _, _, n in prefill]]
+    data = torch.tensor([x for part in parts for x in part], dtype=torch.int32).to(device)
+    views, start = [], 0
+    for part in parts:
+        views.append(data[start:start + len(part)])
+        start += len(part)
+    return PagedAttentionMeta(
+        decode_tables=views[0].view(len(decode), dec_width), context_lens=views[1],
+        max_context_len=max((n for _, n in decode), default=0),
+        prefill_tables=views[2].view(len(prefill), pre_width), cu_seqlens_q=views[3], seq_lens=views[4],
+        max_query_len=max((q for _, q, _ in prefill), default=0))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DenseLayerKV,
+                    meta: PagedAttentionMeta, num_decode: int, scale: float) -> torch.Tensor:
+    """Write the step's K/V (``[T, kv_heads, head_dim]``) into the layer's cache, then attention of ``q``
+    (``[T, heads, head_dim]``, decode rows first) over each row's context: ``[T, heads, head_dim]``."""
+    k_cache, v_cache = kv.kv[0], kv.kv[1]
+    kernels.write_kv(k, v, k_cache, v_cache, kv.slot_mapping)
+    out = torch.empty_like(q)
+    n = num_decode
+    if n:
+        kernels.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.context_lens, scale,
+                                       out=out[:n], max_context_len=meta.max_context_len)
+    if n < q.shape[0]:
+        kernels.paged_prefill_attention(q[n:], k_cache, v_cache, meta.prefill_tables, meta.cu_seqlens_q,
+                                        meta.seq_lens, scale, out=out[n:], max_query_len=meta.max_query_len)
+    return out

@@ -1,0 +1,53 @@
+"""benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
+sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_gpu.py"
+
+ROW_KEYS = {"seconds", "tokens_per_s", "decode_steps", "median_decode_step_ms", "roofline_decode_step_ms",
+            "roofline_tokens_per_s", "roofline_fraction", "prefill_tokens", "prefill_seconds",
+            "prefill_tokens_per_s", "prefill_mfu", "hf_tokens_per_s", "speedup_vs_hf", "hf_same_tokens"}
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("engine_gpu_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.timeout(120)
+def test_tiny_cpu_run_writes_every_figure(tmp_path):
+    bench = load_bench()
+    out = tmp_path / "engine_gpu.json"
+    returned = bench.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "1,4",
+                           "--prompt-len", "32", "--new-tokens", "8", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result == json.loads(json.dumps(returned))
+    assert result["device"] == "cpu" and result["dtype"] == "float32"
+    assert positive(result["copy_bandwidth_bytes_per_s"]) and positive(result["matmul_flops_per_s"])
+    shape = result["shapes"]["tiny-test"]
+    assert shape["attention_backend"] == "torch" and shape["num_blocks"] > 0
+    assert shape["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x fp32
+    assert 0 < shape["weight_bytes_read_per_step"] < shape["weight_bytes"]
+    assert set(shape["batches"]) == {"1", "4"}
+    for batch, row in shape["batches"].items():
+        assert set(row) == ROW_KEYS
+        assert all(positive(row[k]) for k in ROW_KEYS), row
+        assert row["decode_steps"] == 7  # 8 new tokens: the first comes with the prefill
+        assert row["prefill_tokens"] == 32 * int(batch)
+        assert row["hf_same_tokens"] == 1.0

@@ -1,0 +1,155 @@
+"""The Triton attention backend wired into the engine (engine/triton_attention.py), run on CPU by the
+Triton interpreter: greedy tokens equal the torch path's token for token through the whole engine
+(mixed decode and prefill rows in one step, chunked prefill, prefix-cache hits, GQA), the runner's logits
+equal the torch path's on one mixed step, how "auto" resolves, and which configurations are refused.
+Also the KV-cache sizing arithmetic of engine/device_memory.py (plain numbers; the CUDA profiling pass
+is in test_gpu)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+# Before anything imports triton (transformers' Llama does): @triton.jit picks the interpreter or GPU
+# compilation at decoration, once per process (see test_kernels).
+if "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
+
+from engine.config import EngineConfig  # noqa: E402
+from engine.device_memory import GIB, engine_num_blocks, kv_cache_bytes_for_device  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.kernels import common, triton_available  # noqa: E402
+from engine.kv_cache import KVCache, num_blocks_for  # noqa: E402
+from engine.loader import load_model  # noqa: E402
+from engine.runner import ModelRunner, SeqChunk  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.triton_attention import attention_backend  # noqa: E402
+
+INTERPRETED = triton_available() and common.interpreting()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="needs triton imported under TRITON_INTERPRET=1 (run this file on its own)")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_model(tmp_path_factory.mktemp("triton-engine"))  # 4 query heads over 2 KV heads, head_dim 16
+
+
+def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]], max_tokens: int):
+    """Run to completion, adding ``arrivals[step]`` before that step; returns (tokens per request, cached
+    prompt tokens per request, each step's (decode rows, [(prefill tokens, tokens before them)]))."""
+    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    steps: list[tuple[int, list[tuple[int, int]]]] = []
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for rid, ids in arrivals.get(step, []):
+            engine.add_request(rid, ids, params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+        if (s := engine.last_step) is not None:
+            steps.append((s.decode_seqs, [(n, pos) for _, n, pos in s.prefill_chunks]))
+        step += 1
+    return tokens, cached, steps
+
+
+@needs_interpreter
+def test_engine_greedy_tokens_equal_torch_backend(model_dir):
+    """Three prompts of mixed lengths batched together (one long enough to be chunked), then a repeat of
+    one of them (a prefix-cache hit) and a new prompt joining while the others decode."""
+    a, b, c = prompt(5, 1), prompt(19, 2), prompt(37, 3)
+    arrivals = {0: [("a", a), ("b", b), ("c", c)], 3: [("b-again", b + prompt(3, 4)), ("d", prompt(11, 5))]}
+    runs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
+                                     max_num_batched_tokens=32, attention_backend=backend))
+        assert engine.attention_backend == backend
+        runs[backend] = drive(engine, arrivals, max_tokens=6)
+    tokens, cached, steps = runs["triton"]
+    assert tokens == runs["torch"][0]
+    assert all(len(t) == 6 for t in tokens.values()) and len(tokens) == 5
+    # the test covered what it claims: decode and prefill rows in one step, a chunk after its own earlier
+    # chunk (c is longer than the token budget), and a prompt after a cached prefix
+    assert any(decode and prefills for decode, prefills in steps)
+    assert any(pos > 0 for _, prefills in steps for _, pos in prefills)
+    assert cached["b-again"] == 16  # b's two full blocks of 8
+
+
+@needs_interpreter
+def test_runner_logits_of_one_mixed_step_equal_torch_backend(model_dir):
+    """One pass holding decode rows, a fresh prompt and a chunk after cached context (block size 8, tables
+    not in position order): float32 logits agree with the torch path to 1e-5."""
+    model, cfg = load_model(model_dir, "float32", "cpu")
+    runners = {b: ModelRunner(model, cfg, KVCache(cfg, 32, 8, torch.float32, "cpu"), attention_backend=b)
+               for b in ("torch", "triton")}
+    p0, p1, p2, p3 = prompt(9, 6), prompt(20, 7), prompt(13, 8), prompt(30, 9)
+    t0, t1, t2, t3 = [3, 1], [7, 2, 30], [9, 4], [11, 12, 13, 14]
+    first = [SeqChunk(p0, 0, t0), SeqChunk(p1, 0, t1), SeqChunk(p3[:17], 0, t3)]
+    mixed = [SeqChunk(p2, 0, t2), SeqChunk([5], 9, t0), SeqChunk(p3[17:], 17, t3), SeqChunk([6], 20, t1)]
+    logits = {}
+    for backend, runner in runners.items():
+        logits[backend] = (runner.run(first), runner.run(mixed))
+    for got, want in zip(logits["triton"], logits["torch"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_triton_with_a_quantized_cache_or_a_window_is_refused(model_dir):
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        EngineConfig(model=str(model_dir), attention_backend="triton", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="kv_window"):
+        EngineConfig(model=str(model_dir), attention_backend="triton", kv_window=64)
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(model=str(model_dir), attention_backend="flash")
+    model, cfg = load_model(model_dir, "float32", "cpu")
+    with pytest.raises(ValueError, match="plain cache"):
+        ModelRunner(model, cfg, KVCache(cfg, 8, 8, torch.float32, "cpu", "int8"), attention_backend="triton")
+
+
+def test_auto_backend_is_triton_only_on_cuda_with_a_plain_cache():
+    """Resolution only reads the config (no device is touched), so the CUDA cases are checked here too."""
+    assert attention_backend(EngineConfig(model="tiny")) == "torch"
+    assert attention_backend(EngineConfig(model="tiny", attention_backend="torch", device="cuda")) == "torch"
+    assert attention_backend(EngineConfig(model="tiny", device="cuda:1", kv_cache_dtype="fp8")) == "torch"
+    assert attention_backend(EngineConfig(model="tiny", device="cuda", kv_window=128)) == "torch"
+    assert attention_backend(EngineConfig(model="tiny", device="cuda")) == ("triton" if triton_available()
+                                                                             else "torch")
+
+
+@needs_interpreter
+def test_explicit_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    assert attention_backend(EngineConfig(model="tiny", attention_backend="triton")) == "triton"
+    monkeypatch.setattr(common, "interpreting", lambda: False)  # as in a process without TRITON_INTERPRET
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        attention_backend(EngineConfig(model="tiny", attention_backend="triton"))
+
+
+# ---- KV cache sized from the device (engine/device_memory.py) --------------------------------------
+
+def test_kv_cache_bytes_are_the_utilization_share_minus_what_is_used():
+    assert kv_cache_bytes_for_device(80 * GIB, 20 * GIB, 0.9) == 52 * GIB
+    assert kv_cache_bytes_for_device(1000, 0, 1.0) == 1000
+    with pytest.raises(ValueError, match=r"need 75\.00 GiB of 80\.00 GiB at gpu_memory_utilization 0\.9.*"
+                                         "lower max_num_batched_tokens or raise --gpu-memory-utilization"):
+        kv_cache_bytes_for_device(80 * GIB, 75 * GIB, 0.9)
+    with pytest.raises(ValueError):
+        kv_cache_bytes_for_device(80 * GIB, 72 * GIB, 0.9)  # exactly nothing left
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(model="tiny", gpu_memory_utilization=1.5)
+
+
+def test_cpu_keeps_the_byte_budget_and_num_blocks_overrides(model_dir):
+    model, cfg = load_model(model_dir, "float32", "cpu")
+    config = EngineConfig(model=str(model_dir), kv_cache_bytes=1 << 20, gpu_memory_utilization=0.1)
+    # a block: 2 layers x (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes = 8 KiB; 1 MiB holds 128
+    assert engine_num_blocks(model, cfg, config, "torch") == num_blocks_for(cfg, config) == 128
+    config = EngineConfig(model=str(model_dir), num_blocks=7)
+    assert engine_num_blocks(model, cfg, config, "torch") == 7
