@@ -3,8 +3,8 @@
 ``add_request`` queues a prompt, ``step`` runs one forward pass over whatever the scheduler picked and
 returns each sampled token, ``abort`` drops a request at any point. Disaggregated serving adds: a
 prefill-only request stops after its first token (``FinishReason.PREFILLED``) and keeps its blocks for
-the hand-off (``request_block_ids``); the decode side ``reserve_blocks``, ``import_blocks`` and continues
-with ``add_imported_request``; ``release`` frees what either side still holds. ``export_cached_prefix``
+the hand-off (``request_block_ids``); the decode side ``reserve_blocks``, writes the K/V into them
+(``engine/kv_import.py``, as it arrives) and continues with ``add_imported_request``; ``release`` frees what either side still holds. ``export_cached_prefix``
 copies cached blocks out for the pool and peers, ``insert_cached_blocks`` makes blocks fetched from them
 prefix-cache hits, and ``take_block_events`` hands out what the prefix cache stored and evicted.
 """
@@ -201,9 +201,6 @@ class Engine:
         block_ids = self.block_manager.reserve(seq_id, num_tokens)
         self.held[request_id] = seq_id
         return block_ids
-
-    def import_blocks(self, block_ids: list[int], tensor: torch.Tensor) -> None:
-        self.kv_cache.import_blocks(block_ids, tensor)
 
     def add_imported_request(self, request_id: str, prompt_ids: list[int], first_token_id: int,
                              params: SamplingParams, block_ids: list[int], output_ids: tuple[int, ...] | list[int] = ()) -> None:

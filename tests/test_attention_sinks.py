@@ -232,7 +232,7 @@ def test_disaggregated_handoff_moves_a_prompt_that_fits_the_window_and_refuses_a
     tensor = prefill.kv_cache.export_blocks(prefill.request_block_ids("r"))
     prefill.release("r")
     reserved = decode.reserve_blocks("r", len(ids))
-    decode.import_blocks(reserved, tensor)
+    decode.kv_cache.import_blocks(reserved, tensor)
     decode.add_imported_request("r", ids, first.new_token_ids[0], params, reserved)
     outs = [first, *run_outputs(decode)]  # 160 tokens in 8 blocks: the decode side drops as it goes
     assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in expected]

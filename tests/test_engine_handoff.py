@@ -37,7 +37,7 @@ def hand_off(model_dir, ids: list[int], params: SamplingParams) -> tuple[list[Re
 
     decode = make_engine(model_dir)
     reserved = decode.reserve_blocks("r", len(ids))
-    decode.import_blocks(reserved, tensor)
+    decode.kv_cache.import_blocks(reserved, tensor)
     decode.add_imported_request("r", ids, first.new_token_ids[0], params, reserved)
     outputs = [first, *run_outputs(decode)]
     assert decode.stats().free_blocks == decode.stats().total_blocks

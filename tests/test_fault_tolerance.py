@@ -83,7 +83,7 @@ def test_a_resumed_request_continues_exactly_as_the_undisturbed_one(model_dir, s
     tensor = prefill.kv_cache.export_blocks(prefill.request_block_ids("r"))
     prefill.release("r")
     reserved = decode.reserve_blocks("r", len(ids) + k)
-    decode.import_blocks(reserved, tensor)
+    decode.kv_cache.import_blocks(reserved, tensor)
     decode.add_imported_request("r", ids, tokens[k], params, reserved, output_ids=streamed)
     rest = [first, *run_outputs(decode)]
     assert [o.new_token_ids[0] for o in rest] == tokens[k:]
