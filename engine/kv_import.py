@@ -10,8 +10,8 @@ changes the window pool's bookkeeping.
 
 The blocks are reserved and in no sequence's table until the caller commits, so bytes written before a
 failed checksum are never read: the caller frees the blocks instead. Writes touch only these blocks, so
-they may run on a transport thread while the engine computes on others. On CUDA they run on a side stream,
-neither waiting behind nor stalling the forward pass; ``finish`` waits for them.
+they may run on a transport thread while the engine computes on others. On CUDA, host bytes (gRPC) are
+copied on a side stream, neither waiting behind nor stalling the forward pass; ``finish`` waits for them.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ class BlockImport:
         size = len(data) if not isinstance(data, torch.Tensor) else data.numel() * data.element_size()
         if offset < 0 or offset + size > self.total_bytes:
             raise ValueError(f"{size} B at offset {offset} overrun a {self.total_bytes} B payload")
-        with self._on_stream():
+        # A device tensor (a collective's receive buffer) is copied on the current stream, which its
+        # receive is ordered on and the buffer's next receive waits for; host bytes go on the side stream.
+        on_device = isinstance(data, torch.Tensor) and data.device.type != "cpu"
+        with contextlib.nullcontext() if on_device else self._on_stream():
             src, pos, width = self._source(data), 0, self.column_bytes
             while pos < size:
                 column, within = divmod(offset + pos, width)

@@ -65,8 +65,13 @@ class HandoffReceiver:
         self._server = KVTransferServer(self, host=self._node, secret=secret)
         self._server.start()
 
+    @property
+    def grpc_address(self) -> str:
+        """host:port of this receiver's KV transfer server."""
+        return f"{self._node}:{self._server.port}"
+
     def target(self) -> KVTarget:
-        return KVTarget(self.worker_id, f"{self._node}:{self._server.port}", str(self.engine.device),
+        return KVTarget(self.worker_id, self.grpc_address, str(self.engine.device),
                         ray.get_runtime_context().current_actor)
 
     def stop(self) -> None:

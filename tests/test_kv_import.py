@@ -1,16 +1,30 @@
 """Received KV written straight into reserved blocks (``engine/kv_import.py``): in any chunking, for every
 KV format, the blocks end up exactly as ``import_blocks`` of the whole payload leaves them, and nothing
-outside them changes."""
+outside them changes; through a decode worker's receiver, a corrupted push never fills its lease."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import grpc
 import pytest
 import torch
 
+from engine.config import EngineConfig
+from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.kv_import import BlockImport, as_uint8
 from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
+from engine.sampling_params import SamplingParams
+from kvstore.transfer import TransferRejected
+from kvstore.transfer.grpc import KVTransferClient, chunk_stream
+from kvstore.transfer.grpc_server import auth_metadata
+from kvstore.transfer.wire import TransferHeader
+from services.engine_loop import EngineLoop
+from services.kv_receiver import HandoffReceiver
+from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -96,3 +110,70 @@ def test_a_write_past_the_payload_is_refused(tiny):
     with pytest.raises(ValueError, match="overrun"):
         arrival.write(arrival.total_bytes - 4, torch.zeros(8, dtype=torch.uint8))
     assert torch.equal(cache.data, before)
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupted_push_into_a_lease_is_refused_never_decoded_and_a_good_one_then_decodes_exactly(tiny):
+    """Bytes land in the lease's blocks as they arrive, so a corrupt transfer did write into them: the
+    lease must stay unfilled (no decode can take it), and a later good transfer into the same blocks
+    decodes exactly as the prefill side would."""
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(4)).tolist()
+    prefill = Engine(EngineConfig(model="tiny", num_blocks=16))
+    prefill.add_request("r", prompt, params, True)
+    first = prefill.step()[0].new_token_ids[0]
+    payload = prefill.kv_cache.export_blocks(prefill.request_block_ids("r"))
+    cold = Engine(EngineConfig(model="tiny", num_blocks=16))
+    cold.add_request("r", prompt, params)
+    want = []
+    while cold.has_unfinished():
+        want += [t for o in cold.step() for t in o.new_token_ids]
+
+    async def main() -> list[int]:
+        engine = Engine(EngineConfig(model="tiny", num_blocks=16))
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        receiver = HandoffReceiver("decode-0", engine, loop, secret="lease-test")
+        try:
+            blocks = await loop.acall(engine.reserve_blocks, "r", len(prompt))
+            receiver.add_lease("r", blocks, time.monotonic() + 60)
+            header = TransferHeader.describe("r", engine.model_id, payload.shape, payload.dtype)
+            target = receiver.grpc_address
+
+            def corrupted():
+                for i, raw in enumerate(chunk_stream(header, payload)):
+                    chunk = kv_transfer_pb2.KVChunk.FromString(raw)
+                    if i == 1:  # one flipped bit in the first data chunk, after the sender's checksum
+                        data = bytearray(chunk.data)
+                        data[4321] ^= 0x04
+                        chunk.data = bytes(data)
+                    yield chunk
+
+            def push_corrupted() -> grpc.StatusCode:
+                with grpc.insecure_channel(target) as channel:
+                    try:
+                        kv_transfer_pb2_grpc.KVTransferStub(channel).Push(
+                            corrupted(), timeout=30, metadata=auth_metadata("lease-test"))
+                    except grpc.RpcError as exc:
+                        return exc.code()
+                return grpc.StatusCode.OK
+
+            assert await asyncio.to_thread(push_corrupted) == grpc.StatusCode.DATA_LOSS
+            with pytest.raises(TransferRejected, match="no filled KV lease"):
+                receiver.take_filled_lease("r")
+            client = KVTransferClient(target, "lease-test")
+            await asyncio.to_thread(client.push, header, payload, 30)
+            client.close()
+            lease = receiver.take_filled_lease("r")
+            stream = loop.open_stream("r")
+            await loop.acall(engine.add_imported_request, "r", prompt, first, params, lease.block_ids)
+            out = [first]
+            while True:
+                o = await stream.get()
+                out += o.new_token_ids
+                if o.finished:
+                    return out
+        finally:
+            receiver.stop()
+            loop.stop()
+
+    assert asyncio.run(main()) == want

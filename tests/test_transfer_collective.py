@@ -34,9 +34,10 @@ class PieceLog:
 class Peer:
     """One worker's end of a pair, as a Ray actor (the prefill/decode workers hold theirs the same way)."""
 
-    def __init__(self, role: str, init_method: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(self, role: str, init_method: str = "tcp://127.0.0.1:0", check_on_device: bool = False) -> None:
         torch.set_num_threads(1)
-        self.channel = CollectiveChannel(role, init_method, backend="gloo", timeout_s=30)
+        self.channel = CollectiveChannel(role, init_method, backend="gloo", timeout_s=30,
+                                         check_on_device=check_on_device)
 
     def init_method(self) -> str:
         return self.channel.init_method
@@ -94,6 +95,35 @@ def pair(ray_session):
     yield ray, prefill, decode
     ray.kill(prefill)
     ray.kill(decode)
+
+
+@pytest.mark.timeout(120)
+def test_the_device_side_check_nccl_uses_carries_exact_copies_and_catches_a_mismatch(ray_session):
+    """The check computed where the bytes are (NCCL's), here on gloo: exact copies pass; a trailer that
+    does not match what arrived (a sender checking the other way) is refused."""
+    ray = ray_session
+    actor = peer_actor(ray)
+    decode = actor.remote("decode", check_on_device=True)
+    prefill = actor.remote("prefill", ray.get(decode.init_method.remote()), check_on_device=True)
+    try:
+        for request_id, layerwise in (("dev-whole", False), ("dev-layers", True)):
+            h = header(request_id, layerwise=layerwise)
+            received = decode.recv.remote(h)
+            assert ray.get(prefill.send.remote(h, seed=8)) == "sent"
+            assert torch.equal(ray.get(received), kv(8))
+    finally:
+        ray.kill(prefill)
+        ray.kill(decode)
+    decode = actor.remote("decode", check_on_device=True)
+    host_checked = actor.remote("prefill", ray.get(decode.init_method.remote()))  # CRC-32C in its trailer
+    try:
+        received = decode.recv.remote(header("dev-mixed"))
+        ray.get(host_checked.send.remote(header("dev-mixed"), seed=9))
+        with pytest.raises(ChecksumMismatch):
+            ray.get(received)
+    finally:
+        ray.kill(host_checked)
+        ray.kill(decode)
 
 
 def header(request_id: str, dtype=torch.float32, layerwise=False, checksum=0, shape=SHAPE) -> TransferHeader:

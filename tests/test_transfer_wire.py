@@ -13,6 +13,7 @@ from kvstore.transfer.wire import (
     TransferHeader,
     as_bytes,
     checksum,
+    device_checksum,
     payload_pieces,
     piece_ranges,
     tensor_from_bytes,
@@ -69,6 +70,23 @@ def test_checksum_is_streamable_and_sees_a_flipped_byte():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("nbytes", [4096, 4099])  # a last partial word too
+def test_device_checksum_sees_every_flipped_bit_and_moved_words(nbytes):
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    reference = device_checksum(data)
+    assert torch.equal(device_checksum(data.clone()), reference)
+    assert torch.equal(device_checksum(data.view(1, -1)), reference)  # the bytes count, not the shape
+    rng = torch.Generator().manual_seed(2)
+    for position in [0, nbytes - 1, *torch.randint(0, nbytes, (30,), generator=rng).tolist()]:
+        for bit in (0, 7):
+            flipped = data.clone()
+            flipped[position] ^= 1 << bit
+            assert not torch.equal(device_checksum(flipped), reference)
+    swapped = data.clone()
+    swapped[0:4], swapped[8:12] = data[8:12], data[0:4]
+    assert not torch.equal(swapped, data) and not torch.equal(device_checksum(swapped), reference)
+
+
 def test_layerwise_pieces_are_layers_and_a_wrong_layer_count_is_refused():
     source = torch.arange(24, dtype=torch.float32).view(3, 8)
     header = TransferHeader.describe("r", "tiny", source.shape, source.dtype, layerwise=True)

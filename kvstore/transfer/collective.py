@@ -9,14 +9,15 @@ The header travels out of band (the caller hands it over, e.g. in a Ray call); t
 the payload (one message per layer when ``header.layerwise``, else runs of whole layers of up to 4 MiB;
 sends pipelined; receives posted ahead, all at once into a whole tensor or a few at a time into rotating
 buffers whose pieces a writer places, e.g. straight into KV blocks; checksums computed while later pieces
-are in flight) and then a trailer ``[checksum, status, tag]``. A sender whose layer producer fails still sends the remaining layers (as
+are in flight) and then a trailer ``[check, check, status, tag]``. A sender whose layer producer fails still sends the remaining layers (as
 zeros) with status "aborted", so the channel stays aligned for the next request. A timeout or lost
 connection mid-transfer leaves the two sides out of step: the channel is torn down and every later call
 raises ``PeerLost``; the caller opens a new channel (or picks another pair).
 
 Limits: one transfer at a time per channel, and both sides must handle the pair's transfers in the same
-order (NCCL ignores tags; the trailer's tag catches a mix-up). The checksum reads the bytes on the host,
-so on CUDA it costs a device-to-host copy per layer. Gloo picks its network interface from the hostname
+order (NCCL ignores tags; the trailer's tag catches a mix-up). The check is CRC-32C of the bytes on the
+host (gloo), or on GPUs (NCCL) ``wire.device_checksum``, computed in device memory, so checking never copies
+the KV to the host; a header's own ``checksum`` (CRC-32C) is compared only on the host path. Gloo picks its network interface from the hostname
 (``GLOO_SOCKET_IFNAME`` overrides it on multi-homed nodes).
 """
 
@@ -42,6 +43,7 @@ from kvstore.transfer.wire import (
     TransferHeader,
     as_bytes,
     checksum,
+    device_checksum,
     payload_pieces,
     piece_ranges,
 )
@@ -50,6 +52,29 @@ ROLES = {"decode": 0, "prefill": 1}
 _OK, _ABORTED = 0, 1
 _MAX_IN_FLIGHT = 4  # pieces sent but not yet confirmed, per transfer
 _RECV_AHEAD = 4  # receives posted at once into rotating buffers (recv_into): memory of 4 pieces at most
+
+
+class _Digest:
+    """The running check over a transfer's pieces, in order: CRC-32C on the host, or on the device a pair of
+    integer sums (``device_checksum``) folded piece by piece, so no byte leaves device memory for it."""
+
+    _FOLD = 1_000_003  # order-sensitive folding of the pieces' sums
+
+    def __init__(self, on_device: bool, device: torch.device) -> None:
+        self.on_device, self.device = on_device, device
+        self.value: int | torch.Tensor = torch.zeros(2, dtype=torch.int64, device=device) if on_device else 0
+
+    def add(self, data: torch.Tensor) -> None:
+        if self.on_device:
+            self.value = self.value * self._FOLD + device_checksum(data)
+        else:
+            self.value = checksum(as_bytes(data), self.value)
+
+    def words(self) -> torch.Tensor:
+        """The check as the trailer's first two int64 words, on the channel's device."""
+        if self.on_device:
+            return self.value
+        return torch.tensor([self.value, 0], dtype=torch.int64, device=self.device)
 
 
 class PieceWriter(Protocol):
@@ -103,9 +128,12 @@ class CollectiveChannel:
     """One end of a prefill-decode pair. ``role`` "decode" binds ``init_method`` (port 0: any free port)."""
 
     def __init__(self, role: str, init_method: str, backend: str = "gloo", timeout_s: float = 60.0,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", check_on_device: bool | None = None) -> None:
+        """``check_on_device``: check the bytes where they are (``device_checksum``) instead of CRC-32C on
+        the host; default: on NCCL. Both ends of a pair must agree."""
         self.role, self.rank = role, ROLES[role]
         self.backend, self.device = backend, torch.device(device)
+        self.check_on_device = backend == "nccl" if check_on_device is None else check_on_device
         self.timeout_s = timeout_s
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or url.port is None:
@@ -131,7 +159,7 @@ class CollectiveChannel:
             group, tag = self._connect(), _tag(header)
             pieces = payload_pieces(header, payload, MAX_CHUNK_BYTES)
             in_flight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # keeps each piece alive until sent
-            crc, failure = 0, None
+            digest, failure = _Digest(self.check_on_device, self.device), None
             for start, end in piece_ranges(header, MAX_CHUNK_BYTES):
                 try:
                     data = _flat_bytes(next(pieces).to(self.device).contiguous())
@@ -140,11 +168,11 @@ class CollectiveChannel:
                     failure = failure or exc
                     data = torch.zeros((end - start) * header.layer_bytes, dtype=torch.uint8, device=self.device)
                 in_flight.append((group.send([data], 1 - self.rank, tag), data))
-                crc = checksum(as_bytes(data), crc)  # overlaps the send in flight
+                digest.add(data)  # overlaps the send in flight
                 while len(in_flight) > _MAX_IN_FLIGHT:
                     self._wait(in_flight.popleft()[0], deadline)
-            trailer = torch.tensor([crc, _OK if failure is None else _ABORTED, tag],
-                                   dtype=torch.int64, device=self.device)
+            status = torch.tensor([_OK if failure is None else _ABORTED, tag], dtype=torch.int64, device=self.device)
+            trailer = torch.cat([digest.words(), status])
             in_flight.append((group.send([trailer], 1 - self.rank, tag), trailer))
             for work, _ in in_flight:
                 self._wait(work, deadline)
@@ -181,30 +209,31 @@ class CollectiveChannel:
         sizes = [(end - start) * header.layer_bytes for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
         with self._transfer(timeout_s) as deadline:
             group, tag = self._connect(), _tag(header)
-            trailer = torch.zeros(3, dtype=torch.int64, device=self.device)
+            trailer = torch.zeros(4, dtype=torch.int64, device=self.device)
 
             def post(m: int) -> dist.Work:  # message m: piece m, or the trailer after the last piece
                 return group.recv([trailer if m == len(sizes) else buffer(m, sizes[m])], 1 - self.rank, tag)
 
             posted = deque(post(m) for m in range(min(ahead, len(sizes) + 1)))
-            crc, offset = 0, 0
+            digest, offset = _Digest(self.check_on_device, self.device), 0
             for i, size in enumerate(sizes):
                 self._wait(posted.popleft(), deadline)
                 data = buffer(i, size)
-                crc = checksum(as_bytes(data), crc)  # overlaps the next pieces' arrival
+                digest.add(data)  # overlaps the next pieces' arrival
                 if deliver is not None:
                     deliver(offset, data)
                 offset += size
                 if i + ahead <= len(sizes):
                     posted.append(post(i + ahead))  # into the buffer piece i just left
             self._wait(posted.popleft(), deadline)
-        sent_crc, status, tag = trailer.tolist()
+        ours, (*sent, status, tag) = digest.words().tolist(), trailer.tolist()
         if tag != _tag(header):
             raise TransferError(f"{header.request_id}: received another request's KV (tag {tag})")
         if status == _ABORTED:
             raise TransferCancelled(f"{header.request_id}: the sender's layer producer failed")
-        if crc != sent_crc or header.checksum not in (0, crc):
-            raise ChecksumMismatch(f"{header.request_id}: received {crc:#x}, sender said {sent_crc:#x} "
+        promised = header.checksum not in (0, ours[0]) and not self.check_on_device
+        if ours != sent or promised:
+            raise ChecksumMismatch(f"{header.request_id}: received check {ours}, sender said {sent} "
                                    f"(header {header.checksum:#x})")
 
     def close(self) -> None:

@@ -40,6 +40,20 @@ def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return crc32c.crc32c(data, value)
 
 
+def device_checksum(data: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums over ``data``'s bytes read as int32 words, computed where the tensor is (GPU memory
+    included, no copy to the host): the plain sum catches any changed bits (a flipped bit moves it by a
+    power of two, never by a multiple of 2**64), the position-weighted one moved or swapped words.
+    Integer arithmetic wraps identically everywhere, so sender and receiver agree whatever their order of
+    summation."""
+    flat = data.reshape(-1).view(torch.uint8)
+    if len(flat) % 4:
+        flat = torch.cat([flat, flat.new_zeros(4 - len(flat) % 4)])
+    words = flat.view(torch.int32).to(torch.int64)
+    weights = torch.arange(1, len(words) + 1, dtype=torch.int64, device=data.device)
+    return torch.stack([words.sum(), (words * weights).sum()])
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     if name not in DTYPES:
