@@ -16,9 +16,7 @@ copied on a side stream, neither waiting behind nor stalling the forward pass; `
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -76,7 +74,7 @@ class BlockImport:
         # A device tensor (a collective's receive buffer) is copied on the current stream, which its
         # receive is ordered on and the buffer's next receive waits for; host bytes go on the side stream.
         on_device = isinstance(data, torch.Tensor) and data.device.type != "cpu"
-        with contextlib.nullcontext() if on_device else self._on_stream():
+        with torch.cuda.stream(None if on_device else self._stream):  # None: the current stream
             src, pos, width = self._source(data), 0, self.column_bytes
             while pos < size:
                 column, within = divmod(offset + pos, width)
@@ -114,11 +112,3 @@ class BlockImport:
         if j < self.num_blocks:
             return self._rows[row, self.block_ids[j]]
         return self._window_rows[row, j - self.num_blocks]
-
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        with torch.cuda.stream(self._stream):
-            yield

@@ -27,7 +27,7 @@ from kvstore.transfer import TransferError
 from kvstore.transfer.channel_pool import ChannelPool
 from kvstore.transfer.collective import CollectiveChannel, backend_for, pick_transport
 from kvstore.transfer.grpc import KVTransferClients, PushCall
-from kvstore.transfer.wire import LayerFeed, TransferHeader
+from kvstore.transfer.wire import LayerFeed, TransferHeader, leave_device
 from services.engine_loop import EngineLoop
 from services.kv_receiver import kv_payload_shape
 from services.messages import KVTarget
@@ -50,6 +50,8 @@ class HandoffSender:
         self._pair_locks: dict[str, asyncio.Lock] = {}
         self._feeds: dict[str, LayerFeed] = {}  # request -> per-layer feed, filled on the engine thread
         self._layer_lock = threading.Lock()
+        # On CUDA, layers bound for gRPC are copied to pinned host memory on this stream (wire.leave_device).
+        self._copy_stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
         if layerwise:
             loop.add_layer_hook(self._on_layer_done)
 
@@ -61,7 +63,8 @@ class HandoffSender:
                 feed = self._feeds.get(request_id)
                 if feed is None:
                     continue
-                feed.put(self.engine.kv_cache.export_layer(layer, table[: feed.num_blocks]))
+                exported = self.engine.kv_cache.export_layer(layer, table[: feed.num_blocks])
+                feed.put(*leave_device(exported, self._copy_stream if feed.to_host else None))
                 if layer == self.engine.model_config.num_layers - 1:
                     feed.close()
 
@@ -78,7 +81,7 @@ class HandoffSender:
         )
         feed = None
         if self.layerwise:
-            feed = _Feed(num_blocks)
+            feed = _Feed(num_blocks, to_host=self.transport_for(kv_target) == "grpc")
             with self._layer_lock:
                 self._feeds[request_id] = feed
         return Handoff(self, header, kv_target, deadline, feed)
@@ -126,14 +129,14 @@ class HandoffSender:
 class _Feed(LayerFeed):
     """A LayerFeed that also tells the actor's event loop when its first layer is ready."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, to_host: bool) -> None:
         super().__init__()
-        self.num_blocks = num_blocks
+        self.num_blocks, self.to_host = num_blocks, to_host  # to_host: the layers leave through host memory
         self._loop = asyncio.get_running_loop()
         self.first_layer = asyncio.Event()
 
-    def put(self, layer: torch.Tensor) -> None:
-        super().put(layer)
+    def put(self, layer: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        super().put(layer, ready)
         if not self.first_layer.is_set():
             self._loop.call_soon_threadsafe(self.first_layer.set)
 

@@ -105,3 +105,21 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
         runs[engine.attention_backend] = run(engine, requests, arrivals=[0, 0, 0, 2])
     assert set(runs) == {"torch", "triton"}
     assert runs["triton"] == runs["torch"] and all(len(t) == 8 for t in runs["torch"].values())
+
+
+@pytest.mark.timeout(60)
+def test_a_layer_leaves_the_device_without_syncing_the_compute_stream():
+    """wire.leave_device: a layer copied to pinned host memory on a side stream (gRPC) or handed over in
+    device memory (NCCL), each with an event; through a LayerFeed both arrive exactly."""
+    from kvstore.transfer.wire import LayerFeed, leave_device
+
+    layers = [torch.randn(2, 3, 16, 4, 64, device="cuda").to(torch.bfloat16) for _ in range(4)]
+    copy_stream = torch.cuda.Stream()
+    for stream in (copy_stream, None):
+        feed = LayerFeed()
+        for layer in layers:
+            feed.put(*leave_device(layer * 1, stream))  # a fresh tensor, as an export is
+        feed.close()
+        got = list(feed)
+        assert all(t.is_pinned() for t in got) if stream is not None else all(t.is_cuda for t in got)
+        assert all(torch.equal(g.cuda(), want) for g, want in zip(got, layers, strict=True))

@@ -134,6 +134,9 @@ class CollectiveChannel:
         self.role, self.rank = role, ROLES[role]
         self.backend, self.device = backend, torch.device(device)
         self.check_on_device = backend == "nccl" if check_on_device is None else check_on_device
+        # On CUDA, transfers run on a stream of their own: NCCL then waits for nothing but their pieces,
+        # not for the engine's work queued on the default stream.
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.timeout_s = timeout_s
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or url.port is None:
@@ -155,7 +158,10 @@ class CollectiveChannel:
              timeout_s: float | None = None) -> None:
         """Send the payload: per layer when ``header.layerwise`` (layers pulled as they are produced),
         else the whole tensor in runs of whole layers of up to 4 MiB. Blocks until every piece is out."""
-        with self._transfer(timeout_s) as deadline:
+        with self._transfer(timeout_s) as deadline, torch.cuda.stream(self._stream):
+            if self._stream is not None and isinstance(payload, torch.Tensor):
+                # a whole payload was exported on the engine's stream; layers come with their own events
+                self._stream.wait_stream(torch.cuda.default_stream(self.device))
             group, tag = self._connect(), _tag(header)
             pieces = payload_pieces(header, payload, MAX_CHUNK_BYTES)
             in_flight: deque[tuple[dist.Work, torch.Tensor]] = deque()  # keeps each piece alive until sent
@@ -207,7 +213,9 @@ class CollectiveChannel:
         """Receive piece i into ``buffer(i, size)`` with up to ``ahead`` receives posted, checksum it and
         ``deliver(offset, piece)``; then the trailer. A piece's buffer is reused ``ahead`` pieces later."""
         sizes = [(end - start) * header.layer_bytes for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
-        with self._transfer(timeout_s) as deadline:
+        # On CUDA the pieces' checks and deliveries queue on the channel's stream too; reading the checks
+        # back below waits for all of it, so every byte is in place when this returns.
+        with self._transfer(timeout_s) as deadline, torch.cuda.stream(self._stream):
             group, tag = self._connect(), _tag(header)
             trailer = torch.zeros(4, dtype=torch.int64, device=self.device)
 
@@ -226,7 +234,7 @@ class CollectiveChannel:
                 if i + ahead <= len(sizes):
                     posted.append(post(i + ahead))  # into the buffer piece i just left
             self._wait(posted.popleft(), deadline)
-        ours, (*sent, status, tag) = digest.words().tolist(), trailer.tolist()
+            ours, (*sent, status, tag) = digest.words().tolist(), trailer.tolist()
         if tag != _tag(header):
             raise TransferError(f"{header.request_id}: received another request's KV (tag {tag})")
         if status == _ABORTED:

@@ -183,6 +183,27 @@ def payload_pieces(header: TransferHeader, payload: torch.Tensor | Iterable[torc
         yield payload[start:end]
 
 
+def leave_device(layer: torch.Tensor, copy_stream: torch.cuda.Stream | None
+                 ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Hand a layer computed on the current CUDA stream to a sender thread without synchronising that
+    stream (which holds the rest of the forward pass): (the layer, the event after which it is complete).
+    With ``copy_stream`` the layer is copied to pinned host memory on it (for a transport that sends from
+    the host); without, it stays in device memory (NCCL). A host tensor is returned as it is."""
+    if layer.device.type != "cuda":
+        return layer, None
+    ready = torch.cuda.Event()
+    if copy_stream is None:
+        ready.record()
+        return layer, ready
+    copy_stream.wait_stream(torch.cuda.current_stream(layer.device))
+    with torch.cuda.stream(copy_stream):
+        host = torch.empty(layer.shape, dtype=layer.dtype, pin_memory=True)
+        host.copy_(layer, non_blocking=True)
+        layer.record_stream(copy_stream)  # its memory is not reused before the copy is done
+        ready.record(copy_stream)
+    return host, ready
+
+
 class LayerFeed:
     """An iterable of per-layer tensors filled from the producer's thread (e.g. a model's on_layer_done).
 
@@ -196,8 +217,10 @@ class LayerFeed:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.waited_s = 0.0  # the consumer's time blocked on layers not yet produced (not link time)
 
-    def put(self, layer: torch.Tensor) -> None:
-        self._queue.put(layer)
+    def put(self, layer: torch.Tensor, ready: torch.cuda.Event | None = None) -> None:
+        """``ready``: on CUDA, the event after which ``layer`` holds its bytes (the consumer waits on it,
+        so the producer never synchronises its stream)."""
+        self._queue.put((layer, ready))
 
     def close(self) -> None:
         self._queue.put(self._END)
@@ -209,9 +232,12 @@ class LayerFeed:
         while True:
             start = time.perf_counter()
             item = self._queue.get()
-            self.waited_s += time.perf_counter() - start
             if item is self._END:
                 return
             if isinstance(item, BaseException):
                 raise TransferError(f"layer producer failed: {item}") from item
-            yield item
+            layer, ready = item
+            if ready is not None:  # the layer is still being computed or copied out
+                ready.synchronize()
+            self.waited_s += time.perf_counter() - start
+            yield layer
