@@ -5,9 +5,10 @@ run once for the whole batch with no padding. Only attention looks at sequence b
 chunk attends over its own context with SDPA, and all 1-token decode rows (placed first) share one
 batched SDPA call over their context, gathered block by block and padded to the longest table. That is
 the torch attention path (CPU, quantized caches, attention sinks, and the reference); with the Triton
-backend (``engine/triton_attention.py``) the runner sets ``AttentionMetadata.paged`` instead and the
-kernels read the cache blocks in place. Parameter names follow Hugging Face except that q/k/v and
-gate/up are packed into one matrix each (one matmul instead of three or two); the loader packs them.
+backend (``engine/triton_attention.py``) the runner sets ``AttentionMetadata.paged`` instead, the
+kernels read the cache blocks in place, and each residual add is fused into the RMSNorm after it.
+Parameter names follow Hugging Face except that q/k/v and gate/up are packed into one matrix each (one
+matmul instead of three or two); the loader packs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.streaming_window import sink_window_attention
 from engine.triton_attention import PagedAttentionMeta, paged_attention
@@ -206,12 +208,24 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Pre-norm attention and MLP, each added to the residual stream ``h``; writes every row's K/V
-        into ``kv``, this layer's paged cache."""
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv: PagedKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Pre-norm attention and MLP, each added to the residual stream; writes every row's K/V into
+        ``kv``, this layer's paged cache. Returns (output, residual): with the torch path the output is
+        the new residual stream itself and the residual None; with the Triton kernels each residual add
+        is fused into the norm after it (vLLM's fused_add_rms_norm), so the output is the MLP's, still to
+        be added to the returned residual (by the next layer's input norm, or the caller)."""
+        if meta.paged is None:
+            h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
+            return h + self.mlp(self.post_attention_layernorm(h)), None
+        if residual is None:  # the first layer: the embeddings are the residual stream
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x = kernels.fused_add_rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        attn = self.self_attn(x, cos, sin, kv, meta)
+        x = kernels.fused_add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
+                                       self.post_attention_layernorm.eps)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -245,9 +259,11 @@ class CausalLM(nn.Module):
         written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_layers[i], meta)
+            h, residual = layer(h, residual, cos, sin, kv_layers[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = self.model.norm(h[last_rows])
+        h = h[last_rows] if residual is None else residual[last_rows] + h[last_rows]
+        h = self.model.norm(h)
         return self.lm_head(h).float()

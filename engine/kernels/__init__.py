@@ -1,5 +1,5 @@
 """Triton kernels for the GPU engine: paged decode and prefill attention, the K/V cache write, and the
-residual add fused with RMSNorm (not wired into the model yet).
+residual add fused with RMSNorm (``engine/model.py`` uses them all on the Triton backend).
 
 The attention and write kernels take one layer's cache as ``k_cache``/``v_cache``
 ``[num_blocks, block_size, kv_heads, head_dim]`` (``KVCache.data[layer, 0]`` and ``[layer, 1]``).
