@@ -70,6 +70,19 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, config) of the built-in tiny model (random weights, 8 layers, 4 KV heads of 64 channels),
+    written to a fresh cache directory that stays set while the module runs, so ``Engine("tiny")`` finds
+    the same files."""
+    from engine.loader import load_model, resolve_model_dir
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TIDEPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    yield load_model(resolve_model_dir("tiny"), "float32", "cpu")
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def serving_model_dir(tmp_path_factory):
     """A small Llama checkpoint (random weights, the built-in tiny model's byte-level tokenizer) that the

@@ -7,18 +7,9 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCache
-from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIDEPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    yield load_model(resolve_model_dir("tiny"), "float32", "cpu")
-    mp.undo()
 
 
 def test_export_import_blocks_and_layers(tiny):

@@ -15,7 +15,6 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.kv_import import BlockImport, as_uint8
-from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampling_params import SamplingParams
 from kvstore.transfer import TransferRejected
@@ -29,14 +28,6 @@ from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 pytestmark = pytest.mark.timeout(120)
 
 FORMATS = ("auto", "int8", "fp8", "kivi2")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIDEPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    yield load_model(resolve_model_dir("tiny"), "float32", "cpu")
-    mp.undo()
 
 
 def computed_payload(tiny, fmt: str) -> tuple[torch.Tensor, ModelRunner]:

@@ -20,7 +20,6 @@ from engine.generate import add_generate_parser
 from engine.kv_cache import KVCache, block_bytes, num_blocks_for
 from engine.kv_format import record_layout, window_layer_bytes
 from engine.kv_quant import decode_into, encode_blocks
-from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampling_params import SamplingParams
 from kvstore.payload import BlockError, BlockLayout, decode_block, encode_block
@@ -33,16 +32,6 @@ from services.pool_link import PoolLink
 
 pytestmark = pytest.mark.timeout(180)
 QUANTIZED = ("int8", "fp8", "kivi2")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The built-in tiny model (random weights, 8 layers, 4 KV heads of 64 channels); its files stay
-    findable for Engine("tiny") while the module runs."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TIDEPOOL_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    yield load_model(resolve_model_dir("tiny"), "float32", "cpu")
-    mp.undo()
 
 
 def runner(tiny, fmt: str, num_blocks: int = 8) -> ModelRunner:
