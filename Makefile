@@ -13,7 +13,9 @@ PROTO_PINS := grpcio==1.66.2 protobuf==5.27.2 grpcio-tools==1.66.2
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 50051
 
-.PHONY: setup test run proto lint clean
+GPU_OUT ?= gpu-results
+
+.PHONY: setup test run proto lint clean gpu-check
 
 setup: $(STAMP) $(PROTO_STAMP)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
@@ -47,6 +49,14 @@ run: setup
 	  -d '{"model": "tiny", "messages": [{"role": "user", "content": "Hello, Tidepool!"}], "max_tokens": 24, "stream": true}'; \
 	echo "--- serving on http://127.0.0.1:$(HTTP_PORT) and grpc 127.0.0.1:$(GRPC_PORT); Ctrl-C stops ---"; \
 	wait $$pid
+
+# On a CUDA machine, even a bare one (torch, triton, transformers, safetensors, grpcio, crc32c; no Ray,
+# Redis or FastAPI needed): the `gpu` tests, then the GPU benchmarks, their JSON into $(GPU_OUT)/.
+gpu-check:
+	mkdir -p $(GPU_OUT)
+	PYTHONPATH=.:proto $(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine_model.py
+	PYTHONPATH=.:proto $(PY) benchmarks/engine_gpu.py --json $(GPU_OUT)/engine_gpu.json
+	PYTHONPATH=.:proto $(PY) benchmarks/transfer_gpu.py --json $(GPU_OUT)/transfer_gpu.json
 
 proto: setup
 	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \

@@ -26,55 +26,29 @@ import os
 import random
 import socket
 import statistics
-import threading
+import sys
 import time
+from pathlib import Path
 
 import ray
+import ray.cloudpickle
 import torch
 
-from engine.config import ModelConfig
-from engine.kv_cache import KVCache
-from engine.kv_import import BlockImport
-from kvstore.transfer.collective import CollectiveChannel
-from kvstore.transfer.grpc import KVTransferClient, KVTransferServer
-from kvstore.transfer.wire import TransferHeader, as_bytes, checksum
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import benchmarks._transfer  # noqa: E402
+from benchmarks._transfer import BLOCK_SIZE, SHAPE, BlockSink, blocks_for, kv_header  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.kv_import import BlockImport  # noqa: E402
+from kvstore.transfer.collective import CollectiveChannel  # noqa: E402
+from kvstore.transfer.grpc import KVTransferClient, KVTransferServer  # noqa: E402
+from kvstore.transfer.wire import TransferHeader, as_bytes, checksum  # noqa: E402
 
 BACKENDS = ("grpc", "collective")
 LIMITS = ("memcpy", "crc32c", "tcp")
-SHAPE = ModelConfig("LlamaForCausalLM", 256, 256, 256, num_layers=32, num_heads=8, num_kv_heads=4, head_dim=64)
-BLOCK_SIZE = 16
-BLOCK_BYTES = 2 * SHAPE.num_layers * BLOCK_SIZE * SHAPE.num_kv_heads * SHAPE.head_dim * 2  # K and V, bf16
-
-
-def kv_header(request_id: str, num_blocks: int, layerwise: bool) -> TransferHeader:
-    shape = (SHAPE.num_layers, 2, num_blocks, BLOCK_SIZE, SHAPE.num_kv_heads, SHAPE.head_dim)
-    return TransferHeader.describe(request_id, "bench", shape, torch.bfloat16, layerwise=layerwise)
-
-
-class BlockSink:
-    """A KVSink writing each push straight into the receiver's reserved blocks (as a decode worker's does)."""
-
-    def __init__(self, receiver: Receiver) -> None:
-        self._receiver, self.done = receiver, threading.Event()
-        self.error: str | None = None
-
-    def begin(self, header: TransferHeader) -> BlockSink.Writer:
-        return BlockSink.Writer(self, BlockImport(self._receiver.cache, self._receiver.reserved(header)))
-
-    class Writer:
-        def __init__(self, sink: BlockSink, arrival: BlockImport) -> None:
-            self._sink, self._arrival = sink, arrival
-
-        def write(self, offset: int, data: memoryview) -> None:
-            self._arrival.write(offset, data)
-
-        def commit(self) -> None:
-            self._arrival.finish()
-            self._sink.done.set()
-
-        def abort(self, reason: str) -> None:
-            self._sink.error = reason
-            self._sink.done.set()
+# benchmarks/ is no installed package, so an actor could not import the shared module by name from any
+# directory but the repository's: it travels with the actors instead.
+ray.cloudpickle.register_pickle_by_value(benchmarks._transfer)
 
 
 @ray.remote(num_cpus=1)
@@ -90,7 +64,7 @@ class Receiver:
         self.cache.data.fill_(1)
         self.ids = list(range(0, 2 * max_blocks, 2))
         random.Random(0).shuffle(self.ids)
-        self.sink = BlockSink(self)
+        self.sink = BlockSink(self.cache, self.reserved)
         self.server = KVTransferServer(self.sink).start()
         self.channel = CollectiveChannel("decode", "tcp://127.0.0.1:0", backend="gloo", timeout_s=120)
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -204,7 +178,7 @@ def main() -> None:
     parser.add_argument("--layerwise", action="store_true", help="one message (stream) per layer")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    blocks = [max(1, round(float(s) * (1 << 20) / BLOCK_BYTES)) for s in args.sizes.split(",")]
+    blocks = blocks_for(args.sizes)
 
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2))
     receiver = Receiver.remote(max(blocks))

@@ -123,3 +123,50 @@ def test_a_layer_leaves_the_device_without_syncing_the_compute_stream():
         got = list(feed)
         assert all(t.is_pinned() for t in got) if stream is not None else all(t.is_cuda for t in got)
         assert all(torch.equal(g.cuda(), want) for g, want in zip(got, layers, strict=True))
+
+
+# ---- CUDA IPC: another process maps the KV in place ------------------------------------------------
+
+def _map_and_copy(conn) -> None:
+    """The receiving process: map the tensor shared over ``conn``, copy it into device memory of its own,
+    drop the mapping, and answer with what it copied (the answer is the sender's ack)."""
+    from kvstore.transfer.cuda_ipc import open_shared
+    from kvstore.transfer.wire import as_bytes
+
+    mapped = open_shared(conn.recv())
+    own = torch.empty_like(mapped)
+    own.copy_(mapped)  # on the current stream, which open_shared made wait for the sender's work
+    torch.cuda.synchronize()
+    del mapped
+    conn.send((own.is_cuda, str(own.dtype), tuple(own.shape), bytes(as_bytes(own))))
+
+
+@pytest.mark.timeout(180)
+def test_cuda_ipc_another_process_copies_the_shared_kv_exactly():
+    """A bf16 slice (at an offset in its allocation) shared right after the kernels that fill it, with no
+    synchronisation: the other process maps it, copies it into its own device tensor, and gets every byte."""
+    import torch.multiprocessing as mp
+
+    from kvstore.transfer.cuda_ipc import share
+    from kvstore.transfer.wire import as_bytes
+
+    ctx = mp.get_context("spawn")
+    conn, child_conn = ctx.Pipe()
+    child = ctx.Process(target=_map_and_copy, args=(child_conn,), daemon=True)
+    child.start()
+    try:
+        base = torch.randn(4, 32, 2, 8, 16, 4, 64, device="cuda").to(torch.bfloat16) * 3
+        source = base[1:3]  # kept alive, unchanged, until the child's answer (the lifetime rule)
+        shared = share(source)
+        assert shared.shape == tuple(source.shape) and shared.dtype == torch.bfloat16
+        assert shared.nbytes == source.numel() * 2
+        conn.send(shared)
+        assert conn.poll(120), "the receiving process did not answer"
+        on_cuda, dtype, shape, data = conn.recv()
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert on_cuda and dtype == "torch.bfloat16" and shape == tuple(source.shape)
+    assert data == bytes(as_bytes(source))
+    assert child.exitcode == 0
