@@ -194,6 +194,9 @@ class EngineConfig:
     # On CUDA with num_blocks None: the fraction of device memory for weights, activations and the KV cache,
     # which gets what is left after a profiling pass (engine/device_memory.py); kv_cache_bytes is for CPU.
     gpu_memory_utilization: float = 0.9
+    # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with the triton backend; True:
+    # every step runs eagerly.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
 from engine.streaming_window import StreamingWindow
@@ -49,6 +50,14 @@ class ModelRunner:
         # K and V gather buffers (see AttentionMetadata.k_buf), grown to the most blocks a step gathers;
         # the Triton kernels gather nothing.
         self._gather_bufs = None if self.paged else kv_cache.gather_buffers(0)
+        self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from CUDA graphs (cuda_graphs.py)
+
+    def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
+        """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (Triton backend):
+        captured on CUDA; ``capture=False`` runs the same static-buffer pass uncaptured (tests on CPU)."""
+        if not self.paged:
+            raise ValueError("decode graphs need the triton attention backend")
+        self.graphs = DecodeGraphs(self, max_batch, max_blocks, capture)
 
     def _check(self, c: SeqChunk) -> int:
         n = len(c.token_ids)
@@ -143,6 +152,8 @@ class ModelRunner:
     def run(self, chunks: list[SeqChunk],
             on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
         """Float32 logits ``[len(chunks), vocab]`` of each chunk's last token; writes the chunks' K/V."""
+        if self.graphs is not None and self.graphs.fits(chunks):  # completes no prompt: no layer hook
+            return self.graphs.run(chunks)
         input_ids, positions, meta, last_rows = self.prepare(chunks)
         kv_layers = self.kv_cache.for_step(meta.slot_mapping)
         return self.model(input_ids, positions, meta, kv_layers, last_rows, on_layer_done)

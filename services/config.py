@@ -125,6 +125,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=e.gpu_memory_utilization,
                    help="share of each GPU for weights, activations and the KV cache, which gets what a "
                         "profiling pass leaves")
+    p.add_argument("--enforce-eager", action="store_true", default=e.enforce_eager,
+                   help="run every step eagerly: no CUDA graphs for decode steps")
     p.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged attention: triton kernels reading blocks in place (auto: on GPUs with a "
                         "plain cache) or torch (gather + SDPA)")
@@ -169,7 +171,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

@@ -73,7 +73,8 @@ def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
 @pytest.mark.timeout(600)
 def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
     """Compiled kernels (not the interpreter): float32 greedy tokens equal the torch path's for mixed
-    lengths, chunked prefill and a prefix-cache hit; auto picks triton on CUDA."""
+    lengths, chunked prefill and a prefix-cache hit, eagerly and with decode steps replayed from CUDA
+    graphs (the default); auto picks triton on CUDA."""
     from engine.kernels import triton_available
 
     if not triton_available():
@@ -98,13 +99,16 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
     b = prompt(19, 2)
     requests = {"a": (prompt(5, 1), params), "b": (b, params), "c": (prompt(45, 3), params),
                 "b-again": (b + prompt(4, 4), params)}  # joins at step 2, after b's blocks are cached
-    runs = {}
-    for backend in ("torch", "auto"):
+    runs, replays = {}, None
+    for backend, eager in (("torch", True), ("auto", True), ("auto", False)):
         engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=32,
-                                       attention_backend=backend))
-        runs[engine.attention_backend] = run(engine, requests, arrivals=[0, 0, 0, 2])
-    assert set(runs) == {"torch", "triton"}
-    assert runs["triton"] == runs["torch"] and all(len(t) == 8 for t in runs["torch"].values())
+                                       attention_backend=backend, enforce_eager=eager))
+        runs[engine.attention_backend, eager] = run(engine, requests, arrivals=[0, 0, 0, 2])
+        if not eager:  # decode steps replayed from captured CUDA graphs
+            replays = sum(engine.runner.graphs.replays.values())
+    assert set(runs) == {("torch", True), ("triton", True), ("triton", False)}
+    assert runs["triton", True] == runs["torch", True] and all(len(t) == 8 for t in runs["torch", True].values())
+    assert runs["triton", False] == runs["torch", True] and replays > 0
 
 
 @pytest.mark.timeout(60)

@@ -21,6 +21,7 @@ import torch  # noqa: E402
 from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
+from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
 from engine.device_memory import GIB, engine_num_blocks, kv_cache_bytes_for_device  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kernels import common, triton_available  # noqa: E402
@@ -100,6 +101,31 @@ def test_runner_logits_of_one_mixed_step_equal_torch_backend(model_dir):
         logits[backend] = (runner.run(first), runner.run(mixed))
     for got, want in zip(logits["triton"], logits["torch"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+@needs_interpreter
+def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
+    """DecodeGraphs' padded pass over static buffers (what CUDA captures; run uncaptured here): three
+    sequences padded to a batch of 4, then four, then one alone, with the prefill steps between them run
+    eagerly: the greedy tokens equal the eager Triton path's, and the caches end up equal, so no padded
+    row wrote anything."""
+    arrivals = {0: [("a", prompt(5, 1)), ("b", prompt(19, 2)), ("c", prompt(9, 3))], 4: [("d", prompt(11, 5))]}
+    engines = {}
+    for mode in ("eager", "graphs"):
+        engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
+                                     max_num_batched_tokens=32, max_num_seqs=8, attention_backend="triton"))
+        if mode == "graphs":
+            engine.runner.enable_decode_graphs(8, 512 // 8, capture=False)
+        engines[mode] = (engine, drive(engine, arrivals, max_tokens=8))
+    (eager, (want, _, _)), (graphed, (got, _, steps)) = engines["eager"], engines["graphs"]
+    assert got == want and all(len(t) == 8 for t in got.values())
+    replays = graphed.runner.graphs.replays
+    # every step of one-token chunks went through the buffers (a prompt's last chunk of one token included:
+    # it is a decode row to attention), and only those
+    assert {1, 4} <= set(replays) and sum(replays.values()) == sum(all(n == 1 for n, _ in p) for _, p in steps)
+    # (to float32 rounding: a padded batch's matmuls round differently; a padded row's write would not)
+    torch.testing.assert_close(graphed.kv_cache.data, eager.kv_cache.data, atol=1e-5, rtol=0)
+    assert graph_batch_sizes(8) == [1, 2, 4, 8] and graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
 def test_triton_with_a_quantized_cache_or_a_window_is_refused(model_dir):
