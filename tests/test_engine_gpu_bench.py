@@ -3,27 +3,16 @@ sane positive number, and in float32 the engine's greedy tokens equal transforme
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_gpu.py"
+from benchmarks import engine_gpu
 
 ROW_KEYS = {"seconds", "tokens_per_s", "decode_steps", "median_decode_step_ms", "roofline_decode_step_ms",
             "roofline_tokens_per_s", "roofline_fraction", "prefill_tokens", "prefill_seconds",
             "prefill_tokens_per_s", "prefill_mfu", "hf_tokens_per_s", "speedup_vs_hf", "hf_same_tokens"}
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("engine_gpu_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def positive(x) -> bool:
@@ -32,9 +21,8 @@ def positive(x) -> bool:
 
 @pytest.mark.timeout(120)
 def test_tiny_cpu_run_writes_every_figure(tmp_path):
-    bench = load_bench()
     out = tmp_path / "engine_gpu.json"
-    returned = bench.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "1,4",
+    returned = engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "1,4",
                            "--prompt-len", "32", "--new-tokens", "8", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
