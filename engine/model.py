@@ -6,7 +6,8 @@ chunk attends over its own context with SDPA, and all 1-token decode rows (place
 batched SDPA call over their context, gathered block by block and padded to the longest table. That is
 the torch attention path (CPU, quantized caches, attention sinks, and the reference); with the Triton
 backend (``engine/triton_attention.py``) the runner sets ``AttentionMetadata.paged`` instead, the
-kernels read the cache blocks in place, and each residual add is fused into the RMSNorm after it.
+kernels rotate q and k and read the cache blocks in place, and each residual add is fused into the
+RMSNorm after it.
 Parameter names follow Hugging Face except that q/k/v and gate/up are packed into one matrix each (one
 matmul instead of three or two); the loader packs them.
 """
@@ -152,12 +153,13 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if meta.paged is not None:  # Triton backend: rotate, write and attend in place
+            kernels.apply_rope(q, k, cos, sin)
+            out = paged_attention(q, k, v, kv, meta.paged, meta.num_decode, self.scale)
+            return self.o_proj(out.view(T, self.q_size))
         q_sink = None if meta.sink_cos is None else q * meta.sink_cos + rotate_half(q) * meta.sink_sin
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if meta.paged is not None:  # Triton backend: write and attend in place
-            out = paged_attention(q, k, v, kv, meta.paged, meta.num_decode, self.scale)
-            return self.o_proj(out.view(T, self.q_size))
         kv.write(k, v)
         out = torch.empty_like(q)
         for p in meta.prefills:

@@ -347,3 +347,40 @@ def test_fused_add_rms_norm_rejects_mismatched_shapes():
         fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 16), torch.ones(8), 1e-6)
     with pytest.raises(ValueError, match="dtype"):
         fused_add_rms_norm(torch.randn(3, 8), torch.randn(3, 8).half(), torch.ones(8), 1e-6)
+
+
+# ---- RoPE in place ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 64), (8, 1, 128), (3, 3, 80)])
+def test_rope_in_place_matches_the_model_rotation(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int):
+    """q and k as the model has them (strided views of one fused qkv row), rotated in place exactly as
+    ``x * cos + rotate_half(x) * sin`` at scattered positions; v, next to them in memory, untouched."""
+    from engine.kernels.rope import apply_rope
+    from engine.model import rope_cos_sin, rotate_half
+
+    tokens = 11
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in qkv.split([heads * head_dim, kv_heads * head_dim,
+                                                                  kv_heads * head_dim], dim=-1))
+    positions = torch.tensor([0, 1, 2, 7, 8, 100, 511, 512, 1000, 4095, 3])
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    cos, sin = rope_cos_sin(positions, inv_freq, dtype)
+    want_q, want_k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    v_before = v.clone()
+    apply_rope(q, k, cos, sin)
+    # float32 is exact; 16-bit dtypes round once here, after each operation in torch
+    tol = dict(atol=0, rtol=0) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
+    torch.testing.assert_close(q, want_q, **tol)
+    torch.testing.assert_close(k, want_k, **tol)
+    assert torch.equal(v, v_before)
+
+
+def test_rope_rejects_mismatched_shapes():
+    from engine.kernels.rope import apply_rope
+
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    with pytest.raises(ValueError, match="cos"):
+        apply_rope(q, k, torch.randn(3, 1, 8), torch.randn(3, 1, 8))
+    with pytest.raises(ValueError, match="even head_dim"):
+        apply_rope(q, torch.randn(2, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16))

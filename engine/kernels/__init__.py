@@ -1,5 +1,6 @@
-"""Triton kernels for the GPU engine: paged decode and prefill attention, the K/V cache write, and the
-residual add fused with RMSNorm (``engine/model.py`` uses them all on the Triton backend).
+"""Triton kernels for the GPU engine: paged decode and prefill attention, the K/V cache write, the
+residual add fused with RMSNorm and RoPE in place (``engine/model.py`` uses them all on the Triton
+backend).
 
 The attention and write kernels take one layer's cache as ``k_cache``/``v_cache``
 ``[num_blocks, block_size, kv_heads, head_dim]`` (``KVCache.data[layer, 0]`` and ``[layer, 1]``).
@@ -16,14 +17,15 @@ from typing import Any
 # public name -> module that defines it (imported on first attribute access, never cached here, so a
 # test that reloads a module under TRITON_INTERPRET=1 is seen by later lookups)
 _LAZY = {
+    "apply_rope": "engine.kernels.rope",
     "fused_add_rms_norm": "engine.kernels.add_rms_norm",
     "paged_decode_attention": "engine.kernels.paged_decode",
     "paged_prefill_attention": "engine.kernels.paged_prefill",
     "write_kv": "engine.kernels.kv_write",
 }
 
-__all__ = ["fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention", "triton_available",
-           "write_kv"]
+__all__ = ["apply_rope", "fused_add_rms_norm", "paged_decode_attention", "paged_prefill_attention",
+           "triton_available", "write_kv"]
 
 
 @cache
