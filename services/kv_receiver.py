@@ -160,7 +160,11 @@ class HandoffReceiver:
         if channel is None:
             raise TransferRejected(f"no collective channel from {prefill_id}")
         try:
-            lease = self._claim(header)
+            try:
+                lease = self._claim(header)
+            except TransferRejected:
+                channel.close()  # its sender is already sending: end the pair now, not at the sender's deadline
+                raise
             arrived = None
             try:
                 incoming = BlockImport(self.engine.kv_cache, lease.block_ids)

@@ -186,7 +186,12 @@ class Handoff:
                     self.sender.worker_id, self.header, self._remaining())
                 send = asyncio.get_running_loop().run_in_executor(
                     self.sender.send_threads, channel.send, self.header, payload, self._remaining())
-                await asyncio.gather(send, receive)
+                # Both ends finish before the pair is released (a refusing receiver ends the pair, so the
+                # send stops at once); the receiver's failure says why, so it is raised first.
+                sent, received = await asyncio.gather(send, receive, return_exceptions=True)
+                for outcome in (received, sent):
+                    if isinstance(outcome, BaseException):
+                        raise outcome
             finally:
                 self.sender.release_channel(decode_id, channel)
 
