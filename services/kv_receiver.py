@@ -13,6 +13,7 @@ same bound, so N x M pairs never pin more groups or threads than that.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,7 @@ import ray
 
 from engine.engine import Engine
 from engine.kv_import import BlockImport
-from kvstore.transfer import TransferRejected
+from kvstore.transfer import TransferError, TransferRejected
 from kvstore.transfer.channel_pool import ChannelPool
 from kvstore.transfer.collective import CollectiveChannel, backend_for
 from kvstore.transfer.grpc import KVTransferServer
@@ -155,6 +156,17 @@ class HandoffReceiver:
         if channel is not None:
             channel.close()
 
+    def _refuse(self, channel: CollectiveChannel, header: TransferHeader, timeout_s: float) -> None:
+        """The sender of a refused transfer is already sending: take its bytes into the rotating buffers
+        and drop them, so it finishes now (not at its deadline, holding a thread and the pair) and the pair
+        stays in step for the next transfer. One larger than this whole cache cannot be legitimate: the
+        pair is closed instead, which fails the sender too."""
+        if header.total_bytes > self.engine.kv_cache.data.nbytes:
+            channel.close()
+            return
+        with contextlib.suppress(TransferError):  # a failed drain leaves the pair broken: closed below
+            channel.recv_into(header, _Discard(), timeout_s=timeout_s)
+
     def receive_collective(self, prefill_id: str, header: TransferHeader, timeout_s: float) -> int:
         channel = self.channels.get(prefill_id)
         if channel is None:
@@ -163,7 +175,7 @@ class HandoffReceiver:
             try:
                 lease = self._claim(header)
             except TransferRejected:
-                channel.close()  # its sender is already sending: end the pair now, not at the sender's deadline
+                self._refuse(channel, header, timeout_s)
                 raise
             arrived = None
             try:
@@ -177,6 +189,13 @@ class HandoffReceiver:
             if channel.broken and self.channels.get(prefill_id) is channel:
                 self.close_collective(prefill_id)  # out of step after a failure: the next transfer opens a new pair
         return header.total_bytes
+
+
+class _Discard:
+    """A ``recv_into`` writer that drops every piece (a refused transfer's bytes)."""
+
+    def write(self, offset: int, data: object) -> None:
+        pass
 
 
 class _LeaseWriter:
