@@ -5,11 +5,11 @@ outside them changes; through a decode worker's receiver, a corrupted push never
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
 import torch
+from receiver_helpers import SECRET, leased_receiver
 
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -21,8 +21,6 @@ from kvstore.transfer import TransferRejected
 from kvstore.transfer.grpc import KVTransferClient, chunk_stream
 from kvstore.transfer.grpc_server import auth_metadata
 from kvstore.transfer.wire import TransferHeader
-from services.engine_loop import EngineLoop
-from services.kv_receiver import HandoffReceiver
 from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,12 +119,8 @@ def test_a_corrupted_push_into_a_lease_is_refused_never_decoded_and_a_good_one_t
         want += [t for o in cold.step() for t in o.new_token_ids]
 
     async def main() -> list[int]:
-        engine = Engine(EngineConfig(model="tiny", num_blocks=16))
-        loop = EngineLoop(engine, asyncio.get_running_loop())
-        receiver = HandoffReceiver("decode-0", engine, loop, secret="lease-test")
-        try:
-            blocks = await loop.acall(engine.reserve_blocks, "r", len(prompt))
-            receiver.add_lease("r", blocks, time.monotonic() + 60)
+        async with leased_receiver("r", len(prompt)) as leased:
+            engine, loop, receiver = leased.engine, leased.loop, leased.receiver
             header = TransferHeader.describe("r", engine.model_id, payload.shape, payload.dtype)
             target = receiver.grpc_address
 
@@ -143,7 +137,7 @@ def test_a_corrupted_push_into_a_lease_is_refused_never_decoded_and_a_good_one_t
                 with grpc.insecure_channel(target) as channel:
                     try:
                         kv_transfer_pb2_grpc.KVTransferStub(channel).Push(
-                            corrupted(), timeout=30, metadata=auth_metadata("lease-test"))
+                            corrupted(), timeout=30, metadata=auth_metadata(SECRET))
                     except grpc.RpcError as exc:
                         return exc.code()
                 return grpc.StatusCode.OK
@@ -151,7 +145,7 @@ def test_a_corrupted_push_into_a_lease_is_refused_never_decoded_and_a_good_one_t
             assert await asyncio.to_thread(push_corrupted) == grpc.StatusCode.DATA_LOSS
             with pytest.raises(TransferRejected, match="no filled KV lease"):
                 receiver.take_filled_lease("r")
-            client = KVTransferClient(target, "lease-test")
+            client = KVTransferClient(target, SECRET)
             await asyncio.to_thread(client.push, header, payload, 30)
             client.close()
             lease = receiver.take_filled_lease("r")
@@ -163,8 +157,5 @@ def test_a_corrupted_push_into_a_lease_is_refused_never_decoded_and_a_good_one_t
                 out += o.new_token_ids
                 if o.finished:
                     return out
-        finally:
-            receiver.stop()
-            loop.stop()
 
     assert asyncio.run(main()) == want

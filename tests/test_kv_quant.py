@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 
 import pytest
 import torch
+from receiver_helpers import leased_receiver
 from test_pool_engine import load_prefix
 
 from engine.config import EngineConfig
@@ -27,7 +27,6 @@ from kvstore.transfer import TransferRejected
 from kvstore.transfer.wire import TransferHeader
 from services.config import add_serve_arguments, configs_from_args
 from services.engine_loop import EngineLoop
-from services.kv_receiver import HandoffReceiver
 from services.pool_link import PoolLink
 
 pytestmark = pytest.mark.timeout(180)
@@ -228,13 +227,10 @@ def test_int8_engine_holds_twice_the_blocks_and_generates_greedily(tiny):
 
 def test_receiver_refuses_kv_of_another_format(tiny):
     async def main() -> None:
-        engine = Engine(EngineConfig(model="tiny", num_blocks=16, kv_cache_dtype="int8"))
-        loop = EngineLoop(engine, asyncio.get_running_loop())
-        receiver = HandoffReceiver("decode-0", engine, loop, secret="kv-quant-test")
-        try:
-            blocks = await loop.acall(engine.reserve_blocks, "r", 40)
-            receiver.add_lease("r", blocks, time.monotonic() + 30)
-            shape = engine.kv_cache.payload_shape(len(blocks))
+        async with leased_receiver("r", 40, kv_cache_dtype="int8") as leased:
+            engine, receiver = leased.engine, leased.receiver
+            shape = engine.kv_cache.payload_shape(len(leased.blocks))
+
             def header(kv_format: str) -> TransferHeader:
                 return TransferHeader.describe("r", engine.model_id, shape, torch.uint8, kv_format=kv_format)
 
@@ -243,9 +239,6 @@ def test_receiver_refuses_kv_of_another_format(tiny):
                     receiver.begin(header(other))
             assert TransferHeader.from_proto(header("int8").to_proto()).kv_format == "int8"
             receiver.begin(header("int8")).abort("the test ends here")  # the same format is accepted
-        finally:
-            receiver.stop()
-            loop.stop()
 
     asyncio.run(main())
 

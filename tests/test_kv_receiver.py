@@ -6,18 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import torch
+from receiver_helpers import leased_receiver
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from kvstore.transfer import TransferError, TransferRejected
 from kvstore.transfer.collective import CollectiveChannel
 from kvstore.transfer.wire import TransferHeader
-from services.engine_loop import EngineLoop
-from services.kv_receiver import HandoffReceiver
 
 
 def send_in_thread(channel: CollectiveChannel, header: TransferHeader, payload: torch.Tensor
@@ -39,12 +35,8 @@ def send_in_thread(channel: CollectiveChannel, header: TransferHeader, payload: 
 @pytest.mark.timeout(40)
 def test_a_refused_collective_transfer_is_drained_and_the_pair_carries_the_next(tiny):
     async def main() -> None:
-        engine = Engine(EngineConfig(model="tiny", num_blocks=16))
-        loop = EngineLoop(engine, asyncio.get_running_loop())
-        receiver = HandoffReceiver("decode-0", engine, loop, secret="receiver-test")
-        try:
-            blocks = await loop.acall(engine.reserve_blocks, "leased", 20)
-            receiver.add_lease("leased", blocks, time.monotonic() + 60)
+        async with leased_receiver("leased", 20) as leased:
+            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
             shape = engine.kv_cache.payload_shape(len(blocks))
             payload = torch.randn(shape)
             before = engine.kv_cache.data.clone()
@@ -65,8 +57,5 @@ def test_a_refused_collective_transfer_is_drained_and_the_pair_carries_the_next(
             await asyncio.to_thread(thread.join, 25)
             assert outcome == ["sent"] and receiver.take_filled_lease("leased").block_ids == blocks
             assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
-        finally:
-            receiver.stop()
-            loop.stop()
 
     asyncio.run(main())
