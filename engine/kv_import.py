@@ -3,8 +3,9 @@
 A payload (``KVCache.export_blocks`` of n blocks) is ``[layers, kinds, n + window_columns, *block]`` in C
 order, so its bytes are a run of columns, each one block of one layer and kind (K, V, or a quantized
 record). ``BlockImport.write`` maps an arriving byte range onto those columns and copies it into
-``data[layer, kind, block_ids[j]]``: whole columns of one (layer, kind) with one ``index_copy_``, a piece of
-a column (a chunk cut mid-block) with a slice copy. Window columns (fp8/kivi2's open last block) are kept
+``data[layer, kind, block_ids[j]]``: whole columns of one (layer, kind) with one indexed row assignment
+(numpy's on the host, a memcpy per block; torch's on a GPU), a piece of a column (a chunk cut mid-block)
+with a slice copy. Window columns (fp8/kivi2's open last block) are kept
 aside and applied by ``finish``, which must run on the engine thread when the cache has windows, since it
 changes the window pool's bookkeeping.
 
@@ -16,23 +17,11 @@ copied on a side stream, neither waiting behind nor stalling the forward pass; `
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
-
-
-def as_uint8(data: memoryview | bytes | torch.Tensor) -> torch.Tensor:
-    """A flat uint8 tensor over ``data``'s bytes, without a copy (a contiguous tensor, or a host buffer)."""
-    if isinstance(data, torch.Tensor):
-        return data.reshape(-1).view(torch.uint8)
-    if len(data) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # a read-only buffer (gRPC's bytes): it is only read
-        return torch.frombuffer(data, dtype=torch.uint8)
+from kvstore.transfer.wire import flat_bytes
 
 
 class BlockImport:
@@ -68,14 +57,14 @@ class BlockImport:
 
     def write(self, offset: int, data: memoryview | bytes | torch.Tensor) -> None:
         """Copy ``data``, the payload's bytes from ``offset``, into the blocks (and window columns)."""
-        size = len(data) if not isinstance(data, torch.Tensor) else data.numel() * data.element_size()
+        flat = flat_bytes(data)
+        size = len(flat)
         if offset < 0 or offset + size > self.total_bytes:
             raise ValueError(f"{size} B at offset {offset} overrun a {self.total_bytes} B payload")
         # A device tensor (a collective's receive buffer) is copied on the current stream, which its
         # receive is ordered on and the buffer's next receive waits for; host bytes go on the side stream.
-        on_device = isinstance(data, torch.Tensor) and data.device.type != "cpu"
-        with torch.cuda.stream(None if on_device else self._stream):  # None: the current stream
-            src, pos, width = self._source(data), 0, self.column_bytes
+        with torch.cuda.stream(None if flat.is_cuda else self._stream):  # None: the current stream
+            src, pos, width = self._source(flat), 0, self.column_bytes
             while pos < size:
                 column, within = divmod(offset + pos, width)
                 row, j = divmod(column, self.columns)
@@ -100,13 +89,9 @@ class BlockImport:
         if self._window is not None:
             self.cache.import_windows(slice(None), self.block_ids, self._window.flatten(1))
 
-    def _source(self, data: memoryview | bytes | torch.Tensor) -> np.ndarray | torch.Tensor:
-        """``data`` as flat bytes where the blocks are: a host array view, or one copy to the device."""
-        if not self._on_host:
-            return as_uint8(data).to(self.cache.device)
-        if isinstance(data, torch.Tensor):
-            return as_uint8(data.cpu()).numpy()
-        return np.frombuffer(data, dtype=np.uint8)
+    def _source(self, flat: torch.Tensor) -> np.ndarray | torch.Tensor:
+        """The bytes where the blocks are: a host array view, or (at most) one copy to the device."""
+        return flat.cpu().numpy() if self._on_host else flat.to(self.cache.device)
 
     def _column(self, row: int, j: int) -> np.ndarray | torch.Tensor:
         if j < self.num_blocks:

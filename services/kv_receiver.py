@@ -172,23 +172,26 @@ class HandoffReceiver:
         if channel is None:
             raise TransferRejected(f"no collective channel from {prefill_id}")
         try:
-            try:
-                lease = self._claim(header)
-            except TransferRejected:
-                self._refuse(channel, header, timeout_s)
-                raise
-            arrived = None
-            try:
-                incoming = BlockImport(self.engine.kv_cache, lease.block_ids)
-                channel.recv_into(header, incoming, timeout_s=timeout_s)
-                arrived = incoming
-            finally:
-                self._fill(lease, arrived)
+            self._receive_into_lease(channel, header, timeout_s)
         finally:
             self.channels.release(prefill_id, channel)
             if channel.broken and self.channels.get(prefill_id) is channel:
                 self.close_collective(prefill_id)  # out of step after a failure: the next transfer opens a new pair
         return header.total_bytes
+
+    def _receive_into_lease(self, channel: CollectiveChannel, header: TransferHeader, timeout_s: float) -> None:
+        try:
+            lease = self._claim(header)
+        except TransferRejected:
+            self._refuse(channel, header, timeout_s)
+            raise
+        arrived = None
+        try:
+            incoming = BlockImport(self.engine.kv_cache, lease.block_ids)
+            channel.recv_into(header, incoming, timeout_s=timeout_s)
+            arrived = incoming
+        finally:
+            self._fill(lease, arrived)
 
 
 class _Discard:

@@ -14,13 +14,13 @@ from receiver_helpers import SECRET, leased_receiver
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache
-from engine.kv_import import BlockImport, as_uint8
+from engine.kv_import import BlockImport
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampling_params import SamplingParams
 from kvstore.transfer import TransferRejected
 from kvstore.transfer.grpc import KVTransferClient, chunk_stream
 from kvstore.transfer.grpc_server import auth_metadata
-from kvstore.transfer.wire import TransferHeader
+from kvstore.transfer.wire import TransferHeader, flat_bytes
 from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,7 +59,7 @@ def test_block_import_equals_import_blocks_in_any_chunking(tiny, fmt, chunking):
     want.import_blocks(table, payload)
 
     arrival = BlockImport(got, table)
-    data = as_uint8(payload.contiguous())
+    data = flat_bytes(payload.contiguous())
     assert arrival.total_bytes == len(data)
     step = {"whole": len(data), "columns": arrival.column_bytes, "ragged": 3 * arrival.column_bytes // 2 + 7}
     for start in range(0, len(data), step[chunking]):
@@ -81,7 +81,7 @@ def test_decoding_continues_from_blocks_written_as_they_arrived(tiny):
     payload, prefill = computed_payload(tiny, "auto")
     decode = ModelRunner(model, cfg, KVCache(cfg, 8, 16, torch.float32, "cpu"))
     arrival = BlockImport(decode.kv_cache, [7, 3, 1])
-    data = as_uint8(payload)
+    data = flat_bytes(payload)
     for start in range(0, len(data), 1000):
         arrival.write(start, data[start:start + 1000])
     arrival.finish()

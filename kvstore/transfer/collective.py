@@ -44,6 +44,7 @@ from kvstore.transfer.wire import (
     as_bytes,
     checksum,
     device_checksum,
+    flat_bytes,
     payload_pieces,
     piece_ranges,
 )
@@ -119,11 +120,6 @@ def _listening_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     return store
 
 
-def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A uint8 view of a contiguous tensor, so every dtype travels alike (bfloat16 included)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 class CollectiveChannel:
     """One end of a prefill-decode pair. ``role`` "decode" binds ``init_method`` (port 0: any free port)."""
 
@@ -168,7 +164,7 @@ class CollectiveChannel:
             digest, failure = _Digest(self.check_on_device, self.device), None
             for start, end in piece_ranges(header, MAX_CHUNK_BYTES):
                 try:
-                    data = _flat_bytes(next(pieces).to(self.device).contiguous())
+                    data = flat_bytes(next(pieces).to(self.device).contiguous())
                 except Exception as exc:  # StopIteration too: a generator that raised is exhausted
                     # The receiver is waiting for these bytes: send zeros and flag the trailer instead.
                     failure = failure or exc
@@ -196,7 +192,7 @@ class CollectiveChannel:
                                 f"{header.dtype} {list(header.shape)}")
         # Views: the bytes land in ``out``, in the pieces the sender derives from the same header; every
         # receive is posted up front, so the sender never waits for us between pieces.
-        views = [_flat_bytes(out[start:end]) for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
+        views = [flat_bytes(out[start:end]) for start, end in piece_ranges(header, MAX_CHUNK_BYTES)]
         self._receive(header, lambda i, _size: views[i], None, len(views) + 1, timeout_s)
         return out
 

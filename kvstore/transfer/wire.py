@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import queue
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -40,13 +41,25 @@ def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     return crc32c.crc32c(data, value)
 
 
+def flat_bytes(data: torch.Tensor | memoryview | bytes) -> torch.Tensor:
+    """A flat uint8 tensor over ``data``'s bytes without a copy: a contiguous tensor (any dtype, bfloat16
+    included, on any device) or a host buffer (a read-only one, such as gRPC's bytes, is only read)."""
+    if isinstance(data, torch.Tensor):
+        return data.reshape(-1).view(torch.uint8)
+    if len(data) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is not writable
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 def device_checksum(data: torch.Tensor) -> torch.Tensor:
     """Two int64 sums over ``data``'s bytes read as int32 words, computed where the tensor is (GPU memory
     included, no copy to the host): the plain sum catches any changed bits (a flipped bit moves it by a
     power of two, never by a multiple of 2**64), the position-weighted one moved or swapped words.
     Integer arithmetic wraps identically everywhere, so sender and receiver agree whatever their order of
     summation."""
-    flat = data.reshape(-1).view(torch.uint8)
+    flat = flat_bytes(data)
     if len(flat) % 4:
         flat = torch.cat([flat, flat.new_zeros(4 - len(flat) % 4)])
     words = flat.view(torch.int32).to(torch.int64)
@@ -131,10 +144,8 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 
     Viewing as uint8 handles every dtype alike, bfloat16 included (numpy has no bfloat16).
     """
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return memoryview(flat.view(torch.uint8).numpy())
+    flat = flat_bytes(tensor.detach().contiguous())
+    return memoryview((flat if flat.device.type == "cpu" else flat.cpu()).numpy())
 
 
 def tensor_from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Iterable[int]) -> torch.Tensor:
