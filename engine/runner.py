@@ -110,15 +110,18 @@ class ModelRunner:
                 torch.tensor(last_rows, dtype=torch.long, device=self.device))
 
     def _prefill_meta(self, c: SeqChunk, begin: int, n: int, pos: torch.Tensor) -> PrefillMeta:
-        """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it."""
+        """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it in a
+        plain cache (then its own K/V is its whole context)."""
         B, end_pos = self.block_size, c.start_pos + n
         if self.window is not None and self.window.applies(end_pos):
             ctx, mask, sink_cols = self.window.prefill_context(c.block_table, pos)
             return PrefillMeta(begin, begin + n, torch.tensor(ctx, device=self.device), mask.to(self.device),
                                _to(sink_cols, self.device))
-        if c.start_pos == 0:
+        if c.start_pos == 0 and self.kv_cache.kv_format == "auto":
             return PrefillMeta(begin, begin + n, None, None)
-        # after cached context: query at position p sees key columns 0..p
+        # Query at position p sees key columns 0..p. A quantized cache's fresh prompt reads its own K/V back
+        # too, as a prefix hit would (and as the Triton kernels and vLLM v1 do): a cached prefix never
+        # changes a prompt's output.
         table = torch.tensor(c.block_table[:(end_pos + B - 1) // B], dtype=torch.long)
         mask = torch.arange(len(table) * B)[None, :] <= pos[:, None]
         return PrefillMeta(begin, begin + n, table.to(self.device), mask.to(self.device))

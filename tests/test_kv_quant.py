@@ -117,15 +117,17 @@ def full_precision_logits(tiny) -> torch.Tensor:
     return teacher_forced_logits(*tiny, "auto", PROMPT, FORCED)
 
 
-@pytest.mark.parametrize(("fmt", "bound"), [("int8", 0.02), ("fp8", 0.05), ("kivi2", 0.4)])
+# Relative logit error on random weights, whose diffuse attention averages little quantization error away
+# (the trained model's bits per byte are in docs/BENCHMARKS.md).
+@pytest.mark.parametrize(("fmt", "bound"), [("int8", 0.02), ("fp8", 0.06), ("kivi2", 0.75)])
 def test_attention_through_the_quantized_cache_stays_close_to_full_precision(tiny, full_precision_logits, fmt,
                                                                              bound):
     ref = full_precision_logits
     got = teacher_forced_logits(*tiny, fmt, PROMPT, FORCED)
-    assert torch.equal(got[0], ref[0])  # a prompt with nothing cached attends over its own fresh K/V
     rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert rel[1:].max() < bound
-    assert rel[1:].min() > 0  # the cached context really was read back quantized
+    assert rel.max() < bound
+    # the context really was read back quantized, the first chunk's own K/V included (as after a prefix hit)
+    assert rel.min() > 0
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "kivi2"])
@@ -137,8 +139,10 @@ def test_the_block_being_filled_stays_exact_until_its_last_token(tiny, fmt):
         for f, r in runners.items():
             logits[f].append(r.run([SeqChunk([tok], 10 + i, [3, 6])])[0])
     auto, quant = torch.stack(logits["auto"]), torch.stack(logits[fmt])
-    assert torch.equal(quant[:6], auto[:6])  # positions 0..14 are all in the window: exact
-    assert not torch.equal(quant[6], auto[6])  # position 15 completed the block: it is read quantized now
+    # positions 0..14 are all in the window: their K/V are exact (the prompt reads them from the cache,
+    # so only the float summation order differs from the plain cache's fresh-prompt attention)
+    torch.testing.assert_close(quant[:6], auto[:6], atol=1e-5, rtol=0)
+    assert (quant[6] - auto[6]).abs().max() > 1e-3  # position 15 completed the block: read quantized now
     assert ((quant[6:] - auto[6:]).norm(dim=-1) / auto[6:].norm(dim=-1)).max() < 0.4
     cache = runners[fmt].kv_cache
     assert cache.windows.slot(3) == -1 and cache.windows.slot(6) >= 0
@@ -223,6 +227,22 @@ def test_int8_engine_holds_twice_the_blocks_and_generates_greedily(tiny):
     assert [got[k][0] for k in want] == [want[k][0] for k in want]  # the first token's logits are exact
     agree = sum(a == b for k in want for a, b in zip(got[k], want[k], strict=True))
     assert agree >= 0.75 * 16 * len(prompts)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_a_cached_prefix_gives_the_tokens_of_a_cold_run(fmt):
+    """A prompt whose first two blocks another request left in the prefix cache decodes exactly as it does
+    cold: every chunk, a fresh prompt's included, reads its K/V back from the quantized cache."""
+    prompt, config = tokens(45, 3), EngineConfig(model="tiny", kv_cache_dtype=fmt, num_blocks=32)
+    cold = run_engine(Engine(config), [prompt], 8)["0"]
+    engine = Engine(config)
+    run_engine(engine, [prompt[:40]], 1)  # leaves blocks 0-1 (16 tokens each) in the prefix cache
+    engine.add_request("warm", prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    warm, cached = [], 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            warm, cached = warm + o.new_token_ids, o.num_cached_tokens
+    assert cached == 32 and warm == cold
 
 
 def test_receiver_refuses_kv_of_another_format(tiny):
