@@ -66,7 +66,8 @@ class Engine:
             self.model_config.max_position_embeddings if self.window is None else DEFAULT_MAX_LEN)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
                                     num_blocks, self.window)
-        if backend == "triton" and self.device.type == "cuda" and not config.enforce_eager:
+        graphs = backend == "triton" and config.kv_cache_dtype == "auto" and not config.enforce_eager
+        if graphs and self.device.type == "cuda":
             self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos

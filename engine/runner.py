@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.config import TRITON_KV_FORMATS, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
@@ -38,11 +38,13 @@ class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
                  window: StreamingWindow | None = None, attention_backend: str = "torch"):
         """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``, a
-        plain cache and no window); ``engine.triton_attention.attention_backend`` resolves "auto"."""
+        ``TRITON_KV_FORMATS`` cache and no window); ``engine.triton_attention.attention_backend`` resolves
+        "auto"."""
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
-        if attention_backend == "triton" and (kv_cache.kv_format != "auto" or window is not None):
-            raise ValueError("the triton attention backend needs a plain cache and no attention window")
+        if attention_backend == "triton" and (kv_cache.kv_format not in TRITON_KV_FORMATS or window is not None):
+            raise ValueError(f"the triton attention backend reads {', '.join(TRITON_KV_FORMATS)} caches "
+                             "without an attention window")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
@@ -55,8 +57,9 @@ class ModelRunner:
     def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
         """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (Triton backend):
         captured on CUDA; ``capture=False`` runs the same static-buffer pass uncaptured (tests on CPU)."""
-        if not self.paged:
-            raise ValueError("decode graphs need the triton attention backend")
+        if not self.paged or self.kv_cache.kv_format != "auto":
+            # int8's writer has no skip for padded rows (slot -1); fp8's window plan syncs with the host
+            raise ValueError("decode graphs need the triton attention backend and a plain cache")
         self.graphs = DecodeGraphs(self, max_batch, max_blocks, capture)
 
     def _check(self, c: SeqChunk) -> int:

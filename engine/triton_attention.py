@@ -6,9 +6,12 @@ as in ``AttentionMetadata``) go through ``paged_decode_attention`` and every mul
 into contiguous buffers. Since the chunk's own K/V is already in the cache, a fresh prompt is just a
 chunk with no prefix; one prefill launch serves fresh prompts and chunks after a cached prefix alike.
 
-The backend covers the plain cache only (``kv_cache_dtype`` auto, no ``kv_window``); quantized formats
-and attention sinks keep the torch path (gather + SDPA in ``engine/model.py``), which is also the CPU
-path and the reference. On CPU the kernels run only under ``TRITON_INTERPRET=1`` (the tests).
+The backend reads the plain cache and the int8 and fp8 caches: for those the step's rows are quantized
+by the cache's own writer (``QuantLayerKV.write``) and the kernels read the codes and scales in place
+(and fp8's windows, the blocks still filling), dequantizing in the tile, so a decode step reads half the
+bytes of a 16-bit cache. kivi2 and attention sinks keep the torch path (gather + SDPA in
+``engine/model.py``), which is also the CPU path and the reference. On CPU the kernels run only under
+``TRITON_INTERPRET=1`` (the tests).
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ from dataclasses import dataclass
 import torch
 
 from engine import kernels
-from engine.config import EngineConfig
-from engine.kv_cache import DenseLayerKV
+from engine.config import TRITON_KV_FORMATS, EngineConfig
+from engine.kernels.common import QuantizedKV
+from engine.kv_cache import DenseLayerKV, QuantLayerKV
+from engine.kv_quant import field_view
 
 
 def attention_backend(config: EngineConfig) -> str:
     """"torch" or "triton": ``config.attention_backend`` with "auto" resolved (triton on CUDA when triton
-    imports and the cache is plain). EngineConfig has already refused triton with a quantized cache or a
-    window; an explicit "triton" that cannot run here raises ValueError."""
+    imports and the kernels read the cache: a ``TRITON_KV_FORMATS`` format, no window). EngineConfig has
+    already refused triton with kivi2 or a window; an explicit "triton" that cannot run here raises
+    ValueError."""
     on_cuda = torch.device(config.device).type == "cuda"
     if config.attention_backend == "auto":
-        plain = config.kv_cache_dtype == "auto" and config.kv_window is None
-        return "triton" if on_cuda and plain and kernels.triton_available() else "torch"
+        readable = config.kv_cache_dtype in TRITON_KV_FORMATS and config.kv_window is None
+        return "triton" if on_cuda and readable and kernels.triton_available() else "torch"
     if config.attention_backend == "triton":
         if not kernels.triton_available():
             raise ValueError("attention_backend 'triton' needs the triton package, which does not import")
@@ -87,18 +93,42 @@ def paged_metadata(decode: list[tuple[list[int], int]], prefill: list[tuple[list
         max_query_len=max((q for _, q, _ in prefill), default=0))
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DenseLayerKV,
+def quantized_layer(kv: QuantLayerKV) -> tuple[torch.Tensor, torch.Tensor, QuantizedKV]:
+    """K and V codes ``[num_blocks, block_size, kv_heads, head_dim]`` of one int8 or fp8 layer and their
+    scales (and windows), as views of the cache: what the kernels read."""
+    cache = kv.cache
+
+    def field(name: str) -> torch.Tensor:
+        return field_view(kv.records, cache.layout.field(name))
+
+    k_scale, v_scale = field("k_scale"), field("v_scale")
+    if k_scale.dim() == 2:  # fp8: one scale per block and head, the same for every token
+        shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads)
+        k_scale, v_scale = k_scale[:, None].expand(shape), v_scale[:, None].expand(shape)
+    quant = QuantizedKV(k_scale, v_scale)
+    if cache.windows is not None:
+        windows = cache.windows.data[kv.layer]
+        quant = QuantizedKV(k_scale, v_scale, windows[0], windows[1], cache.windows.slot_of)
+    return field("k_codes"), field("v_codes"), quant
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DenseLayerKV | QuantLayerKV,
                     meta: PagedAttentionMeta, num_decode: int, scale: float) -> torch.Tensor:
     """Write the step's K/V (``[T, kv_heads, head_dim]``) into the layer's cache, then attention of ``q``
     (``[T, heads, head_dim]``, decode rows first) over each row's context: ``[T, heads, head_dim]``."""
-    k_cache, v_cache = kv.kv[0], kv.kv[1]
-    kernels.write_kv(k, v, k_cache, v_cache, kv.slot_mapping)
+    if isinstance(kv, QuantLayerKV):
+        kv.write(k, v)  # after the write: a window pool that grew has its new tensor in place
+        k_cache, v_cache, quant = quantized_layer(kv)
+    else:
+        k_cache, v_cache, quant = kv.kv[0], kv.kv[1], None
+        kernels.write_kv(k, v, k_cache, v_cache, kv.slot_mapping)
     out = torch.empty_like(q)
     n = num_decode
     if n:
         kernels.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.context_lens, scale,
-                                       out=out[:n], max_context_len=meta.max_context_len)
+                                       out=out[:n], max_context_len=meta.max_context_len, quant=quant)
     if n < q.shape[0]:
         kernels.paged_prefill_attention(q[n:], k_cache, v_cache, meta.prefill_tables, meta.cu_seqlens_q,
-                                        meta.seq_lens, scale, out=out[n:], max_query_len=meta.max_query_len)
+                                        meta.seq_lens, scale, out=out[n:], max_query_len=meta.max_query_len,
+                                        quant=quant)
     return out

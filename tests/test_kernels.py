@@ -384,3 +384,79 @@ def test_rope_rejects_mismatched_shapes():
         apply_rope(q, k, torch.randn(3, 1, 8), torch.randn(3, 1, 8))
     with pytest.raises(ValueError, match="even head_dim"):
         apply_rope(q, torch.randn(2, 2, 16), torch.randn(3, 1, 16), torch.randn(3, 1, 16))
+
+
+# ---- quantized caches: int8 and fp8 codes dequantized in the tile --------------------------------
+
+def quantized_layer_and_reference(kv_format: str, lens: list[int], dtype: torch.dtype, block_size: int = 8):
+    """Layer 1 of a real int8/fp8 KVCache holding random K/V for sequences of ``lens`` written through the
+    cache's own quantizing writer (fp8: each last, partial block stays in its window), returned as
+    (block tables, the kernels' codes and QuantizedKV, and the torch path's dequantized dense K and V)."""
+    from engine.kv_quant import decode_into
+    from engine.triton_attention import quantized_layer
+
+    cfg = layer_config(num_heads=8, num_kv_heads=2, head_dim=64)
+    num_blocks = blocks_for(lens, block_size)
+    cache = KVCache(cfg, num_blocks, block_size, dtype, "cpu", kv_format)
+    tables = make_tables(lens, block_size, num_blocks)
+    slots = torch.cat([tables[b, torch.arange(n) // block_size].long() * block_size
+                       + torch.arange(n) % block_size for b, n in enumerate(lens)])
+    layers = cache.for_step(slots)
+    for layer in layers:
+        layer.write(torch.randn(len(slots), 2, 64).to(dtype) * 3, torch.randn(len(slots), 2, 64).to(dtype))
+    if cache.windows is not None:  # a record behind a window holds garbage: the kernels must not read it
+        for block in (cache.windows.slot_of >= 0).nonzero().flatten().tolist():
+            cache.data[1, 0, block] = 0x7F  # NaN as an fp8 code
+    k_codes, v_codes, quant = quantized_layer(layers[1])
+    dense = []
+    for kind in (0, 1):
+        out = torch.empty(num_blocks, block_size, 2, 64, dtype=dtype)
+        decode_into(cache.layout, cache.data[1, 0], "kv"[kind], out)
+        if cache.windows is not None:
+            cache.windows.overlay(1, kind, torch.arange(num_blocks), out)
+        dense.append(out)
+    return tables, (k_codes, v_codes, quant), dense
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str, dtype: torch.dtype):
+    lens = [1, 7, 8, 9, 30]  # partial and full blocks of 8: fp8 reads windows and records in one tile
+    tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, lens, dtype)
+    if kv_format == "fp8":
+        assert quant.window_slot is not None and (quant.window_slot >= 0).sum() == 4  # 1, 7, 9, 30 are partial
+    q = torch.randn(len(lens), 8, 64).to(dtype)
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    for splits in (1, 2):
+        out = paged_decode_attention(q, k_codes, v_codes, tables, context_lens, 0.125, num_splits=splits,
+                                     block_n=16, quant=quant)
+        assert_close(out, ref.ref_paged_decode(q, k_ref, v_ref, tables, context_lens, 0.125))
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+def test_prefill_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str):
+    seq_lens, chunk_lens = [12, 17, 30], [12, 5, 9]  # a fresh prompt and chunks after cached prefixes
+    tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, seq_lens,
+                                                                                      torch.float32)
+    q = torch.randn(sum(chunk_lens), 8, 64)
+    cu, lens = cu_seqlens(chunk_lens), torch.tensor(seq_lens, dtype=torch.int32)
+    out = paged_prefill_attention(q, k_codes, v_codes, tables, cu, lens, 0.125, block_m=16, block_n=16,
+                                  quant=quant)
+    assert_close(out, ref.ref_paged_prefill(q, k_ref, v_ref, tables, cu, lens, 0.125))
+
+
+def test_quantized_operands_are_checked():
+    from engine.kernels.common import QuantizedKV
+
+    codes = torch.zeros(4, 8, 2, 64, dtype=torch.int8)
+    scale = torch.ones(4, 8, 2, dtype=torch.float16)
+    q, tables, lens = torch.randn(1, 8, 64), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="float16"):
+        paged_decode_attention(q, codes, codes, tables, lens, 0.1, quant=QuantizedKV(scale.float(), scale))
+    with pytest.raises(ValueError, match="int8 or float8"):
+        paged_decode_attention(q, codes.float(), codes.float(), tables, lens, 0.1, quant=QuantizedKV(scale, scale))
+    with pytest.raises(ValueError, match="window_slot"):
+        window = torch.zeros(2, 8, 2, 64)
+        paged_decode_attention(q, codes, codes, tables, lens, 0.1, quant=QuantizedKV(scale, scale, window, window))
+    with pytest.raises(ValueError, match="dtype"):  # codes without their scales
+        paged_decode_attention(q, codes, codes, tables, lens, 0.1)

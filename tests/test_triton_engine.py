@@ -64,15 +64,19 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]], max_
 
 
 @needs_interpreter
-def test_engine_greedy_tokens_equal_torch_backend(model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_engine_greedy_tokens_equal_torch_backend(model_dir, kv_cache_dtype: str):
     """Three prompts of mixed lengths batched together (one long enough to be chunked), then a repeat of
-    one of them (a prefix-cache hit) and a new prompt joining while the others decode."""
+    one of them (a prefix-cache hit) and a new prompt joining while the others decode; with each cache
+    format the kernels read (int8 and fp8 codes dequantized in the kernels, fp8's filling blocks read
+    from their windows), against the torch path on the same format."""
     a, b, c = prompt(5, 1), prompt(19, 2), prompt(37, 3)
     arrivals = {0: [("a", a), ("b", b), ("c", c)], 3: [("b-again", b + prompt(3, 4)), ("d", prompt(11, 5))]}
     runs = {}
     for backend in ("torch", "triton"):
         engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
-                                     max_num_batched_tokens=32, attention_backend=backend))
+                                     max_num_batched_tokens=32, attention_backend=backend,
+                                     kv_cache_dtype=kv_cache_dtype))
         assert engine.attention_backend == backend
         runs[backend] = drive(engine, arrivals, max_tokens=6)
     tokens, cached, steps = runs["triton"]
@@ -128,26 +132,30 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
     assert graph_batch_sizes(8) == [1, 2, 4, 8] and graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
 
 
-def test_triton_with_a_quantized_cache_or_a_window_is_refused(model_dir):
+def test_triton_with_kivi2_or_a_window_is_refused(model_dir):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(model=str(model_dir), attention_backend="triton", kv_cache_dtype="int8")
+        EngineConfig(model=str(model_dir), attention_backend="triton", kv_cache_dtype="kivi2")
     with pytest.raises(ValueError, match="kv_window"):
         EngineConfig(model=str(model_dir), attention_backend="triton", kv_window=64)
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model=str(model_dir), attention_backend="flash")
     model, cfg = load_model(model_dir, "float32", "cpu")
-    with pytest.raises(ValueError, match="plain cache"):
-        ModelRunner(model, cfg, KVCache(cfg, 8, 8, torch.float32, "cpu", "int8"), attention_backend="triton")
+    with pytest.raises(ValueError, match="without an attention window"):
+        ModelRunner(model, cfg, KVCache(cfg, 8, 8, torch.float32, "cpu", "kivi2"), attention_backend="triton")
+    runner = ModelRunner(model, cfg, KVCache(cfg, 8, 8, torch.float32, "cpu", "int8"), attention_backend="triton")
+    with pytest.raises(ValueError, match="plain cache"):  # int8 writes have no skip for padded rows
+        runner.enable_decode_graphs(4, 8, capture=False)
 
 
-def test_auto_backend_is_triton_only_on_cuda_with_a_plain_cache():
+def test_auto_backend_is_triton_only_on_cuda_with_a_cache_the_kernels_read():
     """Resolution only reads the config (no device is touched), so the CUDA cases are checked here too."""
     assert attention_backend(EngineConfig(model="tiny")) == "torch"
     assert attention_backend(EngineConfig(model="tiny", attention_backend="torch", device="cuda")) == "torch"
-    assert attention_backend(EngineConfig(model="tiny", device="cuda:1", kv_cache_dtype="fp8")) == "torch"
+    assert attention_backend(EngineConfig(model="tiny", device="cuda:1", kv_cache_dtype="kivi2")) == "torch"
     assert attention_backend(EngineConfig(model="tiny", device="cuda", kv_window=128)) == "torch"
-    assert attention_backend(EngineConfig(model="tiny", device="cuda")) == ("triton" if triton_available()
-                                                                             else "torch")
+    for kv_cache_dtype in ("auto", "int8", "fp8"):
+        config = EngineConfig(model="tiny", device="cuda", kv_cache_dtype=kv_cache_dtype)
+        assert attention_backend(config) == ("triton" if triton_available() else "torch")
 
 
 @needs_interpreter

@@ -4,8 +4,11 @@ module under ``TRITON_INTERPRET=1`` never depends on another module's decoration
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+QUANTIZED_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes the attention kernels dequantize
 
 
 def interpreting() -> bool:
@@ -71,17 +74,77 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
     return nb, bs, hkv, d
 
 
+@dataclass(frozen=True)
+class QuantizedKV:
+    """The rest of one layer of a quantized cache whose codes the attention kernels get as
+    ``k_cache``/``v_cache`` (int8 or fp8, ``[num_blocks, block_size, kv_heads, head_dim]`` views).
+
+    Scales are fp16 ``[num_blocks, block_size, kv_heads]`` with K and V sharing strides: per token (int8),
+    or per block with a token stride of 0 (fp8, ``scale[:, None].expand(...)``). A windowed format adds the
+    windows, ``[slots, block_size, kv_heads, head_dim]`` in the attention dtype, and ``window_slot``
+    ``[num_blocks]`` (each block's window slot, -1: read its record)."""
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_window: torch.Tensor | None = None
+    v_window: torch.Tensor | None = None
+    window_slot: torch.Tensor | None = None
+
+
+def quantized_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tuple, dict[str, bool]]:
+    """The kernels' ``KS, VS, KW, VW, SlotOf`` pointers and ``stride_sb, stride_st, stride_sh, stride_wb,
+    stride_wt, stride_wh``, then the ``SCALED``/``WINDOWED`` constexprs. Without ``quant`` (a plain cache)
+    ``q`` stands in for every pointer, never read."""
+    if quant is None:
+        return (q, q, q, q, q, 0, 0, 0, 0, 0, 0), {"SCALED": False, "WINDOWED": False}
+    ks, kw = quant.k_scale, quant.k_window
+    windowed = kw is not None
+    kw, vw = (kw, quant.v_window) if windowed else (q, q)
+    slot = quant.window_slot if windowed else q
+    wstrides = (kw.stride(0), kw.stride(1), kw.stride(2)) if windowed else (0, 0, 0)
+    return ((ks, quant.v_scale, kw, vw, slot, ks.stride(0), ks.stride(1), ks.stride(2), *wstrides),
+            {"SCALED": True, "WINDOWED": windowed})
+
+
+def _check_quantized(q: torch.Tensor, k_cache: torch.Tensor, quant: QuantizedKV) -> None:
+    nb, bs, hkv, _ = k_cache.shape
+    if k_cache.dtype not in QUANTIZED_CODE_DTYPES:
+        raise ValueError(f"quantized codes must be int8 or float8_e4m3fn, got {k_cache.dtype}")
+    for name in ("k_scale", "v_scale"):
+        scale = getattr(quant, name)
+        if scale.shape != (nb, bs, hkv) or scale.dtype != torch.float16 or scale.stride(-1) != 1:
+            raise ValueError(f"{name} {tuple(scale.shape)} {scale.dtype} must be float16 "
+                             f"[{nb}, {bs}, {hkv}] with a contiguous head axis")
+    if quant.k_scale.stride() != quant.v_scale.stride():
+        raise ValueError("k_scale and v_scale must share strides")
+    if quant.k_window is None:
+        return
+    kw, vw, slot = quant.k_window, quant.v_window, quant.window_slot
+    if vw is None or slot is None:
+        raise ValueError("a windowed cache needs k_window, v_window and window_slot")
+    if kw.shape != vw.shape or kw.stride() != vw.stride() or kw.shape[1:] != k_cache.shape[1:]:
+        raise ValueError(f"windows {tuple(kw.shape)} / {tuple(vw.shape)} must share shape and strides "
+                         f"[slots, {bs}, {hkv}, {k_cache.shape[3]}]")
+    if kw.dtype != q.dtype or kw.stride(-1) != 1:
+        raise ValueError(f"windows must be in the attention dtype {q.dtype} with a contiguous head_dim")
+    if slot.shape != (nb,):
+        raise ValueError(f"window_slot {tuple(slot.shape)} must be [{nb}]")
+
+
 def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor,
-                           out: torch.Tensor | None) -> tuple[int, int, int, torch.Tensor]:
+                           block_tables: torch.Tensor, out: torch.Tensor | None,
+                           quant: QuantizedKV | None = None) -> tuple[int, int, int, torch.Tensor]:
     """The checks both paged attention launchers make: one layer's caches (``check_paged_cache``), ``q``
-    ``[tokens, num_q_heads, head_dim]`` in their dtype with whole kv-head groups, ``block_tables`` 2-D,
-    and contiguous head_dims and table rows. Returns ``(block_size, kv_heads, head_dim, out)``, ``out``
-    allocated like ``q`` when None (a given one must be shaped like ``q``)."""
+    ``[tokens, num_q_heads, head_dim]`` in their dtype (or, with ``quant``, codes and scales that fit)
+    with whole kv-head groups, ``block_tables`` 2-D, and contiguous head_dims and table rows. Returns
+    ``(block_size, kv_heads, head_dim, out)``, ``out`` allocated like ``q`` when None (a given one must
+    be shaped like ``q``)."""
     _, block_size, kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} does not fit kv_heads={kv_heads}, head_dim={head_dim}")
-    if q.dtype != k_cache.dtype:
+    if quant is not None:
+        _check_quantized(q, k_cache, quant)
+    elif q.dtype != k_cache.dtype:
         raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [batch, max_blocks]")

@@ -20,7 +20,14 @@ import triton
 import triton.language as tl
 
 from engine.kernels._tile import attend_keys
-from engine.kernels.common import check_attention_inputs, dtype_flags, next_power_of_2, tile_size
+from engine.kernels.common import (
+    QuantizedKV,
+    check_attention_inputs,
+    dtype_flags,
+    next_power_of_2,
+    quantized_operands,
+    tile_size,
+)
 
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 16
@@ -28,12 +35,13 @@ _MAX_SPLITS = 16
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, BlockTables, ContextLens, Out, MidO, MidLse, scale_log2,
+    Q, K, V, KS, VS, KW, VW, SlotOf, stride_sb, stride_st, stride_sh, stride_wb, stride_wt, stride_wh,
+    BlockTables, ContextLens, Out, MidO, MidLse, scale_log2,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, SCALED: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -56,11 +64,13 @@ def _decode_stage1(
         q = q.to(tl.float32)
     # Every tile of a non-empty split holds >= 1 real key, so m_i is finite after the first one. Not
     # causal: the one query row sees the whole context, so ``pos`` (here ``start``) is unused.
-    m_i, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, BlockTables + b * stride_bt,
-                                start, end, start, scale_log2, offs_d, mask_d,
-                                stride_kb, stride_kt, stride_vb, stride_vt,
-                                ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=False,
-                                UPCAST=UPCAST, PREC=PREC)
+    m_i, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_sh,
+                                VS + kvh * stride_sh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
+                                BlockTables + b * stride_bt, start, end, start, scale_log2, offs_d, mask_d,
+                                stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
+                                stride_wb, stride_wt, ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                                PAGE=PAGE, CAUSAL=False, UPCAST=UPCAST, PREC=PREC, SCALED=SCALED,
+                                WINDOWED=WINDOWED)
 
     empty = l_i == 0.0  # only an empty split (context shorter than NUM_SPLITS tiles)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -113,7 +123,8 @@ def auto_num_splits(batch: int, num_kv_heads: int, max_context_len: int, device:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
-                           max_context_len: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                           max_context_len: int | None = None, block_n: int | None = None,
+                           quant: QuantizedKV | None = None) -> torch.Tensor:
     """Attention of ``q`` ``[batch, num_q_heads, head_dim]`` (one token per sequence) over the first
     ``context_lens[b]`` (>= 1) positions of sequence b's blocks.
 
@@ -123,8 +134,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``kv_heads``. ``num_splits`` fixes the split-K factor (a CUDA-graph capture wants it fixed); by
     default it is chosen from the batch and ``max_context_len`` (default: the table's capacity, an
     upper bound that needs no device sync). ``block_n`` is the key tile (default: ``default_tile``).
+    With ``quant``, ``k_cache``/``v_cache`` are a quantized layer's codes, dequantized as they are read.
     Returns ``out`` ``[batch, num_q_heads, head_dim]``."""
-    block_size, kv_heads, head_dim, out = check_attention_inputs(q, k_cache, v_cache, block_tables, out)
+    block_size, kv_heads, head_dim, out = check_attention_inputs(q, k_cache, v_cache, block_tables, out, quant)
     batch, q_heads, _ = q.shape
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError("block_tables must be [batch, max_blocks] and context_lens [batch]")
@@ -141,14 +153,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:  # unused by the kernel when NUM_SPLITS == 1
         mid_o, mid_lse = out, out[:, :, 0]
+    operands, quant_flags = quantized_operands(q, quant)
     _decode_stage1[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e),
+        q, k_cache, v_cache, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **dtype_flags(q.dtype),
+        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **dtype_flags(q.dtype), **quant_flags,
     )
     if num_splits > 1:
         _decode_stage2[(batch, q_heads)](

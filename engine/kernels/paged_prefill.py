@@ -20,16 +20,25 @@ import triton
 import triton.language as tl
 
 from engine.kernels._tile import attend_keys
-from engine.kernels.common import check_attention_inputs, dtype_flags, next_power_of_2, tile_size
+from engine.kernels.common import (
+    QuantizedKV,
+    check_attention_inputs,
+    dtype_flags,
+    next_power_of_2,
+    quantized_operands,
+    tile_size,
+)
 
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, Out, BlockTables, CuSeqlensQ, SeqLens, scale_log2,
+    Q, K, V, KS, VS, KW, VW, SlotOf, stride_sb, stride_st, stride_sh, stride_wb, stride_wt, stride_wh,
+    Out, BlockTables, CuSeqlensQ, SeqLens, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SCALED: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     tile = tl.program_id(0)  # the grid is sized for the longest chunk; shorter ones exit early
     b = tl.program_id(1)
@@ -56,11 +65,13 @@ def _prefill_kernel(
     # Causal: the tile's last row sees up to its own position; key 0 is visible to every row (padding
     # rows included), so each row's running max is finite after the first key tile.
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    _, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, BlockTables + b * stride_bt,
-                              0, kv_end, pos, scale_log2, offs_d, mask_d,
-                              stride_kb, stride_kt, stride_vb, stride_vt,
-                              ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=True,
-                              UPCAST=UPCAST, PREC=PREC)
+    _, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_sh,
+                              VS + kvh * stride_sh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
+                              BlockTables + b * stride_bt, 0, kv_end, pos, scale_log2, offs_d, mask_d,
+                              stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
+                              stride_wb, stride_wt, ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
+                              PAGE=PAGE, CAUSAL=True, UPCAST=UPCAST, PREC=PREC, SCALED=SCALED,
+                              WINDOWED=WINDOWED)
 
     out = acc / l_i[:, None]
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -71,7 +82,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                             max_query_len: int | None = None, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, quant: QuantizedKV | None = None) -> torch.Tensor:
     """Causal attention of packed query chunks over the paged cache.
 
     ``q``: ``[num_tokens, num_q_heads, head_dim]``, sequence b's chunk at rows
@@ -81,9 +92,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``k_cache``/``v_cache``: one layer, ``[num_blocks, block_size, kv_heads, head_dim]``;
     ``block_tables``: int ``[batch, max_blocks]`` covering ``seq_lens[b]`` positions.
     ``max_query_len`` sizes the grid (computed from ``cu_seqlens_q`` with a device sync if omitted);
-    ``block_m``/``block_n`` are the query/key tiles (default: ``default_tile``).
+    ``block_m``/``block_n`` are the query/key tiles (default: ``default_tile``). With ``quant``,
+    ``k_cache``/``v_cache`` are a quantized layer's codes, dequantized as they are read.
     Returns ``out`` ``[num_tokens, num_q_heads, head_dim]``."""
-    block_size, kv_heads, head_dim, out = check_attention_inputs(q, k_cache, v_cache, block_tables, out)
+    block_size, kv_heads, head_dim, out = check_attention_inputs(q, k_cache, v_cache, block_tables, out, quant)
     num_tokens, q_heads, _ = q.shape
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,) or block_tables.shape[0] != batch:
@@ -96,12 +108,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_m = tile_size("block_m", block_m, q.dtype)
     block_n = tile_size("block_n", block_n, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), batch, q_heads)
+    operands, quant_flags = quantized_operands(q, quant)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, scale * math.log2(math.e),
+        q, k_cache, v_cache, *operands, out, block_tables, cu_seqlens_q, seq_lens, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, **dtype_flags(q.dtype),
+        PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, **dtype_flags(q.dtype), **quant_flags,
     )
     return out
