@@ -3,8 +3,8 @@
 cache in the same run:
 
 - (a) held-out bits per byte for each ``kv_cache_dtype``: documents teacher-forced through the engine's
-  paged cache in chunks (``--chunk`` tokens), every token scored, so each chunk after the first attends
-  over K/V read back from the (quantized) cache, as chunked prefill and decode do;
+  paged cache in chunks (``--chunk`` tokens), every token scored, so every chunk attends over K/V read
+  back from the (quantized) cache (a fresh prompt's own included), as chunked prefill and decode do;
 - (b) greedy agreement with the full-precision cache: N held-out prompts x M new tokens through the
   engine's own request path; identical tokens (position by position) and the first divergence;
 - (c) a stream 10x longer than the attention window: full attention, window only (``kv_sinks=0``) and
