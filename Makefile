@@ -56,6 +56,10 @@ gpu-check:
 	mkdir -p $(GPU_OUT)
 	PYTHONPATH=.:proto $(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_engine_model.py
 	PYTHONPATH=.:proto $(PY) benchmarks/engine_gpu.py --json $(GPU_OUT)/engine_gpu.json
+	# long contexts, where decode reads mostly KV: the int8 cache against the bf16 one
+	for kv in auto int8; do PYTHONPATH=.:proto $(PY) benchmarks/engine_gpu.py --shapes tinyllama-1.1b \
+	  --batches 64,256 --prompt-len 2048 --new-tokens 64 --skip-hf --kv-cache-dtype $$kv \
+	  --json $(GPU_OUT)/engine_gpu_long_$$kv.json || exit 1; done
 	PYTHONPATH=.:proto $(PY) benchmarks/transfer_gpu.py --json $(GPU_OUT)/transfer_gpu.json
 
 proto: setup

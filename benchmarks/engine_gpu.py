@@ -20,12 +20,14 @@ and Llama-3-8B (hidden 4096, 32 layers, 32 / 8, intermediate 14336, vocab 128256
   rounding may part them on random weights; in float32 they agree).
 
 The engine sizes its KV cache from the device (``gpu_memory_utilization``) with the transformers model
-resident, and is freed before ``generate`` runs. Writes one JSON object (``--json``). ``--device cpu
+resident, and is freed before ``generate`` runs; with ``--kv-cache-dtype int8|fp8`` the roofline counts
+that format's bytes per token, scales included. Writes one JSON object (``--json``). ``--device cpu
 --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
+        [--kv-cache-dtype auto|int8|fp8]
 """
 
 from __future__ import annotations
@@ -203,13 +205,13 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
         engine = Engine(EngineConfig(
             model=tmp, dtype=str(dtype).removeprefix("torch."), device=str(device), max_num_seqs=max(batches),
             max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False,
-            gpu_memory_utilization=args.gpu_memory_utilization))
+            gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype))
         result["engine_load_s"] = time.perf_counter() - t
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     embed = engine.model.model.embed_tokens.weight
     weight_read = weight_bytes - embed.numel() * embed.element_size()  # only the batch's rows of the table
-    kv_per_token = cfg.kv_bytes_per_token(dtype)
+    kv_per_token = engine.kv_cache.block_nbytes / engine.block_size  # the cache's format, scales included
     result.update(parameters=cfg.num_parameters(), weight_bytes=weight_bytes,
                   weight_bytes_read_per_step=weight_read, kv_bytes_per_token=kv_per_token,
                   num_blocks=engine.kv_cache.num_blocks, attention_backend=engine.attention_backend)
@@ -264,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="the engine's step token budget")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--skip-hf", action="store_true", help="the engine and the device limits only")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -283,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": name, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens,
+        "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
         "shapes": {shape: bench_shape(shape, args, device, dtype, bandwidth, peak)
                    for shape in args.shapes.split(",")},
     }

@@ -1,5 +1,6 @@
 """benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
-sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s."""
+sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s; with
+``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes."""
 
 from __future__ import annotations
 
@@ -39,3 +40,16 @@ def test_tiny_cpu_run_writes_every_figure(tmp_path):
         assert row["decode_steps"] == 7  # 8 new tokens: the first comes with the prefill
         assert row["prefill_tokens"] == 32 * int(batch)
         assert row["hf_same_tokens"] == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_a_quantized_cache_counts_its_own_bytes_in_the_roofline(tmp_path):
+    out = tmp_path / "engine_gpu.json"
+    result = engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "2", "--prompt-len", "32",
+                              "--new-tokens", "4", "--skip-hf", "--kv-cache-dtype", "int8", "--json", str(out)])
+    shape = result["shapes"]["tiny-test"]
+    assert result["kv_cache_dtype"] == "int8"
+    # per layer and block of 16 tokens: K and V codes (16 x 2 heads x 16 bytes) + fp16 scales per token and
+    # head, each field 16-byte aligned; 2 layers
+    assert shape["kv_bytes_per_token"] == 2 * 2 * (16 * 2 * 16 + 16 * 2 * 2) / 16
+    assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
