@@ -6,8 +6,10 @@ does. Both checksum every byte (CRC-32C) on both sides, and both land where a de
 in the reserved blocks of a paged KV cache (scattered block ids, as in a cache in use), through the same
 ``engine/kv_import.py`` writer, with no staging copy. Limits: memcpy of the same bytes inside one actor, a
 plain loopback TCP socket (no checksum) between the same two actors receiving into one contiguous buffer,
-and the crc32c column, what checksumming the bytes once costs here. Goals (issue 13): the collective at
-least 90% of loopback TCP, gRPC at least 60%.
+the crc32c column, what checksumming the bytes once costs here, and grpcio's own ceiling: the same 1 MiB
+messages streamed between the actors' own gRPC client and server with nothing done to them (no checksum,
+no placing; the receiver only counts them). Goals (issue 13): the collective at least 90% of loopback TCP,
+gRPC at least 60%.
 
 Each transfer is timed from the sender's first byte to the receiver holding (and, for our backends,
 having checksummed and placed) the last one, on CLOCK_MONOTONIC, which every process on one host shares:
@@ -27,9 +29,12 @@ import random
 import socket
 import statistics
 import sys
+import threading
 import time
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import ray
 import ray.cloudpickle
 import torch
@@ -41,11 +46,12 @@ from benchmarks._transfer import BLOCK_SIZE, SHAPE, BlockSink, blocks_for, kv_he
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.kv_import import BlockImport  # noqa: E402
 from kvstore.transfer.collective import CollectiveChannel  # noqa: E402
-from kvstore.transfer.grpc import KVTransferClient, KVTransferServer  # noqa: E402
+from kvstore.transfer.grpc import OPTIONS, SEND_CHUNK_BYTES, KVTransferClient, KVTransferServer  # noqa: E402
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum  # noqa: E402
 
 BACKENDS = ("grpc", "collective")
-LIMITS = ("memcpy", "crc32c", "tcp")
+LIMITS = ("memcpy", "crc32c", "tcp", "grpc-raw")
+_RAW_METHOD = "/bench.Raw/Push"
 # benchmarks/ is no installed package, so an actor could not import the shared module by name from any
 # directory but the repository's: it travels with the actors instead.
 ray.cloudpickle.register_pickle_by_value(benchmarks._transfer)
@@ -70,10 +76,24 @@ class Receiver:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.conn: socket.socket | None = None
         self.out = torch.empty(0, dtype=torch.uint8)
+        self.raw_done, self.raw_server = threading.Event(), grpc.server(futures.ThreadPoolExecutor(1),
+                                                                        options=OPTIONS)
+        handler = grpc.stream_unary_rpc_method_handler(self.count)  # no (de)serializers: raw bytes
+        self.raw_server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            _RAW_METHOD.split("/")[1], {"Push": handler}),))
+        self.raw_port = self.raw_server.add_insecure_port("127.0.0.1:0")
+        self.raw_server.start()
+
+    def count(self, messages, _context) -> bytes:
+        """grpc-raw: take every message and drop it."""
+        for _ in messages:
+            pass
+        self.raw_done.set()
+        return b""
 
     def endpoints(self) -> dict[str, object]:
         return {"grpc": self.server.target, "collective": self.channel.init_method,
-                "tcp": self.listener.getsockname()[1]}
+                "tcp": self.listener.getsockname()[1], "grpc-raw": f"127.0.0.1:{self.raw_port}"}
 
     def reserved(self, header: TransferHeader) -> list[int]:
         return self.ids[:header.shape[2]]
@@ -98,6 +118,7 @@ class Receiver:
     def expect(self) -> None:
         self.sink.done.clear()
         self.sink.error = None
+        self.raw_done.clear()
 
     def receive(self, backend: str, header: TransferHeader) -> float:
         """Receive one transfer; returns the monotonic time the last byte was in place."""
@@ -113,6 +134,9 @@ class Receiver:
         elif backend == "grpc":
             if not self.sink.done.wait(120) or self.sink.error:
                 raise RuntimeError(self.sink.error or "no gRPC transfer within 120 s")
+        elif backend == "grpc-raw":
+            if not self.raw_done.wait(120):
+                raise RuntimeError("no raw gRPC stream within 120 s")
         else:
             arrival = BlockImport(self.cache, self.reserved(header))
             self.channel.recv_into(header, arrival)
@@ -135,6 +159,8 @@ class Sender:
         self.client = KVTransferClient(endpoints["grpc"])
         self.channel = CollectiveChannel("prefill", endpoints["collective"], backend="gloo", timeout_s=120)
         self.sock = socket.create_connection(("127.0.0.1", endpoints["tcp"]))
+        self.raw_channel = grpc.insecure_channel(endpoints["grpc-raw"], options=OPTIONS)
+        self.raw_push = self.raw_channel.stream_unary(_RAW_METHOD)
         self.source = torch.empty(0)
 
     def make_source(self, header: TransferHeader) -> int:
@@ -150,6 +176,9 @@ class Sender:
             self.sock.sendall(as_bytes(self.source))
         elif backend == "grpc":
             self.client.push(header, self.source, timeout_s=120)
+        elif backend == "grpc-raw":
+            view = as_bytes(self.source)
+            self.raw_push(bytes(view[i:i + SEND_CHUNK_BYTES]) for i in range(0, len(view), SEND_CHUNK_BYTES))
         else:
             self.channel.send(header, self.source)
         return start
@@ -163,7 +192,7 @@ def measure(sender, receiver, backend: str, num_blocks: int, repeats: int, tag: 
         if backend in ("memcpy", "crc32c"):
             seconds.append(ray.get(receiver.local_s.remote(backend, header.total_bytes)))
             continue
-        if backend == "grpc":
+        if backend.startswith("grpc"):
             ray.get(receiver.expect.remote())
         done = receiver.receive.remote(backend, header)
         start = ray.get(sender.send.remote(backend, header))
@@ -197,12 +226,13 @@ def main() -> None:
         medians = {}
         for backend in LIMITS + BACKENDS:
             seconds = measure(sender, receiver, backend, num_blocks, args.repeats, "run", args.layerwise)
-            if backend not in ("memcpy", "crc32c") and ray.get(receiver.received_crc.remote(backend, header)) != expected:
+            if backend in ("tcp", *BACKENDS) and ray.get(receiver.received_crc.remote(backend, header)) != expected:
                 raise RuntimeError(f"{backend} delivered other bytes")
             medians[backend] = nbytes / statistics.median(seconds) / 1e9
             rows.append({"size_bytes": nbytes, "backend": backend, "seconds": seconds,
                          "gbps_median": medians[backend], "gbps_best": nbytes / min(seconds) / 1e9,
-                         "vs_tcp": medians[backend] / medians["tcp"] if "tcp" in medians else None})
+                         "vs_tcp": medians[backend] / medians["tcp"] if "tcp" in medians else None,
+                         "vs_grpc_raw": medians[backend] / medians["grpc-raw"] if backend == "grpc" else None})
         print(f"{nbytes / (1 << 20):>6g} " + " ".join(
             f"{medians[b]:>9.2f} ({medians[b] / medians['tcp']:>5.0%} tcp)" if b in BACKENDS
             else f"{medians[b]:>20.2f}" for b in LIMITS + BACKENDS))
