@@ -22,6 +22,9 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 TRITON_KV_FORMATS = ("auto", "int8", "fp8")  # the KV cache formats the triton backend's kernels read
+# ... and those whose writes never sync with the host, so decode steps can be captured (fp8's window pool
+# plans on the host)
+GRAPH_KV_FORMATS = ("auto", "int8")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # Bytes per element by dtype name; torch dtypes are accepted through their str() ("torch.float16").
@@ -197,7 +200,7 @@ class EngineConfig:
     # which gets what is left after a profiling pass (engine/device_memory.py); kv_cache_bytes is for CPU.
     gpu_memory_utilization: float = 0.9
     # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with the triton backend and a
-    # plain cache (kv_cache_dtype auto); True: every step runs eagerly.
+    # GRAPH_KV_FORMATS cache; True: every step runs eagerly.
     enforce_eager: bool = False
 
     def __post_init__(self) -> None:

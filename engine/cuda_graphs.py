@@ -9,7 +9,9 @@ kernel skips) and attend over one position of a valid block; their logits are dr
 fixed at capture: the decode kernel's split-K factor follows from the batch size and the largest context
 (``max_blocks`` x block size), never from a step's own lengths, and each table row is read only up to its
 row's context length, so stale entries past it are harmless. Steps with prompt tokens, or larger than
-the largest size, run eagerly; ``EngineConfig.enforce_eager`` turns graphs off.
+the largest size, run eagerly; ``EngineConfig.enforce_eager`` turns graphs off. Plain and int8 caches
+(``GRAPH_KV_FORMATS``: the write kernel quantizes int8 rows on the device) are captured; fp8's window
+pool decides on the host where each row goes, so an fp8 cache runs eagerly.
 
 The same buffers and forward pass run without capture off CUDA (``capture=False``): that is how the
 padding and buffer logic is tested on CPU under the Triton interpreter; the capture itself needs CUDA.

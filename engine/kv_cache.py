@@ -70,9 +70,10 @@ class DenseLayerKV:
 class QuantLayerKV:
     """One layer of a quantized cache for one step: quantizing writes, dequantizing gathers."""
 
-    def __init__(self, cache: KVCache, layer: int, plan: WritePlan | tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor,
+                 plan: WritePlan | tuple[torch.Tensor, torch.Tensor]):
         """``plan``: the windows' ``WritePlan``, or (blocks, offsets) of the rows for int8."""
-        self.cache, self.layer, self.plan = cache, layer, plan
+        self.cache, self.layer, self.slot_mapping, self.plan = cache, layer, slot_mapping, plan
         self.records = cache.data[layer, 0]  # [num_blocks, record_bytes]
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -161,7 +162,7 @@ class KVCache:
             plan = (slot_mapping // self.block_size, slot_mapping % self.block_size)
         else:
             plan = self.windows.plan(slot_mapping)
-        return [QuantLayerKV(self, i, plan) for i in range(self.num_layers)]
+        return [QuantLayerKV(self, i, slot_mapping, plan) for i in range(self.num_layers)]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
         return torch.as_tensor(block_ids, dtype=torch.long, device=self.data.device)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import TRITON_KV_FORMATS, ModelConfig
+from engine.config import GRAPH_KV_FORMATS, TRITON_KV_FORMATS, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
@@ -57,9 +57,9 @@ class ModelRunner:
     def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
         """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (Triton backend):
         captured on CUDA; ``capture=False`` runs the same static-buffer pass uncaptured (tests on CPU)."""
-        if not self.paged or self.kv_cache.kv_format != "auto":
-            # int8's writer has no skip for padded rows (slot -1); fp8's window plan syncs with the host
-            raise ValueError("decode graphs need the triton attention backend and a plain cache")
+        if not self.paged or self.kv_cache.kv_format not in GRAPH_KV_FORMATS:
+            raise ValueError(f"decode graphs need the triton attention backend and a "
+                             f"{' or '.join(GRAPH_KV_FORMATS)} cache")
         self.graphs = DecodeGraphs(self, max_batch, max_blocks, capture)
 
     def _check(self, c: SeqChunk) -> int:

@@ -6,10 +6,10 @@ as in ``AttentionMetadata``) go through ``paged_decode_attention`` and every mul
 into contiguous buffers. Since the chunk's own K/V is already in the cache, a fresh prompt is just a
 chunk with no prefix; one prefill launch serves fresh prompts and chunks after a cached prefix alike.
 
-The backend reads the plain cache and the int8 and fp8 caches: for those the step's rows are quantized
-by the cache's own writer (``QuantLayerKV.write``) and the kernels read the codes and scales in place
-(and fp8's windows, the blocks still filling), dequantizing in the tile, so a decode step reads half the
-bytes of a 16-bit cache. kivi2 and attention sinks keep the torch path (gather + SDPA in
+The backend reads the plain cache and the int8 and fp8 caches: int8 rows are quantized by the write
+kernel, fp8 rows by the cache's own writer (``QuantLayerKV.write``, whose window pool keeps the blocks
+still filling), and the attention kernels read codes and scales in place (and fp8's windows),
+dequantizing in the tile, so a decode step reads half the bytes of a 16-bit cache. kivi2 and attention sinks keep the torch path (gather + SDPA in
 ``engine/model.py``), which is also the CPU path and the reference. On CPU the kernels run only under
 ``TRITON_INTERPRET=1`` (the tests).
 """
@@ -116,8 +116,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dense
                     meta: PagedAttentionMeta, num_decode: int, scale: float) -> torch.Tensor:
     """Write the step's K/V (``[T, kv_heads, head_dim]``) into the layer's cache, then attention of ``q``
     (``[T, heads, head_dim]``, decode rows first) over each row's context: ``[T, heads, head_dim]``."""
-    if isinstance(kv, QuantLayerKV):
-        kv.write(k, v)  # after the write: a window pool that grew has its new tensor in place
+    if isinstance(kv, QuantLayerKV) and kv.cache.windows is None:  # int8: quantized by the write kernel
+        k_cache, v_cache, quant = quantized_layer(kv)
+        kernels.write_kv(k, v, k_cache, v_cache, kv.slot_mapping, quant=quant)
+    elif isinstance(kv, QuantLayerKV):  # fp8: the window pool plans where each row goes (host-side)
+        kv.write(k, v)  # before the views: a window pool that grew has its new tensor in place
         k_cache, v_cache, quant = quantized_layer(kv)
     else:
         k_cache, v_cache, quant = kv.kv[0], kv.kv[1], None

@@ -445,6 +445,30 @@ def test_prefill_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: st
     assert_close(out, ref.ref_paged_prefill(q, k_ref, v_ref, tables, cu, lens, 0.125))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_write_quantizes_like_the_torch_writer_bit_for_bit(dtype: torch.dtype):
+    """The write kernel's int8 codes and fp16 scales equal ``kv_quant.write_tokens``' exactly (ties rounded
+    to even, an all-zero head scaled by 1), and a slot of -1 writes nothing."""
+    from engine.kv_quant import write_tokens
+    from engine.triton_attention import quantized_layer
+
+    cfg = layer_config(num_heads=8, num_kv_heads=2, head_dim=64)
+    caches = [KVCache(cfg, 6, 8, dtype, "cpu", "int8") for _ in range(2)]
+    for cache in caches:
+        cache.data.random_(0, 256, generator=torch.Generator().manual_seed(1))  # stale bytes everywhere
+    k, v = torch.randn(7, 2, 64).to(dtype) * 5, torch.randn(7, 2, 64).to(dtype)
+    k[0, 0] = torch.arange(64).to(dtype) * 0.5 + 0.25  # with amax 63.5 the scale is 0.5: x / 0.5 = n + 0.5,
+    k[0, 0, 0] = -63.5  # a tie for every code but this one
+    k[1, 1] = 0  # an all-zero head
+    slots = torch.tensor([3, 9, 17, -1, 40, 41, 47])
+    layers = caches[0].for_step(slots)
+    k_codes, v_codes, quant = quantized_layer(layers[1])
+    write_kv(k, v, k_codes, v_codes, slots, quant=quant)
+    keep = slots >= 0
+    write_tokens(caches[1].layout, caches[1].data[1, 0], slots[keep] // 8, slots[keep] % 8, k[keep], v[keep])
+    assert torch.equal(caches[0].data, caches[1].data)
+
+
 def test_quantized_operands_are_checked():
     from engine.kernels.common import QuantizedKV
 

@@ -3,7 +3,8 @@ residual add fused with RMSNorm and RoPE in place (``engine/model.py`` uses them
 backend).
 
 The attention and write kernels take one layer's cache as ``k_cache``/``v_cache``
-``[num_blocks, block_size, kv_heads, head_dim]`` (``KVCache.data[layer, 0]`` and ``[layer, 1]``).
+``[num_blocks, block_size, kv_heads, head_dim]`` (``KVCache.data[layer, 0]`` and ``[layer, 1]``), or a
+quantized layer's int8/fp8 code views with their scales (``common.QuantizedKV``).
 Importing this package never imports triton: the kernel functions load on first access, so the CPU path
 can ask ``triton_available()`` first. The torch references in ``engine.kernels.reference`` need only torch.
 """
