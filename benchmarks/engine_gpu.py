@@ -20,7 +20,7 @@ and Llama-3-8B (hidden 4096, 32 layers, 32 / 8, intermediate 14336, vocab 128256
   rounding may part them on random weights; in float32 they agree).
 
 The engine sizes its KV cache from the device (``gpu_memory_utilization``) with the transformers model
-resident, and is freed before ``generate`` runs; with ``--kv-cache-dtype int8|fp8`` the roofline counts
+resident, and is freed before ``generate`` runs; with a quantized ``--kv-cache-dtype`` the roofline counts
 that format's bytes per token, scales included. Writes one JSON object (``--json``). ``--device cpu
 --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="the engine's step token budget")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--skip-hf", action="store_true", help="the engine and the device limits only")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "kivi2"))
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -21,9 +21,8 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
 }
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
-TRITON_KV_FORMATS = ("auto", "int8", "fp8")  # the KV cache formats the triton backend's kernels read
-# ... and those whose writes never sync with the host, so decode steps can be captured (fp8's window pool
-# plans on the host)
+# KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
+# (fp8's and kivi2's window pools plan on the host)
 GRAPH_KV_FORMATS = ("auto", "int8")
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -192,9 +191,8 @@ class EngineConfig:
     # and the kv_window most recent ones; None: full attention.
     kv_window: int | None = None
     kv_sinks: int = 0
-    # auto | torch | triton (engine/triton_attention.py). auto: triton on CUDA when triton imports and its
-    # kernels read the cache (kv_cache_dtype auto, int8 or fp8; no kv_window); torch (gather + SDPA)
-    # otherwise, e.g. on CPU.
+    # auto | torch | triton (engine/triton_attention.py). auto: triton on CUDA when triton imports and there
+    # is no kv_window; torch (gather + SDPA) otherwise, e.g. on CPU.
     attention_backend: str = "auto"
     # On CUDA with num_blocks None: the fraction of device memory for weights, activations and the KV cache,
     # which gets what is left after a profiling pass (engine/device_memory.py); kv_cache_bytes is for CPU.
@@ -207,11 +205,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.attention_backend == "triton" and (self.kv_cache_dtype not in TRITON_KV_FORMATS
-                                                   or self.kv_window):
-            raise ValueError(f"attention_backend 'triton' reads kv_cache_dtype {', '.join(TRITON_KV_FORMATS)} "
-                             f"(got {self.kv_cache_dtype!r}) without a kv_window (got {self.kv_window}); "
-                             "use attention_backend 'torch'")
+        if self.attention_backend == "triton" and self.kv_window:
+            raise ValueError(f"attention_backend 'triton' has no attention window (got kv_window "
+                             f"{self.kv_window}); use attention_backend 'torch'")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_window is None and self.kv_sinks:

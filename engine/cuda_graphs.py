@@ -11,7 +11,7 @@ fixed at capture: the decode kernel's split-K factor follows from the batch size
 row's context length, so stale entries past it are harmless. Steps with prompt tokens, or larger than
 the largest size, run eagerly; ``EngineConfig.enforce_eager`` turns graphs off. Plain and int8 caches
 (``GRAPH_KV_FORMATS``: the write kernel quantizes int8 rows on the device) are captured; fp8's window
-pool decides on the host where each row goes, so an fp8 cache runs eagerly.
+pool (and kivi2's) decides on the host where each row goes, so those caches run eagerly.
 
 The same buffers and forward pass run without capture off CUDA (``capture=False``): that is how the
 padding and buffer logic is tested on CPU under the Triton interpreter; the capture itself needs CUDA.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import GRAPH_KV_FORMATS, TRITON_KV_FORMATS, ModelConfig
+from engine.config import GRAPH_KV_FORMATS, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
@@ -37,14 +37,12 @@ class SeqChunk:
 class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
                  window: StreamingWindow | None = None, attention_backend: str = "torch"):
-        """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``, a
-        ``TRITON_KV_FORMATS`` cache and no window); ``engine.triton_attention.attention_backend`` resolves
-        "auto"."""
+        """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``, no
+        window); ``engine.triton_attention.attention_backend`` resolves "auto"."""
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
-        if attention_backend == "triton" and (kv_cache.kv_format not in TRITON_KV_FORMATS or window is not None):
-            raise ValueError(f"the triton attention backend reads {', '.join(TRITON_KV_FORMATS)} caches "
-                             "without an attention window")
+        if attention_backend == "triton" and window is not None:
+            raise ValueError("the triton attention backend has no attention window")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size

@@ -6,11 +6,12 @@ as in ``AttentionMetadata``) go through ``paged_decode_attention`` and every mul
 into contiguous buffers. Since the chunk's own K/V is already in the cache, a fresh prompt is just a
 chunk with no prefix; one prefill launch serves fresh prompts and chunks after a cached prefix alike.
 
-The backend reads the plain cache and the int8 and fp8 caches: int8 rows are quantized by the write
-kernel, fp8 rows by the cache's own writer (``QuantLayerKV.write``, whose window pool keeps the blocks
-still filling), and the attention kernels read codes and scales in place (and fp8's windows),
-dequantizing in the tile, so a decode step reads half the bytes of a 16-bit cache. kivi2 and attention sinks keep the torch path (gather + SDPA in
-``engine/model.py``), which is also the CPU path and the reference. On CPU the kernels run only under
+The backend reads every cache format: int8 rows are quantized by the write kernel, fp8 and kivi2 rows by
+the cache's own writer (``QuantLayerKV.write``, whose window pool keeps the blocks still filling), and the
+attention kernels read codes, scales and zero points in place (and the windows), dequantizing in the
+tile, so a decode step reads half (int8, fp8) or about a seventh (kivi2) of a 16-bit cache's KV bytes.
+Attention sinks keep the torch path (gather + SDPA in ``engine/model.py``), which is also the CPU path and
+the reference. On CPU the kernels run only under
 ``TRITON_INTERPRET=1`` (the tests).
 """
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import kernels
-from engine.config import TRITON_KV_FORMATS, EngineConfig
+from engine.config import EngineConfig
 from engine.kernels.common import QuantizedKV
 from engine.kv_cache import DenseLayerKV, QuantLayerKV
 from engine.kv_quant import field_view
@@ -29,13 +30,11 @@ from engine.kv_quant import field_view
 
 def attention_backend(config: EngineConfig) -> str:
     """"torch" or "triton": ``config.attention_backend`` with "auto" resolved (triton on CUDA when triton
-    imports and the kernels read the cache: a ``TRITON_KV_FORMATS`` format, no window). EngineConfig has
-    already refused triton with kivi2 or a window; an explicit "triton" that cannot run here raises
-    ValueError."""
+    imports and there is no attention window). EngineConfig has already refused triton with a window; an
+    explicit "triton" that cannot run here raises ValueError."""
     on_cuda = torch.device(config.device).type == "cuda"
     if config.attention_backend == "auto":
-        readable = config.kv_cache_dtype in TRITON_KV_FORMATS and config.kv_window is None
-        return "triton" if on_cuda and readable and kernels.triton_available() else "torch"
+        return "triton" if on_cuda and config.kv_window is None and kernels.triton_available() else "torch"
     if config.attention_backend == "triton":
         if not kernels.triton_available():
             raise ValueError("attention_backend 'triton' needs the triton package, which does not import")
@@ -94,22 +93,32 @@ def paged_metadata(decode: list[tuple[list[int], int]], prefill: list[tuple[list
 
 
 def quantized_layer(kv: QuantLayerKV) -> tuple[torch.Tensor, torch.Tensor, QuantizedKV]:
-    """K and V codes ``[num_blocks, block_size, kv_heads, head_dim]`` of one int8 or fp8 layer and their
-    scales (and windows), as views of the cache: what the kernels read."""
+    """K and V codes of one quantized layer (``[num_blocks, block_size, kv_heads, head_dim]``, kivi2's
+    packed a quarter as wide) and their scales, zero points and windows, as views of the cache shaped the
+    way the kernels read them (``kernels.common.QuantizedKV``)."""
     cache = kv.cache
+    shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads)
 
     def field(name: str) -> torch.Tensor:
         return field_view(kv.records, cache.layout.field(name))
 
-    k_scale, v_scale = field("k_scale"), field("v_scale")
-    if k_scale.dim() == 2:  # fp8: one scale per block and head, the same for every token
-        shape = (cache.num_blocks, cache.block_size, cache.num_kv_heads)
-        k_scale, v_scale = k_scale[:, None].expand(shape), v_scale[:, None].expand(shape)
-    quant = QuantizedKV(k_scale, v_scale)
+    def groups(name: str) -> torch.Tensor:
+        """A scale or zero point field as ``[num_blocks, block_size, kv_heads, groups]``."""
+        t = field(name)
+        if cache.kv_format == "int8":  # per token and head
+            return t[..., None]
+        if cache.kv_format == "fp8":  # per block and head
+            return t[:, None, :, None].expand(*shape, 1)
+        if name.startswith("k"):  # kivi2 keys: per block, head and channel
+            return t[:, None].expand(*shape, t.shape[-1])
+        return t  # kivi2 values: per token, head and channel group
+
+    zeros = (groups("k_zero"), groups("v_zero")) if cache.kv_format == "kivi2" else (None, None)
+    windows = (None, None, None)
     if cache.windows is not None:
-        windows = cache.windows.data[kv.layer]
-        quant = QuantizedKV(k_scale, v_scale, windows[0], windows[1], cache.windows.slot_of)
-    return field("k_codes"), field("v_codes"), quant
+        layer = cache.windows.data[kv.layer]
+        windows = (layer[0], layer[1], cache.windows.slot_of)
+    return field("k_codes"), field("v_codes"), QuantizedKV(groups("k_scale"), groups("v_scale"), *zeros, *windows)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DenseLayerKV | QuantLayerKV,
@@ -119,7 +128,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dense
     if isinstance(kv, QuantLayerKV) and kv.cache.windows is None:  # int8: quantized by the write kernel
         k_cache, v_cache, quant = quantized_layer(kv)
         kernels.write_kv(k, v, k_cache, v_cache, kv.slot_mapping, quant=quant)
-    elif isinstance(kv, QuantLayerKV):  # fp8: the window pool plans where each row goes (host-side)
+    elif isinstance(kv, QuantLayerKV):  # fp8, kivi2: the window pool plans where each row goes (host-side)
         kv.write(k, v)  # before the views: a window pool that grew has its new tensor in place
         k_cache, v_cache, quant = quantized_layer(kv)
     else:

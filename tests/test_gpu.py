@@ -74,7 +74,7 @@ def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
 def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
     """Compiled kernels (not the interpreter): float32 greedy tokens equal the torch path's for mixed
     lengths, chunked prefill and a prefix-cache hit, eagerly and with decode steps replayed from CUDA
-    graphs (the default), and on int8 (graphs too) and fp8 caches; auto picks triton on CUDA."""
+    graphs (the default), and on int8 (graphs too), fp8 and kivi2 caches; auto picks triton on CUDA."""
     from engine.kernels import triton_available
 
     if not triton_available():
@@ -109,13 +109,13 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
     assert set(runs) == {("torch", True), ("triton", True), ("triton", False)}
     assert runs["triton", True] == runs["torch", True] and all(len(t) == 8 for t in runs["torch", True].values())
     assert runs["triton", False] == runs["torch", True] and replays > 0
-    for kv_cache_dtype in ("int8", "fp8"):  # codes dequantized in the compiled kernels
+    for kv_cache_dtype in ("int8", "fp8", "kivi2"):  # codes dequantized in the compiled kernels
         got = {}
         for backend in ("torch", "auto"):
             engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=32,
                                            attention_backend=backend, kv_cache_dtype=kv_cache_dtype))
             got[engine.attention_backend] = run(engine, requests, arrivals=[0, 0, 0, 2])
-            graphs = engine.runner.graphs  # int8 steps are captured; fp8's window pool plans on the host
+            graphs = engine.runner.graphs  # int8 steps are captured; fp8's and kivi2's windows plan on the host
             assert (graphs is not None and sum(graphs.replays.values()) > 0) == (
                 engine.attention_backend == "triton" and kv_cache_dtype == "int8")
         assert got["triton"] == got["torch"], kv_cache_dtype

@@ -389,8 +389,8 @@ def test_rope_rejects_mismatched_shapes():
 # ---- quantized caches: int8 and fp8 codes dequantized in the tile --------------------------------
 
 def quantized_layer_and_reference(kv_format: str, lens: list[int], dtype: torch.dtype, block_size: int = 8):
-    """Layer 1 of a real int8/fp8 KVCache holding random K/V for sequences of ``lens`` written through the
-    cache's own quantizing writer (fp8: each last, partial block stays in its window), returned as
+    """Layer 1 of a real quantized KVCache holding random K/V for sequences of ``lens`` written through the
+    cache's own quantizing writer (fp8, kivi2: each last, partial block stays in its window), returned as
     (block tables, the kernels' codes and QuantizedKV, and the torch path's dequantized dense K and V)."""
     from engine.kv_quant import decode_into
     from engine.triton_attention import quantized_layer
@@ -406,7 +406,7 @@ def quantized_layer_and_reference(kv_format: str, lens: list[int], dtype: torch.
         layer.write(torch.randn(len(slots), 2, 64).to(dtype) * 3, torch.randn(len(slots), 2, 64).to(dtype))
     if cache.windows is not None:  # a record behind a window holds garbage: the kernels must not read it
         for block in (cache.windows.slot_of >= 0).nonzero().flatten().tolist():
-            cache.data[1, 0, block] = 0x7F  # NaN as an fp8 code
+            cache.data[1, 0, block] = 0x7F  # NaN as an fp8 code or fp16 scale byte pair
     k_codes, v_codes, quant = quantized_layer(layers[1])
     dense = []
     for kind in (0, 1):
@@ -418,12 +418,12 @@ def quantized_layer_and_reference(kv_format: str, lens: list[int], dtype: torch.
     return tables, (k_codes, v_codes, quant), dense
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_format", ["int8", "fp8", "kivi2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str, dtype: torch.dtype):
-    lens = [1, 7, 8, 9, 30]  # partial and full blocks of 8: fp8 reads windows and records in one tile
+    lens = [1, 7, 8, 9, 30]  # partial and full blocks of 8: fp8/kivi2 read windows and records in one tile
     tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, lens, dtype)
-    if kv_format == "fp8":
+    if kv_format != "int8":
         assert quant.window_slot is not None and (quant.window_slot >= 0).sum() == 4  # 1, 7, 9, 30 are partial
     q = torch.randn(len(lens), 8, 64).to(dtype)
     context_lens = torch.tensor(lens, dtype=torch.int32)
@@ -433,7 +433,7 @@ def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str
         assert_close(out, ref.ref_paged_decode(q, k_ref, v_ref, tables, context_lens, 0.125))
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "fp8"])
+@pytest.mark.parametrize("kv_format", ["int8", "fp8", "kivi2"])
 def test_prefill_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str):
     seq_lens, chunk_lens = [12, 17, 30], [12, 5, 9]  # a fresh prompt and chunks after cached prefixes
     tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, seq_lens,
@@ -473,14 +473,21 @@ def test_quantized_operands_are_checked():
     from engine.kernels.common import QuantizedKV
 
     codes = torch.zeros(4, 8, 2, 64, dtype=torch.int8)
-    scale = torch.ones(4, 8, 2, dtype=torch.float16)
+    scale = torch.ones(4, 8, 2, 1, dtype=torch.float16)
     q, tables, lens = torch.randn(1, 8, 64), torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="float16"):
         paged_decode_attention(q, codes, codes, tables, lens, 0.1, quant=QuantizedKV(scale.float(), scale))
-    with pytest.raises(ValueError, match="int8 or float8"):
+    with pytest.raises(ValueError, match="torch.int8 or torch.float8"):
         paged_decode_attention(q, codes.float(), codes.float(), tables, lens, 0.1, quant=QuantizedKV(scale, scale))
+    window = torch.zeros(2, 8, 2, 64)
     with pytest.raises(ValueError, match="window_slot"):
-        window = torch.zeros(2, 8, 2, 64)
-        paged_decode_attention(q, codes, codes, tables, lens, 0.1, quant=QuantizedKV(scale, scale, window, window))
+        paged_decode_attention(q, codes, codes, tables, lens, 0.1,
+                               quant=QuantizedKV(scale, scale, k_window=window, v_window=window))
+    packed = torch.zeros(4, 8, 2, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="k_zero"):  # kivi2 codes with scales [.., 3]: 3 does not divide 64
+        paged_decode_attention(q, packed, packed, tables, lens, 0.1,
+                               quant=QuantizedKV(scale, scale, scale.expand(4, 8, 2, 3), scale))
+    with pytest.raises(ValueError, match="uint8"):  # int8 codes with zero points
+        paged_decode_attention(q, codes, codes, tables, lens, 0.1, quant=QuantizedKV(scale, scale, scale, scale))
     with pytest.raises(ValueError, match="dtype"):  # codes without their scales
         paged_decode_attention(q, codes, codes, tables, lens, 0.1)

@@ -7,11 +7,17 @@ independent of the block size. Each tile is scored against the program's query r
 running online softmax in base 2 (``exp2`` is the native instruction, so the scale arrives pre-multiplied
 by log2(e)). The kernels differ only in which keys a row may see, chosen by ``CAUSAL``.
 
-A quantized cache (``SCALED``: int8 or fp8 codes) is dequantized in the tile, so the codes are the only
-K/V bytes read: code x scale (one fp16 scale per token and head, or per block and head with a token stride
-of 0), rounded to the attention dtype as the torch path's gather is. With ``WINDOWED`` (fp8), a block
-that still has a window (``SlotOf[block] >= 0``: the block a sequence is filling) is read from the
-window, in the attention dtype, instead of its record.
+A quantized cache is dequantized in the tile, so its codes are the only K/V bytes read, rounded to the
+attention dtype as the torch path's gather rounds them (``engine/kv_quant.decode_into``):
+
+* ``QUANT`` 1 (int8, fp8): code x scale, one fp16 scale per token and head (fp8: per block and head, a
+  token stride of 0);
+* ``QUANT`` 2 (kivi2): four 2-bit codes a byte along head_dim, code x scale + zero point, the scales and
+  zero points ``[.., groups]`` per token and head with ``K_GROUP``/``V_GROUP`` channels each (keys: per
+  channel over the block, a token stride of 0; values: per token, in groups).
+
+With ``WINDOWED`` (fp8, kivi2), a block that still has a window (``SlotOf[block] >= 0``: the block a
+sequence is filling) is read from the window, in the attention dtype, instead of its record.
 """
 
 from __future__ import annotations
@@ -21,19 +27,40 @@ import triton.language as tl
 
 
 @triton.jit
+def _dequantize(codes_ptr, scale_ptr, zero_ptr, blk, row, offs_d, mask_n, mask, stride_b, stride_t, stride_sb,
+                stride_st, out_dtype: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr):
+    """One ``[BLOCK_N, BLOCK_D]`` tile of K or V in ``out_dtype``, from codes (``QUANT`` 1: one a byte;
+    2: four a byte) and scales (and, for 2, zero points) addressed ``blk * stride_sb + row * stride_st
+    + channel // GROUP``."""
+    at = blk[:, None] * stride_b + row[:, None] * stride_t
+    scales = blk * stride_sb + row * stride_st
+    if QUANT == 1:
+        codes = tl.load(codes_ptr + at + offs_d[None, :], mask=mask, other=0.0)
+        s = tl.load(scale_ptr + scales, mask=mask_n, other=0.0).to(tl.float32)
+        return (codes.to(tl.float32) * s[:, None]).to(out_dtype)
+    packed = tl.load(codes_ptr + at + (offs_d // 4)[None, :], mask=mask, other=0).to(tl.int32)
+    codes = ((packed >> ((offs_d % 4) * 2)[None, :]) & 3).to(tl.float32)
+    groups = scales[:, None] + (offs_d // GROUP)[None, :]
+    s = tl.load(scale_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+    return ((codes * s).to(out_dtype).to(tl.float32) + z).to(out_dtype)  # torch's mul_, then add_
+
+
+@triton.jit
 def attend_keys(
-    q, K, V, KS, VS, KW, VW, SlotOf, table, start, end, pos, scale_log2, offs_d, mask_d,
-    stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st, stride_wb, stride_wt,
+    q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, table, start, end, pos, scale_log2, offs_d, mask_d,
+    stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+    stride_wb, stride_wt,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, SCALED: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
+    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Keys ``start .. end - 1`` for the query rows ``q`` ``[ROWS, BLOCK_D]``.
 
-    ``K``/``V`` point at the kv head (cache base + ``kvh * stride_h``), as do ``KS``/``VS`` (scales)
-    and ``KW``/``VW`` (windows; with neither flag they are unused placeholders of the attention dtype),
-    ``table`` at the sequence's block-table row. Every row sees every key in range, or with ``CAUSAL``
-    only keys ``<= pos`` (``[ROWS]``, the rows' absolute positions; ignored otherwise). Returns
+    ``K``/``V`` point at the kv head (cache base + ``kvh * stride_h``), as do ``KS``/``VS`` (scales),
+    ``KZ``/``VZ`` (zero points) and ``KW``/``VW`` (windows); unused ones are placeholders of the attention
+    dtype. ``table`` points at the sequence's block-table row. Every row sees every key in range, or with
+    ``CAUSAL`` only keys ``<= pos`` (``[ROWS]``, the rows' absolute positions; ignored otherwise). Returns
     ``(m_i, l_i, acc)``, fp32: each row's running max and sum ``[ROWS]`` and unnormalized output
     ``[ROWS, BLOCK_D]`` (an empty range leaves ``l_i == 0``; the caller divides ``acc`` by ``l_i``)."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
@@ -45,16 +72,16 @@ def attend_keys(
         blk = tl.load(table + offs_n // PAGE, mask=mask_n, other=0).to(tl.int64)
         row = offs_n % PAGE
         kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(K + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        v = tl.load(V + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
-                    other=0.0)
-        if SCALED:
-            scales = blk * stride_sb + row * stride_st
-            ks = tl.load(KS + scales, mask=mask_n, other=0.0).to(tl.float32)
-            vs = tl.load(VS + scales, mask=mask_n, other=0.0).to(tl.float32)
-            k = (k.to(tl.float32) * ks[:, None]).to(KW.dtype.element_ty)
-            v = (v.to(tl.float32) * vs[:, None]).to(VW.dtype.element_ty)
+        if QUANT == 0:
+            k = tl.load(K + blk[:, None] * stride_kb + row[:, None] * stride_kt + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
+            v = tl.load(V + blk[:, None] * stride_vb + row[:, None] * stride_vt + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
+        else:
+            k = _dequantize(K, KS, KZ, blk, row, offs_d, mask_n, kv_mask, stride_kb, stride_kt, stride_ksb,
+                            stride_kst, KW.dtype.element_ty, K_GROUP, QUANT)
+            v = _dequantize(V, VS, VZ, blk, row, offs_d, mask_n, kv_mask, stride_vb, stride_vt, stride_vsb,
+                            stride_vst, VW.dtype.element_ty, V_GROUP, QUANT)
         if WINDOWED:
             slot = tl.load(SlotOf + blk, mask=mask_n, other=-1)
             in_window = (slot >= 0)[:, None]

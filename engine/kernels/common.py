@@ -77,54 +77,75 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
 @dataclass(frozen=True)
 class QuantizedKV:
     """The rest of one layer of a quantized cache whose codes the attention kernels get as
-    ``k_cache``/``v_cache`` (int8 or fp8, ``[num_blocks, block_size, kv_heads, head_dim]`` views).
+    ``k_cache``/``v_cache``: int8 or fp8 codes ``[num_blocks, block_size, kv_heads, head_dim]``, or kivi2's
+    packed 2-bit codes (uint8, four a byte: ``head_dim / 4`` wide), which come with zero points.
 
-    Scales are fp16 ``[num_blocks, block_size, kv_heads]`` with K and V sharing strides: per token (int8),
-    or per block with a token stride of 0 (fp8, ``scale[:, None].expand(...)``). A windowed format adds the
-    windows, ``[slots, block_size, kv_heads, head_dim]`` in the attention dtype, and ``window_slot``
-    ``[num_blocks]`` (each block's window slot, -1: read its record)."""
+    Scales (and zero points) are fp16 ``[num_blocks, block_size, kv_heads, groups]``, each group covering
+    ``head_dim / groups`` consecutive channels: one group per token and head (int8), the same for every
+    token of a block (fp8, a token stride of 0), per channel (kivi2 keys, a token stride of 0) or per
+    token and channel group (kivi2 values). A windowed format adds the windows, ``[slots, block_size,
+    kv_heads, head_dim]`` in the attention dtype, and ``window_slot`` ``[num_blocks]`` (each block's window
+    slot, -1: read its record)."""
 
     k_scale: torch.Tensor
     v_scale: torch.Tensor
+    k_zero: torch.Tensor | None = None
+    v_zero: torch.Tensor | None = None
     k_window: torch.Tensor | None = None
     v_window: torch.Tensor | None = None
     window_slot: torch.Tensor | None = None
 
+    @property
+    def packed(self) -> bool:
+        """kivi2: 2-bit codes, four a byte, and zero points."""
+        return self.k_zero is not None
 
-def quantized_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tuple, dict[str, bool]]:
-    """The kernels' ``KS, VS, KW, VW, SlotOf`` pointers and ``stride_sb, stride_st, stride_sh, stride_wb,
-    stride_wt, stride_wh``, then the ``SCALED``/``WINDOWED`` constexprs. Without ``quant`` (a plain cache)
-    ``q`` stands in for every pointer, never read."""
+
+def quantized_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tuple, dict[str, int | bool]]:
+    """The kernels' ``KS, VS, KZ, VZ, KW, VW, SlotOf`` pointers and ``stride_ksb, stride_kst, stride_ksh,
+    stride_vsb, stride_vst, stride_vsh, stride_wb, stride_wt, stride_wh``, then the ``QUANT``, ``K_GROUP``,
+    ``V_GROUP`` and ``WINDOWED`` constexprs. ``q`` stands in for every pointer a cache has no use for
+    (never read)."""
     if quant is None:
-        return (q, q, q, q, q, 0, 0, 0, 0, 0, 0), {"SCALED": False, "WINDOWED": False}
-    ks, kw = quant.k_scale, quant.k_window
+        return (q,) * 7 + (0,) * 9, {"QUANT": 0, "K_GROUP": 1, "V_GROUP": 1, "WINDOWED": False}
+    ks, vs, kw = quant.k_scale, quant.v_scale, quant.k_window
     windowed = kw is not None
-    kw, vw = (kw, quant.v_window) if windowed else (q, q)
-    slot = quant.window_slot if windowed else q
+    kz, vz = (quant.k_zero, quant.v_zero) if quant.packed else (q, q)
+    kw, vw, slot = (kw, quant.v_window, quant.window_slot) if windowed else (q, q, q)
     wstrides = (kw.stride(0), kw.stride(1), kw.stride(2)) if windowed else (0, 0, 0)
-    return ((ks, quant.v_scale, kw, vw, slot, ks.stride(0), ks.stride(1), ks.stride(2), *wstrides),
-            {"SCALED": True, "WINDOWED": windowed})
+    head_dim = q.shape[2]
+    return ((ks, vs, kz, vz, kw, vw, slot, *ks.stride()[:3], *vs.stride()[:3], *wstrides),
+            {"QUANT": 2 if quant.packed else 1, "K_GROUP": head_dim // ks.shape[3],
+             "V_GROUP": head_dim // vs.shape[3], "WINDOWED": windowed})
 
 
 def _check_quantized(q: torch.Tensor, k_cache: torch.Tensor, quant: QuantizedKV) -> None:
-    nb, bs, hkv, _ = k_cache.shape
-    if k_cache.dtype not in QUANTIZED_CODE_DTYPES:
-        raise ValueError(f"quantized codes must be int8 or float8_e4m3fn, got {k_cache.dtype}")
-    for name in ("k_scale", "v_scale"):
-        scale = getattr(quant, name)
-        if scale.shape != (nb, bs, hkv) or scale.dtype != torch.float16 or scale.stride(-1) != 1:
-            raise ValueError(f"{name} {tuple(scale.shape)} {scale.dtype} must be float16 "
-                             f"[{nb}, {bs}, {hkv}] with a contiguous head axis")
-    if quant.k_scale.stride() != quant.v_scale.stride():
-        raise ValueError("k_scale and v_scale must share strides")
+    nb, bs, hkv, width = k_cache.shape
+    head_dim = q.shape[2]
+    codes = (torch.uint8,) if quant.packed else QUANTIZED_CODE_DTYPES
+    if k_cache.dtype not in codes:
+        raise ValueError(f"quantized codes must be {' or '.join(map(str, codes))}, got {k_cache.dtype}")
+    if width != (head_dim // 4 if quant.packed else head_dim):
+        raise ValueError(f"codes {tuple(k_cache.shape)} do not hold head_dim {head_dim}")
+    named = [("k_scale", quant.k_scale), ("v_scale", quant.v_scale)]
+    if quant.packed:
+        named += [("k_zero", quant.k_zero), ("v_zero", quant.v_zero)]
+    for name, t in named:
+        if (t is None or t.dim() != 4 or t.shape[:3] != (nb, bs, hkv) or head_dim % t.shape[3]
+                or t.dtype != torch.float16 or (t.shape[3] > 1 and t.stride(3) != 1)):
+            raise ValueError(f"{name} must be float16 [{nb}, {bs}, {hkv}, groups] with groups dividing "
+                             f"head_dim {head_dim} and contiguous")
+    if quant.packed and (quant.k_zero.stride() != quant.k_scale.stride()
+                         or quant.v_zero.stride() != quant.v_scale.stride()):
+        raise ValueError("zero points must be laid out like their scales")
     if quant.k_window is None:
         return
     kw, vw, slot = quant.k_window, quant.v_window, quant.window_slot
     if vw is None or slot is None:
         raise ValueError("a windowed cache needs k_window, v_window and window_slot")
-    if kw.shape != vw.shape or kw.stride() != vw.stride() or kw.shape[1:] != k_cache.shape[1:]:
+    if kw.shape != vw.shape or kw.stride() != vw.stride() or kw.shape[1:] != (bs, hkv, head_dim):
         raise ValueError(f"windows {tuple(kw.shape)} / {tuple(vw.shape)} must share shape and strides "
-                         f"[slots, {bs}, {hkv}, {k_cache.shape[3]}]")
+                         f"[slots, {bs}, {hkv}, {head_dim}]")
     if kw.dtype != q.dtype or kw.stride(-1) != 1:
         raise ValueError(f"windows must be in the attention dtype {q.dtype} with a contiguous head_dim")
     if slot.shape != (nb,):
@@ -139,13 +160,16 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     with whole kv-head groups, ``block_tables`` 2-D, and contiguous head_dims and table rows. Returns
     ``(block_size, kv_heads, head_dim, out)``, ``out`` allocated like ``q`` when None (a given one must
     be shaped like ``q``)."""
-    _, block_size, kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
-    if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % kv_heads:
-        raise ValueError(f"q {tuple(q.shape)} does not fit kv_heads={kv_heads}, head_dim={head_dim}")
+    _, block_size, kv_heads, width = check_paged_cache(k_cache, v_cache)
+    if q.dim() != 3 or q.shape[1] % kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} must be [tokens, heads, head_dim] with heads a multiple of "
+                         f"kv_heads={kv_heads}")
+    head_dim = q.shape[2]
     if quant is not None:
-        _check_quantized(q, k_cache, quant)
-    elif q.dtype != k_cache.dtype:
-        raise ValueError(f"q dtype {q.dtype} != cache dtype {k_cache.dtype}")
+        _check_quantized(q, k_cache, quant)  # the codes' dtype and width, scales, zero points, windows
+    elif width != head_dim or q.dtype != k_cache.dtype:
+        raise ValueError(f"q {tuple(q.shape)} {q.dtype} does not fit the cache's head_dim {width} and dtype "
+                         f"{k_cache.dtype}")
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables {tuple(block_tables.shape)} must be [batch, max_blocks]")
     if q.stride(-1) != 1 or block_tables.stride(-1) != 1:

@@ -67,7 +67,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Store ``k[t]``/``v[t]`` (each ``[num_tokens, kv_heads, head_dim]``, head_dim contiguous) at slot
     ``slot_mapping[t]`` of ``k_cache``/``v_cache`` (each ``[num_blocks, block_size, kv_heads, head_dim]``),
     casting to the cache dtype, or with ``quant`` quantized into int8 codes and their per-token scales
-    (``quant.k_scale``/``v_scale`` ``[num_blocks, block_size, kv_heads]``; no windows); rows with a
+    (``quant.k_scale``/``v_scale`` ``[num_blocks, block_size, kv_heads, 1]``; no windows); rows with a
     negative slot are skipped."""
     _, block_size, num_heads, head_dim = check_paged_cache(k_cache, v_cache)
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (num_heads, head_dim):
@@ -79,9 +79,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError("the head_dim axis of k and v must be contiguous")
     if quant is not None and (k_cache.dtype != torch.int8 or quant.k_window is not None
                               or quant.k_scale.stride() != quant.v_scale.stride()
-                              or quant.k_scale.shape != k_cache.shape[:3] or quant.k_scale.stride(-1) != 1):
+                              or quant.k_scale.shape != (*k_cache.shape[:3], 1) or quant.k_scale.stride(2) != 1):
         raise ValueError("a quantizing write takes int8 codes with per-token scales [num_blocks, block_size, "
-                         "kv_heads] sharing strides, and no windows")
+                         "kv_heads, 1] sharing strides, and no windows")
     if k.shape[0] == 0:
         return
     k_scale, v_scale = (k_cache, v_cache) if quant is None else (quant.k_scale, quant.v_scale)

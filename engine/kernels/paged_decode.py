@@ -35,13 +35,15 @@ _MAX_SPLITS = 16
 
 @triton.jit
 def _decode_stage1(
-    Q, K, V, KS, VS, KW, VW, SlotOf, stride_sb, stride_st, stride_sh, stride_wb, stride_wt, stride_wh,
+    Q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+    stride_vsh, stride_wb, stride_wt, stride_wh,
     BlockTables, ContextLens, Out, MidO, MidLse, scale_log2,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
-    PREC: tl.constexpr, SCALED: tl.constexpr, WINDOWED: tl.constexpr,
+    PREC: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,13 +66,13 @@ def _decode_stage1(
         q = q.to(tl.float32)
     # Every tile of a non-empty split holds >= 1 real key, so m_i is finite after the first one. Not
     # causal: the one query row sees the whole context, so ``pos`` (here ``start``) is unused.
-    m_i, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_sh,
-                                VS + kvh * stride_sh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
-                                BlockTables + b * stride_bt, start, end, start, scale_log2, offs_d, mask_d,
-                                stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
-                                stride_wb, stride_wt, ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                                PAGE=PAGE, CAUSAL=False, UPCAST=UPCAST, PREC=PREC, SCALED=SCALED,
-                                WINDOWED=WINDOWED)
+    m_i, l_i, acc = attend_keys(
+        q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_ksh, VS + kvh * stride_vsh,
+        KZ + kvh * stride_ksh, VZ + kvh * stride_vsh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
+        BlockTables + b * stride_bt, start, end, start, scale_log2, offs_d, mask_d,
+        stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst, stride_wb,
+        stride_wt, ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=False, UPCAST=UPCAST,
+        PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED)
 
     empty = l_i == 0.0  # only an empty split (context shorter than NUM_SPLITS tiles)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

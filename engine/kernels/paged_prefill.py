@@ -32,13 +32,15 @@ from engine.kernels.common import (
 
 @triton.jit
 def _prefill_kernel(
-    Q, K, V, KS, VS, KW, VW, SlotOf, stride_sb, stride_st, stride_sh, stride_wb, stride_wt, stride_wh,
+    Q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+    stride_vsh, stride_wb, stride_wt, stride_wh,
     Out, BlockTables, CuSeqlensQ, SeqLens, scale_log2,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-    SCALED: tl.constexpr, WINDOWED: tl.constexpr,
+    QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
+    WINDOWED: tl.constexpr,
 ):
     tile = tl.program_id(0)  # the grid is sized for the longest chunk; shorter ones exit early
     b = tl.program_id(1)
@@ -65,13 +67,13 @@ def _prefill_kernel(
     # Causal: the tile's last row sees up to its own position; key 0 is visible to every row (padding
     # rows included), so each row's running max is finite after the first key tile.
     kv_end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
-    _, l_i, acc = attend_keys(q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_sh,
-                              VS + kvh * stride_sh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
-                              BlockTables + b * stride_bt, 0, kv_end, pos, scale_log2, offs_d, mask_d,
-                              stride_kb, stride_kt, stride_vb, stride_vt, stride_sb, stride_st,
-                              stride_wb, stride_wt, ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N,
-                              PAGE=PAGE, CAUSAL=True, UPCAST=UPCAST, PREC=PREC, SCALED=SCALED,
-                              WINDOWED=WINDOWED)
+    _, l_i, acc = attend_keys(
+        q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_ksh, VS + kvh * stride_vsh,
+        KZ + kvh * stride_ksh, VZ + kvh * stride_vsh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
+        BlockTables + b * stride_bt, 0, kv_end, pos, scale_log2, offs_d, mask_d,
+        stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst, stride_wb,
+        stride_wt, ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=True, UPCAST=UPCAST,
+        PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED)
 
     out = acc / l_i[:, None]
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
