@@ -27,7 +27,7 @@ transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
-        [--kv-cache-dtype auto|int8|fp8]
+        [--kv-cache-dtype auto|int8|fp8|kivi2]
 """
 
 from __future__ import annotations
