@@ -21,7 +21,10 @@ WORKERS, BOUND = 8, 3
 
 @pytest.mark.timeout(600)
 def test_every_pair_of_8_by_8_workers_transfers_with_at_most_3_channels_each(start_server, serving_model_dir):
-    server = start_server(prefill=WORKERS, decode=WORKERS, kv_transport="collective", max_kv_channels=BOUND)
+    # 16 workers constructed at once on a 2-core machine take longer than a served cluster's default
+    # placement timeout; this test is about channels, not placement
+    server = start_server(prefill=WORKERS, decode=WORKERS, kv_transport="collective", max_kv_channels=BOUND,
+                          placement_timeout_s=300)
     try:
         workers = server.server.cluster.workers
         prefills = [w for w in workers if w.role == Role.PREFILL]

@@ -64,12 +64,12 @@ def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]], max_
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8", "kivi2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "kivi2"])
 def test_engine_greedy_tokens_equal_torch_backend(model_dir, kv_cache_dtype: str):
     """Three prompts of mixed lengths batched together (one long enough to be chunked), then a repeat of
-    one of them (a prefix-cache hit) and a new prompt joining while the others decode; with each cache
-    format (codes dequantized in the kernels, the blocks still filling read from their windows), against
-    the torch path on the same format."""
+    one of them (a prefix-cache hit) and a new prompt joining while the others decode; plain, int8 (the
+    write kernel's codes) and kivi2 (packed codes, the blocks still filling read from their windows, as
+    fp8's are; test_kernels covers fp8's dequantization), against the torch path on the same format."""
     a, b, c = prompt(5, 1), prompt(19, 2), prompt(37, 3)
     arrivals = {0: [("a", a), ("b", b), ("c", c)], 3: [("b-again", b + prompt(3, 4)), ("d", prompt(11, 5))]}
     runs = {}
@@ -108,17 +108,16 @@ def test_runner_logits_of_one_mixed_step_equal_torch_backend(model_dir):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir, kv_cache_dtype: str):
+def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
     """DecodeGraphs' padded pass over static buffers (what CUDA captures; run uncaptured here): three
     sequences padded to a batch of 4, then four, then one alone, with the prefill steps between them run
     eagerly: the greedy tokens equal the eager Triton path's, and the caches end up equal, so no padded
-    row wrote anything (int8: the write kernel quantizes and skips padded rows, so it is captured too)."""
+    row wrote anything (an int8 cache's write kernel skips them as well: test_kernels)."""
     arrivals = {0: [("a", prompt(5, 1)), ("b", prompt(19, 2)), ("c", prompt(9, 3))], 4: [("d", prompt(11, 5))]}
     engines = {}
     for mode in ("eager", "graphs"):
-        engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64, max_num_batched_tokens=32,
-                                     max_num_seqs=8, attention_backend="triton", kv_cache_dtype=kv_cache_dtype))
+        engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
+                                     max_num_batched_tokens=32, max_num_seqs=8, attention_backend="triton"))
         if mode == "graphs":
             engine.runner.enable_decode_graphs(8, 512 // 8, capture=False)
         engines[mode] = (engine, drive(engine, arrivals, max_tokens=8))
