@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -101,13 +102,15 @@ class QuantizedKV:
         return self.k_zero is not None
 
 
-def quantized_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tuple, dict[str, int | bool]]:
-    """The kernels' ``KS, VS, KZ, VZ, KW, VW, SlotOf`` pointers and ``stride_ksb, stride_kst, stride_ksh,
-    stride_vsb, stride_vst, stride_vsh, stride_wb, stride_wt, stride_wh``, then the ``QUANT``, ``K_GROUP``,
-    ``V_GROUP`` and ``WINDOWED`` constexprs. ``q`` stands in for every pointer a cache has no use for
-    (never read)."""
+def _cache_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tuple, dict[str, int | bool | str]]:
+    """What both attention kernels take besides q, the codes and their own arguments: the ``KS, VS, KZ,
+    VZ, KW, VW, SlotOf`` pointers and ``stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+    stride_vsh, stride_wb, stride_wt, stride_wh``, then the constexprs: ``dtype_flags`` of q's dtype,
+    ``QUANT``, ``K_GROUP``, ``V_GROUP`` and ``WINDOWED``. ``q`` stands in for every pointer a cache has no
+    use for (never read)."""
+    dtype = dtype_flags(q.dtype)
     if quant is None:
-        return (q,) * 7 + (0,) * 9, {"QUANT": 0, "K_GROUP": 1, "V_GROUP": 1, "WINDOWED": False}
+        return (q,) * 7 + (0,) * 9, {**dtype, "QUANT": 0, "K_GROUP": 1, "V_GROUP": 1, "WINDOWED": False}
     ks, vs, kw = quant.k_scale, quant.v_scale, quant.k_window
     windowed = kw is not None
     kz, vz = (quant.k_zero, quant.v_zero) if quant.packed else (q, q)
@@ -115,7 +118,7 @@ def quantized_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tupl
     wstrides = (kw.stride(0), kw.stride(1), kw.stride(2)) if windowed else (0, 0, 0)
     head_dim = q.shape[2]
     return ((ks, vs, kz, vz, kw, vw, slot, *ks.stride()[:3], *vs.stride()[:3], *wstrides),
-            {"QUANT": 2 if quant.packed else 1, "K_GROUP": head_dim // ks.shape[3],
+            {**dtype, "QUANT": 2 if quant.packed else 1, "K_GROUP": head_dim // ks.shape[3],
              "V_GROUP": head_dim // vs.shape[3], "WINDOWED": windowed})
 
 
@@ -152,14 +155,22 @@ def _check_quantized(q: torch.Tensor, k_cache: torch.Tensor, quant: QuantizedKV)
         raise ValueError(f"window_slot {tuple(slot.shape)} must be [{nb}]")
 
 
-def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, out: torch.Tensor | None,
-                           quant: QuantizedKV | None = None) -> tuple[int, int, int, torch.Tensor]:
-    """The checks both paged attention launchers make: one layer's caches (``check_paged_cache``), ``q``
-    ``[tokens, num_q_heads, head_dim]`` in their dtype (or, with ``quant``, codes and scales that fit)
-    with whole kv-head groups, ``block_tables`` 2-D, and contiguous head_dims and table rows. Returns
-    ``(block_size, kv_heads, head_dim, out)``, ``out`` allocated like ``q`` when None (a given one must
-    be shaped like ``q``)."""
+class AttentionInputs(NamedTuple):
+    block_size: int
+    kv_heads: int
+    head_dim: int
+    out: torch.Tensor
+    operands: tuple  # _cache_operands'
+    constexprs: dict[str, int | bool | str]
+
+
+def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     out: torch.Tensor | None, quant: QuantizedKV | None = None) -> AttentionInputs:
+    """The checks both paged attention launchers make, and what they launch with: one layer's caches
+    (``check_paged_cache``), ``q`` ``[tokens, num_q_heads, head_dim]`` in their dtype (or, with
+    ``quant``, codes and scales that fit) with whole kv-head groups, ``block_tables`` 2-D, and contiguous
+    head_dims and table rows. ``out`` is allocated like ``q`` when None (a given one must be shaped like
+    ``q``); operands and constexprs are ``_cache_operands``'."""
     _, block_size, kv_heads, width = check_paged_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[1] % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} must be [tokens, heads, head_dim] with heads a multiple of "
@@ -177,4 +188,4 @@ def check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} must be shaped like q with a contiguous head_dim")
-    return block_size, kv_heads, head_dim, out
+    return AttentionInputs(block_size, kv_heads, head_dim, out, *_cache_operands(q, quant))

@@ -20,14 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._tile import attend_keys
-from engine.kernels.common import (
-    QuantizedKV,
-    check_attention_inputs,
-    dtype_flags,
-    next_power_of_2,
-    quantized_operands,
-    tile_size,
-)
+from engine.kernels.common import QuantizedKV, attention_inputs, next_power_of_2, tile_size
 
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 16
@@ -138,7 +131,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     upper bound that needs no device sync). ``block_n`` is the key tile (default: ``default_tile``).
     With ``quant``, ``k_cache``/``v_cache`` are a quantized layer's codes, dequantized as they are read.
     Returns ``out`` ``[batch, num_q_heads, head_dim]``."""
-    block_size, kv_heads, head_dim, out = check_attention_inputs(q, k_cache, v_cache, block_tables, out, quant)
+    block_size, kv_heads, head_dim, out, operands, constexprs = attention_inputs(q, k_cache, v_cache,
+                                                                                 block_tables, out, quant)
     batch, q_heads, _ = q.shape
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError("block_tables must be [batch, max_blocks] and context_lens [batch]")
@@ -155,7 +149,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         mid_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:  # unused by the kernel when NUM_SPLITS == 1
         mid_o, mid_lse = out, out[:, :, 0]
-    operands, quant_flags = quantized_operands(q, quant)
     _decode_stage1[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -163,7 +156,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **dtype_flags(q.dtype), **quant_flags,
+        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **constexprs,
     )
     if num_splits > 1:
         _decode_stage2[(batch, q_heads)](
