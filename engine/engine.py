@@ -20,7 +20,7 @@ import torch
 
 from engine.block_events import BlockEvent
 from engine.block_manager import BlockManager
-from engine.config import GRAPH_KV_FORMATS, EngineConfig
+from engine.config import EngineConfig
 from engine.device_memory import engine_num_blocks
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
 from engine.errors import InvalidRequestError
@@ -66,8 +66,7 @@ class Engine:
             self.model_config.max_position_embeddings if self.window is None else DEFAULT_MAX_LEN)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
                                     num_blocks, self.window)
-        graphs = backend == "triton" and config.kv_cache_dtype in GRAPH_KV_FORMATS and not config.enforce_eager
-        if graphs and self.device.type == "cuda":
+        if self.runner.supports_decode_graphs and self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos

@@ -70,16 +70,17 @@ class DenseLayerKV:
 class QuantLayerKV:
     """One layer of a quantized cache for one step: quantizing writes, dequantizing gathers."""
 
-    def __init__(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor,
-                 plan: WritePlan | tuple[torch.Tensor, torch.Tensor]):
-        """``plan``: the windows' ``WritePlan``, or (blocks, offsets) of the rows for int8."""
+    def __init__(self, cache: KVCache, layer: int, slot_mapping: torch.Tensor, plan: WritePlan | None):
+        """``plan``: the windows' ``WritePlan`` (fp8, kivi2; shared by the step's layers); None for int8,
+        whose rows go straight to their slots."""
         self.cache, self.layer, self.slot_mapping, self.plan = cache, layer, slot_mapping, plan
         self.records = cache.data[layer, 0]  # [num_blocks, record_bytes]
 
     def write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         c, p = self.cache, self.plan
-        if c.windows is None:  # int8: every token is quantized on its own
-            write_tokens(c.layout, self.records, p[0], p[1], k, v)
+        if p is None:  # int8: every token is quantized on its own
+            B, slots = c.block_size, self.slot_mapping
+            write_tokens(c.layout, self.records, slots // B, slots % B, k, v)
             return
         win = c.windows.data[self.layer]  # [2, slots, B, H, D]
         if p.open_rows.numel():
@@ -158,10 +159,7 @@ class KVCache:
         """Each layer's view for one forward pass that writes K/V rows at ``slot_mapping``."""
         if self.layout is None:
             return [DenseLayerKV(self.data[i], slot_mapping) for i in range(self.num_layers)]
-        if self.windows is None:
-            plan = (slot_mapping // self.block_size, slot_mapping % self.block_size)
-        else:
-            plan = self.windows.plan(slot_mapping)
+        plan = None if self.windows is None else self.windows.plan(slot_mapping)
         return [QuantLayerKV(self, i, slot_mapping, plan) for i in range(self.num_layers)]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:

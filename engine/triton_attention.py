@@ -11,8 +11,7 @@ the cache's own writer (``QuantLayerKV.write``, whose window pool keeps the bloc
 attention kernels read codes, scales and zero points in place (and the windows), dequantizing in the
 tile, so a decode step reads half (int8, fp8) or about a seventh (kivi2) of a 16-bit cache's KV bytes.
 Attention sinks keep the torch path (gather + SDPA in ``engine/model.py``), which is also the CPU path and
-the reference. On CPU the kernels run only under
-``TRITON_INTERPRET=1`` (the tests).
+the reference. On CPU the kernels run only under ``TRITON_INTERPRET=1`` (the tests).
 """
 
 from __future__ import annotations
