@@ -25,7 +25,7 @@ import os
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from itertools import takewhile
 from pathlib import Path
 from typing import BinaryIO
@@ -207,13 +207,20 @@ class DiskTier:
     def get_prefix(self, hashes: Sequence[int]) -> list[torch.Tensor]:
         """The leading blocks up to the first miss (a block not on disk, unreadable, or failing its check).
         The run's files are read and checked by several threads at once: reads and CRC-32 release the GIL,
-        so one block's checksum overlaps the next one's I/O."""
+        so one block's checksum overlaps the next one's I/O. After a miss, the reads not started yet are
+        cancelled and those under way are waited for, so whatever they drop (and report) is dropped when
+        this returns."""
         if self._closed:
             return []
+        reads = [self._readers.submit(self._read, h) for h in takewhile(self.__contains__, hashes)]
         out: list[torch.Tensor] = []
-        for block in self._readers.map(self._read, list(takewhile(self.__contains__, hashes))):
+        for i, read in enumerate(reads):
+            block = read.result()
             if block is None:
-                break  # the blocks after it are dropped (those not started yet are cancelled)
+                for later in reads[i + 1:]:
+                    later.cancel()
+                wait(reads[i + 1:])
+                break
             out.append(block)
         return out
 
