@@ -6,10 +6,12 @@ does. Both checksum every byte (CRC-32C) on both sides, and both land where a de
 in the reserved blocks of a paged KV cache (scattered block ids, as in a cache in use), through the same
 ``engine/kv_import.py`` writer, with no staging copy. Limits: memcpy of the same bytes inside one actor, a
 plain loopback TCP socket (no checksum) between the same two actors receiving into one contiguous buffer,
-the crc32c column, what checksumming the bytes once costs here, and grpcio's own ceiling: the same 1 MiB
-messages streamed between the actors' own gRPC client and server with nothing done to them (no checksum,
-no placing; the receiver only counts them). Goals (issue 13): the collective at least 90% of loopback TCP,
-gRPC at least 60%.
+the crc32c column, what checksumming the bytes once costs here, and each transport's own ceiling: grpc-raw
+streams the same 1 MiB messages between the actors' own gRPC client and server, gloo-raw sends the same 4 MiB
+messages over a plain gloo group, both with nothing done to them (no checksum, no placing; the receiver
+drops them). A second table gives the CPU time both actors spent per byte: where the cores are fewer than
+the busy threads, that, not the link, sets the rate. Goals (issue 13): the collective at least 90% of
+loopback TCP, gRPC at least 60%.
 
 Each transfer is timed from the sender's first byte to the receiver holding (and, for our backends,
 having checksummed and placed) the last one, on CLOCK_MONOTONIC, which every process on one host shares:
@@ -38,11 +40,21 @@ import grpc
 import ray
 import ray.cloudpickle
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import benchmarks._transfer  # noqa: E402
-from benchmarks._transfer import BLOCK_SIZE, SHAPE, BlockSink, blocks_for, kv_header  # noqa: E402
+from benchmarks._transfer import (  # noqa: E402
+    BLOCK_SIZE,
+    SHAPE,
+    BlockSink,
+    blocks_for,
+    kv_header,
+    raw_gloo_group,
+    raw_gloo_recv,
+    raw_gloo_send,
+)
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.kv_import import BlockImport  # noqa: E402
 from kvstore.transfer.collective import CollectiveChannel  # noqa: E402
@@ -50,7 +62,9 @@ from kvstore.transfer.grpc import OPTIONS, SEND_CHUNK_BYTES, KVTransferClient, K
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum  # noqa: E402
 
 BACKENDS = ("grpc", "collective")
-LIMITS = ("memcpy", "crc32c", "tcp", "grpc-raw")
+LIMITS = ("memcpy", "crc32c", "tcp", "grpc-raw", "gloo-raw")
+TRANSFERS = LIMITS[2:] + BACKENDS  # the ones between the two actors
+RAW_PEER = {"grpc": "grpc-raw", "collective": "gloo-raw"}  # the same transport with nothing done to the bytes
 _RAW_METHOD = "/bench.Raw/Push"
 # benchmarks/ is no installed package, so an actor could not import the shared module by name from any
 # directory but the repository's: it travels with the actors instead.
@@ -83,6 +97,8 @@ class Receiver:
             _RAW_METHOD.split("/")[1], {"Push": handler}),))
         self.raw_port = self.raw_server.add_insecure_port("127.0.0.1:0")
         self.raw_server.start()
+        self.raw_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.raw_group = None
 
     def count(self, messages, _context) -> bytes:
         """grpc-raw: take every message and drop it."""
@@ -93,7 +109,8 @@ class Receiver:
 
     def endpoints(self) -> dict[str, object]:
         return {"grpc": self.server.target, "collective": self.channel.init_method,
-                "tcp": self.listener.getsockname()[1], "grpc-raw": f"127.0.0.1:{self.raw_port}"}
+                "tcp": self.listener.getsockname()[1], "grpc-raw": f"127.0.0.1:{self.raw_port}",
+                "gloo-raw": self.raw_store.port}
 
     def reserved(self, header: TransferHeader) -> list[int]:
         return self.ids[:header.shape[2]]
@@ -116,12 +133,16 @@ class Receiver:
         return time.perf_counter() - start
 
     def expect(self) -> None:
+        """Before each transfer: clear the gRPC flags and start counting this process's CPU time (all
+        threads: the gRPC server's and gloo's included)."""
         self.sink.done.clear()
         self.sink.error = None
         self.raw_done.clear()
+        self.cpu_start = time.process_time()
 
-    def receive(self, backend: str, header: TransferHeader) -> float:
-        """Receive one transfer; returns the monotonic time the last byte was in place."""
+    def receive(self, backend: str, header: TransferHeader) -> tuple[float, float]:
+        """Receive one transfer; returns (the monotonic time the last byte was in place, CPU seconds this
+        process spent since ``expect``)."""
         if backend == "tcp":
             if self.conn is None:
                 self.conn, _ = self.listener.accept()
@@ -137,11 +158,14 @@ class Receiver:
         elif backend == "grpc-raw":
             if not self.raw_done.wait(120):
                 raise RuntimeError("no raw gRPC stream within 120 s")
+        elif backend == "gloo-raw":
+            self.raw_group = self.raw_group or raw_gloo_group(self.raw_store, 0)  # joins with the sender's
+            raw_gloo_recv(self.raw_group, header.total_bytes)
         else:
             arrival = BlockImport(self.cache, self.reserved(header))
             self.channel.recv_into(header, arrival)
             arrival.finish()
-        return time.monotonic()
+        return time.monotonic(), time.process_time() - self.cpu_start
 
     def received_crc(self, backend: str, header: TransferHeader) -> int:
         """CRC-32C of what the last transfer left: the TCP buffer, or the reserved blocks in payload order."""
@@ -161,6 +185,8 @@ class Sender:
         self.sock = socket.create_connection(("127.0.0.1", endpoints["tcp"]))
         self.raw_channel = grpc.insecure_channel(endpoints["grpc-raw"], options=OPTIONS)
         self.raw_push = self.raw_channel.stream_unary(_RAW_METHOD)
+        self.raw_store = dist.TCPStore("127.0.0.1", endpoints["gloo-raw"], is_master=False)
+        self.raw_group = None
         self.source = torch.empty(0)
 
     def make_source(self, header: TransferHeader) -> int:
@@ -168,10 +194,11 @@ class Sender:
         self.source = torch.rand(header.shape).to(torch.bfloat16)
         return checksum(as_bytes(self.source))
 
-    def send(self, backend: str, header: TransferHeader) -> float:
-        """Send one transfer of the current source; returns the monotonic time of its start."""
+    def send(self, backend: str, header: TransferHeader) -> tuple[float, float]:
+        """Send one transfer of the current source; returns (the monotonic time of its start, CPU seconds
+        this process spent sending)."""
         assert self.source.numel() * 2 == header.total_bytes, "make_source first"
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         if backend == "tcp":
             self.sock.sendall(as_bytes(self.source))
         elif backend == "grpc":
@@ -179,25 +206,32 @@ class Sender:
         elif backend == "grpc-raw":
             view = as_bytes(self.source)
             self.raw_push(bytes(view[i:i + SEND_CHUNK_BYTES]) for i in range(0, len(view), SEND_CHUNK_BYTES))
+        elif backend == "gloo-raw":
+            self.raw_group = self.raw_group or raw_gloo_group(self.raw_store, 1)
+            raw_gloo_send(self.raw_group, self.source)
         else:
             self.channel.send(header, self.source)
-        return start
+        return start, time.process_time() - cpu_start
 
 
 def measure(sender, receiver, backend: str, num_blocks: int, repeats: int, tag: str,
-            layerwise: bool) -> list[float]:
-    seconds = []
+            layerwise: bool) -> tuple[list[float], list[float]]:
+    """(wall seconds, CPU seconds of both actors together) of each of ``repeats`` transfers; a local
+    limit (memcpy, crc32c) runs on one thread, so its CPU time is its wall time."""
+    seconds, cpu = [], []
     for rep in range(repeats):
         header = kv_header(f"{tag}-{backend}-{num_blocks}-{rep}", num_blocks, layerwise)
         if backend in ("memcpy", "crc32c"):
             seconds.append(ray.get(receiver.local_s.remote(backend, header.total_bytes)))
+            cpu.append(seconds[-1])
             continue
-        if backend.startswith("grpc"):
-            ray.get(receiver.expect.remote())
+        ray.get(receiver.expect.remote())
         done = receiver.receive.remote(backend, header)
-        start = ray.get(sender.send.remote(backend, header))
-        seconds.append(ray.get(done) - start)
-    return seconds
+        start, send_cpu = ray.get(sender.send.remote(backend, header))
+        end, receive_cpu = ray.get(done)
+        seconds.append(end - start)
+        cpu.append(send_cpu + receive_cpu)
+    return seconds, cpu
 
 
 def main() -> None:
@@ -213,29 +247,41 @@ def main() -> None:
     receiver = Receiver.remote(max(blocks))
     sender = Sender.remote(ray.get(receiver.endpoints.remote()))
     ray.get(sender.make_source.remote(kv_header("warmup", 2, args.layerwise)))
-    for backend in LIMITS[2:] + BACKENDS:  # warm up: connect sockets, channels and the gloo group
+    for backend in TRANSFERS:  # warm up: connect sockets, channels and the gloo group
         measure(sender, receiver, backend, 2, 1, "warmup", args.layerwise)
 
-    rows = []
+    rows, cpu_rows = [], []
     print(f"cpus={os.cpu_count()} layers={SHAPE.num_layers} dtype=bfloat16 layerwise={args.layerwise} "
           f"repeats={args.repeats} (median GB/s; gRPC and collective into scattered KV blocks)")
     print(f"{'MiB':>6} " + " ".join(f"{b:>20}" for b in LIMITS + BACKENDS))
     for num_blocks in blocks:
         header = kv_header("size", num_blocks, args.layerwise)
         nbytes, expected = header.total_bytes, ray.get(sender.make_source.remote(header))
-        medians = {}
+        medians, cpu_ns = {}, {}
         for backend in LIMITS + BACKENDS:
-            seconds = measure(sender, receiver, backend, num_blocks, args.repeats, "run", args.layerwise)
+            seconds, cpu = measure(sender, receiver, backend, num_blocks, args.repeats, "run", args.layerwise)
             if backend in ("tcp", *BACKENDS) and ray.get(receiver.received_crc.remote(backend, header)) != expected:
                 raise RuntimeError(f"{backend} delivered other bytes")
             medians[backend] = nbytes / statistics.median(seconds) / 1e9
-            rows.append({"size_bytes": nbytes, "backend": backend, "seconds": seconds,
+            cpu_ns[backend] = statistics.median(cpu) / nbytes * 1e9
+            rows.append({"size_bytes": nbytes, "backend": backend, "seconds": seconds, "cpu_seconds": cpu,
+                         "cpu_ns_per_byte_median": cpu_ns[backend],
                          "gbps_median": medians[backend], "gbps_best": nbytes / min(seconds) / 1e9,
                          "vs_tcp": medians[backend] / medians["tcp"] if "tcp" in medians else None,
-                         "vs_grpc_raw": medians[backend] / medians["grpc-raw"] if backend == "grpc" else None})
+                         "vs_raw": medians[backend] / medians[RAW_PEER[backend]] if backend in BACKENDS else None})
         print(f"{nbytes / (1 << 20):>6g} " + " ".join(
             f"{medians[b]:>9.2f} ({medians[b] / medians['tcp']:>5.0%} tcp)" if b in BACKENDS
             else f"{medians[b]:>20.2f}" for b in LIMITS + BACKENDS))
+        cpu_rows.append(f"{nbytes / (1 << 20):>6g} " + " ".join(
+            f"{cpu_ns[b]:>5.2f} x{cpu_ns[b] * medians[b]:.1f}" + (f" ({cpu_ns['tcp'] / cpu_ns[b]:>4.0%} tcp)" if
+                                                                  b in BACKENDS else "").ljust(11)
+            for b in TRANSFERS))
+    # On a machine with fewer cores than busy threads the rate is CPU-bound: then what a backend can reach
+    # against TCP is TCP's CPU time per byte over its own.
+    print("\nCPU time of both actors per byte moved (ns/B, median), x the cores it kept busy on average, and "
+          "TCP's CPU time per byte over the backend's")
+    print(f"{'MiB':>6} " + " ".join(f"{b:>21}" for b in TRANSFERS))
+    print("\n".join(cpu_rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"cpus": os.cpu_count(), "layers": SHAPE.num_layers, "dtype": "bfloat16",
