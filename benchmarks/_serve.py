@@ -34,12 +34,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def load_average() -> str:
-    """The 1/5/15-minute load average, for the record: this machine is shared."""
-    one, five, fifteen = os.getloadavg()
-    return f"{one:.2f} {five:.2f} {fifteen:.2f} (on {os.cpu_count()} cores)"
-
-
 @dataclass
 class Served:
     process: subprocess.Popen
@@ -130,12 +124,3 @@ def chat_workload(args: argparse.Namespace) -> dict:
     return dict(workload="chat", num_users=args.users, turns=args.turns, think_time_s=args.think_time_s,
                 input_len=args.message_len, output_len=args.answer_len, prefix_len=args.system_len,
                 request_rate=args.user_rate)
-
-
-def format_table(headers: list[str], rows: list[list]) -> str:
-    """A plain aligned text table (floats with two decimals), as every benchmark here prints."""
-    cells = [[f"{v:.2f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    line = lambda values: "  ".join(v.rjust(w) if i else v.ljust(w)  # noqa: E731
-                                    for i, (v, w) in enumerate(zip(values, widths, strict=True)))
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])

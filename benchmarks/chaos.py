@@ -29,7 +29,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import Served, format_table, load_average, served  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
+from benchmarks._serve import Served, served  # noqa: E402
 from benchmarks.chaos_load import LoadTally, run_load, time_to_recover  # noqa: E402
 from benchmarks.fuzz_inputs import fuzz_grpc, fuzz_http  # noqa: E402
 

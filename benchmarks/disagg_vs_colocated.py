@@ -31,7 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import format_table, load_average, served  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
+from benchmarks._serve import served  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
 from router.trace import TRACE_BLOCK_TOKENS  # noqa: E402
 

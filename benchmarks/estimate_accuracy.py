@@ -36,7 +36,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import REPO, add_chat_arguments, chat_workload, format_table, load_average, served  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
+from benchmarks._serve import REPO, add_chat_arguments, chat_workload, served  # noqa: E402
 from benchmarks.make_traces import main as make_trace  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
 

@@ -41,7 +41,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import format_table, load_average  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from services.cluster import Cluster  # noqa: E402
 from services.config import ClusterConfig  # noqa: E402

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import format_table, load_average  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
 from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out, held_out_documents  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402

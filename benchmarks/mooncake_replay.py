@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import format_table, free_port, load_average, served, served_command  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
+from benchmarks._serve import free_port, served, served_command  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
 

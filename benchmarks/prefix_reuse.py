@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import add_chat_arguments, chat_workload, format_table, load_average, served  # noqa: E402
+from benchmarks._report import format_table, load_average  # noqa: E402
+from benchmarks._serve import add_chat_arguments, chat_workload, served  # noqa: E402
 from loadtest.runner import BenchConfig, run_benchmark  # noqa: E402
 
 SIDES = {"caching on (+ pool)": [], "caching off": ["--no-prefix-caching"]}

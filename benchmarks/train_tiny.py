@@ -15,7 +15,8 @@ saved as a Hugging Face checkpoint (``<cache>/trained-stdlib``, loadable by ``en
 Bits per byte = summed NLL (nats) of the byte targets / their count / ln 2; special tokens are context,
 never scored, so the figure is per byte of source text.
 
-    python benchmarks/train_tiny.py [--minutes 9] [--device cpu|cuda] [--force] [--json PATH]
+    python benchmarks/train_tiny.py [--minutes 9] [--device cpu|cuda] [--tokens-per-step 2048] [--lr 0.002]
+                                    [--weight-decay 0.1] [--force] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._serve import load_average  # noqa: E402
+from benchmarks._report import load_average  # noqa: E402
 from engine.loader import cache_dir  # noqa: E402
 from engine.tiny import BOS, CONFIG, SPECIAL_TOKENS, write_tiny_checkpoint  # noqa: E402
 
@@ -271,19 +272,16 @@ def ensure_trained(args: TrainArgs, force: bool = False, log: Callable[[str], No
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None, help=f"checkpoint dir (default <cache>/{MODEL_NAME})")
-    p.add_argument("--minutes", type=float, default=TrainArgs.minutes)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--corpus-limit", type=int, default=None, help="first N stdlib files only")
-    p.add_argument("--eval-tokens", type=int, default=TrainArgs.eval_tokens)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=TrainArgs.threads)
-    p.add_argument("--seed", type=int, default=0)
+    for name in ("minutes", "eval_tokens", "device", "threads", "seed", "tokens_per_step", "lr", "weight_decay"):
+        default = getattr(TrainArgs, name)  # a larger batch (and rate) suits a GPU: --tokens-per-step
+        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default, help=f"default {default}")
     p.add_argument("--force", action="store_true", help="retrain even if the checkpoint exists")
     p.add_argument("--json", type=Path, default=None, help="write the report here too")
     a = p.parse_args()
-    args = TrainArgs(out=a.out or default_out(), minutes=a.minutes, max_steps=a.max_steps,
-                     corpus_limit=a.corpus_limit, eval_tokens=a.eval_tokens, device=a.device,
-                     threads=a.threads, seed=a.seed)
+    args = TrainArgs(out=a.out or default_out(), **{k: v for k, v in vars(a).items()
+                                                    if k not in ("out", "force", "json")})
     report = ensure_trained(args, a.force)
     report["zlib_bits_per_byte"] = round(zlib_bits_per_byte(args, report["eval_tokens"]), 4)
     print(f"{report['model']}: held-out {report['held_out_bits_per_byte']:.3f} bits/byte "
