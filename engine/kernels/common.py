@@ -102,24 +102,30 @@ class QuantizedKV:
         return self.k_zero is not None
 
 
-def _cache_operands(q: torch.Tensor, quant: QuantizedKV | None) -> tuple[tuple, dict[str, int | bool | str]]:
-    """What both attention kernels take besides q, the codes and their own arguments: the ``KS, VS, KZ,
-    VZ, KW, VW, SlotOf`` pointers and ``stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
+def _cache_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    quant: QuantizedKV | None) -> tuple[tuple, dict[str, int | bool | str]]:
+    """What both attention kernels take besides q and their own arguments: the ``K, V`` codes, the ``KS,
+    VS, KZ, VZ, KW, VW, SlotOf`` pointers and ``stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
     stride_vsh, stride_wb, stride_wt, stride_wh``, then the constexprs: ``dtype_flags`` of q's dtype,
-    ``QUANT``, ``K_GROUP``, ``V_GROUP`` and ``WINDOWED``. ``q`` stands in for every pointer a cache has no
-    use for (never read)."""
+    ``QUANT`` (0: none, 1: int8, 2: kivi2, 3: fp8 e4m3, whose codes go in as their bytes: Triton's fp8
+    type does not exist before sm_89), ``K_GROUP``, ``V_GROUP`` and ``WINDOWED``. ``q`` stands in for every
+    pointer a cache has no use for (never read)."""
     dtype = dtype_flags(q.dtype)
     if quant is None:
-        return (q,) * 7 + (0,) * 9, {**dtype, "QUANT": 0, "K_GROUP": 1, "V_GROUP": 1, "WINDOWED": False}
+        return (k_cache, v_cache) + (q,) * 7 + (0,) * 9, {**dtype, "QUANT": 0, "K_GROUP": 1, "V_GROUP": 1,
+                                                            "WINDOWED": False}
+    kind = 2 if quant.packed else 3 if k_cache.dtype == torch.float8_e4m3fn else 1
+    if kind == 3:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     ks, vs, kw = quant.k_scale, quant.v_scale, quant.k_window
     windowed = kw is not None
     kz, vz = (quant.k_zero, quant.v_zero) if quant.packed else (q, q)
     kw, vw, slot = (kw, quant.v_window, quant.window_slot) if windowed else (q, q, q)
     wstrides = (kw.stride(0), kw.stride(1), kw.stride(2)) if windowed else (0, 0, 0)
     head_dim = q.shape[2]
-    return ((ks, vs, kz, vz, kw, vw, slot, *ks.stride()[:3], *vs.stride()[:3], *wstrides),
-            {**dtype, "QUANT": 2 if quant.packed else 1, "K_GROUP": head_dim // ks.shape[3],
-             "V_GROUP": head_dim // vs.shape[3], "WINDOWED": windowed})
+    return ((k_cache, v_cache, ks, vs, kz, vz, kw, vw, slot, *ks.stride()[:3], *vs.stride()[:3], *wstrides),
+            {**dtype, "QUANT": kind, "K_GROUP": head_dim // ks.shape[3], "V_GROUP": head_dim // vs.shape[3],
+             "WINDOWED": windowed})
 
 
 def _check_quantized(q: torch.Tensor, k_cache: torch.Tensor, quant: QuantizedKV) -> None:
@@ -162,6 +168,14 @@ class AttentionInputs(NamedTuple):
     out: torch.Tensor
     operands: tuple  # _cache_operands'
     constexprs: dict[str, int | bool | str]
+    options: dict[str, int]  # launch options (``launch_options``)
+
+
+def launch_options(quant: QuantizedKV | None) -> dict[str, int]:
+    """kivi2 tiles are unpacked from three loads per element (codes, scales, zero points), whose staged
+    copies in a software-pipelined key loop need ~100 KiB of shared memory (head_dim 128): more than an
+    sm_86/sm_89 GPU gives one block (99 KiB). One stage takes ~37 KiB (``tests/kernel_compile.py``)."""
+    return {"num_stages": 1} if quant is not None and quant.packed else {}
 
 
 def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -170,7 +184,7 @@ def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     (``check_paged_cache``), ``q`` ``[tokens, num_q_heads, head_dim]`` in their dtype (or, with
     ``quant``, codes and scales that fit) with whole kv-head groups, ``block_tables`` 2-D, and contiguous
     head_dims and table rows. ``out`` is allocated like ``q`` when None (a given one must be shaped like
-    ``q``); operands and constexprs are ``_cache_operands``'."""
+    ``q``); operands and constexprs are ``_cache_operands``', options ``launch_options``'."""
     _, block_size, kv_heads, width = check_paged_cache(k_cache, v_cache)
     if q.dim() != 3 or q.shape[1] % kv_heads:
         raise ValueError(f"q {tuple(q.shape)} must be [tokens, heads, head_dim] with heads a multiple of "
@@ -188,4 +202,5 @@ def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} must be shaped like q with a contiguous head_dim")
-    return AttentionInputs(block_size, kv_heads, head_dim, out, *_cache_operands(q, quant))
+    return AttentionInputs(block_size, kv_heads, head_dim, out,
+                           *_cache_operands(q, k_cache, v_cache, quant), launch_options(quant))

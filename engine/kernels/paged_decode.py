@@ -131,8 +131,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     upper bound that needs no device sync). ``block_n`` is the key tile (default: ``default_tile``).
     With ``quant``, ``k_cache``/``v_cache`` are a quantized layer's codes, dequantized as they are read.
     Returns ``out`` ``[batch, num_q_heads, head_dim]``."""
-    block_size, kv_heads, head_dim, out, operands, constexprs = attention_inputs(q, k_cache, v_cache,
-                                                                                 block_tables, out, quant)
+    block_size, kv_heads, head_dim, out, operands, constexprs, options = attention_inputs(
+        q, k_cache, v_cache, block_tables, out, quant)
     batch, q_heads, _ = q.shape
     if block_tables.shape[0] != batch or context_lens.shape != (batch,):
         raise ValueError("block_tables must be [batch, max_blocks] and context_lens [batch]")
@@ -150,13 +150,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:  # unused by the kernel when NUM_SPLITS == 1
         mid_o, mid_lse = out, out[:, :, 0]
     _decode_stage1[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e),
+        q, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **constexprs,
+        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **constexprs, **options,
     )
     if num_splits > 1:
         _decode_stage2[(batch, q_heads)](

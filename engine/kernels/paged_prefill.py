@@ -90,8 +90,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``block_m``/``block_n`` are the query/key tiles (default: ``default_tile``). With ``quant``,
     ``k_cache``/``v_cache`` are a quantized layer's codes, dequantized as they are read.
     Returns ``out`` ``[num_tokens, num_q_heads, head_dim]``."""
-    block_size, kv_heads, head_dim, out, operands, constexprs = attention_inputs(q, k_cache, v_cache,
-                                                                                 block_tables, out, quant)
+    block_size, kv_heads, head_dim, out, operands, constexprs, options = attention_inputs(
+        q, k_cache, v_cache, block_tables, out, quant)
     num_tokens, q_heads, _ = q.shape
     batch = seq_lens.shape[0]
     if cu_seqlens_q.shape != (batch + 1,) or block_tables.shape[0] != batch:
@@ -105,11 +105,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_n = tile_size("block_n", block_n, q.dtype)
     grid = (triton.cdiv(max_query_len, block_m), batch, q_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, *operands, out, block_tables, cu_seqlens_q, seq_lens, scale * math.log2(math.e),
+        q, *operands, out, block_tables, cu_seqlens_q, seq_lens, scale * math.log2(math.e),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, **constexprs,
+        PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, **constexprs, **options,
     )
     return out
