@@ -1,0 +1,159 @@
+"""Compile every Triton kernel launch the GPU engine makes, for real GPU targets, on a machine without a GPU.
+
+The interpreter (``TRITON_INTERPRET=1``) checks what the kernels compute, but not whether they compile
+for a GPU: it accepts what the compiler refuses (a type a target lacks, such as fp8 e4m3 before sm_89)
+and has no shared memory to outgrow. Triton compiles to a cubin without a device (its own ptxas), so
+this records the launches one decoder layer's step makes on the Triton backend, with the model shapes
+users serve, every cache format and both decode paths (one split, split-K), then compiles each distinct
+one as the JIT would on the target (the same argument specialization, options and constexprs) and
+compares its shared memory with what the target gives one block.
+
+Run it in a process that imported triton without ``TRITON_INTERPRET`` (``@triton.jit`` must build
+compilable kernels): ``python tests/kernel_compile.py --arch 90``; prints one JSON object a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parents[1] / "proto")]
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from engine import kernels  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.kernels.paged_decode import paged_decode_attention  # noqa: E402
+from engine.kv_cache import KVCache  # noqa: E402
+from engine.triton_attention import paged_attention, paged_metadata, quantized_layer  # noqa: E402
+
+# sharedMemPerBlockOptin (bytes) of each compute capability: what Triton's loader compares a kernel with.
+MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+# (query heads, kv heads, head_dim) of checkpoints users point --model at: both head dims, GQA groups of 8
+# and 7 (not a power of two: padded query rows). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
+SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128)}
+FORMATS = ("auto", "int8", "fp8", "kivi2")
+BLOCK_SIZE = 16
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[tuple[JITFunction, tuple, dict]]]:
+    """Every ``kernel[grid](...)`` inside the block is recorded instead of run."""
+    launches: list[tuple[JITFunction, tuple, dict]] = []
+    run = JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        launches.append((self, args, kwargs))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = run
+
+
+def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> None:
+    """One layer of one engine step on the Triton backend: two decode rows at ``context`` tokens and a
+    prefill chunk of 24 after a cached prefix of 40, through the backend's own entry points (RoPE, the
+    K/V write, decode and prefill attention, the fused residual add + RMSNorm)."""
+    heads, kv_heads, head_dim = SHAPES[shape]
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=heads * head_dim,
+                      intermediate_size=4 * heads * head_dim, num_layers=1, num_heads=heads,
+                      num_kv_heads=kv_heads, head_dim=head_dim)
+    blocks = 2 * -(-context // BLOCK_SIZE) + 8
+    cache = KVCache(cfg, blocks, BLOCK_SIZE, dtype, "cpu", kv_format)
+    per_seq = -(-context // BLOCK_SIZE)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(2)] + [[2 * per_seq + i for i in range(4)]]
+    meta = paged_metadata([(tables[0], context), (tables[1], context)], [(tables[2], 24, 64)], BLOCK_SIZE, cache.device)
+    slots = torch.tensor([tables[0][-1] * BLOCK_SIZE, tables[1][-1] * BLOCK_SIZE]
+                         + [tables[2][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(40, 64)])
+    tokens = len(slots)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    cos = torch.randn(tokens, 1, head_dim).to(dtype)
+    kernels.apply_rope(q, k, cos, cos.clone())
+    kv = cache.for_step(slots)[0]
+    paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5)
+    hidden = torch.randn(tokens, cfg.hidden_size).to(dtype)
+    kernels.fused_add_rms_norm(hidden, hidden.clone(), torch.ones(cfg.hidden_size).to(dtype), 1e-6)
+    if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
+        k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
+        paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,
+                               num_splits=4, quant=quant)
+
+
+def step_launches() -> list[tuple[str, tuple[JITFunction, tuple, dict]]]:
+    """(what, launch) for every layer step of ``SHAPES`` x attention dtypes x ``FORMATS``."""
+    out = []
+    for shape in SHAPES:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for kv_format in FORMATS if dtype == torch.bfloat16 else ("auto",):
+                with recorded_launches() as launches:
+                    layer_step(shape, dtype, kv_format, context=300)
+                name = f"{shape} {str(dtype).removeprefix('torch.')} {kv_format}"
+                out += [(name, launch) for launch in launches]
+    return out
+
+
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
+    """Compile one recorded launch for ``cuda:arch`` as ``JITFunction.run`` would on that device."""
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def specialization_key(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> str:
+    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", arch, 32)))
+    _, specialization, options = binder(*args, **kwargs)
+    return f"{fn.__name__} {specialization} {options}"
+
+
+def root_cause(exc: BaseException) -> str:
+    """The innermost cause of a compile error (Triton wraps it once per inlined function)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(MAX_SHARED),
+                        help="compute capability x10 (repeatable; default 90, the H100/H200)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    launches = step_launches()
+    for arch in args.arch or [90]:
+        seen: dict[str, str] = {}
+        for name, (fn, a, kw) in launches:
+            key = specialization_key(fn, a, kw, arch)
+            if key in seen:
+                continue
+            seen[key] = name
+            row = {"arch": arch, "kernel": fn.__name__, "launch": name, "max_shared": MAX_SHARED[arch]}
+            try:
+                compiled = compile_launch(fn, a, kw, arch)
+                row.update(ok=True, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
+                           num_stages=compiled.metadata.num_stages)
+            except Exception as exc:  # a compile failure is the finding: report it, go on with the rest
+                row.update(ok=False, error=root_cause(exc))
+            print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Every Triton kernel launch of the GPU engine compiles for the GPUs users run (A100 sm_80, A10/L4-class
+sm_86, H100/H200 sm_90) and fits the shared memory one block gets there, checked on a machine without a
+GPU by ``tests/kernel_compile.py`` (Triton compiles to a cubin with its own ptxas). The interpreter tests
+check what the kernels compute; this checks what only a GPU compile refuses: fp8 types before sm_89,
+shared memory, code after a constexpr branch's return."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.kernels import triton_available
+
+if not triton_available():
+    pytest.skip("triton is not importable here", allow_module_level=True)
+
+ARCHS = (80, 86, 90)
+KERNELS = {"_rope_kernel", "_kv_write_kernel", "_decode_stage1", "_decode_stage2", "_prefill_kernel",
+           "_add_rms_norm_kernel"}
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    """One compile run per target, all at once (each is one CPU-bound process)."""
+    script = Path(__file__).with_name("kernel_compile.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton's own default, said aloud (it warns otherwise)
+    runs = [subprocess.Popen([sys.executable, str(script), "--arch", str(arch)], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for arch in ARCHS]
+    rows = []
+    for run in runs:
+        out, err = run.communicate(timeout=560)
+        assert run.returncode == 0, err[-3000:]
+        rows += [json.loads(line) for line in out.splitlines()]
+    return rows
+
+
+@pytest.mark.timeout(600)
+def test_every_kernel_launch_compiles_for_each_gpu_target(compiled):
+    failed = [f"sm_{r['arch']} {r['kernel']} ({r['launch']}): {r['error']}" for r in compiled if not r["ok"]]
+    assert not failed, "\n".join(failed)
+    for arch in ARCHS:  # every kernel, every cache format, both decode paths were compiled for each target
+        rows = [r for r in compiled if r["arch"] == arch]
+        assert {r["kernel"] for r in rows} == KERNELS
+        formats = {r["launch"].split()[-1] for r in rows if r["kernel"] == "_decode_stage1"}
+        assert formats == {"auto", "int8", "fp8", "kivi2"}
+        dtypes = {r["launch"].split()[1] for r in rows if r["kernel"] == "_prefill_kernel"}
+        assert dtypes == {"bfloat16", "float16", "float32"}
+
+
+@pytest.mark.timeout(600)
+def test_every_kernel_fits_the_shared_memory_of_its_target(compiled):
+    over = [f"sm_{r['arch']} {r['kernel']} ({r['launch']}): {r['shared']} B > {r['max_shared']} B"
+            for r in compiled if r["ok"] and r["shared"] > r["max_shared"]]
+    assert not over, "\n".join(over)
+    assert all(r["shared"] > 0 for r in compiled if r["kernel"] == "_prefill_kernel")  # the figure is read
