@@ -6,7 +6,8 @@ and has no shared memory to outgrow. Triton compiles to a cubin without a device
 this records the launches one decoder layer's step makes on the Triton backend, with the model shapes
 users serve, every cache format and both decode paths (one split, split-K), then compiles each distinct
 one as the JIT would on the target (the same argument specialization, options and constexprs) and
-compares its shared memory with what the target gives one block.
+reports its shared memory (against what the target gives one block), and its registers a thread and
+the bytes it spills to local memory (``cuobjdump``, shipped with Triton, on the cubin).
 
 Run it in a process that imported triton without ``TRITON_INTERPRET`` (``@triton.jit`` must build
 compilable kernels): ``python tests/kernel_compile.py --arch 90``; prints one JSON object a line.
@@ -18,7 +19,10 @@ import argparse
 import contextlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +31,7 @@ import torch
 sys.path[:0] = [str(Path(__file__).parents[1]), str(Path(__file__).parents[1] / "proto")]
 
 import triton  # noqa: E402
+from triton import knobs  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
@@ -116,6 +121,19 @@ def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
+def registers_and_spills(cubin: bytes) -> tuple[int, int]:
+    """Registers a thread and stack bytes a thread (spilled registers) of a compiled kernel."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([knobs.nvidia.cuobjdump.path, "--dump-resource-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output: {usage[:500]}")
+    return int(found.group(1)), int(found.group(2))
+
+
 def specialization_key(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> str:
     binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", arch, 32)))
     _, specialization, options = binder(*args, **kwargs)
@@ -147,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             row = {"arch": arch, "kernel": fn.__name__, "launch": name, "max_shared": MAX_SHARED[arch]}
             try:
                 compiled = compile_launch(fn, a, kw, arch)
-                row.update(ok=True, shared=compiled.metadata.shared, num_warps=compiled.metadata.num_warps,
-                           num_stages=compiled.metadata.num_stages)
+                registers, spilled = registers_and_spills(compiled.asm["cubin"])
+                row.update(ok=True, shared=compiled.metadata.shared, registers=registers, spill_bytes=spilled,
+                           num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages)
             except Exception as exc:  # a compile failure is the finding: report it, go on with the rest
                 row.update(ok=False, error=root_cause(exc))
             print(json.dumps(row), flush=True)

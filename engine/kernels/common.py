@@ -171,11 +171,21 @@ class AttentionInputs(NamedTuple):
     options: dict[str, int]  # launch options (``launch_options``)
 
 
-def launch_options(quant: QuantizedKV | None) -> dict[str, int]:
-    """kivi2 tiles are unpacked from three loads per element (codes, scales, zero points), whose staged
-    copies in a software-pipelined key loop need ~100 KiB of shared memory (head_dim 128): more than an
-    sm_86/sm_89 GPU gives one block (99 KiB). One stage takes ~37 KiB (``tests/kernel_compile.py``)."""
-    return {"num_stages": 1} if quant is not None and quant.packed else {}
+def launch_options(dtype: torch.dtype, quant: QuantizedKV | None) -> dict[str, int]:
+    """Warps and pipeline stages of an attention launch, from the compiled kernels' resources on sm_90
+    (``tests/kernel_compile.py``, head_dim 128, 64-token key tiles):
+
+    * 8 warps where a tile is dequantized (int8, fp8, kivi2) or scored in float32: at 4 warps each thread
+      holds 236-255 registers and fp8, kivi2 and fp32 split-K spill 104-400 B of them to local memory; 8
+      halve each thread's share of the tile (128-214 registers, no spills). 16-bit caches keep 4 (101
+      registers in decode).
+    * kivi2 in one stage: its tiles come from three loads per element (codes, scales, zero points), whose
+      staged copies in a software-pipelined key loop need ~100 KiB of shared memory, more than an
+      sm_86/sm_89 GPU gives one block (99 KiB); one stage needs ~37 KiB."""
+    options = {"num_warps": 8} if quant is not None or dtype == torch.float32 else {}
+    if quant is not None and quant.packed:
+        options["num_stages"] = 1
+    return options
 
 
 def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -203,4 +213,4 @@ def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} must be shaped like q with a contiguous head_dim")
     return AttentionInputs(block_size, kv_heads, head_dim, out,
-                           *_cache_operands(q, k_cache, v_cache, quant), launch_options(quant))
+                           *_cache_operands(q, k_cache, v_cache, quant), launch_options(q.dtype, quant))
