@@ -15,7 +15,7 @@ GRPC_PORT ?= 50051
 
 GPU_OUT ?= gpu-results
 
-.PHONY: setup test run proto lint clean gpu-check
+.PHONY: setup test run proto lint clean gpu-check gpu-sinks
 
 setup: $(STAMP) $(PROTO_STAMP)
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
@@ -61,6 +61,21 @@ gpu-check:
 	  --batches 64,256 --prompt-len 2048 --new-tokens 64 --skip-hf --kv-cache-dtype $$kv \
 	  --json $(GPU_OUT)/engine_gpu_long_$$kv.json || exit 1; done
 	PYTHONPATH=.:proto $(PY) benchmarks/transfer_gpu.py --json $(GPU_OUT)/transfer_gpu.json
+
+# On a CUDA machine, a second check (5-8 minutes): issue 16's attention-sink result needs a model that parks
+# attention on its first tokens, which the 9-minute CPU training does not produce. This trains the same model
+# on the GPU with a large batch (hundreds of times the tokens), then measures where its attention goes and
+# what window-only and sinks + window cost on it (kv_quality.py on the CPU engine); all into $(GPU_OUT)/.
+SINKS_DEVICE ?= cuda
+SINKS_MINUTES ?= 4
+gpu-sinks:
+	mkdir -p $(GPU_OUT)
+	PYTHONPATH=.:proto $(PY) benchmarks/train_tiny.py --device $(SINKS_DEVICE) --minutes $(SINKS_MINUTES) \
+	  --tokens-per-step 65536 --lr 0.004 --threads 8 --force --out $(GPU_OUT)/trained-stdlib \
+	  --json $(GPU_OUT)/train_tiny.json
+	PYTHONPATH=.:proto $(PY) benchmarks/attention_mass.py --model $(GPU_OUT)/trained-stdlib --threads 8
+	PYTHONPATH=.:proto $(PY) benchmarks/kv_quality.py --model $(GPU_OUT)/trained-stdlib --threads 8 \
+	  --json $(GPU_OUT)/kv_quality.json
 
 proto: setup
 	$(PROTO_VENV)/bin/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
