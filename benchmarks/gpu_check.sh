@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks behind `make gpu-check` and `make gpu-sinks`, for a CUDA machine, even a bare
+# one (torch, triton, transformers, safetensors, grpcio, crc32c; no Ray, Redis or FastAPI).
+#
+#   benchmarks/gpu_check.sh OUT STEP...     e.g. benchmarks/gpu_check.sh gpu-results engine-gpu gpu-tests
+#
+# Each step runs under its own time limit and writes its log (and JSON) into OUT, and every step runs even
+# when an earlier one failed: a lent GPU is often a one-off, so one crash must not cost the other figures.
+# Exits 1 if any step failed; the last lines name them. Steps, in the order worth running them:
+#   engine-gpu        benchmarks/engine_gpu.py (issue 12: decode step, roofline, prefill MFU, vs transformers)
+#   transfer-gpu      benchmarks/transfer_gpu.py (issue 13: CUDA IPC, gloo and gRPC from device memory)
+#   gpu-tests         the `gpu` tests (fp32 parity, compiled kernels, CUDA graphs, device-memory sizing)
+#   engine-gpu-long   2,048-token prompts, the int8 cache against the bf16 one (decode reads mostly KV)
+#   sinks-train       benchmarks/train_tiny.py on the GPU with a 65,536-token batch (issue 16)
+#   sinks-attention   benchmarks/attention_mass.py on that model: the weight its first tokens get
+#   sinks-quality     benchmarks/kv_quality.py on that model: KV formats, window-only vs sinks + window
+set -u
+if [ $# -lt 2 ]; then
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+out=$1
+shift
+py=${PY:-python3}
+sinks_minutes=${SINKS_MINUTES:-4}
+export PYTHONPATH=.:proto
+mkdir -p "$out"
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND with a time limit, its output also into OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start)) s"
+  [ "$rc" -eq 0 ] || failed+=("$name (exit $rc)")
+}
+
+for name in "$@"; do
+  case $name in
+    engine-gpu) step "$name" 300 "$py" benchmarks/engine_gpu.py --json "$out/engine_gpu.json" ;;
+    transfer-gpu) step "$name" 180 "$py" benchmarks/transfer_gpu.py --json "$out/transfer_gpu.json" ;;
+    gpu-tests) step "$name" 420 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
+      tests/test_engine_model.py --junitxml "$out/gpu_tests.xml" ;;
+    engine-gpu-long)
+      for kv in auto int8; do
+        step "$name-$kv" 180 "$py" benchmarks/engine_gpu.py --shapes tinyllama-1.1b --batches 64,256 \
+          --prompt-len 2048 --new-tokens 64 --skip-hf --kv-cache-dtype "$kv" --json "$out/engine_gpu_long_$kv.json"
+      done ;;
+    sinks-train) step "$name" $((sinks_minutes * 60 + 120)) "$py" benchmarks/train_tiny.py --device cuda \
+      --minutes "$sinks_minutes" --tokens-per-step 65536 --lr 0.004 --threads 8 --force \
+      --out "$out/trained-stdlib" --json "$out/train_tiny.json" ;;
+    sinks-attention) step "$name" 120 "$py" benchmarks/attention_mass.py --model "$out/trained-stdlib" --threads 8 ;;
+    sinks-quality) step "$name" 420 "$py" benchmarks/kv_quality.py --model "$out/trained-stdlib" --threads 8 \
+      --json "$out/kv_quality.json" ;;
+    *) echo "unknown step $name (see: $0 without arguments)" >&2; failed+=("$name (unknown)") ;;
+  esac
+done
+
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "all ${#} steps passed; logs and JSON in $out/"
