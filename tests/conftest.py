@@ -17,6 +17,12 @@ if importlib.util.find_spec("tidepool") is None:
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Triton chooses between compiling and interpreting at its first import in a process, so whichever test
+# module imports it first decides for all of them. Without CUDA only the interpreter can run a kernel:
+# say so before any module imports triton (the interpreter tests skip otherwise).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(scope="session")
 def redis_server():
