@@ -98,7 +98,11 @@ def test_a_session_turn_finds_the_previous_prompt_and_answer_cached(live_server)
     sequence = last_sequence(live_server, sid)
     assert sequence.ids[:sequence.prompt_len] and len(sequence.ids) == first["prompt_tokens"] + 40
     block_size = live_server.dispatcher.block_size
+    # In Redis, and in the router's mirror of it (fed by the pool's event stream, which lags under load).
     assert wait_until(lambda: _pooled_blocks(live_server, sequence.ids) == len(sequence.ids) // block_size, 30)
+    hashes = block_hashes(sequence.ids, block_size, salt_for(live_server.dispatcher.model_id))
+    mirror = live_server.server.cluster.mirror
+    assert wait_until(lambda: mirror.longest_prefix(hashes).get(POOL_HOLDER, 0) == len(hashes), 30)
     second = turn("second")
     # every full block of turn 1's prompt and answer; the new message and the partial block are computed
     assert second["prompt_tokens_details"]["cached_tokens"] == len(sequence.ids) // block_size * block_size
