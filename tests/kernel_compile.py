@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,6 +39,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature  # no
 
 from engine import kernels  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
+from engine.kernels import common  # noqa: E402
 from engine.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.triton_attention import paged_attention, paged_metadata, quantized_layer  # noqa: E402
@@ -98,13 +100,15 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
                                num_splits=4, quant=quant)
 
 
-def step_launches() -> list[tuple[str, tuple[JITFunction, tuple, dict]]]:
-    """(what, launch) for every layer step of ``SHAPES`` x attention dtypes x ``FORMATS``."""
+def step_launches(arch: int) -> list[tuple[str, tuple[JITFunction, tuple, dict]]]:
+    """(what, launch) for every layer step of ``SHAPES`` x attention dtypes x ``FORMATS``, as the launchers
+    make them on ``cuda:arch`` (the only device-dependent choice: fp8 codes as bytes before sm_89)."""
     out = []
     for shape in SHAPES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             for kv_format in FORMATS if dtype == torch.bfloat16 else ("auto",):
-                with recorded_launches() as launches:
+                with recorded_launches() as launches, mock.patch.object(
+                        common, "fp8_codes_as_bytes", lambda device: arch < 89):
                     layer_step(shape, dtype, kv_format, context=300)
                 name = f"{shape} {str(dtype).removeprefix('torch.')} {kv_format}"
                 out += [(name, launch) for launch in launches]
@@ -154,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         parser.error("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    launches = step_launches()
     for arch in args.arch or [90]:
+        launches = step_launches(arch)
         seen: dict[str, str] = {}
         for name, (fn, a, kw) in launches:
             key = specialization_key(fn, a, kw, arch)

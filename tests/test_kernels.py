@@ -34,6 +34,10 @@ if not interpreting():
     pytest.skip("triton was imported without TRITON_INTERPRET=1 before this module; run this file in "
                 "its own process", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from engine.kernels import _tile, common  # noqa: E402
 from engine.kernels.kv_write import write_kv  # noqa: E402
 from engine.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from engine.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
@@ -418,9 +422,35 @@ def quantized_layer_and_reference(kv_format: str, lens: list[int], dtype: torch.
     return tables, (k_codes, v_codes, quant), dense
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "fp8", "kivi2"])
+def read_fp8_as_bytes(kv_format: str, monkeypatch) -> str:
+    """"fp8-bytes": fp8, its codes read as bytes (``QUANT`` 3), as on GPUs before sm_89."""
+    if kv_format == "fp8-bytes":
+        monkeypatch.setattr(common, "fp8_codes_as_bytes", lambda device: True)
+        return "fp8"
+    return kv_format
+
+
+@triton.jit
+def _e4m3_bytes_kernel(Bytes, Out):
+    offs = tl.arange(0, 256)
+    tl.store(Out + offs, _tile._e4m3_bytes_as_half(tl.load(Bytes + offs)).to(tl.float32) * 256.0)
+
+
+def test_fp8_codes_read_as_bytes_decode_to_every_finite_value_exactly():
+    codes = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256)
+    _e4m3_bytes_kernel[(1,)](codes, out)
+    want = codes.view(torch.float8_e4m3fn).float()
+    finite = want.isfinite()  # 0x7F and 0xFF are NaN, which no quantizer writes
+    assert finite.sum() == 254 and torch.equal(out[finite], want[finite])
+    assert torch.equal(torch.signbit(out[finite]), torch.signbit(want[finite]))  # -0.0 (0x80) included
+
+
+@pytest.mark.parametrize("kv_format", ["int8", "fp8", "fp8-bytes", "kivi2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str, dtype: torch.dtype):
+def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str, dtype: torch.dtype,
+                                                                   monkeypatch):
+    kv_format = read_fp8_as_bytes(kv_format, monkeypatch)
     lens = [1, 7, 8, 9, 30]  # partial and full blocks of 8: fp8/kivi2 read windows and records in one tile
     tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, lens, dtype)
     if kv_format != "int8":
@@ -433,8 +463,9 @@ def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str
         assert_close(out, ref.ref_paged_decode(q, k_ref, v_ref, tables, context_lens, 0.125))
 
 
-@pytest.mark.parametrize("kv_format", ["int8", "fp8", "kivi2"])
-def test_prefill_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str):
+@pytest.mark.parametrize("kv_format", ["int8", "fp8", "fp8-bytes", "kivi2"])
+def test_prefill_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str, monkeypatch):
+    kv_format = read_fp8_as_bytes(kv_format, monkeypatch)
     seq_lens, chunk_lens = [12, 17, 30], [12, 5, 9]  # a fresh prompt and chunks after cached prefixes
     tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, seq_lens,
                                                                                       torch.float32)

@@ -10,8 +10,8 @@ by log2(e)). The kernels differ only in which keys a row may see, chosen by ``CA
 A quantized cache is dequantized in the tile, so its codes are the only K/V bytes read, rounded to the
 attention dtype as the torch path's gather rounds them (``engine/kv_quant.decode_into``):
 
-* ``QUANT`` 1 (int8) and 3 (fp8 e4m3, read as bytes and decoded by their bits, so no GPU needs an fp8
-  type): code x scale, one fp16 scale per token and head (fp8: per block and head, a token stride of 0);
+* ``QUANT`` 1 (int8, fp8 e4m3) and 3 (fp8 e4m3 read as bytes, on GPUs without Triton's e4m3 type): code x
+  scale, one fp16 scale per token and head (fp8: per block and head, a token stride of 0);
 * ``QUANT`` 2 (kivi2): four 2-bit codes a byte along head_dim, code x scale + zero point, the scales and
   zero points ``[.., groups]`` per token and head with ``K_GROUP``/``V_GROUP`` channels each (keys: per
   channel over the block, a token stride of 0; values: per token, in groups).
@@ -27,24 +27,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _e4m3_to_float(bits):
-    """fp8 e4m3 (``torch.float8_e4m3fn``) bytes to float32 by their bits: exact for every code, and on any
-    GPU (Triton's own fp8e4nv type exists from sm_89 on only). Sign, exponent (bias 7, 120 below
-    float32's) and mantissa move into place; exponent 0 is a subnormal, mantissa x 2^-9; 0x7F is NaN."""
-    b = bits.to(tl.uint32)
-    exp = (b >> 3) & 0xF
-    mant = b & 0x7
-    normal = (((b & 0x80) << 24) | ((exp + 120) << 23) | (mant << 20)).to(tl.float32, bitcast=True)
-    sub = mant.to(tl.float32) * 0.001953125
-    sub = tl.where((b & 0x80) != 0, -sub, sub)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), tl.where(exp == 0, sub, normal))
+def _e4m3_bytes_as_half(bits):
+    """fp8 e4m3 (``torch.float8_e4m3fn``) codes, read as bytes, as fp16 values 2^-8 times theirs: the sign
+    moves to bit 15, exponent and mantissa to bits 7-13, where fp16's exponent (bias 15) reads e4m3's
+    (bias 7) 8 lower, subnormals included. Exact for every finite code (NaN, which the quantizer never
+    writes, reads as 1.875); four integer ops, for GPUs without Triton's e4m3 type (before sm_89)."""
+    b = bits.to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _dequantize(codes_ptr, scale_ptr, zero_ptr, blk, row, offs_d, mask_n, mask, stride_b, stride_t, stride_sb,
                 stride_st, out_dtype: tl.constexpr, GROUP: tl.constexpr, QUANT: tl.constexpr):
-    """One ``[BLOCK_N, BLOCK_D]`` tile of K or V in ``out_dtype``, from codes (``QUANT`` 1: int8, 3: fp8
-    e4m3 as bytes; 2: four 2-bit codes a byte) and scales (and, for 2, zero points) addressed
+    """One ``[BLOCK_N, BLOCK_D]`` tile of K or V in ``out_dtype``, from codes (``QUANT`` 1: int8 or fp8;
+    3: fp8 as bytes; 2: four 2-bit codes a byte) and scales (and, for 2, zero points) addressed
     ``blk * stride_sb + row * stride_st + channel // GROUP``."""
     at = blk[:, None] * stride_b + row[:, None] * stride_t
     scales = blk * stride_sb + row * stride_st
@@ -58,10 +54,12 @@ def _dequantize(codes_ptr, scale_ptr, zero_ptr, blk, row, offs_d, mask_n, mask, 
         z = tl.load(zero_ptr + groups, mask=mask, other=0.0).to(tl.float32)
         out = ((codes * s).to(out_dtype).to(tl.float32) + z).to(out_dtype)  # torch's mul_, then add_
     else:
-        codes = tl.load(codes_ptr + at + offs_d[None, :], mask=mask, other=0)
-        codes = _e4m3_to_float(codes) if QUANT == 3 else codes.to(tl.float32)
+        codes = tl.load(codes_ptr + at + offs_d[None, :], mask=mask, other=0.0)
         s = tl.load(scale_ptr + scales, mask=mask_n, other=0.0).to(tl.float32)
-        out = (codes * s[:, None]).to(out_dtype)
+        if QUANT == 3:  # fp8 bytes as fp16 at 2^-8 of their value: the scale takes the 2^8 (both exact)
+            codes = _e4m3_bytes_as_half(codes)
+            s = s * 256.0
+        out = (codes.to(tl.float32) * s[:, None]).to(out_dtype)
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import cache
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,18 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def fp8_codes_as_bytes(device: torch.device) -> bool:
+    """Whether fp8 e4m3 codes go into the attention kernels as bytes (``QUANT`` 3): on GPUs before sm_89,
+    where Triton has no e4m3 type. From sm_89 on (and in the interpreter) they are converted natively,
+    one instruction per two codes against the bytes' four integer ops per code."""
+    return device.type == "cuda" and _capability(device) < (8, 9)
+
+
 def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """Validate one layer's K and V caches, each ``[num_blocks, block_size, kv_heads, head_dim]`` (any
     strides, head_dim contiguous); returns that shape."""
@@ -107,16 +120,15 @@ def _cache_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """What both attention kernels take besides q and their own arguments: the ``K, V`` codes, the ``KS,
     VS, KZ, VZ, KW, VW, SlotOf`` pointers and ``stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
     stride_vsh, stride_wb, stride_wt, stride_wh``, then the constexprs: ``dtype_flags`` of q's dtype,
-    ``QUANT`` (0: none, 1: int8, 2: kivi2, 3: fp8 e4m3, whose codes go in as their bytes: Triton's fp8
-    type does not exist before sm_89), ``K_GROUP``, ``V_GROUP`` and ``WINDOWED``. ``q`` stands in for every
-    pointer a cache has no use for (never read)."""
+    ``QUANT`` (0: none, 1: int8 or fp8, 2: kivi2, 3: fp8 as bytes, ``fp8_codes_as_bytes``), ``K_GROUP``,
+    ``V_GROUP`` and ``WINDOWED``. ``q`` stands in for every pointer a cache has no use for (never read)."""
     dtype = dtype_flags(q.dtype)
     if quant is None:
         return (k_cache, v_cache) + (q,) * 7 + (0,) * 9, {**dtype, "QUANT": 0, "K_GROUP": 1, "V_GROUP": 1,
                                                             "WINDOWED": False}
-    kind = 2 if quant.packed else 3 if k_cache.dtype == torch.float8_e4m3fn else 1
-    if kind == 3:
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    kind = 2 if quant.packed else 1
+    if k_cache.dtype == torch.float8_e4m3fn and fp8_codes_as_bytes(k_cache.device):
+        kind, k_cache, v_cache = 3, k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     ks, vs, kw = quant.k_scale, quant.v_scale, quant.k_window
     windowed = kw is not None
     kz, vz = (quant.k_zero, quant.v_zero) if quant.packed else (q, q)
