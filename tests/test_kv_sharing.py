@@ -77,18 +77,24 @@ def test_prefix_held_only_by_another_worker_is_copied_from_it_not_recomputed(sta
         assert prompt_tokens_by_source(server).get("pool_redis", 0) == 0
 
 
+SESSION_ANSWER_TOKENS = 320
+
+
 @pytest.mark.timeout(300)
 def test_a_session_turn_finds_the_previous_prompt_and_answer_cached(live_server):
     """Whole-session reuse: the decode worker shares the answer's blocks, and the next turn's prompt keeps
     the previous turn's token ids (the answer's text, encoded again, could give other tokens): turn 2
-    computes little more than its new message."""
+    computes little more than its new message. The answer's blocks are on the decode worker (and in Redis),
+    and the router copies them only where that beats recomputing them: this test model computes a token
+    in ~12 us, so 3 blocks (~0.6 ms) against a peer copy's 1 ms latency went either way with the queues
+    (2 of 4 full-suite runs recomputed them). 20 blocks save ~3 ms."""
     sid = f"reuse-{uuid.uuid4().hex}"
     url = f"{live_server.http_url}/v1/chat/completions"
     system = {"role": "system", "content": LONG_PROMPT}
 
     def turn(text: str) -> dict:
         body = {"model": live_server.model_id, "messages": ([system] if text == "first" else []) + [
-            {"role": "user", "content": text}], "max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+            {"role": "user", "content": text}], "max_tokens": SESSION_ANSWER_TOKENS, "temperature": 0.0, "ignore_eos": True,
             "session_id": sid}
         response = httpx.post(url, json=body, timeout=120)
         assert response.status_code == 200, response.text
@@ -96,7 +102,7 @@ def test_a_session_turn_finds_the_previous_prompt_and_answer_cached(live_server)
 
     first = turn("first")
     sequence = last_sequence(live_server, sid)
-    assert sequence.ids[:sequence.prompt_len] and len(sequence.ids) == first["prompt_tokens"] + 40
+    assert sequence.ids[:sequence.prompt_len] and len(sequence.ids) == first["prompt_tokens"] + SESSION_ANSWER_TOKENS
     block_size = live_server.dispatcher.block_size
     # In Redis, and in the router's mirror of it (fed by the pool's event stream, which lags under load).
     assert wait_until(lambda: _pooled_blocks(live_server, sequence.ids) == len(sequence.ids) // block_size, 30)
