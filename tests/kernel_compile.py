@@ -45,7 +45,7 @@ from engine.kv_cache import KVCache  # noqa: E402
 from engine.triton_attention import paged_attention, paged_metadata, quantized_layer  # noqa: E402
 
 # sharedMemPerBlockOptin (bytes) of each compute capability: what Triton's loader compares a kernel with.
-MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
 # (query heads, kv heads, head_dim) of checkpoints users point --model at: both head dims, GQA groups of 8
 # and 7 (not a power of two: padded query rows). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
 SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128)}
