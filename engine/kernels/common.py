@@ -187,9 +187,9 @@ def launch_options(dtype: torch.dtype, quant: QuantizedKV | None) -> dict[str, i
     """Warps and pipeline stages of an attention launch, from the compiled kernels' resources on sm_90
     (``tests/kernel_compile.py``, head_dim 128, 64-token key tiles):
 
-    * 8 warps where a tile is dequantized (int8, fp8, kivi2) or scored in float32: at 4 warps each thread
-      holds 236-255 registers and fp8, kivi2 and fp32 split-K spill 104-400 B of them to local memory; 8
-      halve each thread's share of the tile (128-214 registers, no spills). 16-bit caches keep 4 (101
+    * 8 warps where a tile is dequantized (int8, fp8, kivi2) or scored in float32: at 4 warps decode holds
+      236-255 registers a thread and fp8, kivi2 and fp32 split-K spill 88-400 B of them to local memory;
+      8 halve each thread's share of the tile (128-214 registers, no spills). 16-bit caches keep 4 (101
       registers in decode).
     * kivi2 in one stage: its tiles come from three loads per element (codes, scales, zero points), whose
       staged copies in a software-pipelined key loop need ~100 KiB of shared memory, more than an
