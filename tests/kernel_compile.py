@@ -115,12 +115,18 @@ def step_launches(arch: int) -> list[tuple[str, tuple[JITFunction, tuple, dict]]
     return out
 
 
-def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
-    """Compile one recorded launch for ``cuda:arch`` as ``JITFunction.run`` would on that device."""
+def bind(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
+    """What ``JITFunction.run`` derives from a launch on ``cuda:arch`` before compiling: the target, its
+    backend, and the bound arguments' specialization and options (Triton's own binder, an internal API)."""
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, options = binder(*args, **kwargs)
+    return (target, backend, *binder(*args, **kwargs))
+
+
+def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
+    """Compile one recorded launch for ``cuda:arch`` as ``JITFunction.run`` would on that device."""
+    target, backend, bound_args, specialization, options = bind(fn, args, kwargs, arch)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
@@ -139,8 +145,8 @@ def registers_and_spills(cubin: bytes) -> tuple[int, int]:
 
 
 def specialization_key(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> str:
-    binder = create_function_from_signature(fn.signature, fn.params, make_backend(GPUTarget("cuda", arch, 32)))
-    _, specialization, options = binder(*args, **kwargs)
+    """Launches with equal keys compile to the same kernel."""
+    _, _, _, specialization, options = bind(fn, args, kwargs, arch)
     return f"{fn.__name__} {specialization} {options}"
 
 
@@ -160,12 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("run without TRITON_INTERPRET: interpreted kernels cannot be compiled")
     for arch in args.arch or [90]:
         launches = step_launches(arch)
-        seen: dict[str, str] = {}
+        seen: set[str] = set()
         for name, (fn, a, kw) in launches:
             key = specialization_key(fn, a, kw, arch)
             if key in seen:
                 continue
-            seen[key] = name
+            seen.add(key)
             row = {"arch": arch, "kernel": fn.__name__, "launch": name, "max_shared": MAX_SHARED[arch]}
             try:
                 compiled = compile_launch(fn, a, kw, arch)
