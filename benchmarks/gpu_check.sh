@@ -63,4 +63,4 @@ if [ ${#failed[@]} -gt 0 ]; then
   printf 'failed: %s\n' "${failed[@]}"
   exit 1
 fi
-echo "all ${#} steps passed; logs and JSON in $out/"
+echo "every step passed; logs and JSON in $out/"

@@ -124,9 +124,9 @@ def bind(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
     return (target, backend, *binder(*args, **kwargs))
 
 
-def compile_launch(fn: JITFunction, args: tuple, kwargs: dict, arch: int):
-    """Compile one recorded launch for ``cuda:arch`` as ``JITFunction.run`` would on that device."""
-    target, backend, bound_args, specialization, options = bind(fn, args, kwargs, arch)
+def compile_launch(fn: JITFunction, kwargs: dict, bound: tuple):
+    """Compile one recorded launch, ``bound`` by ``bind`` for its target, as ``JITFunction.run`` would."""
+    target, backend, bound_args, specialization, options = bound
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, options)
     return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
 
@@ -142,12 +142,6 @@ def registers_and_spills(cubin: bytes) -> tuple[int, int]:
     if found is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {usage[:500]}")
     return int(found.group(1)), int(found.group(2))
-
-
-def specialization_key(fn: JITFunction, args: tuple, kwargs: dict, arch: int) -> str:
-    """Launches with equal keys compile to the same kernel."""
-    _, _, _, specialization, options = bind(fn, args, kwargs, arch)
-    return f"{fn.__name__} {specialization} {options}"
 
 
 def root_cause(exc: BaseException) -> str:
@@ -168,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         launches = step_launches(arch)
         seen: set[str] = set()
         for name, (fn, a, kw) in launches:
-            key = specialization_key(fn, a, kw, arch)
+            bound = bind(fn, a, kw, arch)
+            key = f"{fn.__name__} {bound[3]} {bound[4]}"  # specialization and options: the same kernel
             if key in seen:
                 continue
             seen.add(key)
             row = {"arch": arch, "kernel": fn.__name__, "launch": name, "max_shared": MAX_SHARED[arch]}
             try:
-                compiled = compile_launch(fn, a, kw, arch)
+                compiled = compile_launch(fn, kw, bound)
                 registers, spilled = registers_and_spills(compiled.asm["cubin"])
                 row.update(ok=True, shared=compiled.metadata.shared, registers=registers, spill_bytes=spilled,
                            num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages)

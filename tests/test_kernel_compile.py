@@ -1,8 +1,9 @@
 """Every Triton kernel launch of the GPU engine compiles for the GPUs users run (A100 sm_80, A10-class
 sm_86, H100/H200 sm_90, B200 sm_100), fits the shared memory one block gets there and spills no
 registers on sm_90/sm_100, checked on a machine without a GPU by ``tests/kernel_compile.py`` (Triton
-compiles to a cubin with its own ptxas). The interpreter tests check what the kernels compute; this checks what only a GPU compile
-shows: fp8 types before sm_89, code after a constexpr branch's return, shared memory, spills."""
+compiles to a cubin with its own ptxas). The interpreter tests check what the kernels compute; this
+checks what only a GPU compile shows: fp8 types before sm_89, code after a constexpr branch's return,
+shared memory, spills."""
 
 from __future__ import annotations
 
