@@ -8,6 +8,9 @@ figures of ``benchmarks/kv_quality.py`` (c): on the same held-out document, with
 the weight that queries past the window give the first N tokens, per layer, against an even spread.
 
     python benchmarks/attention_mass.py [--model DIR] [--sinks 4] [--window 256]
+
+``--model`` takes any checkpoint with a byte-level tokenizer: ``benchmarks/pretrained.py``'s SmolLM2-135M
+is one that has sinks.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.train_tiny import REPORT_FILE, default_out, held_out_documents  # noqa: E402
+from benchmarks.held_out import held_out_documents  # noqa: E402
+from benchmarks.train_tiny import REPORT_FILE, default_out  # noqa: E402
 
 
 def first_tokens_share(model_dir: str, tokens: list[int], sinks: int, from_pos: int) -> list[float]:
@@ -51,7 +55,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     trained = Path(args.model) / REPORT_FILE
     context = json.loads(trained.read_text())["eval_context"] if trained.exists() else 1024
-    tokens = max(held_out_documents(), key=len)[:context]  # kv_quality.py's stream, within the trained context
+    tokens = max(held_out_documents(args.model), key=len)[:context]  # kv_quality.py's stream, within the trained context
     shares = first_tokens_share(args.model, tokens, args.sinks, args.window)
     even = even_share(len(tokens), args.sinks, args.window)
     print(f"model {args.model}: queries at positions {args.window}..{len(tokens) - 1} of a held-out document; "

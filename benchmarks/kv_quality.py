@@ -1,10 +1,13 @@
-"""What the KV-memory options (issue 16) cost in quality and save in memory, on the trained model of
-``benchmarks/train_tiny.py`` (a random-weight model has no quality to lose), against the full-precision
-cache in the same run:
+"""What the KV-memory options (issue 16) cost in quality and save in memory, on a model that predicts
+something (a random-weight model has no quality to lose): the trained model of ``benchmarks/train_tiny.py``
+by default, or any checkpoint with a byte-level BPE tokenizer (``--model``; ``benchmarks/pretrained.py``
+makes SmolLM2-135M-Instruct one), against the full-precision cache in the same run:
 
 - (a) held-out bits per byte for each ``kv_cache_dtype``: documents teacher-forced through the engine's
-  paged cache in chunks (``--chunk`` tokens), every token scored, so every chunk attends over K/V read
-  back from the (quantized) cache (a fresh prompt's own included), as chunked prefill and decode do;
+  paged cache, every text token scored, bytes counted by the model's tokenizer. Two ways: one token a
+  step, which reads the cache as generation does (the headline figure), and in chunks of ``--chunk``
+  tokens, which reads it as a prompt does (blocks the chunk fills are read back quantized, its own
+  tokens' included);
 - (b) greedy agreement with the full-precision cache: N held-out prompts x M new tokens through the
   engine's own request path; identical tokens (position by position) and the first divergence;
 - (c) a stream 10x longer than the attention window: full attention, window only (``kv_sinks=0``) and
@@ -32,9 +35,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import format_table, load_average  # noqa: E402
-from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out, held_out_documents  # noqa: E402
+from benchmarks.held_out import held_out_documents, token_bytes  # noqa: E402
+from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.loader import resolve_model_dir  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
 from engine.runner import ModelRunner, SeqChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -42,7 +47,6 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 FULL = "auto"  # the cache in the model's dtype: the reference every other option is compared with
 MODEL_DTYPE = EngineConfig.dtype  # the engines here run in the default (float32) weights and cache
 DTYPES = ["auto", "int8", "fp8", "kivi2"]
-BYTE_VOCAB = 256
 BLOCK_SIZE = 16
 
 
@@ -68,6 +72,11 @@ def blocks_for(num_tokens: int) -> int:
     return -(-num_tokens // BLOCK_SIZE)
 
 
+def room_for(docs: list[list[int]]) -> int:
+    """Cache tokens ``batch_token_nll`` needs for ``docs`` at once (each in whole blocks)."""
+    return BLOCK_SIZE * sum(blocks_for(len(d)) for d in docs)
+
+
 class AllRowsRunner(ModelRunner):
     """The engine's runner (same model, same paged cache, same forward pass: K/V written to and read
     back from the cache in its format) whose ``run`` returns the logits of every token of its chunks
@@ -84,28 +93,48 @@ def scoring_runner(engine: Engine) -> AllRowsRunner:
     return AllRowsRunner(engine.model, engine.model_config, engine.kv_cache, engine.runner.window)
 
 
-def token_nll(engine: Engine, tokens: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(NLL in nats of tokens[1:], which of them are bytes): one sequence teacher-forced in chunks of
-    ``chunk`` tokens through blocks the engine reserves for it (and frees after)."""
-    inputs, targets = tokens[:-1], torch.tensor(tokens[1:])
-    runner, request_id = scoring_runner(engine), "kv-quality-score"
-    table = engine.reserve_blocks(request_id, len(inputs))
+def batch_token_nll(engine: Engine, docs: list[list[int]], chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per document: (NLL in nats of tokens[1:], the bytes of text each of them stands for: 0 for a
+    special token, which is never scored). The documents are teacher-forced together, each step running
+    the next ``chunk`` tokens of every one not yet done, through blocks the engine reserves for them (and
+    frees after). ``chunk`` 1 reads the cache as generation does: a token sees the K/V before it as the
+    cache holds them (the block it fills still in its window); a longer chunk reads it as a prompt does:
+    its blocks filled in the step are read back in the cache's format."""
+    runner, table = scoring_runner(engine), token_bytes(str(resolve_model_dir(engine.config.model)))
+    request_ids = [f"kv-quality-{i}" for i in range(len(docs))]
+    tables: list[list[int]] = []
+    nll: list[list[torch.Tensor]] = [[] for _ in docs]
     try:
-        nll = torch.cat([torch.nn.functional.cross_entropy(
-            runner.run([SeqChunk(inputs[s:s + chunk], s, table)]).cpu(), targets[s:s + chunk],
-            reduction="none") for s in range(0, len(inputs), chunk)])
+        for request_id, doc in zip(request_ids, docs, strict=True):
+            tables.append(engine.reserve_blocks(request_id, len(doc) - 1))
+        for start in range(0, max(map(len, docs)) - 1, chunk):
+            live = [i for i, doc in enumerate(docs) if len(doc) - 1 > start]
+            chunks = [SeqChunk(docs[i][start:min(start + chunk, len(docs[i]) - 1)], start, tables[i])
+                      for i in live]
+            rows = runner.run(chunks).cpu().split([len(c.token_ids) for c in chunks])
+            for i, logits in zip(live, rows, strict=True):
+                targets = torch.tensor(docs[i][start + 1:start + 1 + len(logits)])
+                nll[i].append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
     finally:
-        engine.release(request_id)
-    return nll, targets < BYTE_VOCAB
+        for request_id in request_ids:
+            engine.release(request_id)
+    return [(torch.cat(n), table[torch.tensor(doc[1:])]) for n, doc in zip(nll, docs, strict=True)]
+
+
+def token_nll(engine: Engine, tokens: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch_token_nll`` of one document."""
+    return batch_token_nll(engine, [tokens], chunk)[0]
+
+
+def text_bits_per_byte(nll: torch.Tensor, nbytes: torch.Tensor) -> float:
+    """Bits per byte of the text tokens among ``nll``'s (``nbytes`` > 0)."""
+    return bits_per_byte(nll[nbytes > 0].sum().item(), int(nbytes.sum()))
 
 
 def score_documents(engine: Engine, docs: list[list[int]], chunk: int) -> float:
     """Bits per byte of ``docs``, each teacher-forced from position 0 through the paged cache."""
-    nll, count = 0.0, 0
-    for doc in docs:
-        doc_nll, is_byte = token_nll(engine, doc, chunk)
-        nll, count = nll + doc_nll[is_byte].sum().item(), count + int(is_byte.sum())
-    return bits_per_byte(nll, count)
+    scored = batch_token_nll(engine, docs, chunk)
+    return text_bits_per_byte(torch.cat([n for n, _ in scored]), torch.cat([b for _, b in scored]))
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -151,9 +180,10 @@ def evaluate_dtype(args: argparse.Namespace, dtype: str, docs: list[list[int]], 
                    reference: list[list[int]] | None) -> tuple[dict, list[list[int]]]:
     """((a), (b), (d) figures, greedy tokens) with the cache in ``dtype``."""
     start = time.perf_counter()
-    room = max(max(map(len, docs)), len(prompts) * BLOCK_SIZE * blocks_for(args.prompt_len + args.new_tokens))
+    room = max(room_for(docs), len(prompts) * BLOCK_SIZE * blocks_for(args.prompt_len + args.new_tokens))
     engine = make_engine(args.model, room, **({} if dtype == FULL else {"kv_cache_dtype": dtype}))
-    row = {"available": True, "bits_per_byte": score_documents(engine, docs, args.chunk),
+    row = {"available": True, "bits_per_byte": score_documents(engine, docs, 1),
+           "bits_per_byte_prefill": score_documents(engine, docs, args.chunk),
            **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len)}
     tokens = greedy_tokens(engine, prompts, args.new_tokens)  # after scoring: it allocates blocks itself
     row |= agreement(reference or tokens, tokens)
@@ -191,12 +221,10 @@ def run_stream(args: argparse.Namespace, stream: list[int], trained_ctx: int) ->
         except Unavailable as e:
             results[name] = {"available": False, "note": str(e)}
             continue
-        nll, is_byte = token_nll(engine, stream, min(args.chunk, args.window))
-        tail = torch.arange(len(nll)) >= trained_ctx
-        results[name] = {"available": True,
-                         "bits_per_byte": bits_per_byte(nll[is_byte].sum().item(), int(is_byte.sum())),
-                         "bits_per_byte_past_trained_ctx": bits_per_byte(
-                             nll[is_byte & tail].sum().item(), int((is_byte & tail).sum()))}
+        nll, nbytes = token_nll(engine, stream, min(args.chunk, args.window))
+        results[name] = {"available": True, "bits_per_byte": text_bits_per_byte(nll, nbytes),
+                         "bits_per_byte_past_trained_ctx": text_bits_per_byte(nll[trained_ctx:],
+                                                                              nbytes[trained_ctx:])}
     full = results["full"]
     for name in ("window", "sinks+window"):  # the same figures as full attention: nothing was dropped
         if results[name].get("available") and full.get("available") and \
@@ -207,7 +235,7 @@ def run_stream(args: argparse.Namespace, stream: list[int], trained_ctx: int) ->
 
 def select_inputs(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """(documents for (a), prompts for (b), the long stream for (c)) from the held-out files."""
-    held = held_out_documents()
+    held = held_out_documents(resolve_model_dir(args.model))
     docs, total = [], 0
     for d in held:
         if total >= args.eval_tokens:
@@ -229,16 +257,18 @@ def print_report(report: dict) -> None:
         formula = [f"{r['formula_kv_bytes_per_token']:.0f}", str(r["formula_sequences_fit"])] \
             if "formula_kv_bytes_per_token" in r else ["n/a", "n/a"]
         if not r["available"]:
-            rows.append([dtype, "not available", "", "", "", "", "", *formula])
+            rows.append([dtype, "not available", "", "", "", "", "", "", *formula])
             notes.append(f"{dtype}: not available: {r['note']}")
             continue
-        rows.append([dtype, f"{r['bits_per_byte']:.4f} ({r['bits_per_byte'] / full['bits_per_byte'] - 1:+.3%})",
+        rows.append([dtype, *(f"{r[k]:.4f} ({r[k] / full[k] - 1:+.3%})" for k in ("bits_per_byte",
+                                                                                  "bits_per_byte_prefill")),
                      f"{r['token_agreement']:.3f}", f"{r['identical_sequences']}/{report['prompts']}",
                      f"{r['mean_first_divergence']:.1f}",
                      f"{r['kv_bytes_per_token']:.0f} ({r['kv_bytes_per_token'] / full['kv_bytes_per_token']:.3f}x)",
                      str(r["sequences_fit"]), *formula])
     fit = f"seqs of {report['seq_len']} in {report['cache_bytes'] >> 20} MiB"
-    print(format_table(["kv_cache_dtype", "bits/byte (vs auto)", "greedy agree", "identical", "1st diverge",
+    print(format_table(["kv_cache_dtype", "bits/byte (vs auto)", f"chunks of {report['chunk']} (vs auto)",
+                        "greedy agree", "identical", "1st diverge",
                         "KV B/token (vs auto)", fit, "formula B/token", "formula " + fit], rows))
     print("\n".join(notes) + "\n")
     ref = report["stream"]["full"].get("bits_per_byte")
@@ -253,7 +283,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
     p.add_argument("--dtypes", default=",".join(DTYPES), help="kv_cache_dtype values; 'auto' = full precision")
-    p.add_argument("--chunk", type=int, default=256, help="teacher-forcing chunk (tokens per forward)")
+    p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")
     p.add_argument("--doc-tokens", type=int, default=1024, help="(a): leading tokens of each document")
     p.add_argument("--prompts", type=int, default=16)
@@ -286,7 +316,7 @@ def main() -> None:
               "load_average_before": load_before, "load_average_after": load_average(),
               "torch": torch.__version__, "threads": args.threads}
     print(f"model {args.model}; (a) {report['documents']} held-out documents, {report['scored_tokens']} "
-          f"tokens teacher-forced in chunks of {args.chunk}; (b) {len(prompts)} prompts x {args.new_tokens} "
+          f"tokens teacher-forced one a step and in chunks of {args.chunk}; (b) {len(prompts)} prompts x {args.new_tokens} "
           f"greedy tokens; (c) a {len(stream)}-token document, window {args.window}, {args.sinks} sinks; "
           f"load average {load_before} -> {report['load_average_after']}\n")
     print_report(report)

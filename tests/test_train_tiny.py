@@ -16,6 +16,7 @@ from benchmarks.kv_quality import (
     FULL,
     agreement,
     make_engine,
+    room_for,
     run_dtypes,
     score_documents,
     scoring_runner,
@@ -100,7 +101,7 @@ def test_ensure_trained_reuses_a_finished_checkpoint(trained):
 @pytest.mark.timeout(60)
 def test_engine_scoring_equals_transformers_teacher_forced_loss(random_checkpoint):
     docs = [d[:150] for d in held_out_documents(CORPUS_LIMIT)[:1]] + [[256, *b"def f(x):\n    return x\n" * 4]]
-    engine = make_engine(str(random_checkpoint), max(map(len, docs)))
+    engine = make_engine(str(random_checkpoint), room_for(docs))  # scored together: room for all of them
     nll, count = 0.0, 0
     for doc in docs:
         logits = hf_logits(random_checkpoint, doc)
