@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import torch
 
-from kvstore.payload import BlockError, BlockLayout, decode_block, encode_block, layout_format
+from kvstore.payload import BlockError, BlockLayout, encode_block, layout_format, read_block
 from kvstore.pool import hex_of
 
 log = logging.getLogger(__name__)
@@ -231,8 +231,7 @@ class DiskTier:
             self._files.move_to_end(h)
         try:
             with open(self.path_of(h), "rb", buffering=0) as f:
-                data = f.readall()
-            block = decode_block(data, self.model_id, h, self.layout)
+                block = read_block(f, self.model_id, h, self.layout)
         except (OSError, BlockError) as e:
             if isinstance(e, BlockError):
                 log.error("disk tier: block %s rejected (%s); treating it as a miss", hex_of(h), e)

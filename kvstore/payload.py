@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import torch
 
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"TPKV"
 _PREFIX = struct.Struct("<4sI")
+MAX_HEADER_BYTES = 1 << 16  # a header is ~200 bytes of JSON; a larger length field is damage
 
 
 class BlockError(ValueError):
@@ -62,26 +64,73 @@ def encode_block(model_id: str, block_hash: int, tensor: torch.Tensor, kv_format
     return b"".join((_PREFIX.pack(MAGIC, len(header)), header, raw))
 
 
-def decode_block(data: bytes, model_id: str, block_hash: int, layout: BlockLayout | None = None) -> torch.Tensor:
-    """The block's tensor; raises ``BlockError`` unless header and checksum match."""
+@dataclass(frozen=True)
+class _Header:
+    dtype: str
+    shape: tuple[int, ...]
+    crc: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def _check_header(header_bytes: bytes | memoryview, model_id: str, block_hash: int,
+                  layout: BlockLayout | None) -> _Header:
+    """The header's layout and checksum; ``BlockError`` unless it is this model's block ``block_hash``
+    (``LayoutMismatch`` if it is, in another layout or format than ``layout``)."""
     try:
-        magic, size = _PREFIX.unpack_from(data)
-        header = json.loads(data[_PREFIX.size:_PREFIX.size + size])
+        header = json.loads(bytes(header_bytes))
         model, h, layers, dtype = header["model"], header["hash"], header["layers"], header["dtype"]
         shape, crc, kv_format = tuple(header["shape"]), header["crc32c"], header.get("kv_format", "auto")
-    except (struct.error, ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError) as e:
         raise BlockError(f"unreadable block header: {e}") from e
-    if magic != MAGIC or model != model_id or h != hex_of(block_hash):
+    if model != model_id or h != hex_of(block_hash):
         raise BlockError(f"header names model {model!r} block {h}, expected {model_id!r} {hex_of(block_hash)}")
     if dtype not in DTYPES or not shape or not all(type(d) is int and d >= 0 for d in shape) or layers != shape[0]:
         raise BlockError(f"bad header layout: dtype {dtype}, layers {layers}, shape {shape}")
     if layout is not None and (dtype, shape, kv_format) != (layout.dtype, layout.shape, layout.kv_format):
         raise LayoutMismatch(f"block is {kv_format} {dtype}{list(shape)}, reader expects {layout.kv_format} "
                          f"{layout.dtype}{list(layout.shape)}")
+    return _Header(dtype, shape, crc)
+
+
+def _header_length(prefix: bytes | memoryview) -> int:
+    try:
+        magic, size = _PREFIX.unpack_from(prefix)
+    except struct.error as e:
+        raise BlockError(f"unreadable block header: {e}") from e
+    if magic != MAGIC or size > MAX_HEADER_BYTES:
+        raise BlockError(f"not a stored block (magic {bytes(magic)!r}, header length {size})")
+    return size
+
+
+def decode_block(data: bytes, model_id: str, block_hash: int, layout: BlockLayout | None = None) -> torch.Tensor:
+    """The block's tensor; raises ``BlockError`` unless header and checksum match."""
+    size = _header_length(data)
+    header = _check_header(memoryview(data)[_PREFIX.size:_PREFIX.size + size], model_id, block_hash, layout)
     raw = memoryview(data)[_PREFIX.size + size:]
-    if len(raw) != math.prod(shape) * DTYPES[dtype].itemsize or checksum(raw) != crc:
+    if len(raw) != header.nbytes or checksum(raw) != header.crc:
         raise BlockError("checksum or length mismatch")
-    return tensor_from_bytes(raw, dtype, shape)
+    return tensor_from_bytes(raw, header.dtype, header.shape)
+
+
+def read_block(f: BinaryIO, model_id: str, block_hash: int, layout: BlockLayout | None = None) -> torch.Tensor:
+    """``decode_block`` of a stored block read from the unbuffered file ``f``: the raw bytes are read
+    straight into the new tensor and checked there, so a page-cached block costs one copy and one
+    checksum pass, not the three passes of reading the file, checking it and copying it out."""
+    prefix = f.read(_PREFIX.size)
+    header_bytes = f.read(_header_length(prefix))
+    header = _check_header(header_bytes, model_id, block_hash, layout)
+    if os.fstat(f.fileno()).st_size - f.tell() != header.nbytes:  # before allocating what the header says
+        raise BlockError("checksum or length mismatch")
+    out = torch.empty(header.shape, dtype=DTYPES[header.dtype])
+    view, got = as_bytes(out), 0
+    while got < len(view) and (n := f.readinto(view[got:])):
+        got += n
+    if got != len(view) or checksum(view) != header.crc:
+        raise BlockError("checksum or length mismatch")
+    return out
 
 
 class BlockTier(Protocol):

@@ -9,7 +9,16 @@ import torch
 
 from kvstore.events import PoolEvent, PoolMirror
 from kvstore.hashing import block_hashes, salt_for
-from kvstore.payload import BlockLayout, HostTier, RedisTier, decode_block, encode_block, fetch_prefix
+from kvstore.payload import (
+    BlockError,
+    BlockLayout,
+    HostTier,
+    RedisTier,
+    decode_block,
+    encode_block,
+    fetch_prefix,
+    read_block,
+)
 from kvstore.pool import POOL_HOLDER, KVPool, hex_of
 from services.local_redis import free_port
 
@@ -163,3 +172,26 @@ def test_redis_tier_fails_soft_when_unreachable():
     assert tier.get_blocks(HASHES[:2]) == [None, None]
     assert tier.get_prefix(HASHES[:2]) == []
     pool.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_read_block_from_a_file_equals_decode_block_and_refuses_any_damage(tmp_path, dtype):
+    block = torch.randn(2, 2, 4, 2, 8).to(dtype)
+    stored = encode_block("tiny", HASHES[0], block)
+    path = tmp_path / "block.kv"
+
+    def read(data: bytes) -> torch.Tensor:
+        path.write_bytes(data)
+        with open(path, "rb", buffering=0) as f:
+            return read_block(f, "tiny", HASHES[0], BlockLayout(str(dtype).removeprefix("torch."), block.shape))
+
+    assert torch.equal(read(stored), decode_block(stored, "tiny", HASHES[0]))
+    assert torch.equal(read(stored), block)
+    header_end = stored.index(b"}") + 1
+    damaged = [stored[:n] for n in (0, 3, 8, header_end - 1, header_end, len(stored) - 1)]  # truncated
+    damaged += [stored + b"\0", stored[:-1] + bytes([stored[-1] ^ 1]),  # longer; one bit flipped
+                b"XXXX" + stored[4:], stored[:4] + (1 << 30).to_bytes(4, "little") + stored[8:]]  # magic; length
+    for i, data in enumerate(damaged):
+        with pytest.raises(BlockError):
+            read(data)
+            pytest.fail(f"damage {i} was not detected")
