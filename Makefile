@@ -56,10 +56,11 @@ run: setup
 gpu-check:
 	PY=$(PY) benchmarks/gpu_check.sh $(GPU_OUT) engine-gpu transfer-gpu gpu-tests engine-gpu-long
 
-# On a CUDA machine, a second check (5-8 minutes): issue 16's attention-sink result needs a model that parks
-# attention on its first tokens, which the 9-minute CPU training does not produce. This trains the same model
-# on the GPU with a large batch (hundreds of times the tokens), then measures where its attention goes and
-# what window-only and sinks + window cost on it (kv_quality.py on the CPU engine).
+# On a CUDA machine, a second check (5-8 minutes): the attention-sink result needs a model that parks
+# attention on its first tokens, which the 9-minute CPU training does not produce (the pretrained SmolLM2 of
+# benchmarks/pretrained.py does, on any CPU). This trains the same model on the GPU with a large batch
+# (hundreds of times the tokens), then measures where its attention goes and what window-only and
+# sinks + window cost on it (kv_quality.py on the CPU engine).
 SINKS_MINUTES ?= 4
 gpu-sinks:
 	PY=$(PY) SINKS_MINUTES=$(SINKS_MINUTES) benchmarks/gpu_check.sh $(GPU_OUT) sinks-train sinks-attention sinks-quality
