@@ -93,7 +93,8 @@ def scoring_runner(engine: Engine) -> AllRowsRunner:
     return AllRowsRunner(engine.model, engine.model_config, engine.kv_cache, engine.runner.window)
 
 
-def batch_token_nll(engine: Engine, docs: list[list[int]], chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batch_token_nll(engine: Engine, docs: list[list[int]],
+                    chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per document: (NLL in nats of tokens[1:], the bytes of text each of them stands for: 0 for a
     special token, which is never scored). The documents are teacher-forced together, each step running
     the next ``chunk`` tokens of every one not yet done, through blocks the engine reserves for them (and

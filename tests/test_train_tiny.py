@@ -107,10 +107,12 @@ def test_engine_scoring_equals_transformers_teacher_forced_loss(random_checkpoin
         logits = hf_logits(random_checkpoint, doc)
         n, c = byte_nll(logits[:-1], torch.tensor(doc[1:]))
         nll, count = nll + n, count + c
-        # per token too, in chunks of 32: every chunk after the first reads K/V back from the paged cache
-        ours, _ = token_nll(engine, doc, 32)
+        # per token too, in chunks of 32 and one a step: every step after the first reads K/V back from
+        # the paged cache
         theirs = F.cross_entropy(logits[:-1], torch.tensor(doc[1:]), reduction="none")
-        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+        for chunk in (32, 1):
+            ours, _ = token_nll(engine, doc, chunk)
+            torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     expected = nll / count / math.log(2)
     assert expected > 6.0  # untrained: close to uniform over 272 ids, so scoring is not trivially equal
     assert score_documents(engine, docs, 32) == pytest.approx(expected, rel=1e-5)
