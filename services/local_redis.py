@@ -104,7 +104,9 @@ class LocalRedis:
         return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={quote(self.tls.ca_file, safe='/')}"
 
     def _spawn(self) -> subprocess.Popen:
-        return subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # A process group of its own: a terminal's Ctrl-C signals the foreground group, and the launcher's
+        # graceful shutdown still needs Redis while requests in flight finish; stop() ends the server.
+        return subprocess.Popen(self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
 
     def _wait_ready(self, timeout_s: float = 10.0) -> None:
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.2)

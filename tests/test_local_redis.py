@@ -9,6 +9,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 
 import httpx
 import pytest
@@ -108,6 +109,36 @@ def test_stop_ends_the_server_and_its_watcher_for_good():
     with pytest.raises(redis.exceptions.ConnectionError):
         redis.Redis(port=port, password=PASSWORD, socket_connect_timeout=1, retry=NO_RETRY).ping()
     assert server.restarts == 0
+
+
+LAUNCHER = """
+import signal, sys, time
+from services.local_redis import LocalRedis
+server = LocalRedis()
+def on_ctrl_c(*_):
+    time.sleep(1.0)  # long enough for a redis-server that got the same SIGINT to have exited
+    print(server.process.poll(), flush=True)
+    server.stop()
+    sys.exit(0)
+signal.signal(signal.SIGINT, on_ctrl_c)
+print(server.process.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_terminal_ctrl_c_reaches_the_launcher_and_not_its_redis_server():
+    # the launcher in a process group of its own, as a shell runs a foreground job; Ctrl-C signals the group
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        redis_pid = int(launcher.stdout.readline())
+        os.killpg(launcher.pid, signal.SIGINT)
+        assert launcher.stdout.readline().strip() == "None"  # still serving while the launcher shuts down
+        assert launcher.wait(timeout=30) == 0
+        with pytest.raises(ProcessLookupError):  # and stopped by it
+            os.kill(redis_pid, 0)
+    finally:
+        launcher.kill()
 
 
 # ---- rediss:// -------------------------------------------------------------------------------------------------
