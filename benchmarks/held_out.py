@@ -39,12 +39,12 @@ def token_bytes(model_dir: str) -> torch.Tensor:
     if (spec.get("decoder") or {}).get("type") != "ByteLevel":
         raise ValueError(f"{model_dir}: bits per byte needs a byte-level BPE tokenizer (decoder "
                          f"{(spec.get('decoder') or {}).get('type')!r})")
-    vocab = dict(spec["model"]["vocab"])
-    special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
-    vocab.update({t["content"]: t["id"] for t in spec.get("added_tokens", [])})
-    table = torch.zeros(max(vocab.values()) + 1, dtype=torch.int64)
+    vocab, added = spec["model"]["vocab"], spec.get("added_tokens", [])
+    table = torch.zeros(max([*vocab.values(), *(t["id"] for t in added)]) + 1, dtype=torch.int64)
     for token, token_id in vocab.items():
-        table[token_id] = 0 if token_id in special else len(token)  # one alphabet character per byte
+        table[token_id] = len(token)  # one alphabet character per byte
+    for t in added:  # added tokens are plain text, not alphabet characters; special ones stand for none
+        table[t["id"]] = 0 if t.get("special") else len(t["content"].encode())
     return table
 
 
