@@ -19,6 +19,7 @@ from benchmarks.kv_quality import make_engine, run_stream, select_inputs, token_
 from benchmarks.pretrained import SOURCE_FILE, ensure_pretrained
 from benchmarks.train_tiny import corpus_files, split_files
 from engine.engine import Engine
+from engine.kernels import common, triton_available
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = pytest.mark.slow
@@ -85,6 +86,29 @@ def test_engine_greedy_tokens_equal_transformers_generate(smollm2, hf_model):
             logits = hf_model(input_ids=torch.tensor([p + ours[str(i)]])).logits[0, len(p) - 1:-1]
         assert ours[str(i)] == logits.argmax(-1).tolist(), f"prompt {i}"
     assert "Paris" in tokenizer.decode(ours["0"])  # dequantized Q4_1 weights still know things
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not (triton_available() and common.interpreting()),
+                    reason="needs triton under TRITON_INTERPRET=1 (the conftest sets it without CUDA)")
+def test_triton_kernels_give_the_torch_paths_greedy_tokens(smollm2):
+    """The Triton attention, RoPE, K/V-write and norm kernels on real weights: 3 query heads per KV head,
+    head_dim 64, a 30-layer residual stream; interpreted on the CPU."""
+    from engine.config import EngineConfig
+    from engine.sampling_params import SamplingParams
+
+    tokenizer = Tokenizer.from_dir(smollm2)
+    prompt = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": "Name a prime number."}]))
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model=str(smollm2), num_blocks=16, attention_backend=backend))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        tokens[backend] = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[backend] += out.new_token_ids
+    assert len(tokens["torch"]) == 6
+    assert tokens["triton"] == tokens["torch"]
 
 
 @pytest.mark.timeout(240)
