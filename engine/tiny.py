@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -79,17 +80,34 @@ def _weights() -> dict[str, torch.Tensor]:
             for name, shape in shapes.items()}
 
 
-def write_tiny_checkpoint(path: Path, config: dict | None = None,
-                          weights: dict[str, torch.Tensor] | None = None) -> None:
-    """Write the checkpoint into a private temp dir and rename it into place, so processes racing to
-    create it never see a half-written directory (the loser discards its copy). ``config`` and
-    ``weights`` default to the built-in model; other byte-level Llamas pass theirs to share its
-    tokenizer files (benchmarks/train_tiny.py)."""
-    config = config or CONFIG
+def write_dir_atomically(path: Path, marker: str, fill: Callable[[Path], None], replace: bool = False) -> None:
+    """Have ``fill`` write a directory into a private temp dir, then rename it to ``path``, so processes
+    racing to create it never see half of one: the loser of a race discards its copy (``marker``, a file
+    a complete directory has, tells a lost race from a failure). ``replace`` first removes whatever is at
+    ``path`` (an incomplete or stale directory)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
+        fill(tmp)
+        if replace:
+            shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+    except OSError:
+        if not (path / marker).exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_tiny_checkpoint(path: Path, config: dict | None = None,
+                          weights: dict[str, torch.Tensor] | None = None) -> None:
+    """The built-in checkpoint at ``path``, written atomically (``write_dir_atomically``). ``config`` and
+    ``weights`` default to the built-in model; other byte-level Llamas pass theirs to share its
+    tokenizer files (benchmarks/train_tiny.py)."""
+    config = config or CONFIG
+
+    def fill(tmp: Path) -> None:
         save_file(_weights() if weights is None else weights, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "tokenizer.json").write_text(_tokenizer_json())
@@ -101,9 +119,5 @@ def write_tiny_checkpoint(path: Path, config: dict | None = None,
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": BOS, "eos_token_id": EOS_IDS, "do_sample": False}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        os.rename(tmp, path)
-    except OSError:
-        if not (path / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    write_dir_atomically(path, "config.json", fill)
