@@ -3,7 +3,8 @@ something (a random-weight model has no quality to lose): the trained model of `
 by default, or any checkpoint with a byte-level BPE tokenizer (``--model``; ``benchmarks/pretrained.py``
 makes SmolLM2-135M-Instruct one), against the full-precision cache in the same run:
 
-- (a) held-out bits per byte for each ``kv_cache_dtype``: documents teacher-forced through the engine's
+- (a) held-out bits per byte for each ``kv_cache_dtype`` (``FORMAT:N`` sets ``kv_residual_blocks`` N, the
+  full blocks fp8/kivi2 keep in full precision behind the one being filled): documents teacher-forced through the engine's
   paged cache, every text token scored, bytes counted by the model's tokenizer. Two ways: one token a
   step, which reads the cache as generation does (the headline figure), and in chunks of ``--chunk``
   tokens, which reads it as a prompt does (blocks the chunk fills are read back quantized, its own
@@ -13,12 +14,12 @@ makes SmolLM2-135M-Instruct one), against the full-precision cache in the same r
 - (c) a stream 10x longer than the attention window: full attention, window only (``kv_sinks=0``) and
   sinks + window (``kv_sinks=4``), bits per byte overall and past the trained context;
 - (d) KV bytes per token for each dtype (the engine's own block accounting) and how many sequences of
-  ``--seq-len`` tokens fit in ``--cache-bytes``.
+  ``--seq-len`` tokens fit in ``--cache-bytes``, each with its windows (fp8, kivi2).
 
 Options the engine does not have yet (EngineConfig fields, or values it refuses) print "not available"
 with the reason, so the script can be rerun as they land.
 
-    python benchmarks/kv_quality.py [--model DIR] [--dtypes auto,int8,fp8,kivi2] [--json PATH]
+    python benchmarks/kv_quality.py [--model DIR] [--dtypes auto,int8,fp8,kivi2,kivi2:0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from benchmarks.held_out import held_out_documents, token_bytes  # noqa: E402
 from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out  # noqa: E402
 from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.kv_format import window_layer_bytes  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
 from engine.model import AttentionMetadata  # noqa: E402
 from engine.runner import ModelRunner, SeqChunk  # noqa: E402
@@ -161,17 +163,33 @@ def agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
             "mean_first_divergence": sum(firsts) / len(firsts), "min_first_divergence": min(firsts)}
 
 
-def memory(block_nbytes: float, cache_bytes: int, seq_len: int) -> dict:
-    """KV bytes per token and how many sequences of ``seq_len`` tokens fit in ``cache_bytes``."""
+def memory(block_nbytes: float, cache_bytes: int, seq_len: int, window_nbytes: int = 0) -> dict:
+    """KV bytes per token and how many sequences of ``seq_len`` tokens (and ``window_nbytes`` of windows
+    each) fit in ``cache_bytes``."""
     return {"kv_bytes_per_token": block_nbytes / BLOCK_SIZE,
-            "sequences_fit": int(cache_bytes // (blocks_for(seq_len) * block_nbytes))}
+            "sequences_fit": int(cache_bytes // (blocks_for(seq_len) * block_nbytes + window_nbytes))}
+
+
+def engine_options(spec: str) -> dict:
+    """EngineConfig fields of a ``--dtypes`` entry: ``FORMAT`` or ``FORMAT:RESIDUAL_BLOCKS``."""
+    fmt, _, residual = spec.partition(":")
+    return ({} if fmt == FULL else {"kv_cache_dtype": fmt}) | (
+        {"kv_residual_blocks": int(residual)} if residual else {})
+
+
+def sequence_window_bytes(engine: Engine) -> int:
+    """Bytes of one sequence's windows across all layers (0 unless fp8/kivi2)."""
+    c, cfg = engine.config, engine.model_config
+    return cfg.num_layers * window_layer_bytes(c.kv_cache_dtype, c.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                               engine.kv_cache.dtype.itemsize, c.residual_blocks)
 
 
 def formula_memory(model: str, dtype: str, cache_bytes: int, seq_len: int) -> dict:
     """(d) from ``ModelConfig.kv_bytes_per_token`` (no scales or other overhead) where the dtype has
     a known element size; the figure to compare the engine's accounting with."""
     try:
-        per_token = ModelConfig.from_dir(model).kv_bytes_per_token(MODEL_DTYPE if dtype == FULL else dtype)
+        fmt = engine_options(dtype).get("kv_cache_dtype", MODEL_DTYPE)
+        per_token = ModelConfig.from_dir(model).kv_bytes_per_token(fmt)
     except ValueError:
         return {}
     return {"formula_" + k: v for k, v in memory(per_token * BLOCK_SIZE, cache_bytes, seq_len).items()}
@@ -182,10 +200,11 @@ def evaluate_dtype(args: argparse.Namespace, dtype: str, docs: list[list[int]], 
     """((a), (b), (d) figures, greedy tokens) with the cache in ``dtype``."""
     start = time.perf_counter()
     room = max(room_for(docs), len(prompts) * BLOCK_SIZE * blocks_for(args.prompt_len + args.new_tokens))
-    engine = make_engine(args.model, room, **({} if dtype == FULL else {"kv_cache_dtype": dtype}))
-    row = {"available": True, "bits_per_byte": score_documents(engine, docs, 1),
+    engine = make_engine(args.model, room, **engine_options(dtype))
+    row = {"available": True, "residual_blocks": engine.config.residual_blocks,
+           "bits_per_byte": score_documents(engine, docs, 1),
            "bits_per_byte_prefill": score_documents(engine, docs, args.chunk),
-           **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len)}
+           **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len, sequence_window_bytes(engine))}
     tokens = greedy_tokens(engine, prompts, args.new_tokens)  # after scoring: it allocates blocks itself
     row |= agreement(reference or tokens, tokens)
     row["seconds"] = round(time.perf_counter() - start, 1)
@@ -261,7 +280,8 @@ def print_report(report: dict) -> None:
             rows.append([dtype, "not available", "", "", "", "", "", "", *formula])
             notes.append(f"{dtype}: not available: {r['note']}")
             continue
-        rows.append([dtype, *(f"{r[k]:.4f} ({r[k] / full[k] - 1:+.3%})" for k in ("bits_per_byte",
+        label = f"{dtype} (residual {r['residual_blocks']})" if r["residual_blocks"] else dtype
+        rows.append([label, *(f"{r[k]:.4f} ({r[k] / full[k] - 1:+.3%})" for k in ("bits_per_byte",
                                                                                   "bits_per_byte_prefill")),
                      f"{r['token_agreement']:.3f}", f"{r['identical_sequences']}/{report['prompts']}",
                      f"{r['mean_first_divergence']:.1f}",
@@ -283,7 +303,8 @@ def print_report(report: dict) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
-    p.add_argument("--dtypes", default=",".join(DTYPES), help="kv_cache_dtype values; 'auto' = full precision")
+    p.add_argument("--dtypes", default=",".join(DTYPES),
+                   help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS; 'auto' = full precision")
     p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")
     p.add_argument("--doc-tokens", type=int, default=1024, help="(a): leading tokens of each document")

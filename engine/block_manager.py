@@ -8,6 +8,12 @@ no never-registered block is free, least recently freed first. Registering and e
 ``BlockStored`` / ``BlockRemoved`` events, in order; ``take_events`` hands them out (the worker forwards
 them to the KV pool).
 
+A sequence whose cache keeps its last ``residual_blocks`` full blocks in full precision (the windows of
+``engine/kv_window.py``) registers a full block only once it has moved that far past it, or when it frees
+it: until then no other sequence may share it, since they would read it as its record. For the same
+reason a prompt never takes those blocks from the prefix cache (``max_prefix_blocks``): a cold run has
+them in full precision, so they are recomputed. Each block registered is passed to ``on_register``.
+
 Blocks are reference counted: samples of an ``n > 1`` request share the prompt's blocks after a fork,
 and the first write into a shared, partly filled block copies it (``take_copies`` hands the pending
 (src, dst) copies to the engine, which applies them to the cache before the next forward pass). A sliding
@@ -18,7 +24,7 @@ become ``NO_BLOCK``.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from engine.block_events import BlockEvent, BlockRemoved, BlockStored
@@ -33,15 +39,19 @@ class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # chain hashes of the table's first full blocks
     num_slots: int = 0  # token positions the table holds (for the waste count)
+    registered: int = 0  # leading hashed blocks offered to the prefix cache; the rest are its residual
+    pending: list[tuple[int, ...]] = field(default_factory=list)  # token ids of hashes[registered:]
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, salt: bytes, enable_prefix_caching: bool = True,
-                 record_events: bool = False):
+                 record_events: bool = False, residual_blocks: int = 0,
+                 on_register: Callable[[list[int]], None] | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.num_blocks, self.block_size, self.salt = num_blocks, block_size, salt
         self.enable_prefix_caching = enable_prefix_caching
+        self.residual_blocks, self.on_register = residual_blocks, on_register
         self.ref = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
@@ -68,6 +78,12 @@ class BlockManager:
     def hashes_of(self, block_ids: Sequence[int]) -> list[int | None]:
         """Registered hash of each block (None for a partial or unregistered block)."""
         return [self.block_hash[b] for b in block_ids]
+
+    def max_prefix_blocks(self, num_tokens: int) -> int:
+        """The most leading blocks a prompt of ``num_tokens`` takes from the prefix cache: at least one token
+        is computed, so the last position yields logits, and so is every block its residual keeps."""
+        B = self.block_size
+        return max(0, min((num_tokens - 1) // B, num_tokens // B - self.residual_blocks))
 
     def cached_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None
                       ) -> tuple[list[int], list[int]]:
@@ -117,7 +133,7 @@ class BlockManager:
                 return False
             for b in blocks:
                 self._take(b)
-            s = self.seqs[seq_id] = _SeqBlocks(list(blocks), list(hashes))
+            s = self.seqs[seq_id] = _SeqBlocks(list(blocks), list(hashes), registered=len(blocks))
         else:
             B, table = self.block_size, s.table
             cow = num_computed % B != 0 and self.ref[table[num_computed // B]] > 1
@@ -150,12 +166,15 @@ class BlockManager:
         for b in p.table:
             if b != NO_BLOCK:
                 self.ref[b] += 1
-        self.seqs[child_id] = _SeqBlocks(list(p.table), list(p.hashes), p.num_slots)
+        self.seqs[child_id] = _SeqBlocks(list(p.table), list(p.hashes), p.num_slots, p.registered,
+                                         list(p.pending))
 
     def free(self, seq_id: Hashable) -> None:
-        """Drop the sequence's references; the tail is freed first so it is evicted before its prefix."""
+        """Register the residual's blocks no other sample shares, then drop the sequence's references; the
+        tail is freed first so it is evicted before its prefix."""
         s = self.seqs.pop(seq_id, None)
         if s is not None:
+            self._register(s, len(s.hashes), final=True)
             for b in reversed(s.table):
                 if b != NO_BLOCK:
                     self._release(b)
@@ -187,41 +206,26 @@ class BlockManager:
 
     # -- prefix cache ----------------------------------------------------------------------------
     def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the sequence's full blocks whose K/V is now computed (positions < num_computed)."""
+        """Hash the sequence's full blocks whose K/V is now computed (positions < num_computed) and register
+        those behind its residual."""
         if not self.enable_prefix_caching:
             return
         s, B = self.seqs[seq_id], self.block_size
         full = min(num_computed // B, len(s.table))
-        if full <= len(s.hashes):
-            return
         parent = s.hashes[-1] if s.hashes else None
-        stored: list[int] = []
         for i in range(len(s.hashes), full):
             tokens = tuple(token_ids[i * B:(i + 1) * B])
             parent = hash_block(parent, tokens, self.salt)
             s.hashes.append(parent)
-            block = s.table[i]
-            if self.block_hash[block] is not None:
-                continue
-            existing = self.cached.get(parent)
-            if existing is None:
-                self.cached[parent] = block
-                self.block_hash[block], self.block_tokens[block] = parent, tokens
-                stored.append(parent)
-            elif self.ref[block] == 1 and self.block_tokens[existing] == tokens:
-                # computed twice (two prompts raced): keep the registered copy, free the duplicate
-                self._take(existing)
-                s.table[i] = existing
-                self._release(block)
-        if stored:
-            self._record(BlockStored(stored))
+            s.pending.append(tokens)
+        self._register(s, full - self.residual_blocks)
 
     def insert(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
         """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced
         blocks (fetched from the KV pool). Returns (index among those blocks, block id) for each block
         that was not cached yet; the caller writes their K/V. Stops early when blocks run out."""
         B = self.block_size
-        parent, held, placed, stored = None, [], [], []
+        parent, held, placed = None, [], []
         if not self.enable_prefix_caching:
             return placed
         for i in range(min(num_blocks, len(token_ids) // B)):
@@ -235,18 +239,51 @@ class BlockManager:
             if existing is not None or not self.free_plain and not self.free_cached:
                 break  # a colliding hash, or no room: the rest of the chain is useless without this block
             (block,) = self._pop_free(1)
-            self.cached[parent] = block
-            self.block_hash[block], self.block_tokens[block] = parent, tokens
+            self._store(block, parent, tokens)
             held.append(block)
             placed.append((i, block))
-            stored.append(parent)
+        self._stored([b for _, b in placed])
         for b in reversed(held):
             self._release(b)
-        if stored:
-            self._record(BlockStored(stored))
         return placed
 
     # -- internals -------------------------------------------------------------------------------
+    def _register(self, s: _SeqBlocks, upto: int, final: bool = False) -> None:
+        """Offer the hashed blocks ``s.registered .. upto`` to the prefix cache. A block computed twice (two
+        prompts raced) is swapped for the registered copy, unless ``final`` (the sequence is being freed);
+        ``final`` leaves a block another sample still holds to that sample."""
+        count = upto - s.registered
+        if count <= 0:
+            return
+        todo, s.pending = s.pending[:count], s.pending[count:]
+        stored: list[int] = []
+        for i, tokens in enumerate(todo, start=s.registered):
+            block, h = s.table[i], s.hashes[i]
+            if block == NO_BLOCK or self.block_hash[block] is not None:
+                continue
+            existing = self.cached.get(h)
+            if existing is None:
+                if not (final and self.ref[block] > 1):
+                    self._store(block, h, tokens)
+                    stored.append(block)
+            elif not final and self.ref[block] == 1 and self.block_tokens[existing] == tokens:
+                self._take(existing)
+                s.table[i] = existing
+                self._release(block)
+        s.registered = upto
+        self._stored(stored)
+
+    def _store(self, block: int, h: int, tokens: tuple[int, ...]) -> None:
+        self.cached[h] = block
+        self.block_hash[block], self.block_tokens[block] = h, tokens
+
+    def _stored(self, blocks: list[int]) -> None:
+        """Announce newly registered blocks: a ``BlockStored`` event and ``on_register``."""
+        if blocks:
+            self._record(BlockStored([self.block_hash[b] for b in blocks]))
+            if self.on_register is not None:
+                self.on_register(blocks)
+
     def _take(self, block: int) -> None:
         if self.ref[block] == 0:
             del self.free_cached[block]

@@ -2,7 +2,8 @@
 
 KV bytes per token = 2 (K, V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md section 3);
 with ``--kv-cache-dtype`` int8/fp8/kivi2, a block's quantized record (scales included) / block size, plus
-one full-precision window per request for fp8 and kivi2 (``engine/kv_format.py``). From that: bytes per
+full-precision windows per request for fp8 and kivi2: the block being filled and ``--kv-residual-blocks``
+full ones (``engine/kv_format.py``). From that: bytes per
 request at a context length, bytes for a batch, and how many such requests fit in a device after the
 weights and a reserve for activations and the runtime. Deliberately free of torch so the command answers
 instantly.
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.config import ModelConfig, UnsupportedModelError, dtype_bytes
-from engine.kv_format import FORMATS, block_layer_bytes, window_layer_bytes
+from engine.kv_format import FORMATS, RESIDUAL_HELP, block_layer_bytes, residual_blocks, window_layer_bytes
 
 GIB = 1024**3
 RESERVE_FRACTION = 0.10  # of device memory kept for activations, CUDA context, fragmentation
@@ -67,7 +68,8 @@ class Capacity:
     batch_fits: bool | None = None
     kv_cache_dtype: str = "auto"
     block_size: int = 16
-    window_bytes_per_request: int = 0  # fp8/kivi2: the block being filled, kept in ``dtype``
+    window_bytes_per_request: int = 0  # fp8/kivi2: the block being filled and the residual, kept in ``dtype``
+    residual_blocks: int = 0
 
 
 def shape_from_dir(path: str | Path) -> ModelShape:
@@ -77,8 +79,9 @@ def shape_from_dir(path: str | Path) -> ModelShape:
 
 
 def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: float | None,
-         kv_cache_dtype: str = "auto", block_size: int = 16) -> Capacity:
+         kv_cache_dtype: str = "auto", block_size: int = 16, kv_residual_blocks: int | None = None) -> Capacity:
     width = dtype_bytes(dtype)
+    residual = residual_blocks(kv_cache_dtype, kv_residual_blocks)
 
     def block_bytes(kv_heads: int) -> int:
         layer = block_layer_bytes(kv_cache_dtype, block_size, kv_heads, shape.head_dim, width)
@@ -86,11 +89,12 @@ def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: f
 
     block, mha_block = block_bytes(shape.num_kv_heads), block_bytes(shape.num_heads)
     window = shape.num_layers * window_layer_bytes(kv_cache_dtype, block_size, shape.num_kv_heads,
-                                                   shape.head_dim, width)
+                                                   shape.head_dim, width, residual)
     per_request = -(-block * context // block_size) + window
     cap = Capacity(shape.name, dtype, context, batch, -(-block // block_size), -(-mha_block // block_size),
                    mha_block / block, per_request, per_request * batch, shape.num_parameters * width,
-                   kv_cache_dtype=kv_cache_dtype, block_size=block_size, window_bytes_per_request=window)
+                   kv_cache_dtype=kv_cache_dtype, block_size=block_size, window_bytes_per_request=window,
+                   residual_blocks=residual)
     if gpu_mem_gib is not None:
         cap.gpu_mem_bytes = int(gpu_mem_gib * GIB)
         cap.reserve_bytes = int(cap.gpu_mem_bytes * RESERVE_FRACTION)
@@ -111,7 +115,8 @@ def format_report(c: Capacity) -> str:
         f"KV bytes per token        {c.kv_bytes_per_token:,} B",
         f"  same model as MHA       {c.mha_kv_bytes_per_token:,} B (GQA saves {c.gqa_saving:g}x)",
         f"KV per request            {_size(c.kv_bytes_per_request)}",
-        *([f"  of which the window     {_size(c.window_bytes_per_request)}"]
+        *([f"  of which windows        {_size(c.window_bytes_per_request)} (the block being filled + "
+           f"{c.residual_blocks} residual)"]
           if c.window_bytes_per_request else []),
         f"KV for the batch          {_size(c.kv_bytes_for_batch)}",
         f"weights                   {_size(c.weight_bytes)}",
@@ -143,7 +148,7 @@ def run_kv_calc(args: argparse.Namespace) -> int:
     try:
         shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model)
         cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib, args.kv_cache_dtype,
-                   args.block_size)
+                   args.block_size, args.kv_residual_blocks)
     except (OSError, KeyError, ValueError, UnsupportedModelError, json.JSONDecodeError) as e:
         print(f"tidepool kv-calc: error: {e}", file=sys.stderr)
         return 2
@@ -164,6 +169,7 @@ def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float16", help="KV and weight dtype (float16, bfloat16, float32, fp8)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
                    help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit), scales included")
+    p.add_argument("--kv-residual-blocks", type=int, default=None, metavar="N", help=RESIDUAL_HELP)
     p.add_argument("--block-size", type=_positive(int), default=16,
                    help="tokens per KV block (fp8 and kivi2 scale per block)")
     p.add_argument("--gpu-mem-gib", type=_positive(float), default=None, help="device memory in GiB")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.kv_format import residual_blocks
+
 # architecture -> (q/k/v projections carry a bias, q/k RMSNorm per head)
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
@@ -187,6 +189,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_block_events: bool = False  # queue BlockStored/BlockRemoved for take_block_events (pool workers)
     kv_cache_dtype: str = "auto"  # auto (= dtype) | int8 | fp8 | kivi2: the KV cache format (engine/kv_format.py)
+    # fp8, kivi2: full blocks each sequence keeps in the attention dtype behind the one it fills (KIVI's
+    # residual); None: the format's default (kv_format.RESIDUAL_BLOCKS). ``residual_blocks`` resolves it.
+    kv_residual_blocks: int | None = None
     # Attention sinks + sliding window (engine/streaming_window.py): each query sees the first kv_sinks tokens
     # and the kv_window most recent ones; None: full attention.
     kv_window: int | None = None
@@ -214,3 +219,9 @@ class EngineConfig:
             raise ValueError("kv_sinks needs kv_window (sinks are kept next to a sliding window)")
         if self.kv_window is not None and (self.kv_window < 1 or self.kv_sinks < 0):
             raise ValueError(f"kv_window must be >= 1 and kv_sinks >= 0, got {self.kv_window} and {self.kv_sinks}")
+        residual_blocks(self.kv_cache_dtype, self.kv_residual_blocks)  # refuses an unknown dtype or a bad count
+
+    @property
+    def residual_blocks(self) -> int:
+        """Full blocks each sequence keeps in windows (0 unless the KV cache dtype is windowed)."""
+        return residual_blocks(self.kv_cache_dtype, self.kv_residual_blocks)

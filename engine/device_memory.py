@@ -55,7 +55,8 @@ def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: En
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    scratch = KVCache(model_config, sum(blocks), B, config.dtype, device, config.kv_cache_dtype, seqs)
+    scratch = KVCache(model_config, sum(blocks), B, config.dtype, device, config.kv_cache_dtype,
+                      seqs * (config.residual_blocks + 1), residual_blocks=config.residual_blocks)
     scratch_bytes = torch.cuda.memory_allocated(device) - before
     runner = ModelRunner(model, model_config, scratch, None, attention_backend)
     firsts = [sum(blocks[:i]) for i in range(seqs)]

@@ -50,16 +50,20 @@ class Engine:
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         num_blocks = engine_num_blocks(self.model, self.model_config, config, backend)
-        # A full window pool reclaims the windows of blocks the block manager has freed.
+        # A full window pool reclaims the windows of blocks the block manager has freed; a block the prefix
+        # cache registers drops its window (another sequence reads it as its record).
+        residual = config.residual_blocks
         self.kv_cache = KVCache(self.model_config, num_blocks, config.block_size, config.dtype, config.device,
-                                config.kv_cache_dtype, config.max_num_seqs,
-                                block_in_use=lambda block: self.block_manager.ref[block] > 0)
+                                config.kv_cache_dtype, config.max_num_seqs * (residual + 1),
+                                block_in_use=lambda block: self.block_manager.ref[block] > 0,
+                                residual_blocks=residual)
         self.device = self.kv_cache.device
         # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
         self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings)
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
-                                          config.enable_prefix_caching, config.enable_block_events)
+                                          config.enable_prefix_caching, config.enable_block_events, residual,
+                                          self.kv_cache.release_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if self.window is None else self.window.window)
         self.max_model_len = config.max_model_len or (
@@ -88,7 +92,7 @@ class Engine:
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
-            seq.token_ids, (seq.num_tokens - 1) // self.block_size)[0])
+            seq.token_ids, self.block_manager.max_prefix_blocks(seq.num_tokens))[0])
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
 

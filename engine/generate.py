@@ -15,7 +15,7 @@ import sys
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
-from engine.kv_format import FORMATS
+from engine.kv_format import FORMATS, RESIDUAL_HELP
 from engine.sampling_params import SamplingParams
 
 
@@ -46,6 +46,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="weights and KV cache dtype")
     p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
                    help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
+    p.add_argument("--kv-residual-blocks", type=int, default=None, metavar="N", help=RESIDUAL_HELP)
     p.add_argument("--kv-window", type=int, default=None, metavar="TOKENS",
                    help="attention window: each token attends to the last TOKENS tokens and the --kv-sinks first "
                         "ones, so prompt + output may outgrow the model's context (default: full attention)")
@@ -59,7 +60,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     try:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
-                                     kv_cache_dtype=args.kv_cache_dtype, kv_window=args.kv_window,
+                                     kv_cache_dtype=args.kv_cache_dtype,
+                                     kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window,
                                      kv_sinks=args.kv_sinks))
     except ValueError as err:  # options that contradict each other or the model
         print(f"tidepool generate: {err}", file=sys.stderr)

@@ -8,16 +8,17 @@ Layout of ``data``:
 * ``auto``: ``[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]`` in the attention dtype.
 * ``int8``, ``fp8``, ``kivi2``: ``[layers, 1, num_blocks, record_bytes]`` uint8: one record per layer and
   block, K's codes and scales then V's (``kv_format.record_layout``). fp8 and kivi2 keep each block a
-  sequence is still filling in the attention dtype (``kv_window.WindowPool``) until its last token is
-  written; attention reads a block's window where it has one, else dequantizes its record.
+  sequence is still filling, and its last ``residual_blocks`` full ones, in the attention dtype too
+  (``kv_window.WindowPool``); attention reads a block's window where it has one, else dequantizes its record.
 
 ``for_step`` hands the model one ``DenseLayerKV`` / ``QuantLayerKV`` per layer: ``write`` stores a step's
 K/V rows, ``gather`` reads whole blocks back in the attention dtype. Export/import move whole blocks as
 contiguous copies of ``data`` along the block axis (dim 2; all layers, or one for layer-wise transfer),
 so quantized blocks travel as their exact bytes and scales; windowed formats append ``window_columns``
-record-sized columns carrying the last block's window (a flag byte, then its K and V as float32, so the
-bytes do not depend on the attention dtype). An import of exactly ``n`` columns (the pool's full blocks)
-takes records only. Memory: ``block_bytes`` per block (scales included) plus the window slots.
+record-sized columns carrying the windows of the last ``residual_blocks + 1`` blocks, one section each
+(a flag byte, then its K and V as float32, so the bytes do not depend on the attention dtype). An import
+of exactly ``n`` columns (the pool's full blocks) takes records only. Memory: ``block_bytes`` per block
+(scales included) plus the window slots.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig, dtype_bytes
 from engine.kv_format import WINDOWED, block_layer_bytes, check_format, record_layout, window_layer_bytes
 from engine.kv_quant import decode_into, encode_blocks, write_tokens
-from engine.kv_window import WindowPool, WritePlan
+from engine.kv_window import Span, WindowPool, WritePlan
 
 _WINDOW_HEADER = 16  # flag byte, padded
 
@@ -42,9 +43,10 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: str | torch.dtype, kv_
 
 
 def num_blocks_for(cfg: ModelConfig, config: EngineConfig) -> int:
-    """Blocks that fit ``config.kv_cache_bytes`` after the windows (one per sequence of a full batch)."""
+    """Blocks that fit ``config.kv_cache_bytes`` after the windows (each sequence's of a full batch)."""
     window = cfg.num_layers * window_layer_bytes(config.kv_cache_dtype, config.block_size, cfg.num_kv_heads,
-                                                 cfg.head_dim, dtype_bytes(config.dtype))
+                                                 cfg.head_dim, dtype_bytes(config.dtype),
+                                                 config.residual_blocks)
     budget = config.kv_cache_bytes - window * config.max_num_seqs
     return max(1, budget // block_bytes(cfg, config.block_size, config.dtype, config.kv_cache_dtype))
 
@@ -104,8 +106,10 @@ class QuantLayerKV:
 class KVCache:
     def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype | str, device: torch.device | str, kv_format: str = "auto",
-                 window_slots: int = 8, block_in_use: Callable[[int], bool] | None = None):
-        """``window_slots``: initial windows (fp8, kivi2); ``block_in_use(block)`` lets full pools reclaim."""
+                 window_slots: int = 8, block_in_use: Callable[[int], bool] | None = None,
+                 residual_blocks: int = 0):
+        """``window_slots``: initial windows (fp8, kivi2); ``block_in_use(block)`` lets full pools reclaim;
+        ``residual_blocks``: full blocks each sequence keeps in windows (``kv_format.residual_blocks``)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be positive")
         self.kv_format = check_format(kv_format)
@@ -124,9 +128,12 @@ class KVCache:
                                 device=device)
         if kv_format in WINDOWED:
             self.windows = WindowPool(self.num_layers, num_blocks, *shape, self.dtype, self.data.device,
-                                      window_slots, block_in_use)
+                                      window_slots, block_in_use, residual_blocks)
             self._window_bytes = 2 * math.prod(shape) * 4  # K and V as float32
-            self.window_columns = -(-(_WINDOW_HEADER + self._window_bytes) // self.layout.record_bytes)
+            per_window = -(-(_WINDOW_HEADER + self._window_bytes) // self.layout.record_bytes)
+            self._sections = residual_blocks + 1  # windows a payload carries: its last blocks'
+            self._section_bytes = per_window * self.layout.record_bytes
+            self.window_columns = self._sections * per_window
 
     @property
     def device(self) -> torch.device:
@@ -155,11 +162,15 @@ class KVCache:
         return torch.empty(2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                            device=self.device)
 
-    def for_step(self, slot_mapping: torch.Tensor) -> list[DenseLayerKV] | list[QuantLayerKV]:
-        """Each layer's view for one forward pass that writes K/V rows at ``slot_mapping``."""
+    def for_step(self, slot_mapping: torch.Tensor, spans: list[Span] | None = None
+                 ) -> list[DenseLayerKV] | list[QuantLayerKV]:
+        """Each layer's view for one forward pass that writes K/V rows at ``slot_mapping``; a windowed cache
+        needs the step's ``spans`` (each sequence's table and positions) to know which blocks it keeps."""
         if self.layout is None:
             return [DenseLayerKV(self.data[i], slot_mapping) for i in range(self.num_layers)]
-        plan = None if self.windows is None else self.windows.plan(slot_mapping)
+        if self.windows is not None and spans is None:
+            raise ValueError(f"a {self.kv_format} cache needs the step's spans to place its windows")
+        plan = None if self.windows is None else self.windows.plan(slot_mapping, spans)
         return [QuantLayerKV(self, i, slot_mapping, plan) for i in range(self.num_layers)]
 
     def _index(self, block_ids: list[int]) -> torch.Tensor:
@@ -167,10 +178,10 @@ class KVCache:
 
     # -- export / import --------------------------------------------------------------------------------
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Contiguous copy ``payload_shape(n)`` of the given blocks (the last one's window appended)."""
+        """Contiguous copy ``payload_shape(n)`` of the given blocks (the last ones' windows appended)."""
         out = self.data.index_select(2, self._index(block_ids))
         if self.window_columns:
-            out = torch.cat([out, self._export_window(slice(None), block_ids[-1])], dim=2)
+            out = torch.cat([out, self._export_windows(slice(None), block_ids)], dim=2)
         return out
 
     def import_blocks(self, block_ids: list[int], tensor: torch.Tensor) -> None:
@@ -181,7 +192,7 @@ class KVCache:
         """Contiguous copy ``payload_shape(n)[1:]`` of one layer's blocks."""
         out = self.data[layer].index_select(1, self._index(block_ids))
         if self.window_columns:
-            out = torch.cat([out, self._export_window(slice(layer, layer + 1), block_ids[-1])[0]], dim=1)
+            out = torch.cat([out, self._export_windows(slice(layer, layer + 1), block_ids)[0]], dim=1)
         return out
 
     def import_layer(self, layer: int, block_ids: list[int], tensor: torch.Tensor) -> None:
@@ -203,26 +214,39 @@ class KVCache:
             self.import_windows(layers, block_ids, tensor[:, 0, n:].flatten(1) if tensor.shape[2] > n else None)
 
     def import_windows(self, layers: slice, block_ids: list[int], window: torch.Tensor | None) -> None:
-        """After the records of ``block_ids`` were imported: the last block's window from the payload's
-        window columns (``[layers, window_columns * record_bytes]`` uint8), or none (every block full)."""
-        if window is None or not bool(window[0, 0]):  # every block is a full record now
-            self.windows.release(block_ids)
-            return
-        self.windows.release(block_ids[:-1])
-        slot = self.windows.ensure(block_ids[-1])
-        values = window[:, _WINDOW_HEADER:_WINDOW_HEADER + self._window_bytes].view(torch.float32)
-        self.windows.data[layers, :, slot] = values.view(-1, 2, *self.windows.data.shape[3:])
+        """After the records of ``block_ids`` were imported: the windows of the last blocks from the
+        payload's window columns (``[layers, window_columns * record_bytes]`` uint8), or none (every block a
+        full record)."""
+        tail = self._window_tail(block_ids)
+        flagged = [] if window is None else [(j, b) for j, b in tail if bool(window[0, j * self._section_bytes])]
+        self.windows.release(sorted(set(block_ids) - {b for _, b in flagged}))
+        for j, block in flagged:
+            slot = self.windows.ensure(block)
+            at = j * self._section_bytes + _WINDOW_HEADER
+            values = window[:, at:at + self._window_bytes].view(torch.float32)
+            self.windows.data[layers, :, slot] = values.view(-1, 2, *self.windows.data.shape[3:])
 
-    def _export_window(self, layers: slice, block: int) -> torch.Tensor:
-        """``[layers, 1, window_columns, record_bytes]``: flag 1 and the block's window, or all zeros."""
-        section = torch.zeros(self.data[layers].shape[0], self.window_columns * self.layout.record_bytes,
-                              dtype=torch.uint8, device=self.device)
-        slot = self.windows.slot(block)
-        if slot >= 0:
-            section[:, 0] = 1
-            values = self.windows.data[layers, :, slot].float().flatten(1)
-            section[:, _WINDOW_HEADER:_WINDOW_HEADER + self._window_bytes] = values.view(torch.uint8)
+    def _window_tail(self, block_ids: list[int]) -> list[tuple[int, int]]:
+        """(section, block) for the last blocks of a payload, the last block in the last section."""
+        tail = block_ids[-self._sections:]
+        return list(enumerate(tail, start=self._sections - len(tail)))
+
+    def _export_windows(self, layers: slice, block_ids: list[int]) -> torch.Tensor:
+        """``[layers, 1, window_columns, record_bytes]``: per section, flag 1 and its block's window, or zeros."""
+        section = torch.zeros(self.data[layers].shape[0], self._sections, self._section_bytes, dtype=torch.uint8,
+                              device=self.device)
+        for j, block in self._window_tail(block_ids):
+            slot = self.windows.slot(block)
+            if slot >= 0:
+                section[:, j, 0] = 1
+                values = self.windows.data[layers, :, slot].float().flatten(1)
+                section[:, j, _WINDOW_HEADER:_WINDOW_HEADER + self._window_bytes] = values.view(torch.uint8)
         return section.view(-1, 1, self.window_columns, self.layout.record_bytes)
+
+    def release_windows(self, block_ids: list[int]) -> None:
+        """Blocks became shareable (registered in the prefix cache): every sequence reads their records now."""
+        if self.windows is not None:
+            self.windows.release(block_ids)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write support: block ``dst`` becomes a copy of ``src`` in every layer."""

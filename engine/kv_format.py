@@ -10,7 +10,10 @@
 A quantized block of one layer is one record of bytes, K fields then V fields, each field 16-byte
 aligned (``RecordLayout``). fp8 and kivi2 scales span the whole block, so the block a sequence is still
 filling stays in the attention dtype (its *window*) until its last token is written, and is quantized
-then; int8 quantizes each token as it is written. Torch-free, so ``tidepool kv-calc`` stays instant.
+then; int8 quantizes each token as it is written. A windowed format may also keep the last
+``residual_blocks`` full blocks of each sequence in windows (KIVI's full-precision residual): their
+records are written when they fill, as every block's are, but attention reads the window until the
+sequence has moved ``residual_blocks`` blocks past. Torch-free, so ``tidepool kv-calc`` stays instant.
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from dataclasses import dataclass
 
 FORMATS = ("auto", "int8", "fp8", "kivi2")
 WINDOWED = ("fp8", "kivi2")  # formats whose partial block stays in the attention dtype
+# Default full blocks kept in the attention dtype behind the one being filled. kivi2's 2-bit codes cost
+# most on the most recent tokens, where attention looks hardest (docs/BENCHMARKS.md measures the residual's
+# effect); fp8's error is small enough without one.
+RESIDUAL_BLOCKS = {"fp8": 0, "kivi2": 1}
+RESIDUAL_HELP = ("fp8, kivi2: full blocks each sequence keeps in full precision behind the one it fills "
+                 "(KIVI's residual; default: kivi2 1, fp8 0)")
 VALUE_GROUP = 32  # kivi2: channels per value scale (KIVI's group size); else head_dim, if 32 doesn't divide it
 ALIGN = 16
 FIELD_DTYPE_BYTES = {"int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float16": 2}
@@ -60,6 +69,21 @@ def check_format(kv_format: str) -> str:
     if kv_format not in FORMATS:
         raise ValueError(f"unknown KV cache dtype {kv_format!r}; supported: {', '.join(FORMATS)}")
     return kv_format
+
+
+def residual_blocks(kv_format: str, requested: int | None = None) -> int:
+    """Full blocks each sequence keeps in windows behind the one it fills: ``requested``, or the format's
+    default (0 for an unwindowed format); ValueError for a negative count, or any for an unwindowed format."""
+    if check_format(kv_format) not in WINDOWED:
+        if requested:
+            raise ValueError(f"kv_residual_blocks applies to the windowed KV cache dtypes "
+                             f"({', '.join(WINDOWED)}), not {kv_format!r}")
+        return 0
+    if requested is None:
+        return RESIDUAL_BLOCKS[kv_format]
+    if requested < 0:
+        raise ValueError(f"kv_residual_blocks must be >= 0, got {requested}")
+    return requested
 
 
 def value_group(head_dim: int) -> int:
@@ -105,6 +129,8 @@ def block_layer_bytes(kv_format: str, block_size: int, num_kv_heads: int, head_d
 
 
 def window_layer_bytes(kv_format: str, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype_bytes: int) -> int:
-    """Bytes of one window (a partial block's K and V, attention dtype) in one layer; 0 if unwindowed."""
-    return 2 * block_size * num_kv_heads * head_dim * dtype_bytes if kv_format in WINDOWED else 0
+                       dtype_bytes: int, residual: int = 0) -> int:
+    """Bytes of one sequence's windows in one layer: the block it fills and ``residual`` full blocks, K and
+    V in the attention dtype; 0 if unwindowed."""
+    one = 2 * block_size * num_kv_heads * head_dim * dtype_bytes
+    return (residual + 1) * one if kv_format in WINDOWED else 0

@@ -1,13 +1,19 @@
-"""Windows: the blocks sequences are still filling, kept in the attention dtype (fp8 and kivi2 caches).
+"""Windows: blocks kept in the attention dtype next to their records (fp8 and kivi2 caches).
 
 Those formats scale over a whole block, so a block is quantized once, when its last token is written;
 until then its K/V live here, in ``data`` ``[layers, 2, slots, block_size, kv_heads, head_dim]``, and
-``slot_of[block]`` names the block's slot (-1: the block's record is what counts). A step's
-``WritePlan`` routes each written row either into its block's window or, for a block the step
-completes, into that block's new record. Slots come from a free list; when it runs dry, windows of
+``slot_of[block]`` names the block's slot (-1: the block's record is what counts). Each sequence also
+keeps its last ``residual_blocks`` full blocks here (KIVI's full-precision residual): their records are
+written when they fill, but attention reads the window until the sequence is that many blocks past.
+So a sequence of n tokens keeps the blocks from table index ``keep_from(n)`` on.
+
+A step's ``WritePlan`` routes each written row into its block's window when the sequence keeps that
+block, and every row of a block the step completes into that block's new record; blocks the step's
+sequences no longer keep lose their windows. Slots come from a free list; when it runs dry, windows of
 blocks no longer in use (``block_in_use``, the block manager's view) are reclaimed, and only then does
-the pool grow. A block's window is dropped when the block completes and replaced or dropped whenever
-the block's contents are imported or copied.
+the pool grow. A block's window is replaced or dropped whenever the block's contents are imported or
+copied, and dropped when the block becomes shareable (registered in the prefix cache), since another
+sequence must read it as its record.
 """
 
 from __future__ import annotations
@@ -17,12 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
+# One sequence's part of a step: (block table, first position written, positions computed after the step).
+Span = tuple[list[int], int, int]
+
 
 @dataclass
 class WritePlan:
     """Where one step's rows go (rows index the step's flattened tokens)."""
 
-    open_rows: torch.Tensor  # rows whose block stays partial: written into its window ...
+    open_rows: torch.Tensor  # rows whose block its sequence keeps: written into the block's window ...
     open_slots: torch.Tensor  # ... slot
     open_offsets: torch.Tensor  # ... at this token offset
     done_blocks: torch.Tensor  # [C] blocks whose last token is written in this step (sorted)
@@ -36,8 +45,8 @@ class WritePlan:
 class WindowPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, slots: int,
-                 block_in_use: Callable[[int], bool] | None = None):
-        self.block_size = block_size
+                 block_in_use: Callable[[int], bool] | None = None, residual_blocks: int = 0):
+        self.block_size, self.residual_blocks = block_size, residual_blocks
         self.block_in_use = block_in_use
         self.data = torch.zeros(num_layers, 2, max(1, slots), block_size, num_kv_heads, head_dim, dtype=dtype,
                                 device=device)
@@ -47,6 +56,11 @@ class WindowPool:
     @property
     def num_slots(self) -> int:
         return self.data.shape[2]
+
+    def keep_from(self, num_tokens: int) -> int:
+        """First table index a sequence of ``num_tokens`` computed tokens keeps in windows: the block the next
+        token goes to and the ``residual_blocks`` before it."""
+        return max(0, num_tokens // self.block_size - self.residual_blocks)
 
     def slot(self, block: int) -> int:
         return int(self.slot_of[block])
@@ -78,23 +92,33 @@ class WindowPool:
         d = self.ensure(dst)  # may grow the pool: take src's slot afterwards
         self.data[:, :, d] = self.data[:, :, self.slot(src)]
 
-    def plan(self, slot_mapping: torch.Tensor) -> WritePlan:
+    def plan(self, slot_mapping: torch.Tensor, spans: list[Span]) -> WritePlan:
+        """Where the rows at ``slot_mapping`` go, from each sequence's ``Span`` (every row lies in one)."""
         B = self.block_size
+        keep: set[int] = set()
+        passed: set[int] = set()  # blocks a sequence kept before the step and no longer does
+        for table, start, end in spans:
+            first = self.keep_from(end)
+            keep.update(table[first:-(-end // B)])
+            passed.update(table[self.keep_from(start):first])
         blocks, offsets = slot_mapping // B, slot_mapping % B
         done = torch.unique(blocks[offsets == B - 1])
-        in_done = torch.isin(blocks, done)
-        open_rows = (~in_done).nonzero().squeeze(1)
-        for block in torch.unique(blocks[open_rows]).tolist():
-            self.ensure(block)
-        done_rows = in_done.nonzero().squeeze(1)
-        done_slots = self.slot_of[done]
+        done_slots = self.slot_of[done]  # before any slot is taken: only windows with earlier tokens carry
         carried = (done_slots >= 0).nonzero().squeeze(1)
+        # Only blocks written now take a window, so a window only ever holds K/V written through it (a kept
+        # block written before, such as a prefix hit under a short chunk, keeps what it has).
+        written = torch.unique(blocks)
+        kept = written[torch.isin(written, torch.tensor(sorted(keep), dtype=torch.long, device=blocks.device))]
+        for block in kept.tolist():
+            self.ensure(block)
+        open_rows = torch.isin(blocks, kept).nonzero().squeeze(1)
+        done_rows = torch.isin(blocks, done).nonzero().squeeze(1)
         plan = WritePlan(open_rows, self.slot_of[blocks[open_rows]], offsets[open_rows], done, done_rows,
                          torch.searchsorted(done, blocks[done_rows]), offsets[done_rows], carried,
                          done_slots[carried])
-        # After the open blocks took their slots, so the completed blocks' windows stay intact (and are
-        # read) for the rest of this step; the next plan may reuse them.
-        self.release(done.tolist())
+        # After the kept blocks took their slots, so the released windows stay intact (and are read for
+        # the completed blocks' earlier tokens) for the rest of this step; the next plan may reuse them.
+        self.release(sorted(b for b in passed - keep if b >= 0))  # -1: a table entry dropped (NO_BLOCK)
         return plan
 
     def overlay(self, layer: int, kind: int, block_ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -165,7 +165,8 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(chunks):  # completes no prompt: no layer hook
             return self.graphs.run(chunks)
         input_ids, positions, meta, last_rows = self.prepare(chunks)
-        kv_layers = self.kv_cache.for_step(meta.slot_mapping)
+        kv_layers = self.kv_cache.for_step(meta.slot_mapping, [(c.block_table, c.start_pos,
+                                                                 c.start_pos + len(c.token_ids)) for c in chunks])
         return self.model(input_ids, positions, meta, kv_layers, last_rows, on_layer_done)
 
 

@@ -150,8 +150,7 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
-            # at least one token is computed, so the last position always yields logits
-            prefix = self.bm.cached_prefix(seq.token_ids, (seq.num_tokens - 1) // self.bm.block_size)
+            prefix = self.bm.cached_prefix(seq.token_ids, self.bm.max_prefix_blocks(seq.num_tokens))
             num_cached = len(prefix[0]) * self.bm.block_size
             n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
+from engine.kv_format import RESIDUAL_HELP
 from services.messages import Role
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "mooncake", "tidepool")
@@ -133,6 +134,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "(gather + SDPA)")
     p.add_argument("--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV cache format on every worker: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
+    p.add_argument("--kv-residual-blocks", type=int, default=e.kv_residual_blocks, metavar="N", help=RESIDUAL_HELP)
     p.add_argument("--kv-window", type=int, default=e.kv_window, metavar="TOKENS",
                    help="attention window (StreamingLLM): each token attends to the last TOKENS tokens and the "
                         "--kv-sinks first ones, blocks in between are freed, and sessions may outgrow the "
@@ -171,7 +173,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
-        kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
+        kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
     )
     cluster = ClusterConfig(

@@ -77,9 +77,8 @@ class PrefillWorker(Worker):
         return self.sender.channels.use("kv-send")
 
     async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int) -> None:
-        try:
-            if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
-                await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size)
-        finally:
-            # Blocks go back to the free list with their contents and hashes: a later prompt still hits them.
-            await self.loop.acall(self.engine.release, request_id)
+        # Released first: blocks go back to the free list with their contents and hashes (a later prompt
+        # still hits them), and a cache with a full-precision residual registers its blocks only then.
+        await self.loop.acall(self.engine.release, request_id)
+        if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
+            await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size)

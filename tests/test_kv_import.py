@@ -25,25 +25,32 @@ from tidepool.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 pytestmark = pytest.mark.timeout(120)
 
-FORMATS = ("auto", "int8", "fp8", "kivi2")
+FORMATS = ("auto", "int8", "fp8", "kivi2", "kivi2+1")  # +1: kivi2 keeping one residual block's window
+
+
+def cache(cfg, fmt: str, dtype: torch.dtype) -> KVCache:
+    """A cache of 8 blocks of 16 tokens in ``fmt`` (``FORMAT+N``: N residual blocks)."""
+    fmt, _, residual = fmt.partition("+")
+    return KVCache(cfg, 8, 16, dtype, "cpu", fmt, residual_blocks=int(residual or 0))
 
 
 def computed_payload(tiny, fmt: str) -> tuple[torch.Tensor, ModelRunner]:
-    """The payload of a 40-token prompt's 3 blocks (2 full, one open: fp8/kivi2 carry its window)."""
+    """The payload of a 40-token prompt's 3 blocks (2 full, one open: fp8/kivi2 carry its window, and with a
+    residual block block 1's)."""
     model, cfg = tiny
-    runner = ModelRunner(model, cfg, KVCache(cfg, 8, 16, torch.float32, "cpu", fmt))
+    runner = ModelRunner(model, cfg, cache(cfg, fmt, torch.float32))
     prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     runner.run([SeqChunk(prompt, 0, [2, 0, 5, 6])])
     return runner.kv_cache.export_blocks([2, 0, 5]), runner
 
 
 def fresh(tiny, fmt: str, dtype: torch.dtype) -> KVCache:
-    cache = KVCache(tiny[1], 8, 16, dtype, "cpu", fmt)
+    kv = cache(tiny[1], fmt, dtype)
     if fmt == "auto":
-        cache.data.normal_()  # blocks outside the lease hold someone's KV: they must stay as they are
+        kv.data.normal_()  # blocks outside the lease hold someone's KV: they must stay as they are
     else:
-        cache.data.random_(0, 256)
-    return cache
+        kv.data.random_(0, 256)
+    return kv
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -66,14 +73,18 @@ def test_block_import_equals_import_blocks_in_any_chunking(tiny, fmt, chunking):
         # gRPC hands over host buffers (memoryviews); the collective, tensors
         piece = data[start:start + step[chunking]]
         arrival.write(start, memoryview(piece.numpy()) if start % 2 else piece)
-    assert arrival.needs_engine_thread == (fmt in ("fp8", "kivi2"))  # only windows touch engine state
+    assert arrival.needs_engine_thread == (fmt != "auto" and fmt != "int8")  # only windows touch engine state
     arrival.finish()
 
     assert torch.equal(got.data, want.data)  # the lease's blocks, and every other block untouched
     if want.windows is not None:
         assert want.windows.slot(1) >= 0 and got.windows.slot(1) >= 0
         assert torch.equal(got.windows.data[:, :, got.windows.slot(1)], want.windows.data[:, :, want.windows.slot(1)])
-        assert got.windows.slot(7) == got.windows.slot(3) == -1
+        assert got.windows.slot(7) == -1
+        if fmt.endswith("+1"):  # the residual block (0 on the prefill side) travelled with its window
+            assert torch.equal(got.windows.data[:, :, got.windows.slot(3)], want.windows.data[:, :, want.windows.slot(3)])
+        else:
+            assert got.windows.slot(3) == -1
 
 
 def test_decoding_continues_from_blocks_written_as_they_arrived(tiny):

@@ -86,7 +86,8 @@ def test_engine_greedy_tokens_equal_torch_backend(model_dir, kv_cache_dtype: str
     # chunk (c is longer than the token budget), and a prompt after a cached prefix
     assert any(decode and prefills for decode, prefills in steps)
     assert any(pos > 0 for _, prefills in steps for _, pos in prefills)
-    assert cached["b-again"] == 16  # b's two full blocks of 8
+    # b's two full blocks of 8; kivi2 recomputes its residual block (the second), kept exact as a cold run has it
+    assert cached["b-again"] == (8 if kv_cache_dtype == "kivi2" else 16)
 
 
 @needs_interpreter
