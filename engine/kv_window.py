@@ -111,8 +111,10 @@ class WindowPool:
         kept = written[torch.isin(written, torch.tensor(sorted(keep), dtype=torch.long, device=blocks.device))]
         for block in kept.tolist():
             self.ensure(block)
-        open_rows = torch.isin(blocks, kept).nonzero().squeeze(1)
-        done_rows = torch.isin(blocks, done).nonzero().squeeze(1)
+        in_window, in_done = torch.isin(blocks, kept), torch.isin(blocks, done)
+        if not bool((in_window | in_done).all()):
+            raise ValueError("a row lies outside every span: its block is neither kept nor completed")
+        open_rows, done_rows = in_window.nonzero().squeeze(1), in_done.nonzero().squeeze(1)
         plan = WritePlan(open_rows, self.slot_of[blocks[open_rows]], offsets[open_rows], done, done_rows,
                          torch.searchsorted(done, blocks[done_rows]), offsets[done_rows], carried,
                          done_slots[carried])

@@ -90,7 +90,8 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
     q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
     cos = torch.randn(tokens, 1, head_dim).to(dtype)
     kernels.apply_rope(q, k, cos, cos.clone())
-    kv = cache.for_step(slots)[0]
+    last = (per_seq - 1) * BLOCK_SIZE  # the decode rows' position: the first of their last block
+    kv = cache.for_step(slots, [(tables[0], last, last + 1), (tables[1], last, last + 1), (tables[2], 40, 64)])[0]
     paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5)
     hidden = torch.randn(tokens, cfg.hidden_size).to(dtype)
     kernels.fused_add_rms_norm(hidden, hidden.clone(), torch.ones(cfg.hidden_size).to(dtype), 1e-6)

@@ -394,18 +394,20 @@ def test_rope_rejects_mismatched_shapes():
 
 def quantized_layer_and_reference(kv_format: str, lens: list[int], dtype: torch.dtype, block_size: int = 8):
     """Layer 1 of a real quantized KVCache holding random K/V for sequences of ``lens`` written through the
-    cache's own quantizing writer (fp8, kivi2: each last, partial block stays in its window), returned as
+    cache's own quantizing writer (fp8, kivi2: each last, partial block stays in its window, and kivi2's
+    default residual keeps the full block before it there too), returned as
     (block tables, the kernels' codes and QuantizedKV, and the torch path's dequantized dense K and V)."""
+    from engine.kv_format import residual_blocks
     from engine.kv_quant import decode_into
     from engine.triton_attention import quantized_layer
 
     cfg = layer_config(num_heads=8, num_kv_heads=2, head_dim=64)
     num_blocks = blocks_for(lens, block_size)
-    cache = KVCache(cfg, num_blocks, block_size, dtype, "cpu", kv_format)
+    cache = KVCache(cfg, num_blocks, block_size, dtype, "cpu", kv_format, residual_blocks=residual_blocks(kv_format))
     tables = make_tables(lens, block_size, num_blocks)
     slots = torch.cat([tables[b, torch.arange(n) // block_size].long() * block_size
                        + torch.arange(n) % block_size for b, n in enumerate(lens)])
-    layers = cache.for_step(slots)
+    layers = cache.for_step(slots, [(tables[b].tolist(), 0, n) for b, n in enumerate(lens)])
     for layer in layers:
         layer.write(torch.randn(len(slots), 2, 64).to(dtype) * 3, torch.randn(len(slots), 2, 64).to(dtype))
     if cache.windows is not None:  # a record behind a window holds garbage: the kernels must not read it
@@ -454,7 +456,9 @@ def test_decode_reads_a_quantized_cache_like_its_dequantized_copy(kv_format: str
     lens = [1, 7, 8, 9, 30]  # partial and full blocks of 8: fp8/kivi2 read windows and records in one tile
     tables, (k_codes, v_codes, quant), (k_ref, v_ref) = quantized_layer_and_reference(kv_format, lens, dtype)
     if kv_format != "int8":
-        assert quant.window_slot is not None and (quant.window_slot >= 0).sum() == 4  # 1, 7, 9, 30 are partial
+        # 1, 7, 9 and 30 are partial; kivi2's residual keeps the full block before each (8's only one) too
+        windows = 7 if kv_format == "kivi2" else 4
+        assert quant.window_slot is not None and (quant.window_slot >= 0).sum() == windows
     q = torch.randn(len(lens), 8, 64).to(dtype)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     for splits in (1, 2):

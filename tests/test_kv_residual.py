@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVCache, block_bytes, num_blocks_for
 from engine.runner import ModelRunner, SeqChunk
+from engine.sampling_params import SamplingParams
 from kvstore.hashing import salt_for
 from services.config import add_serve_arguments, configs_from_args
 
@@ -154,3 +155,26 @@ def test_options_set_the_residual_and_its_memory(tiny, capsys):
         report = json.loads(capsys.readouterr().out)
         # 32 layers x 2 x 16 tokens x 4096 channels x 2 bytes per window
         assert report["window_bytes_per_request"] == (int(residual) + 1) * 32 * 2 * 16 * 4096 * 2
+
+
+@pytest.mark.parametrize("prompt_len", [45, 48])
+def test_a_disaggregated_kivi2_request_decodes_the_tokens_of_a_colocated_one(prompt_len):
+    """The prefill side keeps its residual and open block in windows; the decode side gets both with the
+    records and decodes on as one engine does, across the blocks its residual moves past."""
+    config = EngineConfig(model="tiny", kv_cache_dtype="kivi2", num_blocks=32)
+    ids, params = tokens(prompt_len, 11), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    colocated = run_engine(Engine(config), [ids], 24)["0"]
+    prefill, decode = Engine(config), Engine(config)
+    prefill.add_request("r", ids, params, prefill_only=True)
+    (first,) = prefill.step()
+    block_ids = prefill.request_block_ids("r")
+    assert sum(prefill.kv_cache.windows.slot(b) >= 0 for b in block_ids) == (2 if prompt_len % 16 else 1)
+    payload = prefill.kv_cache.export_blocks(block_ids)
+    prefill.release("r")
+    reserved = decode.reserve_blocks("r", len(ids))
+    decode.kv_cache.import_blocks(reserved, payload)
+    decode.add_imported_request("r", ids, first.new_token_ids[0], params, reserved)
+    out = list(first.new_token_ids)
+    while decode.has_unfinished():
+        out += [t for o in decode.step() for t in o.new_token_ids]
+    assert out == colocated
