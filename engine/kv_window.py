@@ -78,11 +78,14 @@ class WindowPool:
         return slot
 
     def release(self, blocks: list[int]) -> None:
-        for block in blocks:
-            slot = self.slot(block)
-            if slot >= 0:
-                self._free.append(slot)
-                self.slot_of[block] = -1
+        """Drop the windows of ``blocks`` (those without one are skipped): one read of their slots, so a
+        device pool syncs once, not once a block."""
+        blocks = list(dict.fromkeys(blocks))
+        if not blocks:
+            return
+        index = torch.tensor(blocks, dtype=torch.long, device=self.slot_of.device)
+        self._free += [slot for slot in self.slot_of[index].tolist() if slot >= 0]
+        self.slot_of[index] = -1
 
     def copy(self, src: int, dst: int) -> None:
         """Copy-on-write: ``dst`` gets a copy of ``src``'s window (or loses its own if ``src`` has none)."""
