@@ -92,7 +92,7 @@ class Engine:
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
-            seq.token_ids, self.block_manager.max_prefix_blocks(seq.num_tokens))[0])
+            seq.token_ids, self.reusable_prefix_blocks(seq.num_tokens))[0])
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
 
@@ -227,6 +227,11 @@ class Engine:
         self.scheduler.add_running(seq)
 
     # -- KV pool ---------------------------------------------------------------------------------
+    def reusable_prefix_blocks(self, num_tokens: int) -> int:
+        """The most leading blocks a prompt of ``num_tokens`` takes from a cache (this engine's, the pool's or
+        a peer's): never the one holding its last token, nor those a full-precision residual keeps."""
+        return self.block_manager.max_prefix_blocks(num_tokens)
+
     def cached_prefix_len(self, prompt_ids: list[int]) -> int:
         """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks). Callable from any
         thread as a hint (each lookup is atomic, but an eviction may race it): placing blocks checks again."""

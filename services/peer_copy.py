@@ -53,10 +53,11 @@ class PrefixCopier:
     # ---- the taker -----------------------------------------------------------------------------------
     async def take(self, token_ids: list[int], fetch: PrefixFetch, have: int, timeout_s: float) -> FetchedBlocks:
         """Copy the blocks of ``token_ids`` after the first ``have`` (this engine's) that ``fetch.source``
-        holds (never the block of the last token, which is computed for its logits); placing them is the
-        caller's, on the engine thread. A copy that fails gives no blocks: they are computed instead."""
+        holds (never the block of the last token, which is computed for its logits, nor a residual the engine
+        keeps exact); placing them is the caller's, on the engine thread. A copy that fails gives no blocks:
+        they are computed instead."""
         size = self.engine.block_size
-        usable = (len(token_ids) - 1) // size
+        usable = self.engine.reusable_prefix_blocks(len(token_ids))
         if self._server is None or min(fetch.blocks, usable) <= have:
             return FetchedBlocks(fetch.source, None)
         # The router knows the holder has fetch.blocks (in-flight prompts are tracked coarsely); it sends

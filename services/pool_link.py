@@ -113,9 +113,9 @@ class PoolLink:
 
     async def read_prefix(self, prompt_ids: list[int], have: int) -> FetchedBlocks:
         """Read the prefix blocks after the first ``have`` (this engine's) from the host, disk and Redis
-        tiers, Redis only where ``fetch_cost`` says reading beats recomputing. Only blocks before the
-        prompt's last token count: that token is always computed for its logits."""
-        usable = (len(prompt_ids) - 1) // self.block_size
+        tiers, Redis only where ``fetch_cost`` says reading beats recomputing. Only the blocks the engine
+        reuses count: never the last token's (computed for its logits), nor a residual it keeps exact."""
+        usable = self.engine.reusable_prefix_blocks(len(prompt_ids))
         hashes = block_hashes(prompt_ids[: usable * self.block_size], self.block_size, self._salt)
         if have >= len(hashes):
             return FetchedBlocks("pool", None)
