@@ -99,8 +99,10 @@ def test_kv_cache_dtype_counts_codes_scales_and_window(capsys):
     kivi2_block = 2 * B * H * D // 4 + 2 * H * D * 2 + 2 * B * H * (D // 32) * 2
     assert per_token["kivi2"]["kv_bytes_per_token"] == L * kivi2_block // B
     assert per_token["auto"]["window_bytes_per_request"] == per_token["int8"]["window_bytes_per_request"] == 0
-    assert per_token["kivi2"]["window_bytes_per_request"] == B * per_token["auto"]["kv_bytes_per_token"]
+    # fp8: the block being filled; kivi2 also its residual block (one by default)
+    assert per_token["fp8"]["window_bytes_per_request"] == B * per_token["auto"]["kv_bytes_per_token"]
+    assert per_token["kivi2"]["window_bytes_per_request"] == 2 * B * per_token["auto"]["kv_bytes_per_token"]
     fits = {fmt: r["max_concurrent_requests"] for fmt, r in per_token.items()}
     assert fits["kivi2"] > 4 * fits["auto"] and 1.9 * fits["auto"] < fits["int8"] <= 2 * fits["auto"]
     code, out, _ = kv_calc(["--preset", "llama-3-8b", "--kv-cache-dtype", "kivi2"], capsys)
-    assert "KV cache kivi2" in out and "of which the window     2,097,152 B" in out
+    assert "KV cache kivi2" in out and "of which windows        4,194,304 B" in out and "+ 1 residual" in out
