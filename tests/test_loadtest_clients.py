@@ -294,8 +294,11 @@ def test_interrupted_run_still_writes_results(server, tmp_path):
     state, url = server
     state.fast_requests = 2  # the first two requests finish; later ones hang after one token
     out = tmp_path / "r.json"
+    # The child takes Ctrl-C as a terminal gives it: a suite started in the background (bash without job
+    # control) ignores SIGINT, and a child inherits that, so the signal below would do nothing.
     cmd = [sys.executable, "-c",
-           "import argparse, sys\n"
+           "import argparse, signal, sys\n"
+           "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
            "from loadtest.cli import add_bench_parser\n"
            "p = argparse.ArgumentParser(); add_bench_parser(p.add_subparsers())\n"
            "a = p.parse_args(sys.argv[1:]); sys.exit(a.func(a))\n",
