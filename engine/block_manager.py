@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.block_events import BlockEvent, BlockRemoved, BlockStored
 from engine.errors import OutOfBlocksError
+from engine.kv_format import residual_start
 from kvstore.hashing import hash_block
 
 NO_BLOCK = -1  # a block table entry whose block was dropped (behind a sequence's attention window)
@@ -83,7 +84,7 @@ class BlockManager:
         """The most leading blocks a prompt of ``num_tokens`` takes from the prefix cache: at least one token
         is computed, so the last position yields logits, and so is every block its residual keeps."""
         B = self.block_size
-        return max(0, min((num_tokens - 1) // B, num_tokens // B - self.residual_blocks))
+        return max(0, min((num_tokens - 1) // B, residual_start(num_tokens, B, self.residual_blocks)))
 
     def cached_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None
                       ) -> tuple[list[int], list[int]]:
@@ -218,7 +219,7 @@ class BlockManager:
             parent = hash_block(parent, tokens, self.salt)
             s.hashes.append(parent)
             s.pending.append(tokens)
-        self._register(s, full - self.residual_blocks)
+        self._register(s, min(full, residual_start(num_computed, B, self.residual_blocks)))
 
     def insert(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
         """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced

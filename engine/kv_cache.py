@@ -218,7 +218,8 @@ class KVCache:
         payload's window columns (``[layers, window_columns * record_bytes]`` uint8), or none (every block a
         full record)."""
         tail = self._window_tail(block_ids)
-        flagged = [] if window is None else [(j, b) for j, b in tail if bool(window[0, j * self._section_bytes])]
+        flags = [0] * len(tail) if window is None else window[0, [j * self._section_bytes for j, _ in tail]].tolist()
+        flagged = [(j, b) for (j, b), flag in zip(tail, flags, strict=True) if flag]
         self.windows.release(sorted(set(block_ids) - {b for _, b in flagged}))
         for j, block in flagged:
             slot = self.windows.ensure(block)
@@ -235,8 +236,9 @@ class KVCache:
         """``[layers, 1, window_columns, record_bytes]``: per section, flag 1 and its block's window, or zeros."""
         section = torch.zeros(self.data[layers].shape[0], self._sections, self._section_bytes, dtype=torch.uint8,
                               device=self.device)
-        for j, block in self._window_tail(block_ids):
-            slot = self.windows.slot(block)
+        tail = self._window_tail(block_ids)
+        slots = self.windows.slot_of[[b for _, b in tail]].tolist()  # one read, not one a section
+        for (j, _), slot in zip(tail, slots, strict=True):
             if slot >= 0:
                 section[:, j, 0] = 1
                 values = self.windows.data[layers, :, slot].float().flatten(1)

@@ -86,6 +86,13 @@ def residual_blocks(kv_format: str, requested: int | None = None) -> int:
     return requested
 
 
+def residual_start(num_tokens: int, block_size: int, residual: int) -> int:
+    """First block index a sequence of ``num_tokens`` computed tokens keeps exact: the block the next token
+    goes to and the ``residual`` full blocks before it. The window pool keeps windows from there on, and the
+    prefix cache neither registers nor hands out those blocks."""
+    return max(0, num_tokens // block_size - residual)
+
+
 def value_group(head_dim: int) -> int:
     return VALUE_GROUP if head_dim % VALUE_GROUP == 0 else head_dim
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kv_format import residual_start
+
 # One sequence's part of a step: (block table, first position written, positions computed after the step).
 Span = tuple[list[int], int, int]
 
@@ -58,9 +60,8 @@ class WindowPool:
         return self.data.shape[2]
 
     def keep_from(self, num_tokens: int) -> int:
-        """First table index a sequence of ``num_tokens`` computed tokens keeps in windows: the block the next
-        token goes to and the ``residual_blocks`` before it."""
-        return max(0, num_tokens // self.block_size - self.residual_blocks)
+        """First table index a sequence of ``num_tokens`` computed tokens keeps in windows."""
+        return residual_start(num_tokens, self.block_size, self.residual_blocks)
 
     def slot(self, block: int) -> int:
         return int(self.slot_of[block])
