@@ -2,17 +2,18 @@
 
 Two processes started with torch.multiprocessing (spawn; no Ray): a sender with a random bf16 payload in
 device memory, a receiver whose KV cache on the same device every transfer lands in (``engine/kv_import.py``,
-scattered, shuffled blocks). cuda_ipc: the sender shares its payload (``kvstore/transfer/cuda_ipc.py``) over
-a pipe; the receiver maps it, copies it into the blocks on its own stream, acks. gloo: the collective on CPU
+scattered, shuffled blocks). ipc: the sender shares its payload (``kvstore/transfer/ipc.py``: CUDA IPC; with
+--device cpu a /dev/shm segment) over a pipe; the receiver maps it, copies it into the blocks on its own
+stream, checks it, acks, as a decode worker's ``receive_shared`` does. gloo: the collective on CPU
 (the payload leaves device memory piece by piece). grpc: a push from device memory to a loopback
-KVTransferServer. References, same run, in the sender: d2d (a device to device copy) for cuda_ipc,
-pinned_d2h (into pinned host memory) for gloo and grpc; goals: cuda_ipc >= 50% of d2d at 256 MiB, grpc
+KVTransferServer. References, same run, in the sender: d2d (a device to device copy) for ipc,
+pinned_d2h (into pinned host memory) for gloo and grpc; goals: ipc >= 50% of d2d at 256 MiB, grpc
 >= 50% of pinned_d2h.
 
 A transfer is timed from the sender's start to the bytes being in the receiver's blocks on CLOCK_MONOTONIC
 (both processes share it), a reference until its copy is synchronised; GB/s (1e9 B/s): median of --repeats.
 Each run's destination is overwritten before it and checked (CRC-32C) after it. transfer_bw.py's KV shape
-(sizes rounded to 512 KiB blocks). --device cpu: a smoke run, d2d and pinned_d2h plain copies, no cuda_ipc.
+(sizes rounded to 512 KiB blocks). --device cpu: a smoke run, d2d and pinned_d2h plain copies.
 
     python benchmarks/transfer_gpu.py --json transfer_gpu.json
 """
@@ -20,6 +21,7 @@ Each run's destination is overwritten before it and checked (CRC-32C) after it. 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import importlib.util
 import json
@@ -42,11 +44,11 @@ from benchmarks._transfer import BLOCK_SIZE, SHAPE, BlockSink, blocks_for, kv_he
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.kv_import import BlockImport  # noqa: E402
 from kvstore.transfer.collective import CollectiveChannel  # noqa: E402
-from kvstore.transfer.cuda_ipc import open_shared, share  # noqa: E402
 from kvstore.transfer.grpc import KVTransferClient, KVTransferServer  # noqa: E402
+from kvstore.transfer.ipc import PayloadShare, SegmentPool, copy_shared  # noqa: E402
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum  # noqa: E402
 
-TRANSFERS = {"cuda_ipc": "d2d", "gloo": "pinned_d2h", "grpc": "pinned_d2h"}  # backend: its reference link
+TRANSFERS = {"ipc": "d2d", "gloo": "pinned_d2h", "grpc": "pinned_d2h"}  # backend: its reference link
 REFERENCES = ("d2d", "pinned_d2h")
 TIMEOUT_S = 120.0
 
@@ -103,17 +105,15 @@ class Receiver:
 
     def _receive_ipc(self, header: TransferHeader) -> float:
         if not self.ipc.poll(TIMEOUT_S):
-            raise TimeoutError(f"no CUDA IPC handle within {TIMEOUT_S} s")
+            raise TimeoutError(f"no shared payload within {TIMEOUT_S} s")
         request_id, shared = self.ipc.recv()
-        payload = open_shared(shared)
-        if request_id != header.request_id or tuple(payload.shape) != header.shape:
-            raise RuntimeError(f"got {request_id} {list(payload.shape)} for {header.request_id}")
+        if request_id != header.request_id or shared.shape != header.shape:
+            raise RuntimeError(f"got {request_id} {list(shared.shape)} for {header.request_id}")
         arrival = BlockImport(self.cache, self.reserved(header))
-        arrival.write(0, payload)  # on the current stream, which open_shared made wait for the sender's
+        copy_shared(shared, arrival)  # mapped, copied, checked and unmapped before the ack
         arrival.finish()
         sync(self.device)
         end = time.monotonic()
-        del payload  # unmapped before the ack: from then on the sender may free or change its memory
         self.ipc.send(request_id)
         return end
 
@@ -128,6 +128,8 @@ class Sender:
     def __init__(self, device: str, ipc) -> None:
         torch.set_num_threads(1)
         self.device, self.ipc = torch.device(device), ipc
+        self.segments = SegmentPool()  # host segments reused as a prefill worker's are
+        atexit.register(self.segments.close)
 
     def connect(self, endpoints: dict[str, str]) -> None:
         self.client = KVTransferClient(endpoints["grpc"])
@@ -158,11 +160,12 @@ class Sender:
             self.client.push(header, self.source, timeout_s=TIMEOUT_S)
         elif backend == "gloo":
             self.channel.send(header, self.source)
-        else:  # the payload stays alive and unchanged until the receiver acks (cuda_ipc's lifetime rule)
-            self.ipc.send((header.request_id, share(self.source)))
-            ack = self.ipc.recv() if self.ipc.poll(TIMEOUT_S) else f"no ack within {TIMEOUT_S} s"
+        else:  # the share stays open, its bytes unchanged, until the receiver acks (ipc.py's lifetime rule)
+            with PayloadShare(self.source, self.segments) as share:
+                self.ipc.send((header.request_id, share.shared))
+                ack = self.ipc.recv() if self.ipc.poll(TIMEOUT_S) else f"no ack within {TIMEOUT_S} s"
             if ack != header.request_id:
-                raise RuntimeError(f"CUDA IPC of {header.request_id}: {ack}")
+                raise RuntimeError(f"ipc of {header.request_id}: {ack}")
         return start
 
 
@@ -248,10 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     on_cuda = torch.device(args.device).type == "cuda"
     if on_cuda and not torch.cuda.is_available():
-        parser.error("no CUDA device here: --device cpu runs everything but cuda_ipc")
+        parser.error("no CUDA device here: --device cpu runs the same transfers on the host")
     blocks = blocks_for(args.sizes)
-    backends = [b for b in TRANSFERS if on_cuda or b != "cuda_ipc"]
-    skipped = {} if on_cuda else {"cuda_ipc": "needs a CUDA device shared by both processes (--device cpu)"}
+    backends = list(TRANSFERS)
     receiver_ipc, sender_ipc = mp.get_context("spawn").Pipe()
     receiver = Process(Receiver, args.device, max(blocks), receiver_ipc)
     sender = Process(Sender, args.device, sender_ipc)  # both start (import torch, init CUDA) at once
@@ -266,7 +268,6 @@ def main(argv: list[str] | None = None) -> dict:
         rows = []
         print(f"device={endpoints['device']} layers={SHAPE.num_layers} dtype=bfloat16 repeats={args.repeats} "
               "(median GB/s; into the other process's scattered KV blocks, vs the reference link)")
-        print("".join(f"{backend}: skipped, {reason}\n" for backend, reason in skipped.items()), end="")
         print(f"{'MiB':>6} " + " ".join(f"{b:>12}" for b in REFERENCES) + " "
               + " ".join(f"{b:>24}" for b in backends))
         for num_blocks in blocks:
@@ -289,7 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
         receiver.close()
     result = {"device": endpoints["device"], "layers": SHAPE.num_layers, "dtype": "bfloat16",
               "repeats": args.repeats, "destination": "scattered KV cache blocks of another process",
-              "skipped": skipped, "results": rows}
+              "results": rows}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

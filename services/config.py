@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
+from kvstore.transfer.transports import TRANSPORTS as KV_TRANSPORTS
 from services.messages import Role
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "mooncake", "tidepool")
-KV_TRANSPORTS = ("grpc", "collective", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -31,7 +31,7 @@ class ClusterConfig:
     colocated: int = 0  # > 0 serves colocated workers instead of prefill/decode pairs
     policy: str = "tidepool"
     replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
-    kv_transport: str = "auto"  # grpc | collective | auto (collective on GPUs and CPUs, gRPC across devices)
+    kv_transport: str = "auto"  # grpc | collective | ipc | auto (kvstore/transfer/transports.py)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
     max_kv_channels: int = 16  # collective KV channels (process groups) a worker keeps open, LRU-evicted
     address: str | None = None  # "auto" joins a running Ray cluster
@@ -95,7 +95,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="copy prefixes many requests share to idle prefill workers ahead of demand "
                         "(tidepool policy)")
     p.add_argument("--kv-transport", default=c.kv_transport, choices=KV_TRANSPORTS,
-                   help="how KV moves from prefill to decode workers")
+                   help="how KV moves from prefill to decode workers: grpc; collective (NCCL on GPUs, gloo "
+                        "on CPUs); ipc (shared memory within a node: CUDA IPC on GPUs, /dev/shm on CPUs; "
+                        "other pairs fall back); auto: ipc for GPU pairs on one node, NCCL across nodes, "
+                        "gRPC for CPU pairs")
     p.add_argument("--no-layerwise", dest="layerwise", action="store_false", default=c.layerwise,
                    help="send KV after the whole prefill instead of layer by layer")
     p.add_argument("--max-kv-channels", type=int, default=c.max_kv_channels,

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from engine.sampling_params import SamplingParams
 from kvstore.transfer.channel_pool import ChannelUse
+from kvstore.transfer.ipc import SharedPayload
 from kvstore.transfer.wire import TransferHeader
 from services.kv_receiver import HandoffReceiver
 from services.messages import TokenEvent, WorkerInfo
@@ -72,6 +73,13 @@ class DecodeWorker(Worker):
         header.validate()
         return await asyncio.get_running_loop().run_in_executor(
             self.receiver.receive_threads, self.receiver.receive_collective, prefill_id, header, timeout_s)
+
+    async def receive_shared(self, header: TransferHeader, shared: SharedPayload) -> int:
+        """Copy a payload a prefill worker on this node shares into its lease (``HandoffReceiver.receive_shared``);
+        the return is the sender's ack."""
+        header.validate()
+        return await asyncio.get_running_loop().run_in_executor(
+            self.receiver.receive_threads, self.receiver.receive_shared, header, shared)
 
     async def release(self, request_id: str) -> None:
         """Free a lease that never joined the batch (the handoff failed or was cancelled)."""

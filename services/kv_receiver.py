@@ -5,7 +5,8 @@ accepted only for a live, unfilled lease whose shape matches; its bytes are writ
 reserved blocks as they arrive (``engine/kv_import.py``: no staging copy of the payload), and the lease
 counts as filled only after the checksum matched. Until then the blocks are in no sequence's table, so a
 corrupt or cut transfer is never read: its lease is released. Transfers come over gRPC (a server this
-receiver runs) or a collective channel per prefill worker, opened on demand and kept in a bounded pool
+receiver runs), shared memory from a prefill worker on this node (``receive_shared``: the payload is
+mapped and copied in) or a collective channel per prefill worker, opened on demand and kept in a bounded pool
 (``kvstore/transfer/channel_pool.py``): a prefill worker asks for its channel's address before each
 transfer, which holds the channel until the transfer ends, and receives run on a thread pool of the
 same bound, so N x M pairs never pin more groups or threads than that.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ from kvstore.transfer import TransferError, TransferRejected
 from kvstore.transfer.channel_pool import ChannelPool
 from kvstore.transfer.collective import CollectiveChannel, backend_for
 from kvstore.transfer.grpc import KVTransferServer
+from kvstore.transfer.ipc import SharedPayload, copy_shared
 from kvstore.transfer.wire import TransferHeader
 from services.engine_loop import EngineLoop
 from services.messages import KVTarget
@@ -72,8 +75,9 @@ class HandoffReceiver:
         return f"{self._node}:{self._server.port}"
 
     def target(self) -> KVTarget:
-        return KVTarget(self.worker_id, self.grpc_address, str(self.engine.device),
-                        ray.get_runtime_context().current_actor)
+        context = ray.get_runtime_context()
+        return KVTarget(self.worker_id, self.grpc_address, str(self.engine.device), context.get_node_id(),
+                        context.current_actor)
 
     def stop(self) -> None:
         self._server.stop()
@@ -185,10 +189,26 @@ class HandoffReceiver:
         except TransferRejected:
             self._refuse(channel, header, timeout_s)
             raise
+        with self._filling(lease) as incoming:
+            channel.recv_into(header, incoming, timeout_s=timeout_s)
+
+    def receive_shared(self, header: TransferHeader, shared: SharedPayload) -> int:
+        """Copy a payload a prefill worker on this node shares (``kvstore/transfer/ipc.py``) into its lease.
+        ``IpcUnavailable`` (it cannot be mapped here) leaves the lease open for another transport."""
+        if shared.nbytes != header.total_bytes:
+            raise TransferRejected(f"{header.request_id}: shared {shared.nbytes} B, header says "
+                                   f"{header.total_bytes}")
+        with self._filling(self._claim(header)) as incoming:
+            copy_shared(shared, incoming)
+        return header.total_bytes
+
+    @contextlib.contextmanager
+    def _filling(self, lease: Lease) -> Iterator[BlockImport]:
+        """The import into a claimed lease: filled when the block completes, released when it raises."""
         arrived = None
         try:
             incoming = BlockImport(self.engine.kv_cache, lease.block_ids)
-            channel.recv_into(header, incoming, timeout_s=timeout_s)
+            yield incoming
             arrived = incoming
         finally:
             self._fill(lease, arrived)

@@ -4,7 +4,9 @@
 exports layer l of every request whose prompt completes in the running step as soon as that layer is
 written, so the bytes leave while later layers compute; otherwise the whole KV is exported after the
 first token. A layer-wise transfer takes its stream (or collective pair) only when the first layer is ready,
-so a prompt still queued holds nothing on the receiver. ``Handoff.finish`` waits for the receiver's ack
+so a prompt still queued holds nothing on the receiver. A decode worker on the same node may instead map
+the whole payload from shared memory (``ipc``: CUDA IPC on GPUs; ``kvstore/transfer/ipc.py``); one that
+cannot (another GPU it cannot see, no room in /dev/shm) gets the fallback transport from then on. ``Handoff.finish`` waits for the receiver's ack
 without holding a thread; ``cancel`` and ``close`` end it on any path.
 
 Collective channels live in a bounded pool (``kvstore/transfer/channel_pool.py``), one per decode worker,
@@ -15,22 +17,28 @@ pool of the same bound.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import ray
 import torch
 
 from engine.engine import Engine
 from kvstore.hashing import block_hashes, salt_for
-from kvstore.transfer import TransferError
+from kvstore.transfer import IpcUnavailable, TransferError
 from kvstore.transfer.channel_pool import ChannelPool
-from kvstore.transfer.collective import CollectiveChannel, backend_for, pick_transport
+from kvstore.transfer.collective import CollectiveChannel, backend_for
 from kvstore.transfer.grpc import KVTransferClients, PushCall
+from kvstore.transfer.ipc import PayloadShare, SegmentPool
+from kvstore.transfer.transports import fallback_transport, pick_transport
 from kvstore.transfer.wire import LayerFeed, TransferHeader, leave_device
 from services.engine_loop import EngineLoop
 from services.kv_receiver import kv_payload_shape
 from services.messages import KVTarget
+
+log = logging.getLogger(__name__)
 
 
 class HandoffSender:
@@ -52,6 +60,13 @@ class HandoffSender:
         self._layer_lock = threading.Lock()
         # On CUDA, layers bound for gRPC are copied to pinned host memory on this stream (wire.leave_device).
         self._copy_stream = torch.cuda.Stream(engine.device) if engine.device.type == "cuda" else None
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._no_ipc: set[str] = set()  # decode workers on this node that could not map our memory
+        self.segments = SegmentPool()  # host payloads shared with decode workers on this node
+        if transport in ("ipc", "auto"):
+            orphans = SegmentPool.remove_orphans()
+            if orphans:
+                log.warning("removed %d shared-memory segments of dead senders: %s", len(orphans), orphans)
         if layerwise:
             loop.add_layer_hook(self._on_layer_done)
 
@@ -69,22 +84,34 @@ class HandoffSender:
                     feed.close()
 
     def transport_for(self, kv_target: KVTarget) -> str:
-        return pick_transport(self.mode, self.engine.device, kv_target.device)
+        same_node = kv_target.node_id == self.node_id and kv_target.worker_id not in self._no_ipc
+        return pick_transport(self.mode, self.engine.device, kv_target.device, same_node)
+
+    def ipc_refused(self, kv_target: KVTarget, exc: IpcUnavailable) -> str:
+        """``kv_target`` could not map our memory: it gets the fallback transport from now on (this
+        transfer included)."""
+        log.warning("KV to %s cannot go through shared memory (%s); using the fallback from now on",
+                    kv_target.worker_id, exc)
+        self._no_ipc.add(kv_target.worker_id)
+        return fallback_transport(self.engine.device, kv_target.device)
 
     def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float) -> Handoff:
         num_blocks = -(-len(prompt_ids) // self.engine.block_size)
         kv = self.engine.kv_cache
+        transport = self.transport_for(kv_target)
+        # A shared payload is copied at memory speed once the prompt is done: nothing left to overlap.
+        layerwise = self.layerwise and transport != "ipc"
         header = TransferHeader.describe(
             request_id, self.engine.model_id, kv_payload_shape(self.engine, num_blocks), kv.payload_dtype,
-            block_hashes(prompt_ids, self.engine.block_size, self._salt), layerwise=self.layerwise,
+            block_hashes(prompt_ids, self.engine.block_size, self._salt), layerwise=layerwise,
             kv_format=kv.kv_format,
         )
         feed = None
-        if self.layerwise:
-            feed = _Feed(num_blocks, to_host=self.transport_for(kv_target) == "grpc")
+        if layerwise:
+            feed = _Feed(num_blocks, to_host=transport == "grpc")
             with self._layer_lock:
                 self._feeds[request_id] = feed
-        return Handoff(self, header, kv_target, deadline, feed)
+        return Handoff(self, header, kv_target, transport, deadline, feed)
 
     def _forget(self, request_id: str) -> None:
         with self._layer_lock:
@@ -148,10 +175,10 @@ class _Feed(LayerFeed):
 class Handoff:
     """One request's transfer: started at ``open`` (layer-wise) or ``finish``, ended by ``close``."""
 
-    def __init__(self, sender: HandoffSender, header: TransferHeader, kv_target: KVTarget, deadline: float,
-                 feed: _Feed | None) -> None:
+    def __init__(self, sender: HandoffSender, header: TransferHeader, kv_target: KVTarget, transport: str,
+                 deadline: float, feed: _Feed | None) -> None:
         self.sender, self.header, self.kv_target, self.deadline, self.feed = sender, header, kv_target, deadline, feed
-        self.transport = sender.transport_for(kv_target)
+        self.transport = transport
         self._push: PushCall | None = None
         self._started = time.perf_counter()
         self._sending: asyncio.Task | None = None
@@ -167,6 +194,11 @@ class Handoff:
         return max(0.001, self.deadline - time.monotonic())
 
     async def _send(self, payload) -> None:
+        if self.transport == "ipc":
+            try:
+                return await self._share(payload)
+            except IpcUnavailable as exc:  # nothing was written: the same KV goes the other way
+                self.transport = self.sender.ipc_refused(self.kv_target, exc)
         if self.feed is not None:  # nothing is opened on the receiver while the prompt waits to be computed
             await self.feed.first_layer.wait()
         if self.transport == "grpc":
@@ -194,6 +226,14 @@ class Handoff:
                         raise outcome
             finally:
                 self.sender.release_channel(decode_id, channel)
+
+    async def _share(self, payload: torch.Tensor) -> None:
+        """Hand the payload over in shared memory: the decode worker copies it into the lease and returns."""
+        self._started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        share = await loop.run_in_executor(self.sender.send_threads, PayloadShare, payload, self.sender.segments)
+        with share:  # closed after the receiver's return (an ack) or failure: ipc.py's lifetime rule
+            await self.kv_target.actor.receive_shared.remote(self.header, share.shared)
 
     async def finish(self) -> tuple[int, float, float]:
         """Wait until the receiver has the KV; (bytes, seconds since the transfer started, seconds the

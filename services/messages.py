@@ -32,7 +32,8 @@ class KVTarget:
     worker_id: str
     grpc_address: str  # host:port of the decode worker's KV transfer server
     device: str  # the decode side's device ("cpu", "cuda", "cuda:1"): picks the collective backend
-    actor: Any  # the decode worker's Ray actor handle, which opens and receives collective transfers
+    node_id: str  # the Ray node it runs on: a prefill worker on the same node may hand KV over by ipc
+    actor: Any  # the decode worker's Ray actor handle, which opens and receives collective and ipc transfers
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class WorkerSpec:
     engine: EngineConfig
     redis_url: str | None
     num_threads: int
-    kv_transport: str  # grpc | collective | auto
+    kv_transport: str  # grpc | collective | ipc | auto
     layerwise: bool
     max_kv_channels: int  # collective channels (and their transfer threads) kept open, LRU-evicted
     pool_max_bytes: int

@@ -8,8 +8,12 @@ import time
 
 import pytest
 import ray
+import torch
 
 from engine.sampling_params import SamplingParams
+from kvstore.transfer import IpcUnavailable
+from kvstore.transfer.ipc import PayloadShare
+from kvstore.transfer.wire import TransferHeader
 from services.dispatcher import Deadlines, GenerateRequest
 from services.errors import WorkerFailedError
 
@@ -68,12 +72,19 @@ def colocated_outputs(start_server):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("transport", ["grpc", "collective"])
-@pytest.mark.parametrize("layerwise", [True, False], ids=["layerwise", "whole"])
+@pytest.mark.parametrize(("transport", "layerwise"), [
+    ("grpc", True), ("grpc", False), ("collective", True), ("collective", False),
+    ("ipc", True),  # shared memory on one node: the whole KV once computed, whatever --layerwise says
+], ids=["grpc-layerwise", "grpc-whole", "collective-layerwise", "collective-whole", "ipc"])
 def test_disaggregated_greedy_equals_colocated(start_server, colocated_outputs, transport, layerwise):
     server = start_server(prefill=1, decode=1, kv_transport=transport, layerwise=layerwise)
     try:
         assert _run_batch(server, _prompts(16), f"{transport}-{layerwise}") == colocated_outputs
+        metrics = server.server.cluster.dispatcher.metrics
+        moved = {way: metrics.registry.get_sample_value("tidepool_kv_transfer_bytes_total",
+                                                        {"model_name": metrics.model_name, "transport": way}) or 0
+                 for way in ("grpc", "collective", "ipc")}
+        assert moved[transport] > 0 and sum(moved.values()) == moved[transport]  # none fell back
     finally:
         server.stop()
 
@@ -117,6 +128,35 @@ def test_missed_deadline_fails_the_request_and_returns_blocks(pd_server):
             pd_server.run(_collect(dispatcher, "too-slow", prompt))
     finally:
         dispatcher.deadlines = saved
+    assert _wait_free_blocks(pd_server, baseline) == baseline
+
+
+@pytest.mark.timeout(120)
+def test_a_share_a_decode_worker_cannot_map_reaches_the_sender_as_ipc_unavailable_and_keeps_the_lease(pd_server):
+    """What a prefill worker's fallback relies on: through Ray the refusal keeps its type (the sender catches
+    IpcUnavailable), nothing was written and the lease stays open, so the same KV can still arrive."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+
+    def on_worker(fn):
+        return ray.get(decode.actor.__ray_call__.remote(fn), timeout=30)
+
+    shape, dtype, model = on_worker(lambda w: (w.engine.kv_cache.payload_shape(2), w.engine.kv_cache.payload_dtype,
+                                               w.engine.model_id))
+    header = TransferHeader.describe("ipc-refused", model, shape, dtype)
+    payload = torch.randn(shape).to(dtype)
+    ray.get(decode.actor.reserve.remote("ipc-refused", 32, 60.0), timeout=30)
+    try:
+        gone = PayloadShare(payload)
+        gone.close()  # as a share from a process the decode worker cannot map looks to it
+        with pytest.raises(IpcUnavailable):
+            ray.get(decode.actor.receive_shared.remote(header, gone.shared), timeout=30)
+        with PayloadShare(payload) as share:  # the lease is still open: the KV arrives another way
+            assert ray.get(decode.actor.receive_shared.remote(header, share.shared), timeout=30) == header.total_bytes
+        assert torch.equal(on_worker(lambda w: w.engine.kv_cache.export_blocks(
+            w.engine.request_block_ids("ipc-refused"))), payload)
+    finally:
+        ray.get(decode.actor.release.remote("ipc-refused"), timeout=30)
     assert _wait_free_blocks(pd_server, baseline) == baseline
 
 

@@ -33,7 +33,7 @@ class FakeWorker:
 
     def __init__(self, worker_id: str, role: Role, *, die_on_prefill: bool = False,
                  fail_on_prefill: Exception | None = None, tokens: int = 3) -> None:
-        target = KVTarget(worker_id, "127.0.0.1:1", "cpu", None) if role == Role.DECODE else None
+        target = KVTarget(worker_id, "127.0.0.1:1", "cpu", "node-0", None) if role == Role.DECODE else None
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", "node", "cpu", "fake-model", 16, 2048, 1024, 256,
                                WorkerProfile([], []), target)
         self.alive = True

@@ -142,26 +142,34 @@ def test_a_layer_leaves_the_device_without_syncing_the_compute_stream():
 # ---- CUDA IPC: another process maps the KV in place ------------------------------------------------
 
 def _map_and_copy(conn) -> None:
-    """The receiving process: map the tensor shared over ``conn``, copy it into device memory of its own,
-    drop the mapping, and answer with what it copied (the answer is the sender's ack)."""
-    from kvstore.transfer.cuda_ipc import open_shared
+    """The receiving process: copy each payload shared over ``conn`` into device memory of its own
+    (``copy_shared``: mapped, copied, checked, unmapped), answering with what it copied, or the error."""
+    from kvstore.transfer.ipc import copy_shared
     from kvstore.transfer.wire import as_bytes
 
-    mapped = open_shared(conn.recv())
-    own = torch.empty_like(mapped)
-    own.copy_(mapped)  # on the current stream, which open_shared made wait for the sender's work
-    torch.cuda.synchronize()
-    del mapped
-    conn.send((own.is_cuda, str(own.dtype), tuple(own.shape), bytes(as_bytes(own))))
+    class Own:
+        def write(self, offset: int, data: torch.Tensor) -> None:
+            assert offset == 0 and data.is_cuda
+            self.tensor = data.clone()  # on the current stream, which the mapping made wait for the sender's
+
+    while (shared := conn.recv()) is not None:
+        own = Own()
+        try:
+            copy_shared(shared, own)
+        except Exception as exc:
+            conn.send(repr(exc))
+            continue
+        conn.send((str(own.tensor.dtype), tuple(own.tensor.shape), bytes(as_bytes(own.tensor))))
 
 
 @pytest.mark.timeout(180)
-def test_cuda_ipc_another_process_copies_the_shared_kv_exactly():
+def test_cuda_ipc_another_process_copies_the_shared_kv_exactly_and_sees_it_changed():
     """A bf16 slice (at an offset in its allocation) shared right after the kernels that fill it, with no
-    synchronisation: the other process maps it, copies it into its own device tensor, and gets every byte."""
+    synchronisation: the other process maps it, copies it into its own device tensor, and gets every byte.
+    A second share whose bytes change before the copy is refused by the check."""
     import torch.multiprocessing as mp
 
-    from kvstore.transfer.cuda_ipc import share
+    from kvstore.transfer.ipc import PayloadShare
     from kvstore.transfer.wire import as_bytes
 
     ctx = mp.get_context("spawn")
@@ -170,17 +178,23 @@ def test_cuda_ipc_another_process_copies_the_shared_kv_exactly():
     child.start()
     try:
         base = torch.randn(4, 32, 2, 8, 16, 4, 64, device="cuda").to(torch.bfloat16) * 3
-        source = base[1:3]  # kept alive, unchanged, until the child's answer (the lifetime rule)
-        shared = share(source)
-        assert shared.shape == tuple(source.shape) and shared.dtype == torch.bfloat16
-        assert shared.nbytes == source.numel() * 2
-        conn.send(shared)
-        assert conn.poll(120), "the receiving process did not answer"
-        on_cuda, dtype, shape, data = conn.recv()
+        source = base[1:3]
+        with PayloadShare(source) as share:  # open, the bytes unchanged, until the child's answer
+            assert share.shared.shape == tuple(source.shape) and share.shared.dtype == torch.bfloat16
+            assert share.shared.nbytes == source.numel() * 2 and share.shared.segment is None
+            conn.send(share.shared)
+            assert conn.poll(120), "the receiving process did not answer"
+            copied = conn.recv()
+        with PayloadShare(source) as share:
+            source.add_(1)  # breaks the lifetime rule: the receiver reads other bytes than were checked
+            conn.send(share.shared)
+            assert conn.poll(120), "the receiving process did not answer"
+            changed = conn.recv()
+        conn.send(None)
     finally:
         child.join(30)
         if child.is_alive():
             child.kill()
-    assert on_cuda and dtype == "torch.bfloat16" and shape == tuple(source.shape)
-    assert data == bytes(as_bytes(source))
+    assert copied == ("torch.bfloat16", tuple(source.shape), bytes(as_bytes(source - 1)))
+    assert "ChecksumMismatch" in changed
     assert child.exitcode == 0

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvstore.transfer import ChecksumMismatch, PeerLost, TransferCancelled, TransferError, TransferTimeout
-from kvstore.transfer.collective import CollectiveChannel, backend_for, pick_transport
+from kvstore.transfer.collective import CollectiveChannel, backend_for
+from kvstore.transfer.transports import pick_transport
 from kvstore.transfer.wire import LayerFeed, TransferHeader, as_bytes
 
 pytestmark = pytest.mark.ray
@@ -226,13 +227,17 @@ def test_stalled_peer_times_out_and_the_channel_stays_down(ray_session):
 
 
 @pytest.mark.timeout(30)
-def test_pick_transport_uses_collective_only_where_nccl_can_join():
-    assert pick_transport("grpc", "cuda:0", "cuda:1") == "grpc"
-    assert pick_transport("collective", "cpu", "cpu") == "collective"
-    assert pick_transport("auto", "cpu", "cpu") == "grpc"
-    assert pick_transport("auto", "cuda:0", "cpu") == "grpc"
-    expected = "collective" if torch.distributed.is_nccl_available() else "grpc"
-    assert pick_transport("auto", "cuda:0", "cuda:1") == expected
-    with pytest.raises(ValueError):
-        pick_transport("carrier-pigeon", "cpu", "cpu")
+def test_pick_transport_uses_collective_only_where_nccl_can_join_and_ipc_only_within_a_node():
+    nccl = "collective" if torch.distributed.is_nccl_available() else "grpc"
+    assert pick_transport("grpc", "cuda:0", "cuda:1", same_node=True) == "grpc"
+    assert pick_transport("collective", "cpu", "cpu", same_node=True) == "collective"
+    assert pick_transport("auto", "cpu", "cpu", same_node=True) == "grpc"  # CPU pairs keep gRPC by default
+    assert pick_transport("auto", "cuda:0", "cpu", same_node=True) == "grpc"
+    assert pick_transport("auto", "cuda:0", "cuda:1", same_node=True) == "ipc"
+    assert pick_transport("auto", "cuda:0", "cuda:1", same_node=False) == nccl
+    assert pick_transport("ipc", "cpu", "cpu", same_node=True) == "ipc"
+    assert pick_transport("ipc", "cpu", "cpu", same_node=False) == "grpc"  # across nodes: the fallback
+    assert pick_transport("ipc", "cuda:0", "cuda:0", same_node=False) == nccl
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        pick_transport("carrier-pigeon", "cpu", "cpu", same_node=True)
     assert (backend_for("cpu"), backend_for("cuda:1")) == ("gloo", "nccl")

@@ -1,6 +1,6 @@
-"""benchmarks/transfer_gpu.py on the host (its ``--device cpu`` smoke run): two spawned processes, gloo and
-gRPC into scattered KV blocks, each delivery checked by the benchmark itself; the check seeing bytes left
-out; and kvstore.transfer.cuda_ipc refusing host memory (its CUDA path is in test_gpu.py)."""
+"""benchmarks/transfer_gpu.py on the host (its ``--device cpu`` smoke run): two spawned processes, ipc (a
+/dev/shm segment there, CUDA IPC on a GPU: test_gpu.py), gloo and gRPC into scattered KV blocks, each
+delivery checked by the benchmark itself; and the check seeing bytes left out."""
 
 from __future__ import annotations
 
@@ -31,18 +31,17 @@ def positive(x) -> bool:
 
 
 @pytest.mark.timeout(180)
-def test_cpu_smoke_run_delivers_every_byte_and_skips_cuda_ipc(tmp_path):
+def test_cpu_smoke_run_delivers_every_byte_by_every_backend(tmp_path):
     bench = load_bench()
     out = tmp_path / "transfer_gpu.json"
     returned = bench.main(["--device", "cpu", "--sizes", "1,2", "--repeats", "2", "--json", str(out)])
     result = json.loads(out.read_text())
     assert result == json.loads(json.dumps(returned))
     assert (result["device"], result["layers"], result["dtype"], result["repeats"]) == ("cpu", 32, "bfloat16", 2)
-    assert set(result["skipped"]) == {"cuda_ipc"}
-    references = {"d2d": None, "pinned_d2h": None, "gloo": "pinned_d2h", "grpc": "pinned_d2h"}
+    references = {"d2d": None, "pinned_d2h": None, "ipc": "d2d", "gloo": "pinned_d2h", "grpc": "pinned_d2h"}
     for size_bytes, blocks in ((1 << 20, 2), (2 << 20, 4)):
         rows = {row["backend"]: row for row in result["results"] if row["size_bytes"] == size_bytes}
-        assert set(rows) == set(references)  # no cuda_ipc row: skipped, as stated
+        assert set(rows) == set(references)
         assert bench.kv_header("x", blocks).total_bytes == size_bytes
         # The same payload's CRC-32C, which every run's destination matched (else the run raised).
         assert len({row["crc32c"] for row in rows.values()}) == 1
@@ -55,7 +54,7 @@ def test_cpu_smoke_run_delivers_every_byte_and_skips_cuda_ipc(tmp_path):
             else:
                 link = rows[row["reference"]]["gbps_median"]
                 assert row["vs_reference"] == pytest.approx(row["gbps_median"] / link)
-    assert len(result["results"]) == 8
+    assert len(result["results"]) == 10
 
 
 @pytest.mark.timeout(60)
@@ -78,12 +77,3 @@ def test_the_receivers_check_sees_bytes_left_out():
         receiver.server.stop()
         receiver.channel.close()
         torch.set_num_threads(threads)
-
-
-def test_cuda_ipc_refuses_host_memory():
-    from kvstore.transfer.cuda_ipc import share
-
-    with pytest.raises(ValueError, match="CUDA tensors only"):
-        share(torch.ones(4, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="CUDA tensors only"):
-        share(b"not a tensor")

@@ -84,16 +84,6 @@ class PieceWriter(Protocol):
     def write(self, offset: int, data: torch.Tensor) -> None: ...
 
 
-def pick_transport(mode: str, prefill_device: str | torch.device, decode_device: str | torch.device) -> str:
-    """``--kv-transport``: "grpc" or "collective" as given; "auto" is collective only where NCCL can run."""
-    if mode in ("grpc", "collective"):
-        return mode
-    if mode != "auto":
-        raise ValueError(f"unknown KV transport {mode!r} (grpc|collective|auto)")
-    on_cuda = torch.device(prefill_device).type == "cuda" and torch.device(decode_device).type == "cuda"
-    return "collective" if on_cuda and dist.is_nccl_available() else "grpc"
-
-
 def backend_for(device: str | torch.device) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 

@@ -1,0 +1,139 @@
+"""KV handed over in shared memory within a node (``kvstore/transfer/ipc.py``), host segments on the CPU:
+another process copies a shared payload into its cache blocks exactly; a payload changed under the copy is
+refused; the sender's close removes the segment; and a decode worker's receiver fills a lease from a share,
+refuses one without a lease, and keeps the lease open for another transport when it cannot map the share.
+(The CUDA IPC side of the same API is in test_gpu.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import random
+import subprocess
+import sys
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+
+import pytest
+import torch
+from receiver_helpers import SECRET, leased_receiver
+
+from engine.config import ModelConfig
+from engine.kv_cache import KVCache
+from engine.kv_import import BlockImport
+from kvstore.transfer import ChecksumMismatch, IpcUnavailable, TransferRejected
+from kvstore.transfer.grpc import KVTransferClient
+from kvstore.transfer.ipc import PayloadShare, copy_shared
+from kvstore.transfer.wire import TransferHeader, as_bytes, checksum
+
+NUM_BLOCKS = 5
+MODEL = ModelConfig("LlamaForCausalLM", 8, 16, 16, num_layers=3, num_heads=2, num_kv_heads=4, head_dim=8)
+
+
+def _cache() -> KVCache:
+    return KVCache(MODEL, 4 * NUM_BLOCKS, 16, torch.float32, "cpu")
+
+
+# Another process (started on its own, as a Ray worker is, so it has its own multiprocessing resource
+# tracker): a cache of its own, the shared payload (pickled on stdin) copied into the given blocks; prints
+# the CRC-32C of those blocks in payload order.
+_RECEIVER = """
+import pickle, sys
+from engine.kv_import import BlockImport
+from kvstore.transfer.ipc import copy_shared
+from kvstore.transfer.wire import as_bytes, checksum
+from test_transfer_ipc import _cache
+shared, block_ids = pickle.load(sys.stdin.buffer)
+cache = _cache()
+arrival = BlockImport(cache, block_ids)
+copy_shared(shared, arrival)
+arrival.finish()
+print(checksum(as_bytes(cache.export_blocks(block_ids))))
+"""
+
+
+def _segment_exists(name: str) -> bool:
+    try:
+        segment = SharedMemory(name=name)
+    except FileNotFoundError:
+        return False
+    segment.close()
+    return True
+
+
+@pytest.mark.timeout(60)
+def test_another_process_copies_a_shared_payload_into_scattered_blocks_exactly():
+    cache = _cache()
+    payload = torch.randn(cache.payload_shape(NUM_BLOCKS))
+    block_ids = random.Random(3).sample(range(4 * NUM_BLOCKS), NUM_BLOCKS)
+    with PayloadShare(payload) as share:
+        assert share.shared.nbytes == payload.numel() * 4 and share.shared.check == (checksum(as_bytes(payload)),)
+        child = subprocess.run([sys.executable, "-c", _RECEIVER], input=pickle.dumps((share.shared, block_ids)),
+                               capture_output=True, timeout=45, cwd=Path(__file__).parent, check=False)
+        assert child.returncode == 0, child.stderr.decode()
+        assert int(child.stdout) == checksum(as_bytes(payload))
+        assert _segment_exists(share.shared.segment)  # the receiver's exit did not remove the sender's segment
+    assert not _segment_exists(share.shared.segment)  # closing the share did
+
+
+@pytest.mark.timeout(30)
+def test_a_payload_changed_under_the_copy_is_refused_and_a_closed_share_cannot_be_mapped():
+    cache = _cache()
+    payload = torch.randn(cache.payload_shape(2))
+    share = PayloadShare(payload)
+    other = SharedMemory(name=share.shared.segment)  # a sender breaking the lifetime rule
+    other.buf[100] ^= 0x01
+    other.close()
+    with pytest.raises(ChecksumMismatch, match="changed under the copy"):
+        copy_shared(share.shared, BlockImport(cache, [0, 1]))
+    share.close()
+    share.close()  # idempotent
+    with pytest.raises(IpcUnavailable, match="cannot map"):
+        copy_shared(share.shared, BlockImport(cache, [0, 1]))
+
+
+def _header(request_id: str, engine, num_blocks: int) -> TransferHeader:
+    return TransferHeader.describe(request_id, engine.model_id, engine.kv_cache.payload_shape(num_blocks),
+                                   engine.kv_cache.payload_dtype, kv_format=engine.kv_cache.kv_format)
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_fills_its_lease_from_a_share_and_refuses_one_without_a_lease(tiny):
+    async def main() -> None:
+        async with leased_receiver("leased", 40) as leased:
+            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
+            header = _header("leased", engine, len(blocks))
+            payload = torch.randn(header.shape).to(engine.kv_cache.payload_dtype)
+            before = engine.kv_cache.data.clone()
+            with PayloadShare(payload) as share:
+                with pytest.raises(TransferRejected, match="no open KV lease"):
+                    await asyncio.to_thread(receiver.receive_shared, _header("stranger", engine, len(blocks)),
+                                            share.shared)
+                assert torch.equal(engine.kv_cache.data, before)
+                assert await asyncio.to_thread(receiver.receive_shared, header, share.shared) == header.total_bytes
+            assert receiver.take_filled_lease("leased").block_ids == blocks
+            assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_share_the_receiver_cannot_map_leaves_the_lease_open_for_grpc(tiny):
+    async def main() -> None:
+        async with leased_receiver("leased", 40) as leased:
+            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
+            header = _header("leased", engine, len(blocks))
+            payload = torch.randn(header.shape).to(engine.kv_cache.payload_dtype)
+            share = PayloadShare(payload)
+            share.close()  # what the receiver sees of a sender on another node, or one already gone
+            with pytest.raises(IpcUnavailable):
+                await asyncio.to_thread(receiver.receive_shared, header, share.shared)
+            client = KVTransferClient(receiver.grpc_address, SECRET)  # the sender's fallback
+            try:
+                await asyncio.to_thread(client.push, header, payload, 30)
+            finally:
+                client.close()
+            assert receiver.take_filled_lease("leased").block_ids == blocks
+            assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
+
+    asyncio.run(main())
