@@ -47,7 +47,8 @@ class Lease:
     block_ids: list[int]
     deadline: float
     filled: bool = False
-    busy: bool = False  # a transfer into it is in flight
+    busy: bool = False  # a transfer into it is in flight: it owns the blocks until it ends
+    dropped: bool = False  # released while busy: the transfer's end frees the blocks
 
 
 class HandoffReceiver:
@@ -99,9 +100,18 @@ class HandoffReceiver:
         return lease
 
     def drop_lease(self, request_id: str) -> bool:
-        """Forget a lease that never joined the batch; True when there was one (its blocks must be freed)."""
+        """Forget a lease that never joined the batch; True when the caller must free its blocks now. A
+        lease a transfer is still writing into is only marked: that transfer's end frees the blocks, so no
+        late write lands in blocks another request was given meanwhile."""
         with self._lock:
-            return self._leases.pop(request_id, None) is not None
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return False
+            if lease.busy:
+                lease.dropped = True
+                return False
+            del self._leases[request_id]
+            return True
 
     def expired_leases(self, now: float) -> list[str]:
         with self._lock:
@@ -137,7 +147,11 @@ class HandoffReceiver:
         finally:
             with self._lock:
                 lease.busy = False
-                lease.filled = arrived is not None
+                lease.filled = arrived is not None and not lease.dropped
+                if lease.dropped and self._leases.get(lease.request_id) is lease:
+                    del self._leases[lease.request_id]
+            if lease.dropped:
+                self.loop.call(self.engine.release, lease.request_id)  # on the engine thread, in order
 
     def begin(self, header: TransferHeader) -> _LeaseWriter:  # KVSink, for the gRPC server
         lease = self._claim(header)

@@ -59,3 +59,31 @@ def test_a_refused_collective_transfer_is_drained_and_the_pair_carries_the_next(
             assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize("ending", ["abort", "commit"])
+def test_a_lease_released_mid_transfer_keeps_its_blocks_until_the_transfer_ends(tiny, ending):
+    """A cancelled request's lease is released while its KV is still arriving: its blocks stay out of the
+    free list (a late write must not land in blocks another request was given) until the transfer ends,
+    however it ends, and then they are freed, without the lease ever counting as filled."""
+    async def main() -> None:
+        async with leased_receiver("leased", 20) as leased:
+            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
+            shape = engine.kv_cache.payload_shape(len(blocks))
+            header = TransferHeader.describe("leased", engine.model_id, shape, engine.kv_cache.payload_dtype)
+            free_before = await leased.loop.acall(lambda: engine.block_manager.num_free_blocks)
+            writer = receiver.begin(header)  # a transfer claims the lease
+            assert receiver.drop_lease("leased") is False  # the caller must not free the blocks now
+            assert await leased.loop.acall(lambda: engine.block_manager.num_free_blocks) == free_before
+            writer.write(0, memoryview(bytes(header.total_bytes)))  # a late write, still into this lease
+            if ending == "abort":
+                writer.abort("sender cancelled")
+            else:
+                await asyncio.to_thread(writer.commit)
+            assert await leased.loop.acall(lambda: engine.block_manager.num_free_blocks) == free_before + len(blocks)
+            with pytest.raises(TransferRejected):
+                receiver.take_filled_lease("leased")
+            assert receiver.drop_lease("leased") is False  # gone: nothing left to free twice
+
+    asyncio.run(main())
