@@ -5,6 +5,8 @@ The port's guards (secret, header deadline, garbage, limits, bind address) are i
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -155,6 +157,37 @@ def test_cancel_mid_stream_aborts_the_writer(sink, client):
     outcome = sink.wait("r5", 10)
     assert not outcome.committed and "cancel" in outcome.reason
     feed.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_sender_leaving_while_the_commit_waits_its_turn_still_gets_it_committed(sink):
+    """Every byte arrived and matched its checksum, and the sender cancels before its ack while the commit
+    still waits for a worker thread: the commit runs all the same, so the writer ends and its reservation
+    is not left claimed for good (a cancelled commit would never end it at all)."""
+    server = KVTransferServer(sink).start()
+    pool, held = ThreadPoolExecutor(1), threading.Event()
+    # The server loop's one worker thread, held: its commit has to wait in the queue.
+    server._loop.call_soon_threadsafe(server._loop.set_default_executor, pool)
+    pool.submit(held.wait)
+    client = KVTransferClient(server.target)
+    try:
+        source = kv(seed=8)[:, :, :4]
+        sink.expect("late", torch.empty_like(source))
+        call = client.start_push(TransferHeader.describe("late", "tiny", source.shape, source.dtype), source, 30)
+        assert sink.began.wait(10)
+        time.sleep(1.0)  # every chunk is in: the server awaits the commit
+        call.cancel()
+        with pytest.raises(TransferCancelled):
+            call.result()
+        time.sleep(0.5)  # the cancel reaches the server
+        held.set()
+        outcome = sink.wait("late", 10)
+        assert outcome.committed and torch.equal(outcome.tensor, source)
+    finally:
+        held.set()
+        client.close()
+        server.stop()
+        pool.shutdown()
 
 
 @pytest.mark.timeout(60)

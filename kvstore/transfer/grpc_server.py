@@ -286,7 +286,10 @@ class KVTransferServer:
                 raise
             await context.abort(code, f"{header.request_id}: {reason}")
         try:
-            await asyncio.to_thread(writer.commit)  # may wait for the engine to import the blocks
+            # Queued before the await and shielded: a sender that leaves now (its ack no longer awaited)
+            # must not cancel the commit before it runs, or the writer would never end and its lease stay
+            # claimed. The commit may wait for the engine to import the blocks.
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, writer.commit))
         except TransferRejected as exc:  # e.g. the reservation's lease ran out meanwhile
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return received
