@@ -1,8 +1,10 @@
 """KV transfer bandwidth between two Ray actors, per backend, against limits measured in the same run.
 
-Backends: gRPC (a stream of 1 MiB chunks) and the torch collective (gloo on CPU, pipelined messages of
-up to 4 MiB of whole layers); with ``--layerwise`` both send layer by layer, as layer-wise streaming
-does. Both checksum every byte (CRC-32C) on both sides, and both land where a decode worker's do: straight
+Backends: gRPC (a stream of 1 MiB chunks), the torch collective (gloo on CPU, pipelined messages of
+up to 4 MiB of whole layers) and ipc (the whole payload in a /dev/shm segment the sender reuses, copied in
+by the receiver: ``kvstore/transfer/ipc.py``, same node only); with ``--layerwise`` gRPC and the collective
+send layer by layer, as layer-wise streaming does (ipc always hands the whole payload over). All three
+checksum every byte (CRC-32C) on both sides, and all land where a decode worker's do: straight
 in the reserved blocks of a paged KV cache (scattered block ids, as in a cache in use), through the same
 ``engine/kv_import.py`` writer, with no staging copy. Limits: memcpy of the same bytes inside one actor, a
 plain loopback TCP socket (no checksum) between the same two actors receiving into one contiguous buffer,
@@ -59,12 +61,14 @@ from engine.kv_cache import KVCache  # noqa: E402
 from engine.kv_import import BlockImport  # noqa: E402
 from kvstore.transfer.collective import CollectiveChannel  # noqa: E402
 from kvstore.transfer.grpc import OPTIONS, SEND_CHUNK_BYTES, KVTransferClient, KVTransferServer  # noqa: E402
+from kvstore.transfer.ipc import PayloadShare, SegmentPool, SharedPayload, copy_shared  # noqa: E402
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum  # noqa: E402
 
-BACKENDS = ("grpc", "collective")
+BACKENDS = ("grpc", "collective", "ipc")
 LIMITS = ("memcpy", "crc32c", "tcp", "grpc-raw", "gloo-raw")
 TRANSFERS = LIMITS[2:] + BACKENDS  # the ones between the two actors
-RAW_PEER = {"grpc": "grpc-raw", "collective": "gloo-raw"}  # the same transport with nothing done to the bytes
+# The same transport with nothing done to the bytes; for ipc, the copy it is made of.
+RAW_PEER = {"grpc": "grpc-raw", "collective": "gloo-raw", "ipc": "memcpy"}
 _RAW_METHOD = "/bench.Raw/Push"
 # benchmarks/ is no installed package, so an actor could not import the shared module by name from any
 # directory but the repository's: it travels with the actors instead.
@@ -167,6 +171,14 @@ class Receiver:
             arrival.finish()
         return time.monotonic(), time.process_time() - self.cpu_start
 
+    def receive_shared(self, header: TransferHeader, shared: SharedPayload) -> tuple[float, float]:
+        """ipc: copy a payload the sender shares into the reserved blocks, as a decode worker's
+        ``receive_shared`` does; returns what ``receive`` does."""
+        arrival = BlockImport(self.cache, self.reserved(header))
+        copy_shared(shared, arrival)
+        arrival.finish()
+        return time.monotonic(), time.process_time() - self.cpu_start
+
     def received_crc(self, backend: str, header: TransferHeader) -> int:
         """CRC-32C of what the last transfer left: the TCP buffer, or the reserved blocks in payload order."""
         if backend == "tcp":
@@ -178,8 +190,9 @@ class Receiver:
 class Sender:
     """The prefill side: a TCP connection, a KVTransferClient and the prefill end of the channel."""
 
-    def __init__(self, endpoints: dict[str, object]) -> None:
+    def __init__(self, endpoints: dict[str, object], receiver) -> None:
         torch.set_num_threads(1)
+        self.receiver, self.segments = receiver, SegmentPool()  # ipc: the receiver's actor, reused segments
         self.client = KVTransferClient(endpoints["grpc"])
         self.channel = CollectiveChannel("prefill", endpoints["collective"], backend="gloo", timeout_s=120)
         self.sock = socket.create_connection(("127.0.0.1", endpoints["tcp"]))
@@ -193,6 +206,15 @@ class Sender:
         """A random payload of ``header``'s shape; returns its CRC-32C."""
         self.source = torch.rand(header.shape).to(torch.bfloat16)
         return checksum(as_bytes(self.source))
+
+    def send_shared(self, header: TransferHeader) -> tuple[float, float, float, float]:
+        """ipc, as a prefill worker hands KV to a decode worker on its node: share the source, have the
+        receiver copy it in (its return is the ack); returns (start, CPU seconds sending, then what the
+        receiver's ``receive_shared`` returned)."""
+        start, cpu_start = time.monotonic(), time.process_time()
+        with PayloadShare(self.source, self.segments) as share:
+            end, receive_cpu = ray.get(self.receiver.receive_shared.remote(header, share.shared))
+        return start, time.process_time() - cpu_start, end, receive_cpu
 
     def send(self, backend: str, header: TransferHeader) -> tuple[float, float]:
         """Send one transfer of the current source; returns (the monotonic time of its start, CPU seconds
@@ -226,9 +248,12 @@ def measure(sender, receiver, backend: str, num_blocks: int, repeats: int, tag: 
             cpu.append(seconds[-1])
             continue
         ray.get(receiver.expect.remote())
-        done = receiver.receive.remote(backend, header)
-        start, send_cpu = ray.get(sender.send.remote(backend, header))
-        end, receive_cpu = ray.get(done)
+        if backend == "ipc":  # the sender calls the receiver itself, which takes no other call meanwhile
+            start, send_cpu, end, receive_cpu = ray.get(sender.send_shared.remote(header))
+        else:
+            done = receiver.receive.remote(backend, header)
+            start, send_cpu = ray.get(sender.send.remote(backend, header))
+            end, receive_cpu = ray.get(done)
         seconds.append(end - start)
         cpu.append(send_cpu + receive_cpu)
     return seconds, cpu
@@ -245,14 +270,14 @@ def main() -> None:
 
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2))
     receiver = Receiver.remote(max(blocks))
-    sender = Sender.remote(ray.get(receiver.endpoints.remote()))
+    sender = Sender.remote(ray.get(receiver.endpoints.remote()), receiver)
     ray.get(sender.make_source.remote(kv_header("warmup", 2, args.layerwise)))
     for backend in TRANSFERS:  # warm up: connect sockets, channels and the gloo group
         measure(sender, receiver, backend, 2, 1, "warmup", args.layerwise)
 
     rows, cpu_rows = [], []
     print(f"cpus={os.cpu_count()} layers={SHAPE.num_layers} dtype=bfloat16 layerwise={args.layerwise} "
-          f"repeats={args.repeats} (median GB/s; gRPC and collective into scattered KV blocks)")
+          f"repeats={args.repeats} (median GB/s; gRPC, collective and ipc into scattered KV blocks)")
     print(f"{'MiB':>6} " + " ".join(f"{b:>20}" for b in LIMITS + BACKENDS))
     for num_blocks in blocks:
         header = kv_header("size", num_blocks, args.layerwise)

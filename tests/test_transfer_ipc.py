@@ -1,12 +1,14 @@
 """KV handed over in shared memory within a node (``kvstore/transfer/ipc.py``), host segments on the CPU:
 another process copies a shared payload into its cache blocks exactly; a payload changed under the copy is
-refused; the sender's close removes the segment; and a decode worker's receiver fills a lease from a share,
+refused; the sender's close removes the segment, or keeps it for reuse after an ack; dead senders'
+segments are removed; and a decode worker's receiver fills a lease from a share,
 refuses one without a lease, and keeps the lease open for another transport when it cannot map the share.
 (The CUDA IPC side of the same API is in test_gpu.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import pickle
 import random
 import subprocess
@@ -23,7 +25,7 @@ from engine.kv_cache import KVCache
 from engine.kv_import import BlockImport
 from kvstore.transfer import ChecksumMismatch, IpcUnavailable, TransferRejected
 from kvstore.transfer.grpc import KVTransferClient
-from kvstore.transfer.ipc import PayloadShare, copy_shared
+from kvstore.transfer.ipc import PayloadShare, SegmentPool, copy_shared
 from kvstore.transfer.wire import TransferHeader, as_bytes, checksum
 
 NUM_BLOCKS = 5
@@ -77,7 +79,7 @@ def test_another_process_copies_a_shared_payload_into_scattered_blocks_exactly()
 
 
 @pytest.mark.timeout(30)
-def test_a_payload_changed_under_the_copy_is_refused_and_a_closed_share_cannot_be_mapped():
+def test_a_payload_changed_under_the_copy_is_refused_and_a_closed_or_foreign_share_is_not_mapped():
     cache = _cache()
     payload = torch.randn(cache.payload_shape(2))
     share = PayloadShare(payload)
@@ -90,6 +92,8 @@ def test_a_payload_changed_under_the_copy_is_refused_and_a_closed_share_cannot_b
     share.close()  # idempotent
     with pytest.raises(IpcUnavailable, match="cannot map"):
         copy_shared(share.shared, BlockImport(cache, [0, 1]))
+    with pytest.raises(TransferRejected, match="not a KV payload segment"):  # never any other file
+        copy_shared(dataclasses.replace(share.shared, segment="../../etc/passwd"), BlockImport(cache, [0, 1]))
 
 
 def _header(request_id: str, engine, num_blocks: int) -> TransferHeader:
@@ -137,3 +141,32 @@ def test_a_share_the_receiver_cannot_map_leaves_the_lease_open_for_grpc(tiny):
             assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_a_sender_reuses_acked_segments_within_its_idle_bound_and_removes_dead_senders_segments():
+    pool = SegmentPool(max_idle_bytes=2 << 20)
+    payload = torch.randn(1000)
+    with PayloadShare(payload, pool) as share:
+        first = share.shared.segment
+    assert pool.idle_bytes == 1 << 20  # acked: back in the pool (1 MiB, the smallest size)
+    with PayloadShare(torch.randn(3000), pool) as share:
+        assert share.shared.segment == first  # reused: its pages are already faulted in
+    with pytest.raises(RuntimeError), PayloadShare(payload, pool) as share:
+        failed = share.shared.segment
+        raise RuntimeError("the receiver failed")
+    assert not _segment_exists(failed)  # a failed handoff's segment is unlinked, never reused
+    shares = [PayloadShare(torch.randn(300_000), pool) for _ in range(3)]  # 2 MiB segments
+    for share in shares:
+        share.close(acked=True)
+    assert pool.idle_bytes <= 2 << 20 and not _segment_exists(shares[0].shared.segment)
+    pool.close()
+    assert pool.idle_bytes == 0 and not any(_segment_exists(s.shared.segment) for s in shares)
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, check=True)
+    orphan = f"tidepool-kv-{int(dead.stdout)}-0"  # left by a sender that died with its resource tracker
+    with open(f"/dev/shm/{orphan}", "wb") as f:
+        f.write(b"kv")
+    with PayloadShare(payload) as live:
+        assert orphan in SegmentPool.remove_orphans()
+        assert not _segment_exists(orphan) and _segment_exists(live.shared.segment)  # ours is left alone

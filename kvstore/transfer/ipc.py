@@ -45,7 +45,7 @@ from typing import Protocol
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from kvstore.transfer import ChecksumMismatch, IpcUnavailable
+from kvstore.transfer import ChecksumMismatch, IpcUnavailable, TransferRejected
 from kvstore.transfer.wire import as_bytes, checksum, device_checksum
 
 SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux; its free space bounds a host share
@@ -216,8 +216,11 @@ def _copy_host(shared: SharedPayload, writer: PayloadWriter) -> None:
     # Mapped by its file, read-only, not through SharedMemory: that would register the segment with this
     # process's resource tracker, which unlinks it at exit (or, shared with the sender's, forgets the
     # sender's registration): the sender owns the segment.
+    name = shared.segment
+    if not name.startswith(_PREFIX) or "/" in name:  # only a sender's segment, never another file
+        raise TransferRejected(f"{name!r} is not a KV payload segment")
     try:
-        fd = os.open(os.path.join(SHM_DIR, shared.segment), os.O_RDONLY)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except OSError as exc:  # gone (the sender closed it), or another node's
         raise IpcUnavailable(f"cannot map shared-memory segment {shared.segment!r} here: {exc}") from exc
     try:
