@@ -199,6 +199,12 @@ class Engine:
             self.block_manager.free(seq_id)
 
     # -- disaggregation: decode side ---------------------------------------------------------------
+    def rename_reservation(self, request_id: str, new_id: str) -> None:
+        """Keep ``request_id``'s reserved blocks under ``new_id`` (freed later by ``release(new_id)``), so the
+        request id can be reserved again at once: a retry while a cancelled transfer still drains."""
+        if request_id in self.held:
+            self.held[new_id] = self.held.pop(request_id)
+
     def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int]:
         """Blocks for ``num_tokens`` prompt positions whose K/V will be imported; OutOfBlocksError."""
         if request_id in self.requests or request_id in self.held:

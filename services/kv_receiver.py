@@ -15,6 +15,7 @@ same bound, so N x M pairs never pin more groups or threads than that.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ class Lease:
     filled: bool = False
     busy: bool = False  # a transfer into it is in flight: it owns the blocks until it ends
     dropped: bool = False  # released while busy: the transfer's end frees the blocks
+    hold: str = ""  # the engine's name for the blocks once dropped (the request id is free again)
 
 
 class HandoffReceiver:
@@ -60,6 +62,7 @@ class HandoffReceiver:
         self.engine = engine
         self.loop = loop
         self._leases: dict[str, Lease] = {}
+        self._released = itertools.count()  # names for the blocks of leases dropped mid-transfer
         self._lock = threading.Lock()
         self.channels: ChannelPool[CollectiveChannel] = ChannelPool(max_channels, channel_idle_s,
                                                                     lambda _peer, channel: channel.close())
@@ -101,17 +104,16 @@ class HandoffReceiver:
 
     def drop_lease(self, request_id: str) -> bool:
         """Forget a lease that never joined the batch; True when the caller must free its blocks now. A
-        lease a transfer is still writing into is only marked: that transfer's end frees the blocks, so no
-        late write lands in blocks another request was given meanwhile."""
+        lease a transfer is still writing into keeps its blocks until that transfer ends (which frees them),
+        so no late write lands in blocks another request was given meanwhile; they are renamed in the engine
+        at once, so a retry of the request may reserve again."""
         with self._lock:
-            lease = self._leases.get(request_id)
-            if lease is None:
-                return False
-            if lease.busy:
-                lease.dropped = True
-                return False
-            del self._leases[request_id]
-            return True
+            lease = self._leases.pop(request_id, None)
+            if lease is None or not lease.busy:
+                return lease is not None
+            lease.dropped, lease.hold = True, f"{request_id}#released-{next(self._released)}"
+        self.loop.call(self.engine.rename_reservation, request_id, lease.hold)  # before the free, in order
+        return False
 
     def expired_leases(self, now: float) -> list[str]:
         with self._lock:
@@ -148,10 +150,8 @@ class HandoffReceiver:
             with self._lock:
                 lease.busy = False
                 lease.filled = arrived is not None and not lease.dropped
-                if lease.dropped and self._leases.get(lease.request_id) is lease:
-                    del self._leases[lease.request_id]
             if lease.dropped:
-                self.loop.call(self.engine.release, lease.request_id)  # on the engine thread, in order
+                self.loop.call(self.engine.release, lease.hold)  # on the engine thread, after the rename
 
     def begin(self, header: TransferHeader) -> _LeaseWriter:  # KVSink, for the gRPC server
         lease = self._claim(header)

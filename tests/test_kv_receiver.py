@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -66,24 +67,33 @@ def test_a_refused_collective_transfer_is_drained_and_the_pair_carries_the_next(
 def test_a_lease_released_mid_transfer_keeps_its_blocks_until_the_transfer_ends(tiny, ending):
     """A cancelled request's lease is released while its KV is still arriving: its blocks stay out of the
     free list (a late write must not land in blocks another request was given) until the transfer ends,
-    however it ends, and then they are freed, without the lease ever counting as filled."""
+    however it ends, and then they are freed, without the lease ever counting as filled. The request id is
+    free at once: a retry reserves and leases again, and the old transfer's end leaves that lease alone."""
     async def main() -> None:
         async with leased_receiver("leased", 20) as leased:
-            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
+            engine, receiver, blocks, loop = leased.engine, leased.receiver, leased.blocks, leased.loop
             shape = engine.kv_cache.payload_shape(len(blocks))
             header = TransferHeader.describe("leased", engine.model_id, shape, engine.kv_cache.payload_dtype)
-            free_before = await leased.loop.acall(lambda: engine.block_manager.num_free_blocks)
+
+            def free() -> int:
+                return engine.block_manager.num_free_blocks
+
+            free_before = await loop.acall(free)
             writer = receiver.begin(header)  # a transfer claims the lease
             assert receiver.drop_lease("leased") is False  # the caller must not free the blocks now
-            assert await leased.loop.acall(lambda: engine.block_manager.num_free_blocks) == free_before
-            writer.write(0, memoryview(bytes(header.total_bytes)))  # a late write, still into this lease
+            assert await loop.acall(free) == free_before
+            retry = await loop.acall(engine.reserve_blocks, "leased", 20)  # the retry, while it drains
+            receiver.add_lease("leased", retry, time.monotonic() + 60)
+            writer.write(0, memoryview(bytes(header.total_bytes)))  # a late write, still into the old blocks
             if ending == "abort":
                 writer.abort("sender cancelled")
             else:
                 await asyncio.to_thread(writer.commit)
-            assert await leased.loop.acall(lambda: engine.block_manager.num_free_blocks) == free_before + len(blocks)
+            assert await loop.acall(free) == free_before + len(blocks) - len(retry)  # the old ones, freed
             with pytest.raises(TransferRejected):
-                receiver.take_filled_lease("leased")
-            assert receiver.drop_lease("leased") is False  # gone: nothing left to free twice
+                receiver.take_filled_lease("leased")  # the retry's lease: open, untouched by the old transfer
+            assert receiver.drop_lease("leased") is True
+            await loop.acall(engine.release, "leased")
+            assert await loop.acall(free) == free_before + len(blocks)
 
     asyncio.run(main())

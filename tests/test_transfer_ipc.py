@@ -8,11 +8,13 @@ refuses one without a lease, and keeps the lease open for another transport when
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import pickle
 import random
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
@@ -101,22 +103,32 @@ def _header(request_id: str, engine, num_blocks: int) -> TransferHeader:
                                    engine.kv_cache.payload_dtype, kv_format=engine.kv_cache.kv_format)
 
 
+@contextlib.asynccontextmanager
+async def _lease_and_payload() -> AsyncIterator[tuple]:
+    """(the receiver holding a lease, the header of a payload for it, a random payload)."""
+    async with leased_receiver("leased", 40) as leased:
+        header = _header("leased", leased.engine, len(leased.blocks))
+        yield leased, header, torch.randn(header.shape).to(leased.engine.kv_cache.payload_dtype)
+
+
+def _assert_filled_with(leased, payload: torch.Tensor) -> None:
+    assert leased.receiver.take_filled_lease("leased").block_ids == leased.blocks
+    assert torch.equal(leased.engine.kv_cache.export_blocks(leased.blocks), payload)
+
+
 @pytest.mark.timeout(60)
 def test_a_receiver_fills_its_lease_from_a_share_and_refuses_one_without_a_lease(tiny):
     async def main() -> None:
-        async with leased_receiver("leased", 40) as leased:
-            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
-            header = _header("leased", engine, len(blocks))
-            payload = torch.randn(header.shape).to(engine.kv_cache.payload_dtype)
-            before = engine.kv_cache.data.clone()
+        async with _lease_and_payload() as (leased, header, payload):
+            before = leased.engine.kv_cache.data.clone()
+            stranger = _header("stranger", leased.engine, len(leased.blocks))
             with PayloadShare(payload) as share:
                 with pytest.raises(TransferRejected, match="no open KV lease"):
-                    await asyncio.to_thread(receiver.receive_shared, _header("stranger", engine, len(blocks)),
-                                            share.shared)
-                assert torch.equal(engine.kv_cache.data, before)
-                assert await asyncio.to_thread(receiver.receive_shared, header, share.shared) == header.total_bytes
-            assert receiver.take_filled_lease("leased").block_ids == blocks
-            assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
+                    await asyncio.to_thread(leased.receiver.receive_shared, stranger, share.shared)
+                assert torch.equal(leased.engine.kv_cache.data, before)
+                received = await asyncio.to_thread(leased.receiver.receive_shared, header, share.shared)
+            assert received == header.total_bytes
+            _assert_filled_with(leased, payload)
 
     asyncio.run(main())
 
@@ -124,21 +136,17 @@ def test_a_receiver_fills_its_lease_from_a_share_and_refuses_one_without_a_lease
 @pytest.mark.timeout(60)
 def test_a_share_the_receiver_cannot_map_leaves_the_lease_open_for_grpc(tiny):
     async def main() -> None:
-        async with leased_receiver("leased", 40) as leased:
-            engine, receiver, blocks = leased.engine, leased.receiver, leased.blocks
-            header = _header("leased", engine, len(blocks))
-            payload = torch.randn(header.shape).to(engine.kv_cache.payload_dtype)
+        async with _lease_and_payload() as (leased, header, payload):
             share = PayloadShare(payload)
             share.close()  # what the receiver sees of a sender on another node, or one already gone
             with pytest.raises(IpcUnavailable):
-                await asyncio.to_thread(receiver.receive_shared, header, share.shared)
-            client = KVTransferClient(receiver.grpc_address, SECRET)  # the sender's fallback
+                await asyncio.to_thread(leased.receiver.receive_shared, header, share.shared)
+            client = KVTransferClient(leased.receiver.grpc_address, SECRET)  # the sender's fallback
             try:
                 await asyncio.to_thread(client.push, header, payload, 30)
             finally:
                 client.close()
-            assert receiver.take_filled_lease("leased").block_ids == blocks
-            assert torch.equal(engine.kv_cache.export_blocks(blocks), payload)
+            _assert_filled_with(leased, payload)
 
     asyncio.run(main())
 
