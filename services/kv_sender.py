@@ -6,8 +6,9 @@ written, so the bytes leave while later layers compute; otherwise the whole KV i
 first token. A layer-wise transfer takes its stream (or collective pair) only when the first layer is ready,
 so a prompt still queued holds nothing on the receiver. A decode worker on the same node may instead map
 the whole payload from shared memory (``ipc``: CUDA IPC on GPUs; ``kvstore/transfer/ipc.py``); one that
-cannot (another GPU it cannot see, no room in /dev/shm) gets the fallback transport from then on. ``Handoff.finish`` waits for the receiver's ack
-without holding a thread; ``cancel`` and ``close`` end it on any path.
+cannot (another GPU it cannot see, no room in /dev/shm) gets the fallback transport from then on.
+``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and ``close`` end it
+on any path.
 
 Collective channels live in a bounded pool (``kvstore/transfer/channel_pool.py``), one per decode worker,
 least recently used closed beyond ``max_channels`` (and both ends told); the blocking sends run on a thread
@@ -230,8 +231,13 @@ class Handoff:
     async def _share(self, payload: torch.Tensor) -> None:
         """Hand the payload over in shared memory: the decode worker copies it into the lease and returns."""
         self._started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        share = await loop.run_in_executor(self.sender.send_threads, PayloadShare, payload, self.sender.segments)
+        making = asyncio.get_running_loop().run_in_executor(self.sender.send_threads, PayloadShare, payload,
+                                                            self.sender.segments)
+        try:
+            share = await asyncio.shield(making)
+        except asyncio.CancelledError:  # the share is still being made: close it once it exists
+            making.add_done_callback(lambda made: made.cancelled() or made.exception() or made.result().close())
+            raise
         with share:  # closed after the receiver's return (an ack) or failure: ipc.py's lifetime rule
             await self.kv_target.actor.receive_shared.remote(self.header, share.shared)
 
