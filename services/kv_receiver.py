@@ -49,8 +49,9 @@ class Lease:
     deadline: float
     filled: bool = False
     busy: bool = False  # a transfer into it is in flight: it owns the blocks until it ends
-    dropped: bool = False  # released while busy: the transfer's end frees the blocks
-    hold: str = ""  # the engine's name for the blocks once dropped (the request id is free again)
+    # Dropped while busy: the engine's new name for its blocks, which the transfer's end frees (the request
+    # id itself is free again at once).
+    released_as: str | None = None
 
 
 class HandoffReceiver:
@@ -111,8 +112,8 @@ class HandoffReceiver:
             lease = self._leases.pop(request_id, None)
             if lease is None or not lease.busy:
                 return lease is not None
-            lease.dropped, lease.hold = True, f"{request_id}#released-{next(self._released)}"
-        self.loop.call(self.engine.rename_reservation, request_id, lease.hold)  # before the free, in order
+            lease.released_as = f"{request_id}#released-{next(self._released)}"
+        self.loop.call(self.engine.rename_reservation, request_id, lease.released_as)  # before the free
         return False
 
     def expired_leases(self, now: float) -> list[str]:
@@ -149,9 +150,9 @@ class HandoffReceiver:
         finally:
             with self._lock:
                 lease.busy = False
-                lease.filled = arrived is not None and not lease.dropped
-            if lease.dropped:
-                self.loop.call(self.engine.release, lease.hold)  # on the engine thread, after the rename
+                lease.filled = arrived is not None and lease.released_as is None
+            if lease.released_as is not None:
+                self.loop.call(self.engine.release, lease.released_as)  # on the engine thread, after the rename
 
     def begin(self, header: TransferHeader) -> _LeaseWriter:  # KVSink, for the gRPC server
         lease = self._claim(header)

@@ -10,9 +10,9 @@ sender reuses host segments (``SegmentPool``): a fresh one costs a page fault an
 
 Lifetime rule: the sender keeps the share open, and its bytes unchanged, until the receiver returned (or
 failed); then it closes it (the device tensor dropped; the host segment back to its pool after an ack,
-else unlinked, since the receiver may still read it). Unlinking a segment
-the receiver still maps is safe (its mapping lives until it unmaps), and torch's caching allocator does
-not reuse device memory another process still maps. Each CUDA share maps the whole allocator segment the
+else unlinked, since the receiver may still read it). Unlinking a segment the receiver still maps is safe
+(its mapping lives until it unmaps), and torch's caching allocator does not reuse device memory another
+process still maps. Each CUDA share maps the whole allocator segment the
 tensor lives in; the receiver reads only the tensor's bytes. Ordering on CUDA: the share records an event
 on the sender's current stream, and mapping makes the receiver's current stream wait for it, so the export
 that filled the tensor is complete before the receiver's copy. A sender that dies is cleaned up by
@@ -74,10 +74,10 @@ class SharedPayload:
 
 
 def payload_check(data: torch.Tensor | memoryview) -> tuple[int, ...]:
-    """The check a share carries: the two device sums on CUDA, CRC-32C of the bytes on the host."""
-    if isinstance(data, torch.Tensor) and data.is_cuda:
+    """The check a share carries: the two device sums of a CUDA tensor, CRC-32C of host bytes."""
+    if isinstance(data, torch.Tensor):
         return tuple(int(v) for v in device_checksum(data).tolist())
-    return (checksum(data if isinstance(data, memoryview) else as_bytes(data)),)
+    return (checksum(data),)
 
 
 class SegmentPool:
@@ -222,11 +222,11 @@ def _copy_host(shared: SharedPayload, writer: PayloadWriter) -> None:
     try:
         fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
     except OSError as exc:  # gone (the sender closed it), or another node's
-        raise IpcUnavailable(f"cannot map shared-memory segment {shared.segment!r} here: {exc}") from exc
+        raise IpcUnavailable(f"cannot map shared-memory segment {name!r} here: {exc}") from exc
     try:
         size = os.fstat(fd).st_size
         if size < shared.nbytes:
-            raise IpcUnavailable(f"segment {shared.segment!r} holds {size} B, the payload {shared.nbytes}")
+            raise IpcUnavailable(f"segment {name!r} holds {size} B, the payload {shared.nbytes}")
         # Populated in one call: cheaper than faulting the pages in one by one during the copy.
         mapping = mmap.mmap(fd, shared.nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
     finally:
