@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.errors import CheckpointError
 from engine.kv_format import residual_blocks
 
 # architecture -> (q/k/v projections carry a bias, q/k RMSNorm per head)
@@ -42,6 +43,10 @@ class UnsupportedModelError(ValueError):
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.message = message
+
+    def __reduce__(self):  # raised in a worker, it is pickled to the caller (see engine/errors.py)
+        return type(self), (self.field, self.message)
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -157,9 +162,19 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
         """Read ``config.json`` (and ``generation_config.json`` for EOS ids when present)."""
-        path = Path(path)
-        return cls.from_dict(json.loads((path / "config.json").read_text()),
-                             read_json(path / "generation_config.json"))
+        file = Path(path) / "config.json"
+        try:
+            raw = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{file}: not a JSON object")
+        try:
+            return cls.from_dict(raw, read_json(file.with_name("generation_config.json")))
+        except KeyError as exc:
+            raise CheckpointError(f"{file}: required key {exc} is missing") from exc
+        except TypeError as exc:  # e.g. null where a number belongs
+            raise CheckpointError(f"{file}: a value has the wrong type: {exc}") from exc
 
     def kv_bytes_per_token(self, dtype: Any) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x bytes per element (DESIGN.md section 3)."""

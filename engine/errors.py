@@ -1,4 +1,9 @@
-"""Errors the engine raises to its callers (workers and gateways turn them into 400 / 429 answers)."""
+"""Errors the engine raises to its callers (workers and gateways turn them into 400 / 429 answers).
+
+Each one crosses a process boundary when a worker raises it (Ray pickles it to the caller), so each one
+that takes its own arguments pickles them (``__reduce__``): rebuilt from its message alone, it would fail
+in the caller, which would then see Ray's "failed to deserialize" instead of the error.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,9 @@ class InvalidRequestError(ValueError):
         self.field = field
         self.message = message
 
+    def __reduce__(self):
+        return type(self), (self.field, self.message)
+
 
 class OutOfBlocksError(RuntimeError):
     """A block reservation that the free KV blocks cannot meet right now (retry later or elsewhere)."""
@@ -19,3 +27,10 @@ class OutOfBlocksError(RuntimeError):
         super().__init__(f"need {needed} KV blocks, {free} free")
         self.needed = needed
         self.free = free
+
+    def __reduce__(self):
+        return type(self), (self.needed, self.free)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file or tensor."""

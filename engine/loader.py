@@ -15,15 +15,12 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
+from engine.errors import CheckpointError
 from engine.model import CausalLM
 from engine.tiny import write_tiny_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY = "tiny"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file or tensor."""
 
 
 def cache_dir() -> Path:

@@ -3,10 +3,11 @@
 A disaggregated attempt reserves a lease on the decode worker, has the prefill worker compute the prompt
 and push its KV into that lease, then streams the decode worker's tokens; every step has a deadline,
 and the decode stream fails when it sends nothing for ``Deadlines.token_s``. An attempt that fails
-because a worker died or stalled, or because the handoff broke, is ``resumable``: the dispatcher runs
-another on a live pair with the tokens streamed so far (``Progress``). That prefill computes the prompt
-plus those tokens and samples the next one, so the client's stream goes on with no token missing or
-repeated (see docs/RELIABILITY.md for what is guaranteed about the tokens that follow).
+because a worker died or stalled, because the handoff broke, or because the decode worker had no room
+for the lease after all, is ``resumable``: the dispatcher runs another on a live pair with the tokens
+streamed so far (``Progress``). That prefill computes the prompt plus those tokens and samples the next
+one, so the client's stream goes on with no token missing or repeated (see docs/RELIABILITY.md for what
+is guaranteed about the tokens that follow).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from engine.errors import OutOfBlocksError
 from engine.sampling_params import SamplingParams
 from kvstore.transfer import TransferError, TransferTimeout
 from services.errors import WorkerDiedError, WorkerLostError, WorkerStalledError
@@ -36,11 +38,13 @@ class Deadlines:
 
 
 def resumable(exc: BaseException) -> bool:
-    """A failure of the workers rather than of the request: a death, a stall, a broken handoff. A missed
-    deadline and an engine step that raised (the request may be what broke it) are not."""
+    """A failure of the workers rather than of the request: a death, a stall, a broken handoff, or a decode
+    worker without room for the lease after all (the router's view of it was older than the reservation:
+    routed again on fresh loads, the request goes elsewhere or is rejected with the router's retry-after).
+    A missed deadline and an engine step that raised (the request may be what broke it) are not."""
     if isinstance(exc, TransferError):
         return not isinstance(exc, TransferTimeout)
-    return isinstance(exc, WorkerLostError)
+    return isinstance(exc, WorkerLostError | OutOfBlocksError)
 
 
 @dataclass

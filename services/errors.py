@@ -1,4 +1,7 @@
-"""Errors the serving path raises where the cause is known; only the gateway maps them to statuses."""
+"""Errors the serving path raises where the cause is known; only the gateway maps them to statuses.
+
+Those with arguments of their own pickle them (``__reduce__``), as ``engine/errors.py``'s do: one raised in
+a worker (a peer copy's dead holder, say) reaches its caller through Ray as itself."""
 
 from __future__ import annotations
 
@@ -10,6 +13,9 @@ class RequestRejected(Exception):
         super().__init__(reason)
         self.reason = reason
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self):
+        return type(self), (self.reason, self.retry_after_s)
 
 
 class NoWorkersError(Exception):
@@ -24,6 +30,9 @@ class PromptTooLongError(Exception):
         self.prompt_tokens = prompt_tokens
         self.limit = limit
 
+    def __reduce__(self):
+        return type(self), (self.prompt_tokens, self.limit)
+
 
 class WorkerFailedError(Exception):
     """A worker died or a handoff step failed for this request (the request was not completed)."""
@@ -35,6 +44,9 @@ class WorkerLostError(WorkerFailedError):
     def __init__(self, worker_id: str, message: str) -> None:
         super().__init__(message)
         self.worker_id = worker_id
+
+    def __reduce__(self):
+        return type(self), (self.worker_id, str(self))
 
 
 class WorkerDiedError(WorkerLostError):

@@ -10,6 +10,7 @@ import pytest
 import ray
 import torch
 
+from engine.errors import OutOfBlocksError
 from engine.sampling_params import SamplingParams
 from kvstore.transfer import IpcUnavailable
 from kvstore.transfer.ipc import PayloadShare
@@ -158,6 +159,20 @@ def test_a_share_a_decode_worker_cannot_map_reaches_the_sender_as_ipc_unavailabl
     finally:
         ray.get(decode.actor.release.remote("ipc-refused"), timeout=30)
     assert _wait_free_blocks(pd_server, baseline) == baseline
+
+
+@pytest.mark.timeout(60)
+def test_a_reservation_over_the_free_blocks_reaches_the_caller_as_out_of_blocks(pd_server):
+    """What the dispatcher's re-route and the gateway's 429 rely on: through Ray the refusal keeps its type
+    and its counts (it once failed to unpickle in the caller, and the client got a 500), and holds nothing."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+    blocks = decode.info.total_blocks + 1
+    with pytest.raises(OutOfBlocksError) as refused:
+        asyncio.run(decode.reserve("over-the-free-blocks", blocks * decode.info.block_size, 60.0, 30.0))
+    assert refused.value.needed == blocks and refused.value.free < blocks
+    assert f"need {blocks} KV blocks" in str(refused.value)
+    assert _free_blocks(pd_server) == baseline
 
 
 @pytest.mark.timeout(180)

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from engine.errors import OutOfBlocksError
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
 from router.conductor import SLO, Conductor
@@ -19,7 +20,7 @@ from router.estimator import Estimator
 from router.loads import WorkerLoad
 from router.view import Replication
 from services.dispatcher import Dispatcher, GenerateRequest
-from services.errors import NoWorkersError, WorkerDiedError
+from services.errors import NoWorkersError, RequestRejected, WorkerDiedError
 from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo, WorkerProfile
 from services.metrics import Metrics
 
@@ -32,12 +33,14 @@ class FakeWorker:
     """The methods of ``WorkerClient``, answering from a script instead of an actor."""
 
     def __init__(self, worker_id: str, role: Role, *, die_on_prefill: bool = False,
-                 fail_on_prefill: Exception | None = None, tokens: int = 3) -> None:
+                 fail_on_prefill: Exception | None = None, tokens: int = 3, full: bool = False) -> None:
         target = KVTarget(worker_id, "127.0.0.1:1", "cpu", "node-0", None) if role == Role.DECODE else None
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", "node", "cpu", "fake-model", 16, 2048, 1024, 256,
                                WorkerProfile([], []), target)
         self.alive = True
         self.die_on_prefill, self.fail_on_prefill, self.tokens = die_on_prefill, fail_on_prefill, tokens
+        # full: its blocks were taken since its last report, so a reserve is refused; its next report says so
+        self.full, self.free_blocks = full, 256
         self.calls: list[tuple[str, str]] = []
         self.leases: set[str] = set()
         self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
@@ -54,10 +57,14 @@ class FakeWorker:
     async def load(self, timeout_s: float) -> WorkerLoad:
         if not self.alive:
             raise WorkerDiedError(self.worker_id, f"{self.worker_id} died")
-        return WorkerLoad(self.worker_id, str(self.role), free_blocks=256, total_blocks=256, updated_at=time.time())
+        return WorkerLoad(self.worker_id, str(self.role), free_blocks=self.free_blocks, total_blocks=256,
+                          updated_at=time.time())
 
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float, timeout_s: float) -> None:
         self.calls.append(("reserve", request_id))
+        if self.full:
+            self.free_blocks = 0
+            raise OutOfBlocksError(-(-num_tokens // 16), 0)
         self.leases.add(request_id)
 
     async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s,
@@ -143,6 +150,28 @@ def test_prefill_worker_death_before_first_token_retries_on_another_and_frees_th
     assert ("release", "r1") in d.calls  # the first attempt's lease
     assert not d.leases
     assert dispatcher.alive_workers() == 2  # the dead worker is marked so
+
+
+def test_a_decode_worker_without_room_for_the_lease_is_routed_around_on_fresh_loads():
+    """Its last report said it had room, but its blocks went to others since: the reserve is refused, and
+    the request is routed again on fresh loads, which send it to the decode worker that has room."""
+    p, full, spare = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE, full=True), \
+        FakeWorker("d1", Role.DECODE)
+    events = asyncio.run(collect(make_dispatcher(p, full, spare, policy="tidepool")))
+    assert [e.token_ids for e in events] == [[7], [100], [101], [102]]
+    assert full.calls == [("reserve", "r1")] and not full.leases
+    assert spare.calls == [("reserve", "r1/1"), ("decode", "r1/1")]
+    assert p.calls == [("prefill", "r1/1")]
+
+
+def test_a_lease_no_decode_worker_has_room_for_is_rejected_with_a_retry_after():
+    """The one decode worker refused the lease: on its fresh report the router rejects the request (429
+    with a retry-after) rather than trying it again, and no prefill ran."""
+    p, full = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE, full=True)
+    with pytest.raises(RequestRejected) as rejected:
+        asyncio.run(collect(make_dispatcher(p, full, policy="tidepool")))
+    assert rejected.value.retry_after_s > 0
+    assert full.calls == [("reserve", "r1")] and not full.leases and not p.calls
 
 
 def test_prefill_error_frees_the_lease_and_reaches_the_caller():

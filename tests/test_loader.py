@@ -10,7 +10,8 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.config import ModelConfig, UnsupportedModelError
-from engine.loader import CheckpointError, load_model, model_id_for, resolve_model_dir
+from engine.errors import CheckpointError
+from engine.loader import load_model, model_id_for, resolve_model_dir
 
 pytestmark = pytest.mark.timeout(60)
 
