@@ -14,6 +14,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.config import read_json, special_token_ids
+from engine.errors import CheckpointError
 
 
 def _token_text(value: Any) -> str | None:
@@ -44,7 +45,13 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        file = path / "tokenizer.json"
+        if not file.is_file():  # the tokenizers library would say only "No such file or directory"
+            raise CheckpointError(f"{file}: not found (a checkpoint needs a fast tokenizer's tokenizer.json)")
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises a bare Exception for a file it cannot parse
+            raise CheckpointError(f"{file}: not a tokenizer the tokenizers library can read: {exc}") from exc
         tc = read_json(path / "tokenizer_config.json") or {}
         template = tc.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]

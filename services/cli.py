@@ -17,6 +17,8 @@ from services.status import add_status_parser
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine.config import UnsupportedModelError
+    from engine.errors import CheckpointError
     from services.placement import PlacementError
     from services.serve import Server
 
@@ -32,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
             await server.start()
         except PlacementError as exc:
             raise SystemExit(f"tidepool serve: {exc}") from None
+        except (CheckpointError, UnsupportedModelError) as exc:
+            raise SystemExit(f"tidepool serve: --model {cluster.engine.model}: {exc}") from None
         print(server.cluster.describe_placement(), flush=True)
         print(f"tidepool: serving {server.cluster.dispatcher.model_id} on {server.http_url} (OpenAI HTTP) "
               f"and {server.grpc_target} (gRPC); Ctrl-C stops", flush=True)

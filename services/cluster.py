@@ -15,6 +15,7 @@ import uuid
 
 import ray
 
+from engine.config import ModelConfig
 from engine.loader import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from kvstore.events import PoolMirror
@@ -75,9 +76,12 @@ class Cluster:
         return max(1, min(os.cpu_count() or 1, cpus) // len(self.config.roles()))
 
     async def start(self) -> Dispatcher:
-        self.start_infrastructure()
+        # A --model that can't be served fails here, before Ray and Redis start, with the file it is about
+        # (CheckpointError, UnsupportedModelError), not later inside a worker.
         model_dir = resolve_model_dir(self.config.engine.model)
+        ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
+        self.start_infrastructure()
         roles = self.config.roles()
         # A cluster we joined may grow (autoscaler): it gets the placement timeout, not the fast failure.
         self.launcher = WorkerLauncher(self.config, self.cluster_id, self.redis_url, self._threads_per_worker(),

@@ -74,3 +74,33 @@ def test_gpu_engine_and_channel_options_reach_the_configs():
         configs_from_args(parser.parse_args(["serve", "--gpu-memory-utilization", "1.5"]))
     with pytest.raises(ValueError, match="triton' has no attention window"):
         configs_from_args(parser.parse_args(["serve", "--attention-backend", "triton", "--kv-window", "64"]))
+
+
+@pytest.mark.parametrize(("files", "named"), [
+    ({}, "config.json: not found"),
+    ({"config.json": "{"}, "config.json: not valid JSON"),
+    ({"config.json": '{"architectures": ["GPT2LMHeadModel"]}'}, "'GPT2LMHeadModel'] is not supported"),
+    ({"config.json": '{"architectures": ["LlamaForCausalLM"]}'}, "required key 'num_attention_heads' is missing"),
+    ("tiny config", "tokenizer.json: not found"),
+])
+def test_serve_refuses_a_model_dir_it_cannot_serve_in_one_line_before_starting_anything(
+        tmp_path, monkeypatch, files, named):
+    """A bad --model ends with the file and what is wrong with it, not a traceback from inside a worker,
+    and before Ray and the private Redis start."""
+    from engine.loader import resolve_model_dir
+    from services.cluster import Cluster
+
+    if files == "tiny config":  # a valid config.json, no tokenizer
+        files = {"config.json": (resolve_model_dir("tiny") / "config.json").read_text()}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+
+    def started(_self):
+        raise AssertionError("Ray and Redis started for a model that cannot be served")
+
+    monkeypatch.setattr(Cluster, "start_infrastructure", started)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(tmp_path)])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"tidepool serve: --model {tmp_path}: ") and named in message
+    assert "\n" not in message
