@@ -132,13 +132,13 @@ def format_table(results: list[dict]) -> str:
 
 def run_simulate(args: argparse.Namespace) -> int:
     try:
+        cfg = SimConfig(prefill=args.prefill, decode=args.decode, speed=args.speed,
+                        slo=SLO(args.ttft_slo_s, args.tbt_slo_ms / 1000), seed=args.seed, noise=args.noise)
         profile = resolve_profile(args.preset, args.profile)
         trace = load_trace(args.trace, args.max_requests)
     except (TraceError, ValueError, OSError) as e:
         print(f"simulate: {e}", file=sys.stderr)
         return 2
-    cfg = SimConfig(prefill=args.prefill, decode=args.decode, speed=args.speed,
-                    slo=SLO(args.ttft_slo_s, args.tbt_slo_ms / 1000), seed=args.seed, noise=args.noise)
     policies = list(POLICIES) if args.policy == "all" else [args.policy]
     results = run_configs(trace, profile, [replace(cfg, policy=name) for name in policies], args.sweep, args.jobs)
     print(f"{len(trace)} requests, {args.prefill}P+{args.decode}D, profile {profile.name}, "

@@ -26,6 +26,16 @@ class SimConfig:
     block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace hash id
     policy_options: dict = field(default_factory=dict)  # passed to the policy (e.g. ablation switches)
 
+    def __post_init__(self) -> None:
+        """ValueError naming the first setting that cannot describe a cluster or a replay."""
+        for name, value in (("prefill", self.prefill), ("decode", self.decode), ("speed", self.speed),
+                            ("ttft_slo_s", self.slo.ttft_s), ("tbt_slo_s", self.slo.tbt_s),
+                            ("block_tokens", self.block_tokens)):
+            if not value > 0:  # NaN too
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not self.noise >= 0:
+            raise ValueError(f"noise must be at least 0, got {self.noise}")
+
 
 class SimRequest:
     __slots__ = ("arrival", "prompt", "out", "hashes", "need", "cached", "ttft", "tbt", "first_t",

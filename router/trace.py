@@ -73,6 +73,8 @@ def load_trace(path: str | Path, max_requests: int | None = None,
                block_tokens: int = TRACE_BLOCK_TOKENS) -> list[TraceRequest]:
     """All requests of the trace in arrival order (the first ``max_requests`` of them if given); blank
     lines are skipped. Raises TraceError naming every malformed line before returning anything."""
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be at least 1, got {max_requests}")
     rows: list[TraceRequest] = []
     errors: list[tuple[int, str]] = []
     with open(path, encoding="utf-8") as f:

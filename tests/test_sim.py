@@ -141,6 +141,25 @@ def test_simulate_command_stops_before_running_on_a_bad_trace(tmp_path, capsys):
     assert "bad.jsonl:2:" in captured.err and "policy" not in captured.out and not out.exists()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(("option", "named"), [
+    (["--prefill", "0"], "prefill must be positive"), (["--decode", "-1"], "decode must be positive"),
+    (["--speed", "0"], "speed must be positive"), (["--ttft-slo-s", "0"], "ttft_slo_s must be positive"),
+    (["--tbt-slo-ms", "nan"], "tbt_slo_s must be positive"), (["--noise", "-1"], "noise must be at least 0"),
+    (["--max-requests", "0"], "max_requests must be at least 1"),
+])
+def test_simulate_command_refuses_a_setting_that_describes_no_cluster(tmp_path, capsys, option, named):
+    """Each of these ran into a ZeroDivisionError or an empty min(), or simulated a cluster that rejected
+    every request; now the command names the setting and runs nothing."""
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "--trace", str(write_trace(tmp_path / "t.jsonl", n=8)),
+                              "--preset", "llama3-70b-a800", *option])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert named in captured.err and "policy" not in captured.out
+
+
 @pytest.mark.timeout(120)
 def test_simulate_command_compares_all_policies_and_writes_json(tmp_path, capsys):
     parser = argparse.ArgumentParser()
