@@ -52,9 +52,12 @@ run: setup
 
 # On a CUDA machine, even a bare one (torch, triton, transformers, safetensors, grpcio, crc32c; no Ray,
 # Redis or FastAPI needed): the GPU benchmarks and the `gpu` tests, each under its own time limit and run
-# even when another failed, their logs and JSON into $(GPU_OUT)/ (benchmarks/gpu_check.sh lists the steps).
+# even when another failed, their logs and JSON into $(GPU_OUT)/ (benchmarks/gpu_check.sh lists the steps),
+# then issues 12 and 13's goals against the figures (benchmarks/gpu_goals.py, also as goals.json).
+# GPU_BUDGET_S=540 fits the whole run into that many seconds, the most valuable steps first.
 gpu-check:
-	PY=$(PY) benchmarks/gpu_check.sh $(GPU_OUT) engine-gpu transfer-gpu gpu-tests engine-gpu-long
+	PY=$(PY) benchmarks/gpu_check.sh $(GPU_OUT) engine-gpu transfer-gpu gpu-tests engine-gpu-long; rc=$$?; \
+	$(PY) benchmarks/gpu_goals.py $(GPU_OUT) --json $(GPU_OUT)/goals.json; exit $$rc
 
 # On a CUDA machine, a second check (5-8 minutes): the attention-sink result needs a model that parks
 # attention on its first tokens, which the 9-minute CPU training does not produce (the pretrained SmolLM2 of

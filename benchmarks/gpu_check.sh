@@ -6,7 +6,10 @@
 #
 # Each step runs under its own time limit and writes its log (and JSON) into OUT, and every step runs even
 # when an earlier one failed: a lent GPU is often a one-off, so one crash must not cost the other figures.
-# Exits 1 if any step failed; the last lines name them. Steps, in the order worth running them:
+# GPU_BUDGET_S (seconds, default none) bounds the whole run: each step's limit is cut to what is left, and a
+# step with under 30 s left is not started (named at the end), so the steps given first, the most valuable,
+# fit a machine lent for a few minutes. Exits 1 if any step failed or was not started; the last lines name
+# them. Steps, in the order worth running them:
 #   engine-gpu        benchmarks/engine_gpu.py (issue 12: decode step, roofline, prefill MFU, vs transformers)
 #   transfer-gpu      benchmarks/transfer_gpu.py (issue 13: CUDA IPC, gloo and gRPC from device memory)
 #   gpu-tests         the `gpu` tests (fp32 parity, compiled kernels, CUDA graphs, device-memory sizing)
@@ -23,6 +26,7 @@ out=$1
 shift
 py=${PY:-python3}
 sinks_minutes=${SINKS_MINUTES:-4}
+budget=${GPU_BUDGET_S:-0}
 export PYTHONPATH=.:proto
 mkdir -p "$out"
 failed=()
@@ -30,6 +34,15 @@ failed=()
 step() {  # step NAME SECONDS COMMAND...: run COMMAND with a time limit, its output also into OUT/NAME.log
   local name=$1 limit=$2
   shift 2
+  if [ "$budget" -gt 0 ]; then
+    local left=$((budget - SECONDS))
+    if [ "$left" -lt 30 ]; then
+      echo "== $name: not started, ${left} s of GPU_BUDGET_S=${budget} left"
+      failed+=("$name (not started: budget)")
+      return
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "== $name (limit ${limit} s): $*"
   local start=$SECONDS
   timeout "$limit" "$@" > >(tee "$out/$name.log") 2>&1
