@@ -126,6 +126,19 @@ def test_invalid_field_is_invalid_argument_naming_it(live_server):
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.details()
 
 
+@pytest.mark.parametrize("role", ["wizard", "tool", ""])
+def test_a_role_no_chat_template_renders_is_invalid_argument_and_leaves_the_session_alone(live_server, role):
+    """HTTP's schema refuses these; over gRPC they once reached the chat template (and a session's history)."""
+    sid = f"grpc-role-{uuid.uuid4().hex}"
+    request = serving_pb2.ChatRequest(model=live_server.model_id, session_id=sid, sampling=greedy(2),
+                                      messages=[serving_pb2.ChatMessage(role=role, content="hi")])
+    err = status_of(lambda: list(stub(live_server).Chat(request, timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and f"messages.0.role: {role!r}" in err.details()
+    # The refused turn stored nothing: the session's first turn is the prompt a session-less chat sends.
+    in_session = chat(live_server, greedy(2), session_id=sid)[-1].usage.prompt_tokens
+    assert in_session == chat(live_server, greedy(2))[-1].usage.prompt_tokens
+
+
 def test_unknown_model_is_not_found(live_server):
     request = serving_pb2.ChatRequest(model="no-such-model", messages=MESSAGES, sampling=greedy(2))
     err = status_of(lambda: list(stub(live_server).Chat(request, timeout=60)))

@@ -36,6 +36,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # fit the token limit and is refused without tokenizing it.
 MAX_CHARS_PER_TOKEN = 64
 MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render (no tool turns)
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs")
 
@@ -98,6 +99,10 @@ class Frontend:
         session from before its history is read until the reply is stored, or the turn fails or is cancelled.
         """
         self.check_model(model)
+        for i, message in enumerate(messages):  # HTTP's schema checks this too; gRPC's strings are free
+            if message["role"] not in CHAT_ROLES:
+                raise InvalidRequestError("messages", f"messages.{i}.role: {message['role']!r} is not one of "
+                                                      f"{', '.join(CHAT_ROLES)}")
         history: list[dict] = []
         turn: SessionTurn | None = None
         if session_id:
