@@ -43,6 +43,12 @@ def _check(config: BenchConfig) -> None:
         raise ValueError(f"chars_per_token must be positive, got {config.chars_per_token}")
     if config.max_concurrency is not None and config.max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {config.max_concurrency}")
+    # Counts and lengths the workload uses: 0 would send nothing, or prompts and answers of no tokens.
+    counted = {"random": ("num_prompts", "input_len", "output_len"), "sharegpt": ("num_prompts",),
+               "chat": ("num_users", "turns", "input_len", "output_len")}.get(config.workload, ())
+    for name in counted:
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.workload in ("mooncake", "sharegpt") and not config.file_path:
         flag = "--trace" if config.workload == "mooncake" else "--dataset-path"
         raise ValueError(f"the {config.workload} workload needs {flag} FILE")

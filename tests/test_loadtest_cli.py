@@ -195,6 +195,12 @@ def test_bad_input_fails_before_sending(server, tmp_path, capsys):
     assert bench("--port", str(port), "--model", "m", "--tokenizer", str(tmp_path)) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
     assert bench("--port", str(port), "--model", "m", "--endpoint", "/v1/embeddings") == 2
+    # Counts and lengths of nothing: once an empty run's report, or prompts and answers of no tokens.
+    for flags, named in ((["--num-prompts", "0"], "num_prompts"), (["--random-input-len", "0"], "input_len"),
+                         (["--random-output-len", "0"], "output_len"),
+                         (["--dataset-name", "chat", "--turns", "0"], "turns")):
+        assert bench("--port", str(port), "--model", "m", *flags) == 2
+        assert f"{named} must be at least 1, got 0" in capsys.readouterr().err
     assert requests == []
 
 
