@@ -25,6 +25,14 @@ from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledErr
 from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
 
 
+def raised_in_worker(exc: RayTaskError) -> BaseException:
+    """The worker's own exception (e.g. ``OutOfBlocksError``), to raise chained to Ray's error, which keeps
+    the worker's traceback for the logs. Ray's stand-in for it (``as_instanceof_cause``) has the right type,
+    but its message is that traceback with the worker's pid and IP, which the gateway would put in what
+    the client is told."""
+    return exc.cause if isinstance(exc.cause, Exception) else exc.as_instanceof_cause()
+
+
 class WorkerClient:
     def __init__(self, info: WorkerInfo, actor: ray.actor.ActorHandle) -> None:
         self.info = info
@@ -112,7 +120,7 @@ class WorkerClient:
         except RayActorError as exc:
             raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died mid-stream") from exc
         except RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+            raise raised_in_worker(exc) from exc
         finally:
             if not finished and ray.is_initialized():  # after ray.shutdown a Ray call would start a new Ray
                 # The consumer went away (or the stream broke): stop the request and free its blocks. A
@@ -139,4 +147,4 @@ class WorkerClient:
             raise WorkerFailedError(
                 f"worker {self.worker_id} did not answer within {timeout_s:.0f}s") from exc
         except RayTaskError as exc:
-            raise exc.as_instanceof_cause() from None
+            raise raised_in_worker(exc) from exc

@@ -276,8 +276,9 @@ def test_a_failed_kv_handoff_is_a_503_or_504_with_retry_after_and_no_internal_ad
     from ray.exceptions import RayTaskError
 
     from services.gateway.errors import classify
+    from services.worker_client import raised_in_worker
 
-    raised = RayTaskError("prefill", "traceback", cause).as_instanceof_cause()  # as the worker client raises it
+    raised = raised_in_worker(RayTaskError("prefill", "traceback", cause, ip="192.0.2.9"))  # as the client raises it
     err = classify(raised)
     assert (err.http_status, err.code) == (status, code)
     assert err.retry_after_header() == "1"
