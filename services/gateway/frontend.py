@@ -101,8 +101,8 @@ class Frontend:
         self.check_model(model)
         for i, message in enumerate(messages):  # HTTP's schema checks this too; gRPC's strings are free
             if message["role"] not in CHAT_ROLES:
-                raise InvalidRequestError("messages", f"messages.{i}.role: {message['role']!r} is not one of "
-                                                      f"{', '.join(CHAT_ROLES)}")
+                raise InvalidRequestError(f"messages.{i}.role", f"{message['role']!r} is not one of "
+                                                                f"{', '.join(CHAT_ROLES)}")
         history: list[dict] = []
         turn: SessionTurn | None = None
         if session_id:
