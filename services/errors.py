@@ -34,6 +34,17 @@ class PromptTooLongError(Exception):
         return type(self), (self.prompt_tokens, self.limit)
 
 
+class PrefillTimeoutError(Exception):
+    """The prompt was not computed (queued, then run) within its deadline: the prefill workers are behind."""
+
+    def __init__(self, deadline_s: float) -> None:
+        super().__init__(f"the prompt was not computed within its deadline of {deadline_s:g}s")
+        self.deadline_s = deadline_s
+
+    def __reduce__(self):
+        return type(self), (self.deadline_s,)
+
+
 class WorkerFailedError(Exception):
     """A worker died or a handoff step failed for this request (the request was not completed)."""
 

@@ -9,6 +9,7 @@ import time
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
 from kvstore.transfer.channel_pool import ChannelUse
+from services.errors import PrefillTimeoutError
 from services.kv_sender import HandoffSender
 from services.messages import EngineStepError, KVTarget, PrefillResult, PrefixFetch, WorkerInfo
 from services.worker import Worker
@@ -44,8 +45,11 @@ class PrefillWorker(Worker):
 
         try:
             await self.loop.acall(admit)
-            async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
-                output = await queue.get()
+            try:
+                async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
+                    output = await queue.get()
+            except TimeoutError as exc:
+                raise PrefillTimeoutError(deadline_s) from exc
             if isinstance(output, EngineStepError):
                 raise output
             first = output.new_token_ids[0]

@@ -110,6 +110,8 @@ class WorkerClient:
                         event: TokenEvent = await next_event()
                 except StopAsyncIteration:
                     return
+                except RayTaskError:  # the worker raised: Ray's stand-in may also be a TimeoutError
+                    raise
                 except TimeoutError as exc:
                     stalled = True
                     raise WorkerStalledError(
@@ -142,9 +144,9 @@ class WorkerClient:
                 with contextlib.suppress(Exception):
                     ray.cancel(ref)
             raise
+        except RayTaskError as exc:  # before TimeoutError: Ray's stand-in for a worker's TimeoutError is one
+            raise raised_in_worker(exc) from exc
         except (TimeoutError, GetTimeoutError) as exc:
             ray.cancel(ref)
             raise WorkerFailedError(
                 f"worker {self.worker_id} did not answer within {timeout_s:.0f}s") from exc
-        except RayTaskError as exc:
-            raise raised_in_worker(exc) from exc

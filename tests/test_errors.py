@@ -11,6 +11,7 @@ import pytest
 from engine.config import UnsupportedModelError
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from services.errors import (
+    PrefillTimeoutError,
     PromptTooLongError,
     RequestRejected,
     WorkerDiedError,
@@ -27,6 +28,7 @@ RAISED_IN_WORKERS = [
     (UnsupportedModelError("architectures", "['GPT2LMHeadModel'] is not supported"), ("field", "message")),
     (RequestRejected("ttft", 2.5), ("reason", "retry_after_s")),
     (PromptTooLongError(5000, 4096), ("prompt_tokens", "limit")),
+    (PrefillTimeoutError(120.0), ("deadline_s",)),
     (WorkerLostError("decode-1", "worker decode-1 stopped"), ("worker_id",)),
     (WorkerDiedError("prefill-0", "worker prefill-0 died"), ("worker_id",)),
     (WorkerStalledError("decode-0", "worker decode-0 sent nothing for 60s"), ("worker_id",)),
@@ -44,3 +46,10 @@ def test_a_decode_worker_out_of_blocks_is_a_429_with_a_retry_after():
     err = classify(pickle.loads(pickle.dumps(OutOfBlocksError(217, 197))))
     assert (err.http_status, err.grpc_code) == (429, grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert "need 217 KV blocks, 197 free" in err.message and err.retry_after_header() == "1"
+
+
+def test_a_prompt_not_computed_in_time_is_a_504_that_says_so():
+    err = classify(pickle.loads(pickle.dumps(PrefillTimeoutError(120.0))))
+    assert (err.http_status, err.grpc_code) == (504, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert err.message == "the prompt was not computed within its deadline of 120s"
+    assert err.retry_after_header() == "1"

@@ -21,7 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from kvstore.transfer import TransferError, TransferTimeout
-from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerFailedError
+from services.errors import (
+    NoWorkersError,
+    PrefillTimeoutError,
+    PromptTooLongError,
+    RequestRejected,
+    WorkerFailedError,
+)
 from services.messages import EngineStepError
 from services.sessions import InvalidSessionIdError, SessionBusyError
 
@@ -152,6 +158,9 @@ _RULES: list[tuple[type[BaseException], Callable[[Any], ApiError]]] = [
     (EngineStepError, lambda e: ApiError(500, grpc.StatusCode.INTERNAL, "internal_error",
                                          "the worker's engine failed while running this request; the worker "
                                          "is being replaced", code="engine_step_failed")),
+    # The prefill workers are behind: the client may retry once the queues drain.
+    (PrefillTimeoutError, lambda e: ApiError(504, grpc.StatusCode.DEADLINE_EXCEEDED, "service_unavailable", str(e),
+                                             code="prefill_timeout", retry_after_s=1.0)),
     (WorkerFailedError, lambda e: ApiError(503, _DOWN, "service_unavailable", f"worker failed: {e}",
                                            code="worker_failed")),
     (SessionBusyError, lambda e: ApiError(409, grpc.StatusCode.ABORTED, "invalid_request_error", str(e),
