@@ -30,7 +30,7 @@ T = TypeVar("T")
 
 @dataclass
 class Deadlines:
-    reserve_s: float = 10.0
+    reserve_s: float = 10.0  # the decode reservation's call, beyond its wait for room (Attempt.reserve_wait_s)
     prefill_s: float = 120.0  # queueing + compute + transfer of the prompt
     lease_s: float = 150.0  # a decode reservation that is never filled is freed after this
     token_s: float = 60.0  # a stream that sends nothing for this long has stalled: resumed elsewhere
@@ -73,6 +73,9 @@ class Attempt:
     output_ids: tuple[int, ...]  # streamed by earlier attempts: this one continues after them
     fetch: PrefixFetch | None  # the prefix copy the router chose, if any
     priority: int  # the router's order: the worker's engine queues it among its waiting prompts by it
+    # How long the decode reservation may wait for running sequences to free room: the TTFT SLO's slack
+    # over the router's estimate (the router admitted it on blocks projected free by the prefill's end).
+    reserve_wait_s: float = 0.0
 
 
 async def unless_set(died: asyncio.Event, worker_id: str, call: Awaitable[T]) -> T:
@@ -108,8 +111,14 @@ async def run_disaggregated(
     once, whatever the transport would take to notice.
     """
     a = attempt
-    await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
-                         deadlines.reserve_s)
+    try:
+        await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
+                             a.reserve_wait_s, deadlines.reserve_s)
+    except BaseException:
+        # A reservation refused, past its deadline, or whose caller left may still be waiting for room on the
+        # worker, or hold blocks it got at the last moment: release it rather than leave them to its lease's end.
+        await decode.release(a.request_id)
+        raise
     handed_off = completed = False
     try:
         result = await unless_set(decode_died, decode.worker_id, prefill.prefill(

@@ -10,10 +10,13 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.sampling_params import SamplingParams
 from kvstore.transfer.channel_pool import ChannelUse
 from kvstore.transfer.ipc import SharedPayload
 from kvstore.transfer.wire import TransferHeader
+from router.loads import WorkerLoad
+from services.errors import ReservationReleased
 from services.kv_receiver import HandoffReceiver
 from services.messages import TokenEvent, WorkerInfo
 from services.worker import Worker
@@ -21,20 +24,63 @@ from services.worker import Worker
 log = logging.getLogger(__name__)
 
 
+# How often a reservation waiting for room looks again: blocks free at engine step boundaries.
+_RESERVE_POLL_S = 0.01
+
+
+@dataclasses.dataclass
+class _Waiting:
+    blocks: int
+    released: bool = False
+
+
 class DecodeWorker(Worker):
     """Holds leases of reserved blocks, receives KV into them, and decodes in a continuous batch."""
 
     async def start(self) -> WorkerInfo:
         info = await super().start()
+        self._waiting: dict[str, _Waiting] = {}  # reservations waiting for blocks, by request id
         self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret,
                                         self.spec.max_kv_channels)
         self._reaper = asyncio.create_task(self._reap_expired())
         return dataclasses.replace(info, kv_target=self.receiver.target())
 
-    async def reserve(self, request_id: str, num_tokens: int, lease_s: float) -> None:
-        """Reserve blocks for ``num_tokens`` of prompt KV; raises OutOfBlocksError when they don't fit."""
-        block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens)
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float = 0.0) -> None:
+        """Reserve blocks for ``num_tokens`` of prompt KV, held for ``lease_s``. Without room now, wait up to
+        ``wait_s`` for running sequences to free it, behind the reservations waiting before it; then (or at
+        once when the request is larger than the whole cache) OutOfBlocksError. ``release`` ends a wait early
+        (ReservationReleased)."""
+        if request_id in self._waiting:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        needed = self.engine.block_manager.blocks_for(num_tokens)
+        waiting = self._waiting[request_id] = _Waiting(needed)  # the dict's order is the line's
+        deadline = time.monotonic() + wait_s
+        try:
+            while not waiting.released:
+                if next(iter(self._waiting.values())) is waiting:  # first in line: a large request is not starved
+                    try:
+                        block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens)
+                        break
+                    except OutOfBlocksError:
+                        never = needed > self.engine.block_manager.num_blocks
+                        if never or time.monotonic() + _RESERVE_POLL_S > deadline:
+                            raise
+                elif time.monotonic() + _RESERVE_POLL_S > deadline:
+                    raise OutOfBlocksError(needed, self.loop.stats.free_blocks)
+                await asyncio.sleep(_RESERVE_POLL_S)
+            else:
+                raise ReservationReleased(request_id)
+        finally:
+            del self._waiting[request_id]
+        if waiting.released:  # released while the engine reserved: nobody will fill these blocks
+            await self.loop.acall(self.engine.release, request_id)
+            raise ReservationReleased(request_id)
         self.receiver.add_lease(request_id, block_ids, time.monotonic() + lease_s)
+
+    async def load(self) -> WorkerLoad:
+        """Blocks that waiting reservations will take count as used: the router must not route onto them."""
+        load = await super().load()
+        return dataclasses.replace(load, free_blocks=load.free_blocks - sum(w.blocks for w in self._waiting.values()))
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
@@ -82,7 +128,11 @@ class DecodeWorker(Worker):
             self.receiver.receive_threads, self.receiver.receive_shared, header, shared)
 
     async def release(self, request_id: str) -> None:
-        """Free a lease that never joined the batch (the handoff failed or was cancelled)."""
+        """Free a lease that never joined the batch (the handoff failed or was cancelled), or end its
+        reservation's wait for blocks."""
+        if (waiting := self._waiting.get(request_id)) is not None:
+            waiting.released = True  # its reserve() frees whatever it got and gives up
+            return
         if self.receiver.drop_lease(request_id):
             await self.loop.acall(self.engine.release, request_id)
 

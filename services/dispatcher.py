@@ -224,7 +224,8 @@ class Dispatcher:
                 self.copies.replicate(decision, tokens)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), self.copies.fetch_for(decision), next(self._routed)))
+                    tuple(progress.output_ids), self.copies.fetch_for(decision), next(self._routed),
+                    max(0.0, self.conductor.slo.ttft_s - decision.est_ttft_s)))
                 try:
                     async for event in stream:
                         progress.add(event)

@@ -45,6 +45,17 @@ class PrefillTimeoutError(Exception):
         return type(self), (self.deadline_s,)
 
 
+class ReservationReleased(Exception):
+    """A decode reservation was released while it waited for blocks (its request failed or was cancelled)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"the reservation of {request_id!r} was released while it waited for KV blocks")
+        self.request_id = request_id
+
+    def __reduce__(self):
+        return type(self), (self.request_id,)
+
+
 class WorkerFailedError(Exception):
     """A worker died or a handoff step failed for this request (the request was not completed)."""
 

@@ -16,7 +16,7 @@ from kvstore.transfer import IpcUnavailable
 from kvstore.transfer.ipc import PayloadShare
 from kvstore.transfer.wire import TransferHeader
 from services.dispatcher import Deadlines, GenerateRequest
-from services.errors import PrefillTimeoutError
+from services.errors import PrefillTimeoutError, ReservationReleased
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -171,11 +171,85 @@ def test_a_reservation_over_the_free_blocks_reaches_the_caller_as_out_of_blocks(
     decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
     blocks = decode.info.total_blocks + 1
     with pytest.raises(OutOfBlocksError) as refused:
-        asyncio.run(decode.reserve("over-the-free-blocks", blocks * decode.info.block_size, 60.0, 30.0))
+        # More than the whole cache: refused without waiting for room that can never come.
+        asyncio.run(decode.reserve("over-the-free-blocks", blocks * decode.info.block_size, 60.0, 30.0, 10.0))
     assert refused.value.needed == blocks and refused.value.free < blocks
     # Its own message, which the gateway's 429 quotes: not Ray's, which is the worker's traceback, pid and IP.
     assert str(refused.value) == f"need {blocks} KV blocks, {refused.value.free} free"
     assert _free_blocks(pd_server) == baseline
+
+
+async def _until_waiting(decode, free_blocks: int, *waiters: asyncio.Task) -> None:
+    """Until the decode worker's load report counts the waiting reservations' blocks as taken."""
+    while (await decode.load(10.0)).free_blocks != free_blocks:
+        assert not any(w.done() for w in waiters), [w.exception() for w in waiters if w.done()]
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.timeout(60)
+def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_frees(pd_server):
+    """The router admits a request on decode blocks projected free by the end of its prefill, and the lease
+    is taken before the prefill: it waits for them instead of being refused (a 429 before). While it waits
+    the load report counts its blocks as taken, so the router does not route more onto them."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+    bs, free = decode.info.block_size, baseline["decode-0"]
+
+    async def scenario() -> None:
+        await decode.reserve("hog", free * bs, 60.0, 0.0, 10.0)  # every free block
+        waiter = asyncio.create_task(decode.reserve("waiter", 2 * bs, 60.0, 30.0, 10.0))
+        await _until_waiting(decode, -2, waiter)
+        await decode.release("hog")  # as a finishing sequence frees its blocks
+        await waiter
+        await decode.release("waiter")
+
+    pd_server.run(scenario())
+    assert _wait_free_blocks(pd_server, baseline) == baseline
+
+
+@pytest.mark.timeout(60)
+def test_a_released_waiting_reservation_gives_up_and_holds_nothing(pd_server):
+    """The request failed or was cancelled while its reservation waited: releasing it ends the wait."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+    bs, free = decode.info.block_size, baseline["decode-0"]
+
+    async def scenario() -> None:
+        await decode.reserve("hog-2", free * bs, 60.0, 0.0, 10.0)
+        waiter = asyncio.create_task(decode.reserve("gives-up", 2 * bs, 60.0, 30.0, 10.0))
+        await _until_waiting(decode, -2, waiter)
+        await decode.release("gives-up")
+        with pytest.raises(ReservationReleased, match="'gives-up' was released while it waited"):
+            await waiter
+        await decode.release("hog-2")
+
+    pd_server.run(scenario())
+    assert _wait_free_blocks(pd_server, baseline) == baseline
+
+
+@pytest.mark.timeout(60)
+def test_a_large_waiting_reservation_is_not_starved_by_a_small_one_behind_it(pd_server):
+    """Waiting reservations take blocks in arrival order: the small one does not take the first block
+    freed, which would leave the large one short for as long as small ones keep coming."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+    bs, free = decode.info.block_size, baseline["decode-0"]
+
+    async def scenario() -> None:
+        await decode.reserve("hog-3", free * bs, 60.0, 0.0, 10.0)
+        large = asyncio.create_task(decode.reserve("large", free * bs, 60.0, 30.0, 10.0))
+        await _until_waiting(decode, -free, large)
+        small = asyncio.create_task(decode.reserve("small", bs, 60.0, 30.0, 10.0))
+        await _until_waiting(decode, -free - 1, large, small)
+        await decode.release("hog-3")
+        await large  # it got every block: the small one, next in line, waits on
+        assert not small.done()
+        await decode.release("large")
+        await small
+        await decode.release("small")
+
+    pd_server.run(scenario())
+    assert _wait_free_blocks(pd_server, baseline) == baseline
 
 
 @pytest.mark.timeout(180)

@@ -43,6 +43,7 @@ class FakeWorker:
         self.full, self.free_blocks = full, 256
         self.calls: list[tuple[str, str]] = []
         self.leases: set[str] = set()
+        self.reserve_waits: list[float] = []  # how long each reserve was allowed to wait for room
         self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
         self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
 
@@ -60,8 +61,9 @@ class FakeWorker:
         return WorkerLoad(self.worker_id, str(self.role), free_blocks=self.free_blocks, total_blocks=256,
                           updated_at=time.time())
 
-    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, timeout_s: float) -> None:
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float) -> None:
         self.calls.append(("reserve", request_id))
+        self.reserve_waits.append(wait_s)
         if self.full:
             self.free_blocks = 0
             raise OutOfBlocksError(-(-num_tokens // 16), 0)
@@ -159,9 +161,26 @@ def test_a_decode_worker_without_room_for_the_lease_is_routed_around_on_fresh_lo
         FakeWorker("d1", Role.DECODE)
     events = asyncio.run(collect(make_dispatcher(p, full, spare, policy="tidepool")))
     assert [e.token_ids for e in events] == [[7], [100], [101], [102]]
-    assert full.calls == [("reserve", "r1")] and not full.leases
+    # The refused reservation is released too: on a real worker it may still be waiting for room.
+    assert full.calls == [("reserve", "r1"), ("release", "r1")] and not full.leases
     assert spare.calls == [("reserve", "r1/1"), ("decode", "r1/1")]
     assert p.calls == [("prefill", "r1/1")]
+
+
+@pytest.mark.parametrize("ttft_slo_s", [30.0, 1e-4])
+def test_the_decode_reservation_may_wait_for_room_the_ttft_slos_slack_over_the_routers_estimate(ttft_slo_s):
+    """The router admitted the request on blocks projected free by its prefill's end; the reservation is made
+    before the prefill, so it may wait for them, as long as the TTFT SLO leaves room (none when the estimate
+    is already past it: round_robin never rejects)."""
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p, d)
+    dispatcher.conductor.slo = SLO(ttft_slo_s, 1.0)
+    decisions = []
+    route = dispatcher.conductor.route
+    dispatcher.conductor.route = lambda *args: decisions.append(route(*args)) or decisions[-1]
+    asyncio.run(collect(dispatcher))
+    assert 0 < decisions[0].est_ttft_s < 30.0
+    assert d.reserve_waits == [pytest.approx(max(0.0, ttft_slo_s - decisions[0].est_ttft_s))]
 
 
 def test_a_lease_no_decode_worker_has_room_for_is_rejected_with_a_retry_after():
@@ -171,7 +190,7 @@ def test_a_lease_no_decode_worker_has_room_for_is_rejected_with_a_retry_after():
     with pytest.raises(RequestRejected) as rejected:
         asyncio.run(collect(make_dispatcher(p, full, policy="tidepool")))
     assert rejected.value.retry_after_s > 0
-    assert full.calls == [("reserve", "r1")] and not full.leases and not p.calls
+    assert full.calls == [("reserve", "r1"), ("release", "r1")] and not full.leases and not p.calls
 
 
 def test_prefill_error_frees_the_lease_and_reaches_the_caller():
