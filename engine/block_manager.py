@@ -151,11 +151,12 @@ class BlockManager:
         s.num_slots = max(s.num_slots, num_computed + num_new)
         return True
 
-    def reserve(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Blocks for ``num_tokens`` positions that K/V will be imported into (disaggregated decode)."""
+    def reserve(self, seq_id: Hashable, num_tokens: int, keep_free: int = 0) -> list[int]:
+        """Blocks for ``num_tokens`` positions that K/V will be imported into (disaggregated decode), leaving
+        at least ``keep_free`` blocks free."""
         needed = self.blocks_for(num_tokens)
-        if needed > self.num_free_blocks:
-            raise OutOfBlocksError(needed, self.num_free_blocks)
+        if needed + keep_free > self.num_free_blocks:
+            raise OutOfBlocksError(needed, self.num_free_blocks, keep_free)
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         s = self.seqs[seq_id] = _SeqBlocks(self._pop_free(needed), [], num_tokens)

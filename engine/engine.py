@@ -206,11 +206,13 @@ class Engine:
             self.held[new_id] = self.held.pop(request_id)
 
     def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported; OutOfBlocksError."""
+        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported; OutOfBlocksError. A block
+        per running sequence stays free: a reservation must not take the block a running sequence grows
+        into next, which would preempt it (a decode worker recomputes a preempted sequence's prompt)."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         seq_id = next(self._seq_ids)
-        block_ids = self.block_manager.reserve(seq_id, num_tokens)
+        block_ids = self.block_manager.reserve(seq_id, num_tokens, keep_free=len(self.scheduler.running))
         self.held[request_id] = seq_id
         return block_ids
 

@@ -23,13 +23,15 @@ class InvalidRequestError(ValueError):
 class OutOfBlocksError(RuntimeError):
     """A block reservation that the free KV blocks cannot meet right now (retry later or elsewhere)."""
 
-    def __init__(self, needed: int, free: int):
-        super().__init__(f"need {needed} KV blocks, {free} free")
+    def __init__(self, needed: int, free: int, kept: int = 0):
+        kept_text = f" (and {kept} kept for running sequences to grow into)" if kept else ""
+        super().__init__(f"need {needed} KV blocks{kept_text}, {free} free")
         self.needed = needed
         self.free = free
+        self.kept = kept
 
     def __reduce__(self):
-        return type(self), (self.needed, self.free)
+        return type(self), (self.needed, self.free, self.kept)
 
 
 class CheckpointError(ValueError):

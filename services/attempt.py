@@ -73,8 +73,7 @@ class Attempt:
     output_ids: tuple[int, ...]  # streamed by earlier attempts: this one continues after them
     fetch: PrefixFetch | None  # the prefix copy the router chose, if any
     priority: int  # the router's order: the worker's engine queues it among its waiting prompts by it
-    # How long the decode reservation may wait for running sequences to free room: the TTFT SLO's slack
-    # over the router's estimate (the router admitted it on blocks projected free by the prefill's end).
+    # How long the decode reservation may wait for running sequences to free room (Dispatcher._reserve_wait_s).
     reserve_wait_s: float = 0.0
 
 

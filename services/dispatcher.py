@@ -225,7 +225,7 @@ class Dispatcher:
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
                     tuple(progress.output_ids), self.copies.fetch_for(decision), next(self._routed),
-                    max(0.0, self.conductor.slo.ttft_s - decision.est_ttft_s)))
+                    self._reserve_wait_s(track.arrived, decision)))
                 try:
                     async for event in stream:
                         progress.add(event)
@@ -248,6 +248,12 @@ class Dispatcher:
                     await stream.aclose()
         finally:
             track.stop(sys.exc_info()[1])  # whatever is ending the stream, if anything
+
+    def _reserve_wait_s(self, arrived: float, decision: Decision) -> float:
+        """How long the decode reservation may wait for room: what the TTFT SLO leaves of the request's time
+        after the router's estimate (the router admitted it on blocks projected free by its prefill's end).
+        One budget per request: an attempt routed again after a wait has less."""
+        return max(0.0, self.conductor.slo.ttft_s - (time.monotonic() - arrived) - decision.est_ttft_s)
 
     def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
         if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in

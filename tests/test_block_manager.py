@@ -125,6 +125,15 @@ def test_reserve_raises_out_of_blocks():
     assert bm.num_free_blocks == 4
 
 
+def test_reserve_leaves_the_blocks_it_is_asked_to_keep_free():
+    bm = manager(4)
+    with pytest.raises(OutOfBlocksError, match=r"need 3 KV blocks \(and 2 kept for running sequences to grow "
+                                               r"into\), 4 free") as err:
+        bm.reserve("r1", 3 * B, keep_free=2)
+    assert (err.value.needed, err.value.free, err.value.kept) == (3, 4, 2) and bm.num_free_blocks == 4
+    assert len(bm.reserve("r1", 3 * B, keep_free=1)) == 3
+
+
 def test_insert_makes_fetched_blocks_prefix_hits():
     bm = manager(8)
     tokens = list(range(50, 61))  # 2 full blocks

@@ -44,6 +44,7 @@ class FakeWorker:
         self.calls: list[tuple[str, str]] = []
         self.leases: set[str] = set()
         self.reserve_waits: list[float] = []  # how long each reserve was allowed to wait for room
+        self.refuse_after_s = 0.0
         self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
         self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
 
@@ -65,6 +66,7 @@ class FakeWorker:
         self.calls.append(("reserve", request_id))
         self.reserve_waits.append(wait_s)
         if self.full:
+            await asyncio.sleep(self.refuse_after_s)  # a worker refuses after waiting for room in vain
             self.free_blocks = 0
             raise OutOfBlocksError(-(-num_tokens // 16), 0)
         self.leases.add(request_id)
@@ -180,7 +182,18 @@ def test_the_decode_reservation_may_wait_for_room_the_ttft_slos_slack_over_the_r
     dispatcher.conductor.route = lambda *args: decisions.append(route(*args)) or decisions[-1]
     asyncio.run(collect(dispatcher))
     assert 0 < decisions[0].est_ttft_s < 30.0
-    assert d.reserve_waits == [pytest.approx(max(0.0, ttft_slo_s - decisions[0].est_ttft_s))]
+    assert d.reserve_waits == [pytest.approx(max(0.0, ttft_slo_s - decisions[0].est_ttft_s), abs=0.5)]
+
+
+def test_a_request_routed_again_after_waiting_for_room_waits_only_what_its_slo_has_left():
+    """The wait is one budget per request, not one per attempt: the refusal came after a wait (here 0.3 s)
+    and the next decode worker may wait that much less."""
+    p, full, spare = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE, full=True), \
+        FakeWorker("d1", Role.DECODE)
+    full.refuse_after_s = 0.3
+    asyncio.run(collect(make_dispatcher(p, full, spare, policy="tidepool")))
+    (first,), (second,) = full.reserve_waits, spare.reserve_waits
+    assert 0 < second <= first - 0.3
 
 
 def test_a_lease_no_decode_worker_has_room_for_is_rejected_with_a_retry_after():

@@ -74,6 +74,23 @@ def test_handed_off_text_holds_back_and_cuts_a_stop_string_as_one_engine_does(mo
     assert [fields(o) for o in outputs[1:]] == [fields(o) for o in expected[1:]]
 
 
+def test_a_reservation_leaves_each_running_sequence_a_block_to_grow_into(model_dir):
+    """Taking the block a running sequence needs next would preempt it: on a decode worker that means
+    computing its prompt again."""
+    engine = make_engine(model_dir, num_blocks=8)
+    engine.add_request("running", prompt(20, seed=3), SamplingParams(max_tokens=28, **GREEDY))
+    engine.step()  # prefilled: it decodes now, and wants a third (its last) block at its 33rd token
+    free = engine.stats().free_blocks
+    assert free == 6
+    with pytest.raises(OutOfBlocksError) as refused:
+        engine.reserve_blocks("lease", free * 16)
+    assert (refused.value.needed, refused.value.kept) == (free, 1)
+    assert len(engine.reserve_blocks("lease", (free - 1) * 16)) == free - 1
+    outputs = [o for _ in range(27) for o in engine.step()]  # it grows into the block that was kept
+    assert len(outputs) == 27 and outputs[-1].finish_reason == FinishReason.LENGTH
+    assert engine.scheduler.num_preemptions == 0
+
+
 def test_reservations_and_pool_inserts(model_dir):
     engine = make_engine(model_dir, num_blocks=8)
     with pytest.raises(OutOfBlocksError):

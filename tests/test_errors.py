@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(30)
 RAISED_IN_WORKERS = [
     (InvalidRequestError("max_tokens", "must be a positive integer"), ("field", "message")),
     (OutOfBlocksError(217, 197), ("needed", "free")),
+    (OutOfBlocksError(217, 230, 14), ("needed", "free", "kept")),
     (UnsupportedModelError("architectures", "['GPT2LMHeadModel'] is not supported"), ("field", "message")),
     (RequestRejected("ttft", 2.5), ("reason", "retry_after_s")),
     (PromptTooLongError(5000, 4096), ("prompt_tokens", "limit")),
