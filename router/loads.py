@@ -31,6 +31,8 @@ class WorkerLoad:
     partly done one may count its remaining new tokens). num_running: prefills in progress on a prefill
     worker, decoding sequences on a decode worker. free/total_blocks: KV blocks (prefix cache on a
     prefill worker), with blocks reserved for requests already routed there counted as used.
+    waiting_leases / waiting_lease_blocks: decode reservations waiting for room on the worker, and the
+    blocks they will take as soon as they are free: the router counts those as used too (``row``).
     updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
     queued_features: optional sums of `estimator.prefill_features` over queued_prefills, for callers that
     keep them incrementally (the simulator); None means "sum queued_prefills".
@@ -58,6 +60,8 @@ class WorkerLoad:
     last_step_s: float = 0.0
     prefill_steps: tuple[tuple[int, float, float, float, float], ...] = ()  # step, pairs, new, chunks, s
     decode_steps: tuple[tuple[int, int, int, float], ...] = ()  # step, batch, context tokens, s
+    waiting_leases: int = 0
+    waiting_lease_blocks: int = 0
     # For the metrics only (the router ignores them): the engine's waiting queue, and cumulative counts
     # since the worker started: prompt tokens looked up in / found in the prefix cache (the hits include
     # blocks placed from the pool), computed, placed from each pool tier ("host", "disk", "redis"); preemptions.
@@ -79,7 +83,8 @@ class WorkerLoad:
                 pairs, new, count = pairs + p, new + t, count + one
         return (self.alive, self.alive and self.role in PREFILL_ROLES, self.alive and self.role in DECODE_ROLES,
                 pairs, new, count, len(self.queued_prefills), self.num_running, self.running_context_tokens,
-                self.free_blocks, self.total_blocks, max(self.block_size, 1), self.updated_at)
+                self.free_blocks - self.waiting_lease_blocks, self.total_blocks, max(self.block_size, 1),
+                self.updated_at)
 
 
 def step_samples(steps) -> tuple[tuple, tuple]:

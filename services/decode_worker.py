@@ -78,9 +78,10 @@ class DecodeWorker(Worker):
         self.receiver.add_lease(request_id, block_ids, time.monotonic() + lease_s)
 
     async def load(self) -> WorkerLoad:
-        """Blocks that waiting reservations will take count as used: the router must not route onto them."""
+        """With the reservations waiting for room: the router counts their blocks as used."""
         load = await super().load()
-        return dataclasses.replace(load, free_blocks=load.free_blocks - sum(w.blocks for w in self._waiting.values()))
+        return dataclasses.replace(load, waiting_leases=len(self._waiting),
+                                   waiting_lease_blocks=sum(w.blocks for w in self._waiting.values()))
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,

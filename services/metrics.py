@@ -155,6 +155,8 @@ class Metrics:
             "capacity": Gauge("tidepool_worker_kv_blocks_capacity", "KV blocks a worker has", w, registry=r),
             "usage": Gauge("tidepool_worker_kv_cache_usage_perc",
                            "Fraction of a worker's KV blocks in use (0-1)", w, registry=r),
+            "leases": Gauge("tidepool_worker_waiting_leases",
+                            "Decode reservations waiting for KV blocks on a worker", w, registry=r),
         }
 
     # ---- worker reports ---------------------------------------------------------------------------------
@@ -171,7 +173,7 @@ class Metrics:
         used = load.total_blocks - load.free_blocks
         usage = used / load.total_blocks if load.total_blocks else 0.0
         values = {"waiting": load.num_waiting, "running": load.num_running, "used": used,
-                  "capacity": load.total_blocks, "usage": usage}
+                  "capacity": load.total_blocks, "usage": usage, "leases": load.waiting_leases}
         for key, value in values.items():
             self.worker_gauges[key].labels(*labels).set(value)
         self._count(load)

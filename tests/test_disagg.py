@@ -179,9 +179,9 @@ def test_a_reservation_over_the_free_blocks_reaches_the_caller_as_out_of_blocks(
     assert _free_blocks(pd_server) == baseline
 
 
-async def _until_waiting(decode, free_blocks: int, *waiters: asyncio.Task) -> None:
-    """Until the decode worker's load report counts the waiting reservations' blocks as taken."""
-    while (await decode.load(10.0)).free_blocks != free_blocks:
+async def _until_waiting(decode, leases: int, blocks: int, *waiters: asyncio.Task) -> None:
+    """Until the decode worker's load report shows the reservations waiting, and the blocks they wait for."""
+    while ((load := await decode.load(10.0)).waiting_leases, load.waiting_lease_blocks) != (leases, blocks):
         assert not any(w.done() for w in waiters), [w.exception() for w in waiters if w.done()]
         await asyncio.sleep(0.02)
 
@@ -190,7 +190,7 @@ async def _until_waiting(decode, free_blocks: int, *waiters: asyncio.Task) -> No
 def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_frees(pd_server):
     """The router admits a request on decode blocks projected free by the end of its prefill, and the lease
     is taken before the prefill: it waits for them instead of being refused (a 429 before). While it waits
-    the load report counts its blocks as taken, so the router does not route more onto them."""
+    the load report shows it and the blocks it waits for, which the router counts as taken."""
     baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
     decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
     bs, free = decode.info.block_size, baseline["decode-0"]
@@ -198,7 +198,7 @@ def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_fre
     async def scenario() -> None:
         await decode.reserve("hog", free * bs, 60.0, 0.0, 10.0)  # every free block
         waiter = asyncio.create_task(decode.reserve("waiter", 2 * bs, 60.0, 30.0, 10.0))
-        await _until_waiting(decode, -2, waiter)
+        await _until_waiting(decode, 1, 2, waiter)
         await decode.release("hog")  # as a finishing sequence frees its blocks
         await waiter
         await decode.release("waiter")
@@ -217,7 +217,7 @@ def test_a_released_waiting_reservation_gives_up_and_holds_nothing(pd_server):
     async def scenario() -> None:
         await decode.reserve("hog-2", free * bs, 60.0, 0.0, 10.0)
         waiter = asyncio.create_task(decode.reserve("gives-up", 2 * bs, 60.0, 30.0, 10.0))
-        await _until_waiting(decode, -2, waiter)
+        await _until_waiting(decode, 1, 2, waiter)
         await decode.release("gives-up")
         with pytest.raises(ReservationReleased, match="'gives-up' was released while it waited"):
             await waiter
@@ -238,9 +238,9 @@ def test_a_large_waiting_reservation_is_not_starved_by_a_small_one_behind_it(pd_
     async def scenario() -> None:
         await decode.reserve("hog-3", free * bs, 60.0, 0.0, 10.0)
         large = asyncio.create_task(decode.reserve("large", free * bs, 60.0, 30.0, 10.0))
-        await _until_waiting(decode, -free, large)
+        await _until_waiting(decode, 1, free, large)
         small = asyncio.create_task(decode.reserve("small", bs, 60.0, 30.0, 10.0))
-        await _until_waiting(decode, -free - 1, large, small)
+        await _until_waiting(decode, 2, free + 1, large, small)
         await decode.release("hog-3")
         await large  # it got every block: the small one, next in line, waits on
         assert not small.done()

@@ -107,7 +107,7 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
     # First reports: the baseline (start-up profiling), nothing counted yet.
     report("p0", "prefill", free_blocks=100, prefix_cache_queries=50, prefix_cache_hits=16, num_preemptions=1,
            prompt_tokens_computed=34)
-    report("d0", "decode", free_blocks=60, num_running=3, num_waiting=2)
+    report("d0", "decode", free_blocks=60, num_running=3, num_waiting=2, waiting_leases=2, waiting_lease_blocks=70)
     assert sample(m, "tidepool_prefix_cache_queries_total") == 0
     report("p0", "prefill", free_blocks=90, num_running=1, num_waiting=4, prefix_cache_queries=150,
            prefix_cache_hits=96, num_preemptions=3, prompt_tokens_computed=88,
@@ -122,7 +122,9 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
                          "pool_disk": 0}
     assert sample(m, "tidepool_num_requests_running") == 4 and sample(m, "tidepool_num_requests_waiting") == 6
     assert sample(m, "tidepool_kv_cache_usage_perc") == pytest.approx(50 / 200)
+    # Blocks that waiting leases are owed are not in use yet: the usage stays the engine's.
     assert sample(m, "tidepool_worker_kv_cache_usage_perc", worker="d0", role="decode") == pytest.approx(0.4)
+    assert sample(m, "tidepool_worker_waiting_leases", worker="d0", role="decode") == 2
     # A report with lower counts (never from a live worker) takes nothing back.
     report("p0", "prefill", free_blocks=90, prefix_cache_queries=10)
     assert sample(m, "tidepool_prefix_cache_queries_total") == 100

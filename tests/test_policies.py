@@ -135,6 +135,16 @@ def test_tidepool_skips_a_decode_worker_without_room_for_the_kv():
 
 
 @pytest.mark.timeout(30)
+def test_blocks_decode_reservations_wait_for_count_as_used():
+    # d0 reports plenty of free blocks, but reservations waiting there will take nearly all of them.
+    waited = WorkerLoad("d0", "decode", True, [], 1, 2000, 80_000, 83_000, 16, NOW, waiting_leases=40,
+                        waiting_lease_blocks=79_990)
+    loads = [prefill("p0"), waited, decode("d1", running=60, ctx=700_000)]
+    assert route("tidepool", loads, index()).decode == "d1"
+    assert route("mooncake", loads, index(), decode_by="free_blocks").decode == "d1"
+
+
+@pytest.mark.timeout(30)
 def test_tidepool_rejects_when_no_decode_worker_will_have_room_with_a_retry_after():
     loads = [prefill("p0"), decode("d0", running=2, ctx=2000, free=100), decode("d1", running=2, ctx=2000, free=50)]
     out = route("tidepool", loads, index())
