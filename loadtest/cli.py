@@ -63,7 +63,11 @@ def _dataset_options(p: argparse.ArgumentParser) -> None:
                    help="the same as --dataset-name")
     g.add_argument("--dataset-path", "--trace", default=None,
                    help="ShareGPT JSON file (sharegpt) or Mooncake-format JSONL trace (mooncake)")
-    g.add_argument("--num-prompts", type=int, default=1000, help="number of requests (random, sharegpt)")
+    # Absent unless given: 1000 for random and sharegpt; a trace replays every row; chat counts its turns.
+    g.add_argument("--num-prompts", type=int, default=argparse.SUPPRESS,
+                   help="number of requests: random, sharegpt (default: 1000); mooncake: the first N rows of "
+                        "the trace (as --max-requests; default: all); not for chat, which sends --num-users x "
+                        "--turns")
     g.add_argument("--random-input-len", "--input-len", dest="input_len", type=int, default=1024,
                    help="random: prompt tokens after the prefix; chat: tokens per user message")
     g.add_argument("--random-output-len", type=int, default=128,
@@ -150,6 +154,23 @@ def _host_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _request_counts(args: argparse.Namespace) -> tuple[int, int | None]:
+    """(num_prompts, max_requests): --num-prompts limits a trace replay as vLLM's does its datasets; the chat
+    workload's count is its users and turns, so a --num-prompts there would be ignored: refused instead."""
+    given = getattr(args, "num_prompts", None)
+    if given is None:
+        return 1000, args.max_requests
+    if args.dataset_name == "chat":
+        raise ValueError(f"the chat workload sends --num-users x --turns requests ({args.num_users} x "
+                         f"{args.turns}); drop --num-prompts")
+    if args.dataset_name != "mooncake":
+        return given, args.max_requests
+    if args.max_requests is not None and args.max_requests != given:
+        raise ValueError(f"--num-prompts {given} and --max-requests {args.max_requests} both limit the trace "
+                         "replay; give one")
+    return given, given
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     goodput = {k: v for slo in args.goodput or () for k, v in slo.items()}
     sections = tuple(s.strip() for s in args.percentile_metrics.split(",") if s.strip())
@@ -161,14 +182,15 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--metric-percentiles must lie in [0, 100]")
     # vLLM: random prompts run to their length; other datasets stop at EOS unless asked
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
+    num_prompts, max_requests = _request_counts(args)
     return BenchConfig(
         model=args.model, backend=args.backend, base_url=args.base_url or _host_url(args.host, args.port),
         target=args.target, workload=args.dataset_name, endpoint=args.endpoint, dataset_path=args.dataset_path,
-        time_scale=args.time_scale, length_scale=args.length_scale, max_requests=args.max_requests,
+        time_scale=args.time_scale, length_scale=args.length_scale, max_requests=max_requests,
         num_users=args.num_users, turns=args.turns, think_time_s=args.think_time_s,
         use_session=args.use_session, input_len=args.input_len,
         output_len=args.output_len if args.output_len is not None else args.random_output_len,
-        range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prompts=args.num_prompts,
+        range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prompts=num_prompts,
         sharegpt_output_len=args.output_len if args.output_len is not None else args.sharegpt_output_len,
         tokenizer=args.tokenizer, chars_per_token=args.chars_per_token, request_rate=args.request_rate,
         burstiness=args.burstiness, max_concurrency=args.max_concurrency, ignore_eos=ignore_eos,

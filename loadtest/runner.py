@@ -134,15 +134,16 @@ def _count_outputs(records: list[RequestRecord], tok: PromptTokenizer) -> None:
             rec.output_tokens = tok.count(rec.generated_text)
 
 
-def _setup(config: BenchConfig, tok: PromptTokenizer | None, date: str) -> dict:
-    """vLLM's result header (backend, model_id, tokenizer_id, request_rate, ...) and how lengths were sized."""
+def _setup(config: BenchConfig, tok: PromptTokenizer | None, date: str, num_prompts: int) -> dict:
+    """vLLM's result header (backend, model_id, tokenizer_id, request_rate, ...) and how lengths were sized;
+    ``num_prompts``: the requests the workload holds (a trace's rows, a chat's users x turns)."""
     if tok:
         sizing = f"tokenizer {tok.name}"
     else:
         sizing = (f"estimated at {chars_per_token(config, tok):g} characters per token (no --tokenizer); "
                   "the server's usage replaces the estimate where it reports one")
     return {"date": date, "backend": config.backend, "label": config.label, "model_id": config.model,
-            "tokenizer_id": config.tokenizer, "dataset_name": config.workload, "num_prompts": config.num_prompts,
+            "tokenizer_id": config.tokenizer, "dataset_name": config.workload, "num_prompts": num_prompts,
             "request_rate": rate_word(config), "burstiness": config.burstiness,
             "max_concurrency": config.max_concurrency, "prompt_lengths": sizing}
 
@@ -173,7 +174,7 @@ async def arun_benchmark(config: BenchConfig) -> dict:
     metrics = compute_metrics(run.records, duration, config.percentiles, config.goodput)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")  # vLLM's format, also the file name's
     result = {
-        **_setup(config, tok, date), "run_id": run_id, "interrupted": interrupted, "planned": workload.total,
+        **_setup(config, tok, date, workload.total), "run_id": run_id, "interrupted": interrupted, "planned": workload.total,
         **result_dict(metrics), "error_samples": sorted({r.error for r in run.records if r.error})[:5],
         "config": {k: v for k, v in asdict(config).items() if k != "api_key"},
     }

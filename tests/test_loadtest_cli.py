@@ -95,10 +95,10 @@ def test_defaults_are_vllm_bench_serve_defaults():
     args = _parser().parse_args(["bench"])
     assert (args.backend, args.host, args.port, args.endpoint, args.dataset_name) == (
         "openai", "127.0.0.1", 8000, None, "random")
-    assert (args.num_prompts, args.seed, args.input_len, args.random_output_len, args.range_ratio) == (
-        1000, 0, 1024, 128, 0.0)
+    assert (args.seed, args.input_len, args.random_output_len, args.range_ratio) == (0, 1024, 128, 0.0)
     assert (args.metric_percentiles, args.percentile_metrics, args.save_result) == ("99", "ttft,tpot,itl", False)
     config = config_from_args(args)
+    assert config.num_prompts == 1000 and config.max_requests is None
     assert config.model is None and config.base_url == "http://127.0.0.1:8000" and config.request_rate is None
     assert config.temperature is None and config.ignore_eos is True  # random prompts run to their length
     chat = config_from_args(_parser().parse_args(["bench", "--workload", "chat", "--host", "::1", "--port", "9"]))
@@ -207,4 +207,29 @@ def test_bad_input_fails_before_sending(server, tmp_path, capsys):
 def test_bench_help_states_the_number_of_prompts_default():
     (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     text = " ".join(action.choices["bench"].format_help().split())
-    assert "number of requests (random, sharegpt) (default: 1000)" in text
+    assert "number of requests: random, sharegpt (default: 1000); mooncake: the first N rows" in text
+
+
+def test_num_prompts_limits_a_trace_replay_and_is_refused_where_it_would_be_ignored(server, tmp_path, capsys):
+    """vLLM's --num-prompts applies to every dataset: a Mooncake trace replays its first N rows. The chat
+    workload's count is its users and turns, so there the flag is refused rather than ignored."""
+    from loadtest.cli import config_from_args
+
+    requests, port = server
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 10 * i, "input_length": 20, "output_length": 2,
+                                         "hash_ids": [i]}) + "\n" for i in range(6)))
+    result_json = tmp_path / "result.json"
+    assert bench("--port", str(port), "--model", "m", "--dataset-name", "mooncake", "--dataset-path", str(trace),
+                 "--length-scale", "0.05", "--num-prompts", "4", "--result-json", str(result_json)) == 0
+    assert len(requests) == 4 and json.loads(result_json.read_text())["num_prompts"] == 4
+    assert config_from_args(_parser().parse_args(
+        ["bench", "--dataset-name", "mooncake", "--trace", "t.jsonl", "--max-requests", "3"])).max_requests == 3
+
+    assert bench("--port", str(port), "--model", "m", "--dataset-name", "mooncake", "--dataset-path", str(trace),
+                 "--num-prompts", "4", "--max-requests", "5") == 2
+    assert "--num-prompts 4 and --max-requests 5 both limit the trace replay; give one" in capsys.readouterr().err
+    assert bench("--port", str(port), "--model", "m", "--dataset-name", "chat", "--num-prompts", "40") == 2
+    assert "the chat workload sends --num-users x --turns requests (8 x 4); drop --num-prompts" in \
+        capsys.readouterr().err
+    assert len(requests) == 4  # nothing sent by the refused runs
