@@ -9,7 +9,8 @@ from services.dispatcher import Dispatcher
 
 
 def worker_rows(dispatcher: Dispatcher) -> list[dict]:
-    """One JSON row per worker."""
+    """One JSON row per worker. ``waiting`` counts what waits for the worker: prefills queued on it, and
+    decode reservations waiting for free blocks (also apart, as ``waiting_leases``)."""
     out = []
     for worker in dispatcher.workers.values():
         load = dispatcher.loads.get(worker.worker_id)
@@ -17,7 +18,8 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
             "id": worker.worker_id, "role": str(worker.role), "alive": bool(load and load.alive),
             "node": worker.info.node, "device": worker.info.device,
             "free_blocks": load.free_blocks if load else 0, "total_blocks": load.total_blocks if load else 0,
-            "waiting": len(load.queued_prefills) if load else 0, "running": load.num_running if load else 0,
+            "waiting": len(load.queued_prefills) + load.waiting_leases if load else 0,
+            "waiting_leases": load.waiting_leases if load else 0, "running": load.num_running if load else 0,
         })
     return out
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 
 import pytest
 
+from router.loads import WorkerLoad
+from services.cluster_status import worker_rows
 from services.local_redis import free_port
 from services.status import add_status_parser, render_status
 
@@ -36,6 +39,21 @@ def test_table_shows_each_worker_role_node_device_queue_and_kv_blocks():
     rows = _rows(render_status(STATUS))
     assert rows["prefill-0"] == ["prefill-0", "prefill", "10.0.0.11", "cuda", "2/1", "250/1000", "(25%)", "alive"]
     assert rows["decode-0"] == ["decode-0", "decode", "10.0.0.21", "cuda", "0/12", "400/1000", "(40%)", "alive"]
+
+
+@pytest.mark.timeout(60)
+def test_decode_row_counts_reservations_waiting_for_blocks_as_waiting():
+    """A decode worker queues no prefills; what waits for it is leases waiting for free blocks."""
+    def worker(wid: str, role: str) -> SimpleNamespace:
+        return SimpleNamespace(worker_id=wid, role=role, info=SimpleNamespace(node="n", device="cpu"))
+    dispatcher = SimpleNamespace(
+        workers={"p": worker("p", "prefill"), "d": worker("d", "decode")},
+        loads={"p": WorkerLoad("p", "prefill", queued_prefills=[(100, 0), (50, 16)], total_blocks=64),
+               "d": WorkerLoad("d", "decode", num_running=3, free_blocks=2, total_blocks=64,
+                               waiting_leases=2, waiting_lease_blocks=20)})
+    rows = {row["id"]: row for row in worker_rows(dispatcher)}
+    assert (rows["p"]["waiting"], rows["p"]["waiting_leases"]) == (2, 0)
+    assert (rows["d"]["waiting"], rows["d"]["waiting_leases"], rows["d"]["running"]) == (2, 2, 3)
 
 
 @pytest.mark.timeout(60)
