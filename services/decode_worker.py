@@ -24,7 +24,7 @@ from services.worker import Worker
 log = logging.getLogger(__name__)
 
 
-# How often a reservation waiting for room looks again: blocks free at engine step boundaries.
+# How often the reservation first in line looks for room again: blocks free at engine step boundaries.
 _RESERVE_POLL_S = 0.01
 
 
@@ -32,6 +32,9 @@ _RESERVE_POLL_S = 0.01
 class _Waiting:
     blocks: int
     released: bool = False
+    # Set when the reservation has something to do: it became first in line, or was released. The ones
+    # behind the first sleep on it instead of polling, so a long line costs nothing while it waits.
+    wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class DecodeWorker(Worker):
@@ -57,21 +60,28 @@ class DecodeWorker(Worker):
         deadline = time.monotonic() + wait_s
         try:
             while not waiting.released:
+                left = deadline - time.monotonic()
                 if next(iter(self._waiting.values())) is waiting:  # first in line: a large request is not starved
                     try:
                         block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens)
                         break
                     except OutOfBlocksError:
-                        never = needed > self.engine.block_manager.num_blocks
-                        if never or time.monotonic() + _RESERVE_POLL_S > deadline:
+                        if needed > self.engine.block_manager.num_blocks or left < _RESERVE_POLL_S:
                             raise
-                elif time.monotonic() + _RESERVE_POLL_S > deadline:
+                    await asyncio.sleep(_RESERVE_POLL_S)
+                    continue
+                if left <= 0:
                     raise OutOfBlocksError(needed, self.loop.stats.free_blocks)
-                await asyncio.sleep(_RESERVE_POLL_S)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiting.wake.wait(), left)
+                waiting.wake.clear()
             else:
                 raise ReservationReleased(request_id)
         finally:
+            first = next(iter(self._waiting.values())) is waiting
             del self._waiting[request_id]
+            if first and self._waiting:  # the line moved: the next one tries at once
+                next(iter(self._waiting.values())).wake.set()
         if waiting.released:  # released while the engine reserved: nobody will fill these blocks
             await self.loop.acall(self.engine.release, request_id)
             raise ReservationReleased(request_id)
@@ -133,6 +143,7 @@ class DecodeWorker(Worker):
         reservation's wait for blocks."""
         if (waiting := self._waiting.get(request_id)) is not None:
             waiting.released = True  # its reserve() frees whatever it got and gives up
+            waiting.wake.set()
             return
         if self.receiver.drop_lease(request_id):
             await self.loop.acall(self.engine.release, request_id)

@@ -252,6 +252,38 @@ def test_a_large_waiting_reservation_is_not_starved_by_a_small_one_behind_it(pd_
     assert _wait_free_blocks(pd_server, baseline) == baseline
 
 
+@pytest.mark.timeout(60)
+def test_a_reservation_behind_another_gives_up_at_its_deadline_or_release_and_the_line_moves_on(pd_server):
+    """Those behind the first in line sleep until the line moves (they do not poll), yet one whose budget
+    ends is refused on time, one released stops waiting at once, and neither holds anything or blocks
+    the first, which gets its blocks when they free."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+    bs, free = decode.info.block_size, baseline["decode-0"]
+
+    async def scenario() -> None:
+        await decode.reserve("hog-4", free * bs, 60.0, 0.0, 10.0)
+        first = asyncio.create_task(decode.reserve("first", 2 * bs, 60.0, 30.0, 10.0))
+        await _until_waiting(decode, 1, 2, first)
+        hurried = asyncio.create_task(decode.reserve("hurried", bs, 60.0, 0.5, 10.0))
+        patient = asyncio.create_task(decode.reserve("patient", bs, 60.0, 30.0, 10.0))
+        await _until_waiting(decode, 3, 4, first, hurried, patient)
+        started = time.monotonic()
+        with pytest.raises(OutOfBlocksError):
+            await hurried
+        assert time.monotonic() - started < 5.0  # its budget, not the first's
+        await decode.release("patient")
+        with pytest.raises(ReservationReleased):
+            await asyncio.wait_for(patient, 5.0)
+        await _until_waiting(decode, 1, 2, first)
+        await decode.release("hog-4")
+        await first
+        await decode.release("first")
+
+    pd_server.run(scenario())
+    assert _wait_free_blocks(pd_server, baseline) == baseline
+
+
 @pytest.mark.timeout(180)
 def test_decode_worker_killed_before_handoff_fails_over(start_server):
     server = start_server(prefill=1, decode=2, kv_transport="grpc")
