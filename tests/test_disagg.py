@@ -186,70 +186,70 @@ async def _until_waiting(decode, leases: int, blocks: int, *waiters: asyncio.Tas
         await asyncio.sleep(0.02)
 
 
+def _on_a_full_decode_worker(pd_server, scenario) -> None:
+    """Run ``await scenario(decode, block_size, free)`` while a reservation ``"hog"`` holds every free block
+    of decode-0 (``scenario`` releases it, as a finishing sequence frees its blocks; else it is released
+    after), then check that every block came back."""
+    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
+    bs, free = decode.info.block_size, baseline["decode-0"]
+
+    async def run() -> None:
+        await decode.reserve("hog", free * bs, 60.0, 0.0, 10.0)
+        try:
+            await scenario(decode, bs, free)
+        finally:
+            await decode.release("hog")
+
+    pd_server.run(run())
+    assert _wait_free_blocks(pd_server, baseline) == baseline
+
+
 @pytest.mark.timeout(60)
 def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_frees(pd_server):
     """The router admits a request on decode blocks projected free by the end of its prefill, and the lease
     is taken before the prefill: it waits for them instead of being refused (a 429 before). While it waits
     the load report shows it and the blocks it waits for, which the router counts as taken."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
-    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
-    bs, free = decode.info.block_size, baseline["decode-0"]
-
-    async def scenario() -> None:
-        await decode.reserve("hog", free * bs, 60.0, 0.0, 10.0)  # every free block
+    async def scenario(decode, bs: int, free: int) -> None:
         waiter = asyncio.create_task(decode.reserve("waiter", 2 * bs, 60.0, 30.0, 10.0))
         await _until_waiting(decode, 1, 2, waiter)
-        await decode.release("hog")  # as a finishing sequence frees its blocks
+        await decode.release("hog")
         await waiter
         await decode.release("waiter")
 
-    pd_server.run(scenario())
-    assert _wait_free_blocks(pd_server, baseline) == baseline
+    _on_a_full_decode_worker(pd_server, scenario)
 
 
 @pytest.mark.timeout(60)
 def test_a_released_waiting_reservation_gives_up_and_holds_nothing(pd_server):
     """The request failed or was cancelled while its reservation waited: releasing it ends the wait."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
-    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
-    bs, free = decode.info.block_size, baseline["decode-0"]
-
-    async def scenario() -> None:
-        await decode.reserve("hog-2", free * bs, 60.0, 0.0, 10.0)
+    async def scenario(decode, bs: int, free: int) -> None:
         waiter = asyncio.create_task(decode.reserve("gives-up", 2 * bs, 60.0, 30.0, 10.0))
         await _until_waiting(decode, 1, 2, waiter)
         await decode.release("gives-up")
         with pytest.raises(ReservationReleased, match="'gives-up' was released while it waited"):
             await waiter
-        await decode.release("hog-2")
 
-    pd_server.run(scenario())
-    assert _wait_free_blocks(pd_server, baseline) == baseline
+    _on_a_full_decode_worker(pd_server, scenario)
 
 
 @pytest.mark.timeout(60)
 def test_a_large_waiting_reservation_is_not_starved_by_a_small_one_behind_it(pd_server):
     """Waiting reservations take blocks in arrival order: the small one does not take the first block
     freed, which would leave the large one short for as long as small ones keep coming."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
-    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
-    bs, free = decode.info.block_size, baseline["decode-0"]
-
-    async def scenario() -> None:
-        await decode.reserve("hog-3", free * bs, 60.0, 0.0, 10.0)
+    async def scenario(decode, bs: int, free: int) -> None:
         large = asyncio.create_task(decode.reserve("large", free * bs, 60.0, 30.0, 10.0))
         await _until_waiting(decode, 1, free, large)
         small = asyncio.create_task(decode.reserve("small", bs, 60.0, 30.0, 10.0))
         await _until_waiting(decode, 2, free + 1, large, small)
-        await decode.release("hog-3")
+        await decode.release("hog")
         await large  # it got every block: the small one, next in line, waits on
         assert not small.done()
         await decode.release("large")
         await small
         await decode.release("small")
 
-    pd_server.run(scenario())
-    assert _wait_free_blocks(pd_server, baseline) == baseline
+    _on_a_full_decode_worker(pd_server, scenario)
 
 
 @pytest.mark.timeout(60)
@@ -257,12 +257,7 @@ def test_a_reservation_behind_another_gives_up_at_its_deadline_or_release_and_th
     """Those behind the first in line sleep until the line moves (they do not poll), yet one whose budget
     ends is refused on time, one released stops waiting at once, and neither holds anything or blocks
     the first, which gets its blocks when they free."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
-    decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
-    bs, free = decode.info.block_size, baseline["decode-0"]
-
-    async def scenario() -> None:
-        await decode.reserve("hog-4", free * bs, 60.0, 0.0, 10.0)
+    async def scenario(decode, bs: int, free: int) -> None:
         first = asyncio.create_task(decode.reserve("first", 2 * bs, 60.0, 30.0, 10.0))
         await _until_waiting(decode, 1, 2, first)
         hurried = asyncio.create_task(decode.reserve("hurried", bs, 60.0, 0.5, 10.0))
@@ -276,12 +271,11 @@ def test_a_reservation_behind_another_gives_up_at_its_deadline_or_release_and_th
         with pytest.raises(ReservationReleased):
             await asyncio.wait_for(patient, 5.0)
         await _until_waiting(decode, 1, 2, first)
-        await decode.release("hog-4")
+        await decode.release("hog")
         await first
         await decode.release("first")
 
-    pd_server.run(scenario())
-    assert _wait_free_blocks(pd_server, baseline) == baseline
+    _on_a_full_decode_worker(pd_server, scenario)
 
 
 @pytest.mark.timeout(180)
