@@ -220,6 +220,10 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with the triton backend and a
     # GRAPH_KV_FORMATS cache; True: every step runs eagerly.
     enforce_eager: bool = False
+    # A decode reservation (Engine.reserve_blocks) leaves each running sequence the blocks to grow this many
+    # more tokens (never past its max_tokens). More means fewer preemptions, each of which recomputes a
+    # prompt on a decode worker, and fewer sequences admitted (SGLang's num_reserved_decode_tokens).
+    num_reserved_decode_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -235,6 +239,8 @@ class EngineConfig:
         if self.kv_window is not None and (self.kv_window < 1 or self.kv_sinks < 0):
             raise ValueError(f"kv_window must be >= 1 and kv_sinks >= 0, got {self.kv_window} and {self.kv_sinks}")
         residual_blocks(self.kv_cache_dtype, self.kv_residual_blocks)  # refuses an unknown dtype or a bad count
+        if self.num_reserved_decode_tokens < 0:
+            raise ValueError(f"num_reserved_decode_tokens must be >= 0, got {self.num_reserved_decode_tokens}")
 
     @property
     def residual_blocks(self) -> int:

@@ -76,6 +76,7 @@ class Engine:
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
+        self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
         self.prompt_tokens_computed, self._seq_ids = 0, itertools.count(1)
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
         self._step_times: deque[float] = deque(maxlen=64)
@@ -196,6 +197,7 @@ class Engine:
         """Free blocks a prefilled request or an unused reservation still holds (no-op otherwise)."""
         seq_id = self.held.pop(request_id, None)
         if seq_id is not None:
+            self._leases.pop(seq_id, None)
             self.block_manager.free(seq_id)
 
     # -- disaggregation: decode side ---------------------------------------------------------------
@@ -205,16 +207,28 @@ class Engine:
         if request_id in self.held:
             self.held[new_id] = self.held.pop(request_id)
 
-    def reserve_blocks(self, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported; OutOfBlocksError. A block
-        per running sequence stays free: a reservation must not take the block a running sequence grows
-        into next, which would preempt it (a decode worker recomputes a preempted sequence's prompt)."""
+    def reserve_blocks(self, request_id: str, num_tokens: int, max_new_tokens: int = 0) -> list[int]:
+        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported, for a request that will
+        decode up to ``max_new_tokens`` more; OutOfBlocksError. The blocks the running sequences, and the
+        leases still waiting for their K/V, grow into over their next ``num_reserved_decode_tokens`` stay
+        free: taking them would preempt a sequence (a decode worker recomputes a preempted one's prompt)."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         seq_id = next(self._seq_ids)
-        block_ids = self.block_manager.reserve(seq_id, num_tokens, keep_free=len(self.scheduler.running))
+        block_ids = self.block_manager.reserve(seq_id, num_tokens,
+                                               keep_free=self._growth_blocks(self.config.num_reserved_decode_tokens))
         self.held[request_id] = seq_id
+        self._leases[seq_id] = (num_tokens, max_new_tokens)
         return block_ids
+
+    def _growth_blocks(self, tokens: int) -> int:
+        """Blocks the running sequences and the leases take to grow ``tokens`` more tokens each (never past
+        the tokens each may still decode)."""
+        bm = self.block_manager
+        running = [(s.num_tokens, s.params.max_tokens - s.num_output_tokens, len(bm.block_table(s.seq_id)))
+                   for s in self.scheduler.running]
+        leases = [(n, new, bm.blocks_for(n)) for n, new in self._leases.values()]
+        return sum(max(0, bm.blocks_for(n + min(tokens, new)) - have) for n, new, have in running + leases)
 
     def add_imported_request(self, request_id: str, prompt_ids: list[int], first_token_id: int,
                              params: SamplingParams, block_ids: list[int], output_ids: tuple[int, ...] | list[int] = ()) -> None:
@@ -228,6 +242,7 @@ class Engine:
         if done is not None:
             raise InvalidRequestError("first_token_id", "the request already finished at its first token")
         del self.held[request_id]
+        self._leases.pop(seq_id, None)  # a running sequence from now on
         seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id, [*output_ids, first_token_id])
         seq.num_computed_tokens = seq.num_tokens - 1
         self.requests[request_id] = [seq]

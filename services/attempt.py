@@ -112,7 +112,7 @@ async def run_disaggregated(
     a = attempt
     try:
         await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
-                             a.reserve_wait_s, deadlines.reserve_s)
+                             a.reserve_wait_s, deadlines.reserve_s, a.params.max_tokens - len(a.output_ids))
     except BaseException:
         # A reservation refused, past its deadline, or whose caller left may still be waiting for room on the
         # worker, or hold blocks it got at the last moment: release it rather than leave them to its lease's end.

@@ -146,6 +146,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-sinks", type=int, default=e.kv_sinks, metavar="N",
                    help="leading tokens every token attends to with --kv-window (attention sinks)")
     p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
+    p.add_argument("--num-reserved-decode-tokens", type=int, default=e.num_reserved_decode_tokens, metavar="N",
+                   help="a decode worker admits a new request only while each running sequence keeps room to "
+                        "grow N more tokens: more means fewer preemptions (each recomputes a prompt) and fewer "
+                        "sequences decoding at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="tokens in one engine step (chunked prefill splits longer prompts)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -178,6 +182,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        num_reserved_decode_tokens=args.num_reserved_decode_tokens,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

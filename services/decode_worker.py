@@ -48,8 +48,10 @@ class DecodeWorker(Worker):
         self._reaper = asyncio.create_task(self._reap_expired())
         return dataclasses.replace(info, kv_target=self.receiver.target())
 
-    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float = 0.0) -> None:
-        """Reserve blocks for ``num_tokens`` of prompt KV, held for ``lease_s``. Without room now, wait up to
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float = 0.0,
+                      max_new_tokens: int = 0) -> None:
+        """Reserve blocks for ``num_tokens`` of prompt KV, held for ``lease_s``, for a request that will decode
+        up to ``max_new_tokens`` (``Engine.reserve_blocks``). Without room now, wait up to
         ``wait_s`` for running sequences to free it, behind the reservations waiting before it; then (or at
         once when the request is larger than the whole cache) OutOfBlocksError. ``release`` ends a wait early
         (ReservationReleased)."""
@@ -63,7 +65,8 @@ class DecodeWorker(Worker):
                 left = deadline - time.monotonic()
                 if next(iter(self._waiting.values())) is waiting:  # first in line: a large request is not starved
                     try:
-                        block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens)
+                        block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens,
+                                                          max_new_tokens)
                         break
                     except OutOfBlocksError:
                         if needed > self.engine.block_manager.num_blocks or left < _RESERVE_POLL_S:

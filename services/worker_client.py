@@ -50,10 +50,13 @@ class WorkerClient:
     async def load(self, timeout_s: float) -> WorkerLoad:
         return await self._call(self.actor.load.remote(), timeout_s)
 
-    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float) -> None:
-        """Reserve decode-side blocks for ``num_tokens`` of prompt KV, held for ``lease_s``; without room,
-        wait up to ``wait_s`` for it (the call's deadline is ``wait_s + timeout_s``)."""
-        await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s, wait_s), wait_s + timeout_s)
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float,
+                      max_new_tokens: int = 0) -> None:
+        """Reserve decode-side blocks for ``num_tokens`` of prompt KV, held for ``lease_s``, for a request that
+        will decode up to ``max_new_tokens``; without room, wait up to ``wait_s`` for it (the call's deadline
+        is ``wait_s + timeout_s``)."""
+        await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s, wait_s, max_new_tokens),
+                         wait_s + timeout_s)
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
                       fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),

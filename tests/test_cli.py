@@ -76,6 +76,15 @@ def test_gpu_engine_and_channel_options_reach_the_configs():
         configs_from_args(parser.parse_args(["serve", "--attention-backend", "triton", "--kv-window", "64"]))
 
 
+def test_num_reserved_decode_tokens_reaches_the_engine_and_a_negative_count_is_refused():
+    parser = build_parser()
+    assert configs_from_args(parser.parse_args(["serve"]))[0].engine.num_reserved_decode_tokens == 16
+    cluster, _ = configs_from_args(parser.parse_args(["serve", "--num-reserved-decode-tokens", "256"]))
+    assert cluster.engine.num_reserved_decode_tokens == 256
+    with pytest.raises(ValueError, match="num_reserved_decode_tokens must be >= 0, got -1"):
+        configs_from_args(parser.parse_args(["serve", "--num-reserved-decode-tokens", "-1"]))
+
+
 @pytest.mark.parametrize(("files", "named"), [
     ({}, "config.json: not found"),
     ({"config.json": "{"}, "config.json: not valid JSON"),

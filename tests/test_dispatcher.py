@@ -44,6 +44,7 @@ class FakeWorker:
         self.calls: list[tuple[str, str]] = []
         self.leases: set[str] = set()
         self.reserve_waits: list[float] = []  # how long each reserve was allowed to wait for room
+        self.reservations: list[tuple[int, int]] = []  # (prompt tokens, tokens it may decode) of each reserve
         self.refuse_after_s = 0.0
         self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
         self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
@@ -62,9 +63,11 @@ class FakeWorker:
         return WorkerLoad(self.worker_id, str(self.role), free_blocks=self.free_blocks, total_blocks=256,
                           updated_at=time.time())
 
-    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float) -> None:
+    async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float,
+                      max_new_tokens: int = 0) -> None:
         self.calls.append(("reserve", request_id))
         self.reserve_waits.append(wait_s)
+        self.reservations.append((num_tokens, max_new_tokens))
         if self.full:
             await asyncio.sleep(self.refuse_after_s)  # a worker refuses after waiting for room in vain
             self.free_blocks = 0
@@ -139,6 +142,7 @@ def test_disaggregated_request_reserves_then_prefills_then_streams_decode():
     assert [e.token_ids for e in events] == [[7], [100], [101], [102]]
     assert events[0].num_cached_tokens == 16 and events[-1].finish_reason == FinishReason.LENGTH
     assert d.calls == [("reserve", "r1"), ("decode", "r1")]
+    assert d.reservations == [(len(PROMPT), 4)]  # the decode worker keeps room for the lease to grow
     assert p.calls == [("prefill", "r1")]
     assert not d.leases
 

@@ -91,6 +91,38 @@ def test_a_reservation_leaves_each_running_sequence_a_block_to_grow_into(model_d
     assert engine.scheduler.num_preemptions == 0
 
 
+def test_num_reserved_decode_tokens_keeps_room_for_running_sequences_to_finish(model_dir):
+    """With --num-reserved-decode-tokens 64 a reservation leaves the running sequence the blocks for its next
+    64 tokens (its 59 left, here: up to position 79, 5 blocks), so it finishes without a preemption where
+    the default keeps it one block."""
+    engine = make_engine(model_dir, num_blocks=8, num_reserved_decode_tokens=64)
+    engine.add_request("running", prompt(20, seed=3), SamplingParams(max_tokens=60, **GREEDY))
+    engine.step()  # 21 tokens in 2 blocks; 80 tokens take 5
+    free = engine.stats().free_blocks
+    with pytest.raises(OutOfBlocksError) as refused:
+        engine.reserve_blocks("lease", (free - 2) * 16)
+    assert (refused.value.needed, refused.value.kept) == (free - 2, 3)
+    assert len(engine.reserve_blocks("lease", (free - 3) * 16)) == free - 3
+    outputs = [o for _ in range(59) for o in engine.step()]
+    assert len(outputs) == 59 and outputs[-1].finish_reason == FinishReason.LENGTH
+    assert engine.scheduler.num_preemptions == 0
+
+
+def test_a_lease_still_waiting_for_its_kv_keeps_room_to_grow_like_a_running_sequence(model_dir):
+    """A lease joins the batch once its K/V arrives: a reservation made meanwhile leaves it the blocks for
+    its next --num-reserved-decode-tokens (at most the max_new_tokens it was reserved with), and none once
+    it is released."""
+    engine = make_engine(model_dir, num_blocks=8, num_reserved_decode_tokens=64)
+    assert len(engine.reserve_blocks("arriving", 20, max_new_tokens=59)) == 2  # 79 positions take 5 blocks
+    with pytest.raises(OutOfBlocksError) as refused:
+        engine.reserve_blocks("next", 4 * 16)
+    assert (refused.value.free, refused.value.kept) == (6, 3)
+    assert len(engine.reserve_blocks("next", 3 * 16, max_new_tokens=1)) == 3
+    engine.release("arriving")
+    engine.release("next")
+    assert len(engine.reserve_blocks("alone", 8 * 16)) == 8
+
+
 def test_reservations_and_pool_inserts(model_dir):
     engine = make_engine(model_dir, num_blocks=8)
     with pytest.raises(OutOfBlocksError):
