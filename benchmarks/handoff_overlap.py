@@ -60,7 +60,8 @@ async def measure(transport: str, layerwise: bool, prompt_len: int, repeats: int
         for i in range(repeats + 1):
             request_id = f"overlap-{uuid.uuid4().hex[:8]}"
             prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
-            await decode.reserve(request_id, prompt_len, lease_s=300.0, timeout_s=60.0)
+            await decode.reserve(request_id, prompt_len, lease_s=300.0, wait_s=0.0, timeout_s=60.0,
+                                 max_new_tokens=params.max_tokens)
             start = time.perf_counter()
             result = await prefill.prefill(request_id, prompt, params, decode.info.kv_target, None, 300.0)
             call_s = time.perf_counter() - start
