@@ -158,6 +158,9 @@ class Metrics:
             "leases": Gauge("tidepool_worker_waiting_leases",
                             "Decode reservations waiting for KV blocks on a worker", w, registry=r),
         }
+        # which worker preempts matters: on a decode worker each preemption computes a prompt again
+        self.worker_preemptions = Counter("tidepool_worker_preemptions",
+                                          "Requests preempted by a worker's scheduler", w, registry=r)
 
     # ---- worker reports ---------------------------------------------------------------------------------
     def set_worker_load(self, load: WorkerLoad) -> None:
@@ -165,9 +168,9 @@ class Metrics:
         labels = (self.model_name, load.worker_id, load.role)
         if not load.alive:
             self._loads.pop(load.worker_id, None)
-            for gauge in self.worker_gauges.values():
+            for series in (*self.worker_gauges.values(), self.worker_preemptions):
                 with contextlib.suppress(KeyError):  # never reported while alive
-                    gauge.remove(*labels)
+                    series.remove(*labels)
             return
         self._loads[load.worker_id] = load
         used = load.total_blocks - load.free_blocks
@@ -185,6 +188,8 @@ class Metrics:
             "queries": (self.prefix_cache_queries, load.prefix_cache_queries),
             "hits": (self.prefix_cache_hits, load.prefix_cache_hits),
             "preemptions": (self.preemptions, load.num_preemptions),
+            "worker_preemptions": (self.worker_preemptions.labels(self.model_name, load.worker_id, load.role),
+                                   load.num_preemptions),
             "local_compute": (self.tokens_by_source.labels(self.model_name, "local_compute"),
                               load.prompt_tokens_computed),
             # pool placements become prefix-cache entries, so the engine's hits include them

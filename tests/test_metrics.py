@@ -115,6 +115,8 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
     assert sample(m, "tidepool_prefix_cache_queries_total") == 100
     assert sample(m, "tidepool_prefix_cache_hits_total") == 80
     assert sample(m, "tidepool_num_preemptions_total") == 2
+    assert sample(m, "tidepool_worker_preemptions_total", worker="p0", role="prefill") == 2
+    assert sample(m, "tidepool_worker_preemptions_total", worker="d0", role="decode") == 0
     by_source = {s: sample(m, "tidepool_prompt_tokens_by_source_total", source=s)
                  for s in ("local_compute", "local_cache_hit", "pool_host", "pool_redis", "pool_disk")}
     # the engine's hits include the pool's placements: 96 - 48 local now, 16 at the baseline
@@ -129,8 +131,8 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
     report("p0", "prefill", free_blocks=90, prefix_cache_queries=10)
     assert sample(m, "tidepool_prefix_cache_queries_total") == 100
     m.set_worker_load(WorkerLoad("d0", "decode", alive=False))
-    assert m.registry.get_sample_value("tidepool_worker_kv_blocks_used",
-                                       {"model_name": "tiny", "worker": "d0", "role": "decode"}) is None
+    for gone in ("tidepool_worker_kv_blocks_used", "tidepool_worker_preemptions_total"):
+        assert m.registry.get_sample_value(gone, {"model_name": "tiny", "worker": "d0", "role": "decode"}) is None
     assert sample(m, "tidepool_num_requests_running") == 0
 
 
