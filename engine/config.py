@@ -220,9 +220,10 @@ class EngineConfig:
     # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with the triton backend and a
     # GRAPH_KV_FORMATS cache; True: every step runs eagerly.
     enforce_eager: bool = False
-    # A decode reservation (Engine.reserve_blocks) leaves each running sequence the blocks to grow this many
-    # more tokens (never past its max_tokens). More means fewer preemptions, each of which recomputes a
-    # prompt on a decode worker, and fewer sequences admitted (SGLang's num_reserved_decode_tokens).
+    # A decode reservation (Engine.reserve_blocks) leaves each running sequence, and each lease still waiting
+    # for its K/V, the blocks to grow this many more tokens (never past its max_tokens). More means fewer
+    # preemptions, each of which recomputes a prompt on a decode worker, and fewer sequences admitted
+    # (SGLang's num_reserved_decode_tokens).
     num_reserved_decode_tokens: int = 16
 
     def __post_init__(self) -> None:
