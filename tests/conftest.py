@@ -24,6 +24,25 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _compiles_kernels(item: pytest.Item) -> bool:
+    """Whether the item belongs to test_kernel_compile.py, whose GPU-target compiles run in the background."""
+    return isinstance(item, pytest.Function) and hasattr(item.module, "start_compiles")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run test_kernel_compile.py last, so its background compiles (minutes of CPU) have the whole run's idle
+    cores to finish in."""
+    items.sort(key=_compiles_kernels)  # stable: everything else keeps its order
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start those compiles as soon as the tests are known, at the lowest CPU priority."""
+    for item in session.items:
+        if _compiles_kernels(item):
+            item.module.start_compiles()
+            return
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     """A private redis-server on a free port (``REDIS_URL`` overrides it with an existing server)."""
