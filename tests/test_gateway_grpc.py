@@ -50,9 +50,7 @@ def test_chat_streams_deltas_ids_finish_reason_and_usage(live_server):
     assert final.usage.cached_tokens <= final.usage.prompt_tokens
     assert len({c.request_id for c in chunks}) == 1
     # The same greedy chat over HTTP gives the same text: one frontend behind both APIs.
-    http = httpx.post(f"{live_server.http_url}/v1/chat/completions", timeout=120, json={
-        "model": live_server.model_id, "messages": [{"role": "user", "content": MESSAGES[0].content}],
-        "max_tokens": 7, "temperature": 0.0, "ignore_eos": True}).json()
+    http = http_chat(live_server, max_tokens=7, temperature=0.0, ignore_eos=True)
     assert "".join(c.text for c in chunks) == http["choices"][0]["message"]["content"]
 
 
@@ -64,6 +62,53 @@ def test_complete_from_token_ids_with_n2(live_server):
     chunks = list(stub(live_server).Complete(request, timeout=120))
     assert {c.index: c.finish_reason for c in chunks if c.finish_reason} == {0: "length", 1: "length"}
     assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def http_chat(server, **fields) -> dict:
+    return httpx.post(f"{server.http_url}/v1/chat/completions", timeout=120, json={
+        "model": server.model_id, "messages": [{"role": "user", "content": MESSAGES[0].content}], **fields}).json()
+
+
+def test_logprobs_are_the_ones_http_reports(live_server):
+    sampling = greedy(6)
+    sampling.logprobs = 3
+    chunks = chat(live_server, sampling)
+    got = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in got] == [t for c in chunks for t in c.token_ids]  # one per token, in order
+    content = http_chat(live_server, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3,
+                        return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["content"]
+
+    def token_id(name: str) -> int:
+        return int(name.removeprefix("token_id:"))
+
+    assert [lp.token_id for lp in got] == [token_id(e["token"]) for e in content]
+    assert [lp.logprob for lp in got] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    for lp, e in zip(got, content, strict=True):
+        assert [t.token_id for t in lp.top] == [token_id(t["token"]) for t in e["top_logprobs"]]
+        assert [t.logprob for t in lp.top] == pytest.approx([t["logprob"] for t in e["top_logprobs"]], abs=1e-4)
+    without = chat(live_server, greedy(2))
+    assert not any(c.logprobs for c in without)
+
+
+def test_penalties_sample_as_they_do_over_http(live_server):
+    """Values exact in float32 (the proto's), so both APIs hand the sampler the same numbers."""
+    penalties = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.25)
+    penalized = "".join(c.text for c in chat(live_server, serving_pb2.SamplingOptions(
+        max_tokens=12, temperature=0.0, ignore_eos=True, **penalties)))
+    http = http_chat(live_server, max_tokens=12, temperature=0.0, ignore_eos=True, **penalties)
+    assert penalized == http["choices"][0]["message"]["content"]
+    assert penalized != "".join(c.text for c in chat(live_server, greedy(12)))  # they changed the answer
+
+
+def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_choice(live_server):
+    token = live_server.dispatcher.tokenizer.encode("z")[-1]
+    forced = chat(live_server, serving_pb2.SamplingOptions(max_tokens=5, temperature=0.0, ignore_eos=True,
+                                                           logit_bias={token: 100.0}))
+    assert [t for c in forced for t in c.token_ids] == [token] * 5
+    stopped = chat(live_server, serving_pb2.SamplingOptions(max_tokens=5, temperature=0.0, logit_bias={token: 100.0},
+                                                            stop_token_ids=[token]))
+    assert [c.finish_reason for c in stopped if c.finish_reason] == ["stop"]
+    assert stopped[-1].usage.completion_tokens == 1
 
 
 def test_session_turn_two_reuses_cached_prefix(live_server):

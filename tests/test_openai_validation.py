@@ -141,6 +141,12 @@ def grpc_status(server, call) -> grpc.RpcError:
     (serving_pb2.SamplingOptions(max_tokens=2, n=2**32 - 1), "n"),
     (serving_pb2.SamplingOptions(max_tokens=2, temperature=float("nan")), "temperature"),
     (serving_pb2.SamplingOptions(max_tokens=2, temperature=3.0), "temperature"),
+    (serving_pb2.SamplingOptions(max_tokens=2, logprobs=21), "logprobs"),
+    (serving_pb2.SamplingOptions(max_tokens=2, presence_penalty=2.5), "presence_penalty"),
+    (serving_pb2.SamplingOptions(max_tokens=2, frequency_penalty=float("-inf")), "frequency_penalty"),
+    (serving_pb2.SamplingOptions(max_tokens=2, repetition_penalty=0.0), "repetition_penalty"),
+    (serving_pb2.SamplingOptions(max_tokens=2, logit_bias={1: 101.0}), "logit_bias"),
+    (serving_pb2.SamplingOptions(max_tokens=2, logit_bias={10**6: 1.0}), "logit_bias"),
 ])
 def test_grpc_bad_values_are_invalid_argument(live_server, sampling, says):
     request = serving_pb2.ChatRequest(model=live_server.model_id, sampling=sampling,

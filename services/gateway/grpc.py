@@ -19,7 +19,7 @@ from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
-from services.gateway.generation import Generation
+from services.gateway.generation import Delta, Generation
 from services.sessions import SessionStore
 from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
@@ -28,12 +28,26 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 def _options(s: serving_pb2.SamplingOptions) -> Options:
+    """The request's sampling fields as `Options`; an unset optional field is the engine's default (the
+    frontend's `SamplingParams.validate` checks each value, naming the field)."""
     def opt(name: str):
         return getattr(s, name) if s.HasField(name) else None
 
     return Options(max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
-                   top_k=opt("top_k"), seed=opt("seed"), stop=list(s.stop), n=s.n if s.HasField("n") else 1,
-                   ignore_eos=s.ignore_eos)
+                   top_k=opt("top_k"), seed=opt("seed"), stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+                   n=s.n if s.HasField("n") else 1, ignore_eos=s.ignore_eos,
+                   presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
+                   repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),
+                   logit_bias=sorted(s.logit_bias.items()))
+
+
+def _chunk(delta: Delta, request_id: str) -> serving_pb2.GenerateChunk:
+    logprobs = [serving_pb2.TokenLogprob(token_id=it.token_id, logprob=it.logprob,
+                                         top=[serving_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in it.top])
+                for it in delta.logprobs or ()]
+    return serving_pb2.GenerateChunk(index=delta.index, text=delta.text, token_ids=delta.token_ids,
+                                     finish_reason=delta.finish_reason or "", request_id=request_id,
+                                     logprobs=logprobs)
 
 
 @dataclass(frozen=True)
@@ -106,8 +120,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             # `finally`, so the request is also stopped when the call ends, however it ends.
             context.add_done_callback(lambda _: gen.close())
             async for d in gen:
-                chunk = serving_pb2.GenerateChunk(index=d.index, text=d.text, token_ids=d.token_ids,
-                                                  finish_reason=d.finish_reason or "", request_id=gen.request_id)
+                chunk = _chunk(d, gen.request_id)
                 if gen.finished:  # the delta that ends the last open choice carries the usage
                     u = gen.usage
                     chunk.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=u.prompt_tokens,
