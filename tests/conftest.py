@@ -37,6 +37,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start those compiles as soon as the tests are known, at the lowest CPU priority."""
+    if session.config.option.collectonly:
+        return
     for item in session.items:
         if _compiles_kernels(item):
             item.module.start_compiles()
