@@ -1,7 +1,8 @@
 """One attempt at a (sub-)request on the pair the router chose, and what a later attempt resumes from.
 
 A disaggregated attempt reserves a lease on the decode worker, has the prefill worker compute the prompt
-and push its KV into that lease, then streams the decode worker's tokens; every step has a deadline,
+and push its KV into that lease (a lease still waiting for room is waited for by the push, not before the
+prompt is computed), then streams the decode worker's tokens; every step has a deadline,
 and the decode stream fails when it sends nothing for ``Deadlines.token_s``. An attempt that fails
 because a worker died or stalled, because the handoff broke, or because the decode worker had no room
 for the lease after all, is ``resumable``: the dispatcher runs another on a live pair with the tokens
@@ -30,7 +31,7 @@ T = TypeVar("T")
 
 @dataclass
 class Deadlines:
-    reserve_s: float = 10.0  # the decode reservation's call, beyond its wait for room (Attempt.reserve_wait_s)
+    reserve_s: float = 10.0  # the decode reservation's call (its wait for room runs on during the prefill)
     prefill_s: float = 120.0  # queueing + compute + transfer of the prompt
     lease_s: float = 150.0  # a decode reservation that is never filled is freed after this
     token_s: float = 60.0  # a stream that sends nothing for this long has stalled: resumed elsewhere
@@ -111,8 +112,10 @@ async def run_disaggregated(
     """
     a = attempt
     try:
-        await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
-                             a.reserve_wait_s, deadlines.reserve_s, a.params.max_tokens - len(a.output_ids))
+        # Without room now the reservation waits on the decode worker while the prompt computes: the KV push
+        # waits for it, so the wait overlaps the prefill instead of coming before it.
+        reserved = await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
+                                        a.reserve_wait_s, deadlines.reserve_s, a.params.max_tokens - len(a.output_ids))
     except BaseException:
         # A reservation refused, past its deadline, or whose caller left may still be waiting for room on the
         # worker, or hold blocks it got at the last moment: release it rather than leave them to its lease's end.
@@ -122,7 +125,7 @@ async def run_disaggregated(
     try:
         result = await unless_set(decode_died, decode.worker_id, prefill.prefill(
             a.request_id, a.prompt_ids, a.params, decode.info.kv_target, a.fetch, deadlines.prefill_s,
-            a.output_ids, a.priority))
+            a.output_ids, a.priority, lease_pending=not reserved))
         on_handoff(result)
         first = TokenEvent(a.index, [result.first_token_id], result.finish_reason, len(a.prompt_ids),
                            result.num_cached_tokens, result.text, result.logprobs and [result.logprobs])

@@ -1,5 +1,7 @@
 """The decode worker: holds leases of reserved blocks, receives KV into them (``services/kv_receiver.py``)
-and decodes in a continuous batch; a finished sequence's answer blocks go to the pool."""
+and decodes in a continuous batch; a finished sequence's answer blocks go to the pool. A reservation
+without room waits in line for it in the background, while the prompt is computed elsewhere; the KV push
+waits for the lease (``wait_for_lease``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import AsyncIterator
 
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.sampling_params import SamplingParams
+from kvstore.transfer import TransferRejected
 from kvstore.transfer.channel_pool import ChannelUse
 from kvstore.transfer.ipc import SharedPayload
 from kvstore.transfer.wire import TransferHeader
@@ -35,6 +38,8 @@ class _Waiting:
     # Set when the reservation has something to do: it became first in line, or was released. The ones
     # behind the first sleep on it instead of polling, so a long line costs nothing while it waits.
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # Set once its first try found no room: from then on it waits in the background (``reserve`` returns).
+    queued: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class DecodeWorker(Worker):
@@ -43,23 +48,71 @@ class DecodeWorker(Worker):
     async def start(self) -> WorkerInfo:
         info = await super().start()
         self._waiting: dict[str, _Waiting] = {}  # reservations waiting for blocks, by request id
+        # Each reservation's wait for room, until it has its lease or its failure is read (``wait_for_lease``,
+        # ``release``; one nobody asks about is dropped after the lease's time).
+        self._granting: dict[str, asyncio.Task] = {}
         self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret,
                                         self.spec.max_kv_channels)
         self._reaper = asyncio.create_task(self._reap_expired())
         return dataclasses.replace(info, kv_target=self.receiver.target())
 
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float = 0.0,
-                      max_new_tokens: int = 0) -> None:
+                      max_new_tokens: int = 0) -> bool:
         """Reserve blocks for ``num_tokens`` of prompt KV, held for ``lease_s``, for a request that will decode
-        up to ``max_new_tokens`` (``Engine.reserve_blocks``). Without room now, wait up to
-        ``wait_s`` for running sequences to free it, behind the reservations waiting before it; then (or at
-        once when the request is larger than the whole cache) OutOfBlocksError. ``release`` ends a wait early
-        (ReservationReleased)."""
+        up to ``max_new_tokens`` (``Engine.reserve_blocks``). True: the lease holds its blocks now. False: there
+        is no room now, and the reservation waits in line (behind those waiting before it) up to ``wait_s`` for
+        running sequences to free it, while the prompt is computed: the prefill worker's KV leaves once
+        ``wait_for_lease`` returns (Mooncake overlaps the two the same way). A request larger than the whole
+        cache, or one without room and no time to wait, is OutOfBlocksError at once. ``release`` ends a wait
+        early (ReservationReleased)."""
         if request_id in self._waiting:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         needed = self.engine.block_manager.blocks_for(num_tokens)
-        waiting = self._waiting[request_id] = _Waiting(needed)  # the dict's order is the line's
-        deadline = time.monotonic() + wait_s
+        if needed > self.engine.block_manager.num_blocks:  # no wait can make room for it
+            raise OutOfBlocksError(needed, self.loop.stats.free_blocks)
+        waiting = self._waiting[request_id] = _Waiting(needed)
+        # The dict's order is the line's; registered before the first try, so a release always finds it.
+        granting = asyncio.create_task(self._wait_in_line(request_id, waiting, num_tokens, lease_s,
+                                                          time.monotonic() + wait_s, max_new_tokens))
+        self._granting[request_id] = granting
+        granting.add_done_callback(lambda task: self._granted(request_id, task, lease_s))
+        queued = asyncio.create_task(waiting.queued.wait())
+        try:
+            await asyncio.wait((granting, queued), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            queued.cancel()
+        if granting.done():
+            self._granting.pop(request_id, None)
+            granting.result()  # raises the refusal
+            return True
+        return False
+
+    def _granted(self, request_id: str, task: asyncio.Task, lease_s: float) -> None:
+        """A reservation's wait ended: with a lease, which is its record from now on; or with a failure,
+        kept for ``wait_for_lease`` to report (and read here, so an unread one is not logged as lost)."""
+        if task.cancelled() or task.exception() is None:
+            self._granting.pop(request_id, None)
+        else:
+            asyncio.get_running_loop().call_later(
+                lease_s, lambda: self._granting.get(request_id) is task and self._granting.pop(request_id))
+
+    async def wait_for_lease(self, request_id: str, timeout_s: float) -> None:
+        """Until the reservation of ``request_id`` has its blocks (``reserve`` returned False); its failure
+        (OutOfBlocksError: no room in time; ReservationReleased) is raised here, to the prefill worker."""
+        granting = self._granting.get(request_id)
+        if granting is not None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await asyncio.shield(granting)  # a caller that leaves does not end the wait itself
+            finally:
+                if granting.done() and self._granting.get(request_id) is granting:
+                    del self._granting[request_id]  # its failure is read
+            return
+        if not self.receiver.has_lease(request_id):
+            raise TransferRejected(f"no KV lease for request {request_id!r}")
+
+    async def _wait_in_line(self, request_id: str, waiting: _Waiting, num_tokens: int, lease_s: float,
+                            deadline: float, max_new_tokens: int) -> None:
         try:
             while not waiting.released:
                 left = deadline - time.monotonic()
@@ -69,12 +122,14 @@ class DecodeWorker(Worker):
                                                           max_new_tokens)
                         break
                     except OutOfBlocksError:
-                        if needed > self.engine.block_manager.num_blocks or left < _RESERVE_POLL_S:
+                        if left < _RESERVE_POLL_S:
                             raise
+                    waiting.queued.set()
                     await asyncio.sleep(_RESERVE_POLL_S)
                     continue
                 if left <= 0:
-                    raise OutOfBlocksError(needed, self.loop.stats.free_blocks)
+                    raise OutOfBlocksError(waiting.blocks, self.loop.stats.free_blocks)
+                waiting.queued.set()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiting.wake.wait(), left)
                 waiting.wake.clear()
@@ -144,6 +199,7 @@ class DecodeWorker(Worker):
     async def release(self, request_id: str) -> None:
         """Free a lease that never joined the batch (the handoff failed or was cancelled), or end its
         reservation's wait for blocks."""
+        self._granting.pop(request_id, None)  # a wait for its lease that failed is not asked about any more
         if (waiting := self._waiting.get(request_id)) is not None:
             waiting.released = True  # its reserve() frees whatever it got and gives up
             waiting.wake.set()

@@ -94,6 +94,10 @@ class HandoffReceiver:
         with self._lock:
             self._leases[request_id] = Lease(request_id, block_ids, deadline)
 
+    def has_lease(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._leases
+
     def take_filled_lease(self, request_id: str) -> Lease:
         """Hand a filled lease to the batch; it stops being a lease (the request owns its blocks now)."""
         with self._lock:

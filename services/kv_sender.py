@@ -7,8 +7,10 @@ first token. A layer-wise transfer takes its stream (or collective pair) only wh
 so a prompt still queued holds nothing on the receiver. A decode worker on the same node may instead map
 the whole payload from shared memory (``ipc``: CUDA IPC on GPUs; ``kvstore/transfer/ipc.py``); one that
 cannot (another GPU it cannot see, no room in /dev/shm) gets the fallback transport from then on.
-``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and ``close`` end it
-on any path.
+A transfer into a lease that still waits for decode room (``lease_pending``) first waits for it
+(``DecodeWorker.wait_for_lease``): the prompt computes meanwhile, and its KV leaves in one go once the lease
+has its blocks. ``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and
+``close`` end it on any path.
 
 Collective channels live in a bounded pool (``kvstore/transfer/channel_pool.py``), one per decode worker,
 least recently used closed beyond ``max_channels`` (and both ends told); the blocking sends run on a thread
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import ray
 import torch
+from ray.exceptions import RayTaskError
 
 from engine.engine import Engine
 from kvstore.hashing import block_hashes, salt_for
@@ -38,6 +41,7 @@ from kvstore.transfer.wire import LayerFeed, TransferHeader, leave_device
 from services.engine_loop import EngineLoop
 from services.kv_receiver import kv_payload_shape
 from services.messages import KVTarget
+from services.worker_client import raised_in_worker
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +100,8 @@ class HandoffSender:
         self._no_ipc.add(kv_target.worker_id)
         return fallback_transport(self.engine.device, kv_target.device)
 
-    def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float) -> Handoff:
+    def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float,
+             lease_pending: bool = False) -> Handoff:
         num_blocks = -(-len(prompt_ids) // self.engine.block_size)
         kv = self.engine.kv_cache
         transport = self.transport_for(kv_target)
@@ -112,7 +117,7 @@ class HandoffSender:
             feed = _Feed(num_blocks, to_host=transport == "grpc")
             with self._layer_lock:
                 self._feeds[request_id] = feed
-        return Handoff(self, header, kv_target, transport, deadline, feed)
+        return Handoff(self, header, kv_target, transport, deadline, feed, lease_pending)
 
     def _forget(self, request_id: str) -> None:
         with self._layer_lock:
@@ -177,9 +182,10 @@ class Handoff:
     """One request's transfer: started at ``open`` (layer-wise) or ``finish``, ended by ``close``."""
 
     def __init__(self, sender: HandoffSender, header: TransferHeader, kv_target: KVTarget, transport: str,
-                 deadline: float, feed: _Feed | None) -> None:
+                 deadline: float, feed: _Feed | None, lease_pending: bool) -> None:
         self.sender, self.header, self.kv_target, self.deadline, self.feed = sender, header, kv_target, deadline, feed
         self.transport = transport
+        self.lease_pending = lease_pending
         self._push: PushCall | None = None
         self._started = time.perf_counter()
         self._sending: asyncio.Task | None = None
@@ -195,6 +201,11 @@ class Handoff:
         return max(0.001, self.deadline - time.monotonic())
 
     async def _send(self, payload) -> None:
+        if self.lease_pending:  # the decode reservation waits for room: the prompt computes, its KV waits here
+            try:
+                await self.kv_target.actor.wait_for_lease.remote(self.header.request_id, self._remaining())
+            except RayTaskError as exc:  # the decode worker's own reason (no room in time, released)
+                raise raised_in_worker(exc) from exc
         if self.transport == "ipc":
             try:
                 return await self._share(payload)

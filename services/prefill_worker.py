@@ -27,17 +27,18 @@ class PrefillWorker(Worker):
     async def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
         fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-        priority: int | None = None,
+        priority: int | None = None, lease_pending: bool = False,
     ) -> PrefillResult:
         """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
-        and the result's token is the one after them."""
+        and the result's token is the one after them. ``lease_pending``: the decode worker's lease still
+        waits for room; the prompt is computed meanwhile, and its KV leaves once the lease has its blocks."""
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
         fetched = await self._fetch_prefix(tokens, fetch, deadline_s)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_stream(request_id)
-        handoff = self.sender.open(request_id, tokens, kv_target, deadline)
+        handoff = self.sender.open(request_id, tokens, kv_target, deadline, lease_pending)
 
         def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
             self._place(tokens, fetched)

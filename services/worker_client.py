@@ -51,19 +51,20 @@ class WorkerClient:
         return await self._call(self.actor.load.remote(), timeout_s)
 
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float,
-                      max_new_tokens: int = 0) -> None:
+                      max_new_tokens: int = 0) -> bool:
         """Reserve decode-side blocks for ``num_tokens`` of prompt KV, held for ``lease_s``, for a request that
-        will decode up to ``max_new_tokens``; without room, wait up to ``wait_s`` for it (the call's deadline
-        is ``wait_s + timeout_s``)."""
-        await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s, wait_s, max_new_tokens),
-                         wait_s + timeout_s)
+        will decode up to ``max_new_tokens``. True: reserved. False: no room yet, and the reservation waits up
+        to ``wait_s`` for it on the worker while the prompt is computed (``DecodeWorker.reserve``)."""
+        return await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s, wait_s, max_new_tokens),
+                                timeout_s)
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
                       fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-                      priority: int | None = None) -> PrefillResult:
-        """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease."""
+                      priority: int | None = None, lease_pending: bool = False) -> PrefillResult:
+        """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease
+        (``lease_pending``: a lease still waiting for room, which the push waits for)."""
         ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch, deadline_s,
-                                        output_ids, priority)
+                                        output_ids, priority, lease_pending)
         # The worker enforces the deadline; this is the backstop. A cancelled caller stops the prompt's compute.
         return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)
 

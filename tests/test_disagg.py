@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.transfer import IpcUnavailable
 from kvstore.transfer.ipc import PayloadShare
 from kvstore.transfer.wire import TransferHeader
+from services.attempt import Attempt, resumable, run_disaggregated
 from services.dispatcher import Deadlines, GenerateRequest
 from services.errors import PrefillTimeoutError, ReservationReleased
 
@@ -62,6 +63,21 @@ def _wait_free_blocks(server, baseline: dict[str, int], timeout_s: float = 20.0)
             return current
         time.sleep(0.1)
     return _free_blocks(server)
+
+
+def _settled_free_blocks(server, timeout_s: float = 20.0) -> dict[str, int]:
+    """The workers' free blocks once nothing runs or waits on them and the counts held still for a moment
+    (a request that just ended gives its blocks back in the background)."""
+    deadline, previous = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        rows = [row for row in server.worker_stats() if row["alive"]]
+        current = {row["id"]: row["free_blocks"] for row in rows}
+        if all(row["running"] == row["waiting"] == 0 for row in rows):
+            if current == previous:
+                return current
+            previous = current
+        time.sleep(0.2)
+    raise AssertionError(f"the workers did not settle: {server.worker_stats()}")
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +195,12 @@ def test_a_reservation_over_the_free_blocks_reaches_the_caller_as_out_of_blocks(
     assert _free_blocks(pd_server) == baseline
 
 
+async def _reserved(decode, request_id: str, num_tokens: int, wait_s: float = 30.0) -> None:
+    """Reserve, and when the reservation must wait for room, wait until it has it (as the KV push does)."""
+    if not await decode.reserve(request_id, num_tokens, 60.0, wait_s, 10.0):
+        await decode.actor.wait_for_lease.remote(request_id, 60.0)
+
+
 async def _until_waiting(decode, leases: int, blocks: int, *waiters: asyncio.Task) -> None:
     """Until the decode worker's load report shows the reservations waiting, and the blocks they wait for."""
     while ((load := await decode.load(10.0)).waiting_leases, load.waiting_lease_blocks) != (leases, blocks):
@@ -186,23 +208,24 @@ async def _until_waiting(decode, leases: int, blocks: int, *waiters: asyncio.Tas
         await asyncio.sleep(0.02)
 
 
-def _on_a_full_decode_worker(pd_server, scenario) -> None:
-    """Run ``await scenario(decode, block_size, free)`` while a reservation ``"hog"`` holds every free block
+def _on_a_full_decode_worker(pd_server, scenario):
+    """The result of ``await scenario(decode, block_size, free)``, run while a reservation ``"hog"`` holds every free block
     of decode-0 (``scenario`` releases it, as a finishing sequence frees its blocks; else it is released
     after), then check that every block came back."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    baseline = _settled_free_blocks(pd_server)
     decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
     bs, free = decode.info.block_size, baseline["decode-0"]
 
-    async def run() -> None:
-        await decode.reserve("hog", free * bs, 60.0, 0.0, 10.0)
+    async def run():
+        assert await decode.reserve("hog", free * bs, 60.0, 0.0, 10.0)
         try:
-            await scenario(decode, bs, free)
+            return await scenario(decode, bs, free)
         finally:
             await decode.release("hog")
 
-    pd_server.run(run())
+    result = pd_server.run(run())
     assert _wait_free_blocks(pd_server, baseline) == baseline
+    return result
 
 
 @pytest.mark.timeout(60)
@@ -211,7 +234,7 @@ def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_fre
     is taken before the prefill: it waits for them instead of being refused (a 429 before). While it waits
     the load report shows it and the blocks it waits for, which the router counts as taken."""
     async def scenario(decode, bs: int, free: int) -> None:
-        waiter = asyncio.create_task(decode.reserve("waiter", 2 * bs, 60.0, 30.0, 10.0))
+        waiter = asyncio.create_task(_reserved(decode, "waiter", 2 * bs))
         await _until_waiting(decode, 1, 2, waiter)
         await decode.release("hog")
         await waiter
@@ -224,7 +247,7 @@ def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_fre
 def test_a_released_waiting_reservation_gives_up_and_holds_nothing(pd_server):
     """The request failed or was cancelled while its reservation waited: releasing it ends the wait."""
     async def scenario(decode, bs: int, free: int) -> None:
-        waiter = asyncio.create_task(decode.reserve("gives-up", 2 * bs, 60.0, 30.0, 10.0))
+        waiter = asyncio.create_task(_reserved(decode, "gives-up", 2 * bs))
         await _until_waiting(decode, 1, 2, waiter)
         await decode.release("gives-up")
         with pytest.raises(ReservationReleased, match="'gives-up' was released while it waited"):
@@ -238,9 +261,9 @@ def test_a_large_waiting_reservation_is_not_starved_by_a_small_one_behind_it(pd_
     """Waiting reservations take blocks in arrival order: the small one does not take the first block
     freed, which would leave the large one short for as long as small ones keep coming."""
     async def scenario(decode, bs: int, free: int) -> None:
-        large = asyncio.create_task(decode.reserve("large", free * bs, 60.0, 30.0, 10.0))
+        large = asyncio.create_task(_reserved(decode, "large", free * bs))
         await _until_waiting(decode, 1, free, large)
-        small = asyncio.create_task(decode.reserve("small", bs, 60.0, 30.0, 10.0))
+        small = asyncio.create_task(_reserved(decode, "small", bs))
         await _until_waiting(decode, 2, free + 1, large, small)
         await decode.release("hog")
         await large  # it got every block: the small one, next in line, waits on
@@ -258,10 +281,10 @@ def test_a_reservation_behind_another_gives_up_at_its_deadline_or_release_and_th
     ends is refused on time, one released stops waiting at once, and neither holds anything or blocks
     the first, which gets its blocks when they free."""
     async def scenario(decode, bs: int, free: int) -> None:
-        first = asyncio.create_task(decode.reserve("first", 2 * bs, 60.0, 30.0, 10.0))
+        first = asyncio.create_task(_reserved(decode, "first", 2 * bs))
         await _until_waiting(decode, 1, 2, first)
-        hurried = asyncio.create_task(decode.reserve("hurried", bs, 60.0, 0.5, 10.0))
-        patient = asyncio.create_task(decode.reserve("patient", bs, 60.0, 30.0, 10.0))
+        hurried = asyncio.create_task(_reserved(decode, "hurried", bs, wait_s=0.5))
+        patient = asyncio.create_task(_reserved(decode, "patient", bs))
         await _until_waiting(decode, 3, 4, first, hurried, patient)
         started = time.monotonic()
         with pytest.raises(OutOfBlocksError):
@@ -274,6 +297,59 @@ def test_a_reservation_behind_another_gives_up_at_its_deadline_or_release_and_th
         await decode.release("hog")
         await first
         await decode.release("first")
+
+    _on_a_full_decode_worker(pd_server, scenario)
+
+
+def _handoff(pd_server, decode, request_id: str, prompt: list[int], reserve_wait_s: float) -> asyncio.Task:
+    """One disaggregated attempt from prefill-0 to ``decode``, as the dispatcher runs it; its tokens."""
+    dispatcher = pd_server.server.cluster.dispatcher
+    attempt = Attempt(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), 0, (),
+                      None, 0, reserve_wait_s)
+
+    async def tokens() -> list[int]:
+        stream = run_disaggregated(attempt, dispatcher.workers["prefill-0"], decode, dispatcher.deadlines,
+                                   asyncio.Event(), lambda result: None)
+        return [token async for event in stream for token in event.token_ids]
+
+    return asyncio.create_task(tokens())
+
+
+@pytest.mark.timeout(120)
+def test_while_the_reservation_waits_for_room_the_prompt_is_computed_and_its_kv_follows_the_lease(pd_server):
+    """The wait for decode room overlaps the prefill (as in Mooncake) instead of coming before it: the prompt
+    is computed while the reservation waits, its KV leaves once the lease has its blocks, and the answer is
+    the one the same prompt gets when there is room."""
+    prefill = pd_server.server.cluster.dispatcher.workers["prefill-0"]
+    prompt = random.Random(11).choices(range(3, 250), k=200)
+
+    async def scenario(decode, bs: int, free: int) -> list[int]:
+        computed = (await prefill.load(10.0)).prompt_tokens_computed
+        answer = _handoff(pd_server, decode, "overlapped", prompt, reserve_wait_s=30.0)
+        await _until_waiting(decode, 1, -(-len(prompt) // bs), answer)
+        while (await prefill.load(10.0)).prompt_tokens_computed < computed + len(prompt):
+            assert not answer.done(), answer.exception()
+            await asyncio.sleep(0.02)
+        assert (await decode.load(10.0)).waiting_leases == 1 and not answer.done()  # computed, not yet sent
+        await decode.release("hog")
+        return await answer
+
+    overlapped = _on_a_full_decode_worker(pd_server, scenario)
+    with_room = pd_server.run(_collect(pd_server.server.cluster.dispatcher, "with-room", prompt, max_tokens=8))
+    assert overlapped == with_room and len(overlapped) == 8
+
+
+@pytest.mark.timeout(120)
+def test_a_reservation_that_finds_no_room_in_time_fails_the_handoff_as_out_of_blocks_and_frees_both_sides(
+        pd_server):
+    """The prompt was computed, but the lease never got its blocks: the attempt fails with the decode worker's
+    OutOfBlocksError, which the dispatcher routes again (resumable), and neither worker keeps any block."""
+    prompt = random.Random(12).choices(range(3, 250), k=100)
+
+    async def scenario(decode, bs: int, free: int) -> None:
+        with pytest.raises(OutOfBlocksError) as refused:
+            await _handoff(pd_server, decode, "no-room", prompt, reserve_wait_s=0.5)
+        assert resumable(refused.value)
 
     _on_a_full_decode_worker(pd_server, scenario)
 
