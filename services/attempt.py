@@ -1,8 +1,8 @@
 """One attempt at a (sub-)request on the pair the router chose, and what a later attempt resumes from.
 
 A disaggregated attempt reserves a lease on the decode worker, has the prefill worker compute the prompt
-and push its KV into that lease (a lease still waiting for room is waited for by the push, not before the
-prompt is computed), then streams the decode worker's tokens; every step has a deadline,
+and push its KV into that lease (a lease still waiting for room is waited for by the push; the prompt is
+computed once it is first in line), then streams the decode worker's tokens; every step has a deadline,
 and the decode stream fails when it sends nothing for ``Deadlines.token_s``. An attempt that fails
 because a worker died or stalled, because the handoff broke, or because the decode worker had no room
 for the lease after all, is ``resumable``: the dispatcher runs another on a live pair with the tokens
@@ -112,8 +112,9 @@ async def run_disaggregated(
     """
     a = attempt
     try:
-        # Without room now the reservation waits on the decode worker while the prompt computes: the KV push
-        # waits for it, so the wait overlaps the prefill instead of coming before it.
+        # Without room now the reservation waits in line on the decode worker (``reserved`` False): the
+        # prefill starts once it is first in line and its KV push waits for it, so the end of the wait
+        # overlaps the prefill instead of coming before it.
         reserved = await decode.reserve(a.request_id, len(a.prompt_ids) + len(a.output_ids), deadlines.lease_s,
                                         a.reserve_wait_s, deadlines.reserve_s, a.params.max_tokens - len(a.output_ids))
     except BaseException:

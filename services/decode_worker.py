@@ -1,7 +1,7 @@
 """The decode worker: holds leases of reserved blocks, receives KV into them (``services/kv_receiver.py``)
 and decodes in a continuous batch; a finished sequence's answer blocks go to the pool. A reservation
-without room waits in line for it in the background, while the prompt is computed elsewhere; the KV push
-waits for the lease (``wait_for_lease``)."""
+without room waits in line for it in the background; the prefill worker computes its prompt once it is
+first in line, and pushes the KV once it has its blocks (``wait_for_lease``)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class _Waiting:
     wake: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     # Set once its first try found no room: from then on it waits in the background (``reserve`` returns).
     queued: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    # Set when it is first in line: next to get blocks as they free, so its prompt may be computed now.
+    at_head: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class DecodeWorker(Worker):
@@ -48,8 +50,8 @@ class DecodeWorker(Worker):
     async def start(self) -> WorkerInfo:
         info = await super().start()
         self._waiting: dict[str, _Waiting] = {}  # reservations waiting for blocks, by request id
-        # Each reservation's wait for room, until it has its lease or its failure is read (``wait_for_lease``,
-        # ``release``; one nobody asks about is dropped after the lease's time).
+        # Each reservation's wait for room, until it has its lease, or after a failure until ``release`` (one
+        # nobody releases is dropped after the lease's time): ``wait_for_lease`` reports it.
         self._granting: dict[str, asyncio.Task] = {}
         self.receiver = HandoffReceiver(self.spec.worker_id, self.engine, self.loop, self.spec.transfer_secret,
                                         self.spec.max_kv_channels)
@@ -61,8 +63,9 @@ class DecodeWorker(Worker):
         """Reserve blocks for ``num_tokens`` of prompt KV, held for ``lease_s``, for a request that will decode
         up to ``max_new_tokens`` (``Engine.reserve_blocks``). True: the lease holds its blocks now. False: there
         is no room now, and the reservation waits in line (behind those waiting before it) up to ``wait_s`` for
-        running sequences to free it, while the prompt is computed: the prefill worker's KV leaves once
-        ``wait_for_lease`` returns (Mooncake overlaps the two the same way). A request larger than the whole
+        running sequences to free it; the prefill worker computes the prompt once it is first in line and
+        pushes its KV once it has the blocks (``wait_for_lease``), so the last of the wait overlaps the
+        prefill. A request larger than the whole
         cache, or one without room and no time to wait, is OutOfBlocksError at once. ``release`` ends a wait
         early (ReservationReleased)."""
         if request_id in self._waiting:
@@ -96,20 +99,26 @@ class DecodeWorker(Worker):
             asyncio.get_running_loop().call_later(
                 lease_s, lambda: self._granting.get(request_id) is task and self._granting.pop(request_id))
 
-    async def wait_for_lease(self, request_id: str, timeout_s: float) -> None:
-        """Until the reservation of ``request_id`` has its blocks (``reserve`` returned False); its failure
-        (OutOfBlocksError: no room in time; ReservationReleased) is raised here, to the prefill worker."""
+    async def wait_for_lease(self, request_id: str, timeout_s: float, at_head: bool = False) -> None:
+        """Until the reservation of ``request_id`` has its blocks (``reserve`` returned False), or with
+        ``at_head`` until it is first in line for them; its failure (OutOfBlocksError: no room in time;
+        ReservationReleased) is raised here, to the prefill worker."""
         granting = self._granting.get(request_id)
-        if granting is not None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await asyncio.shield(granting)  # a caller that leaves does not end the wait itself
-            finally:
-                if granting.done() and self._granting.get(request_id) is granting:
-                    del self._granting[request_id]  # its failure is read
+        if granting is None:
+            if not self.receiver.has_lease(request_id):
+                raise TransferRejected(f"no KV lease for request {request_id!r}")
             return
-        if not self.receiver.has_lease(request_id):
-            raise TransferRejected(f"no KV lease for request {request_id!r}")
+        waiting = self._waiting.get(request_id)
+        async with asyncio.timeout(timeout_s):
+            if at_head and waiting is not None:
+                head = asyncio.ensure_future(waiting.at_head.wait())
+                try:
+                    await asyncio.wait((granting, head), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    head.cancel()
+                if not granting.done():
+                    return
+            await asyncio.shield(granting)  # a caller that leaves does not end the wait itself
 
     async def _wait_in_line(self, request_id: str, waiting: _Waiting, num_tokens: int, lease_s: float,
                             deadline: float, max_new_tokens: int) -> None:
@@ -117,6 +126,7 @@ class DecodeWorker(Worker):
             while not waiting.released:
                 left = deadline - time.monotonic()
                 if next(iter(self._waiting.values())) is waiting:  # first in line: a large request is not starved
+                    waiting.at_head.set()
                     try:
                         block_ids = await self.loop.acall(self.engine.reserve_blocks, request_id, num_tokens,
                                                           max_new_tokens)

@@ -250,13 +250,11 @@ class Dispatcher:
             track.stop(sys.exc_info()[1])  # whatever is ending the stream, if anything
 
     def _reserve_wait_s(self, arrived: float, decision: Decision) -> float:
-        """How long the decode reservation may wait for room (the router admitted the request on blocks
-        projected free by its prefill's end). It waits while the prompt is computed, so the TTFT SLO holds
-        as long as the lease has its blocks before the SLO's end less the whole KV transfer (KV that waited
-        for its lease leaves at once, not layer by layer) and the per-request overhead. One budget per
-        request: an attempt routed again after a wait has less."""
-        return max(0.0, self.conductor.slo.ttft_s - (time.monotonic() - arrived) - decision.est_transfer_s
-                   - decision.est_overhead_s)
+        """How long the decode reservation may wait for room: what the TTFT SLO leaves of the request's time
+        after the router's estimate (the router admitted it on blocks projected free by its prefill's end), so
+        a lease granted at the end of its wait meets the SLO even when its prompt was not computed meanwhile.
+        One budget per request: an attempt routed again after a wait has less."""
+        return max(0.0, self.conductor.slo.ttft_s - (time.monotonic() - arrived) - decision.est_ttft_s)
 
     def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
         if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in

@@ -7,9 +7,8 @@ first token. A layer-wise transfer takes its stream (or collective pair) only wh
 so a prompt still queued holds nothing on the receiver. A decode worker on the same node may instead map
 the whole payload from shared memory (``ipc``: CUDA IPC on GPUs; ``kvstore/transfer/ipc.py``); one that
 cannot (another GPU it cannot see, no room in /dev/shm) gets the fallback transport from then on.
-A transfer into a lease that still waits for decode room (``lease_pending``) first waits for it
-(``DecodeWorker.wait_for_lease``): the prompt computes meanwhile, and its KV leaves in one go once the lease
-has its blocks. ``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and
+A transfer into a lease that still waits for decode room (``PendingLease``) first waits for it
+(``DecodeWorker.wait_for_lease``); the KV computed meanwhile leaves in one go once the lease has its blocks. ``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and
 ``close`` end it on any path.
 
 Collective channels live in a bounded pool (``kvstore/transfer/channel_pool.py``), one per decode worker,
@@ -101,7 +100,7 @@ class HandoffSender:
         return fallback_transport(self.engine.device, kv_target.device)
 
     def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float,
-             lease_pending: bool = False) -> Handoff:
+             lease: PendingLease | None = None) -> Handoff:
         num_blocks = -(-len(prompt_ids) // self.engine.block_size)
         kv = self.engine.kv_cache
         transport = self.transport_for(kv_target)
@@ -117,7 +116,7 @@ class HandoffSender:
             feed = _Feed(num_blocks, to_host=transport == "grpc")
             with self._layer_lock:
                 self._feeds[request_id] = feed
-        return Handoff(self, header, kv_target, transport, deadline, feed, lease_pending)
+        return Handoff(self, header, kv_target, transport, deadline, feed, lease)
 
     def _forget(self, request_id: str) -> None:
         with self._layer_lock:
@@ -159,6 +158,35 @@ class HandoffSender:
         actor.close_collective.remote(self.worker_id)  # fire and forget: a dead peer has nothing to close
 
 
+class PendingLease:
+    """A decode lease still waiting for room (``DecodeWorker.reserve`` returned False). ``at_head`` ends when
+    it is first in line for blocks (or has them): the prefill worker computes the prompt from then on;
+    ``granted`` ends when it has them, and the KV push waits for it. Either raises the decode worker's reason
+    when the lease will never come (OutOfBlocksError: no room in time; ReservationReleased)."""
+
+    def __init__(self, kv_target: KVTarget, request_id: str, deadline: float) -> None:
+        self.at_head = self._start(kv_target, request_id, deadline, at_head=True)
+        self.granted = self._start(kv_target, request_id, deadline, at_head=False)
+
+    @staticmethod
+    def _start(kv_target: KVTarget, request_id: str, deadline: float, at_head: bool) -> asyncio.Future:
+        async def wait() -> None:
+            try:
+                await kv_target.actor.wait_for_lease.remote(request_id, max(0.001, deadline - time.monotonic()),
+                                                            at_head)
+            except RayTaskError as exc:  # the decode worker's own exception, not Ray's stand-in
+                raise raised_in_worker(exc) from exc
+
+        task = asyncio.ensure_future(wait())
+        # Read a failure even when nobody awaits it (the prefill ended another way): no "never retrieved".
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return task
+
+    def close(self) -> None:
+        self.at_head.cancel()
+        self.granted.cancel()
+
+
 class _Feed(LayerFeed):
     """A LayerFeed that also tells the actor's event loop when its first layer is ready."""
 
@@ -182,10 +210,10 @@ class Handoff:
     """One request's transfer: started at ``open`` (layer-wise) or ``finish``, ended by ``close``."""
 
     def __init__(self, sender: HandoffSender, header: TransferHeader, kv_target: KVTarget, transport: str,
-                 deadline: float, feed: _Feed | None, lease_pending: bool) -> None:
+                 deadline: float, feed: _Feed | None, lease: PendingLease | None) -> None:
         self.sender, self.header, self.kv_target, self.deadline, self.feed = sender, header, kv_target, deadline, feed
         self.transport = transport
-        self.lease_pending = lease_pending
+        self.lease = lease
         self._push: PushCall | None = None
         self._started = time.perf_counter()
         self._sending: asyncio.Task | None = None
@@ -201,11 +229,8 @@ class Handoff:
         return max(0.001, self.deadline - time.monotonic())
 
     async def _send(self, payload) -> None:
-        if self.lease_pending:  # the decode reservation waits for room: the prompt computes, its KV waits here
-            try:
-                await self.kv_target.actor.wait_for_lease.remote(self.header.request_id, self._remaining())
-            except RayTaskError as exc:  # the decode worker's own reason (no room in time, released)
-                raise raised_in_worker(exc) from exc
+        if self.lease is not None:  # the decode reservation waits for room: the KV waits here for it
+            await asyncio.shield(self.lease.granted)  # (shielded: a cancelled send leaves the prefill's wait)
         if self.transport == "ipc":
             try:
                 return await self._share(payload)

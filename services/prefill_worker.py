@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.output import FinishReason
+from engine.output import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
 from kvstore.transfer.channel_pool import ChannelUse
 from services.errors import PrefillTimeoutError
-from services.kv_sender import HandoffSender
+from services.kv_sender import HandoffSender, PendingLease
 from services.messages import EngineStepError, KVTarget, PrefillResult, PrefixFetch, WorkerInfo
 from services.worker import Worker
 
@@ -31,24 +31,30 @@ class PrefillWorker(Worker):
     ) -> PrefillResult:
         """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
         and the result's token is the one after them. ``lease_pending``: the decode worker's lease still
-        waits for room; the prompt is computed meanwhile, and its KV leaves once the lease has its blocks."""
+        waits for room. The prompt is computed once the lease is first in line (next to get blocks as they
+        free), so the end of the wait overlaps the prefill: further back, it would take this worker's time
+        from prompts that can be sent now, and be computed in vain if its wait runs out. The KV leaves once
+        the lease has its blocks; a lease that never comes ends the prompt at once, computed or not."""
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
         fetched = await self._fetch_prefix(tokens, fetch, deadline_s)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_stream(request_id)
-        handoff = self.sender.open(request_id, tokens, kv_target, deadline, lease_pending)
+        lease = PendingLease(kv_target, request_id, deadline) if lease_pending else None
+        handoff = self.sender.open(request_id, tokens, kv_target, deadline, lease)
 
         def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
             self._place(tokens, fetched)
             self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority)
 
         try:
+            if lease is not None:
+                await asyncio.shield(lease.at_head)
             await self.loop.acall(admit)
             try:
                 async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
-                    output = await queue.get()
+                    output = await self._prompt_output(queue, lease)
             except TimeoutError as exc:
                 raise PrefillTimeoutError(deadline_s) from exc
             if isinstance(output, EngineStepError):
@@ -74,8 +80,25 @@ class PrefillWorker(Worker):
         finally:
             self.loop.close_stream(request_id)
             handoff.close()
+            if lease is not None:
+                lease.close()
             if not released:
                 await self.loop.acall(self.engine.release, request_id)
+
+    @staticmethod
+    async def _prompt_output(queue: asyncio.Queue, lease: PendingLease | None) -> RequestOutput | EngineStepError:
+        """The prompt's output from the engine; a lease refused meanwhile raises at once (the prompt is
+        aborted, computed or not)."""
+        if lease is None:
+            return await queue.get()
+        output = asyncio.ensure_future(queue.get())
+        try:
+            await asyncio.wait((output, lease.granted), return_when=asyncio.FIRST_COMPLETED)
+            if not output.done():
+                lease.granted.result()  # the decode worker's refusal (granted: the output follows)
+            return await output
+        finally:
+            output.cancel()
 
     async def kv_channels(self) -> ChannelUse:
         """Collective channels open to decode workers, and the threads sending over them."""

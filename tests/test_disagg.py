@@ -316,18 +316,29 @@ def _handoff(pd_server, decode, request_id: str, prompt: list[int], reserve_wait
 
 
 @pytest.mark.timeout(120)
-def test_while_the_reservation_waits_for_room_the_prompt_is_computed_and_its_kv_follows_the_lease(pd_server):
-    """The wait for decode room overlaps the prefill (as in Mooncake) instead of coming before it: the prompt
-    is computed while the reservation waits, its KV leaves once the lease has its blocks, and the answer is
-    the one the same prompt gets when there is room."""
+def test_a_prompt_whose_lease_waits_is_computed_once_first_in_line_and_its_kv_follows_the_lease(pd_server):
+    """The end of the wait for decode room overlaps the prefill: the prompt is computed once its reservation
+    is first in line (not further back, where it would take the prefill worker from prompts that can be
+    sent now), its KV leaves once the lease has its blocks, and the answer is the one the same prompt gets
+    when there is room."""
     prefill = pd_server.server.cluster.dispatcher.workers["prefill-0"]
     prompt = random.Random(11).choices(range(3, 250), k=200)
 
+    async def computed() -> int:
+        return (await prefill.load(10.0)).prompt_tokens_computed
+
     async def scenario(decode, bs: int, free: int) -> list[int]:
-        computed = (await prefill.load(10.0)).prompt_tokens_computed
+        before = await computed()
+        ahead = asyncio.create_task(_reserved(decode, "ahead", bs))
+        await _until_waiting(decode, 1, 1, ahead)
         answer = _handoff(pd_server, decode, "overlapped", prompt, reserve_wait_s=30.0)
-        await _until_waiting(decode, 1, -(-len(prompt) // bs), answer)
-        while (await prefill.load(10.0)).prompt_tokens_computed < computed + len(prompt):
+        await _until_waiting(decode, 2, 1 + -(-len(prompt) // bs), ahead, answer)
+        await asyncio.sleep(1.0)  # the prefill worker is idle, yet the prompt second in line waits
+        assert await computed() == before and not answer.done()
+        await decode.release("ahead")  # it leaves the line: the prompt is first now
+        with pytest.raises(ReservationReleased):
+            await ahead
+        while await computed() < before + len(prompt):
             assert not answer.done(), answer.exception()
             await asyncio.sleep(0.02)
         assert (await decode.load(10.0)).waiting_leases == 1 and not answer.done()  # computed, not yet sent
