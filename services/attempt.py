@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 @dataclass
 class Deadlines:
-    reserve_s: float = 10.0  # the decode reservation's call (its wait for room runs on during the prefill)
+    reserve_s: float = 10.0  # the decode reservation's call (its wait for room runs on beside the prefill)
     prefill_s: float = 120.0  # queueing + compute + transfer of the prompt
     lease_s: float = 150.0  # a decode reservation that is never filled is freed after this
     token_s: float = 60.0  # a stream that sends nothing for this long has stalled: resumed elsewhere

@@ -65,9 +65,8 @@ class DecodeWorker(Worker):
         is no room now, and the reservation waits in line (behind those waiting before it) up to ``wait_s`` for
         running sequences to free it; the prefill worker computes the prompt once it is first in line and
         pushes its KV once it has the blocks (``wait_for_lease``), so the last of the wait overlaps the
-        prefill. A request larger than the whole
-        cache, or one without room and no time to wait, is OutOfBlocksError at once. ``release`` ends a wait
-        early (ReservationReleased)."""
+        prefill. A request larger than the whole cache, or one without room and no time to wait, is
+        OutOfBlocksError at once. ``release`` ends a wait early (ReservationReleased)."""
         if request_id in self._waiting:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         needed = self.engine.block_manager.blocks_for(num_tokens)

@@ -8,8 +8,9 @@ so a prompt still queued holds nothing on the receiver. A decode worker on the s
 the whole payload from shared memory (``ipc``: CUDA IPC on GPUs; ``kvstore/transfer/ipc.py``); one that
 cannot (another GPU it cannot see, no room in /dev/shm) gets the fallback transport from then on.
 A transfer into a lease that still waits for decode room (``PendingLease``) first waits for it
-(``DecodeWorker.wait_for_lease``); the KV computed meanwhile leaves in one go once the lease has its blocks. ``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and
-``close`` end it on any path.
+(``DecodeWorker.wait_for_lease``); the KV computed meanwhile leaves in one go once the lease has its
+blocks. ``Handoff.finish`` waits for the receiver's ack without holding a thread; ``cancel`` and ``close``
+end it on any path.
 
 Collective channels live in a bounded pool (``kvstore/transfer/channel_pool.py``), one per decode worker,
 least recently used closed beyond ``max_channels`` (and both ends told); the blocking sends run on a thread
