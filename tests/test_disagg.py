@@ -118,7 +118,7 @@ def pd_server(start_server):
 def test_abort_during_transfer_returns_blocks_on_both_sides(pd_server, cancel_after_s):
     # A long prompt and a long answer: the cancel lands in prefill, in the KV push or in decode,
     # and wherever it lands both workers must end with the blocks they started with.
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    baseline = _settled_free_blocks(pd_server)
     dispatcher = pd_server.server.cluster.dispatcher
     prompt = random.Random(7).choices(range(3, 250), k=1500)
 
@@ -135,7 +135,7 @@ def test_abort_during_transfer_returns_blocks_on_both_sides(pd_server, cancel_af
 
 @pytest.mark.timeout(120)
 def test_missed_deadline_fails_the_request_and_returns_blocks(pd_server):
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    baseline = _settled_free_blocks(pd_server)
     dispatcher = pd_server.server.cluster.dispatcher
     saved = dispatcher.deadlines
     # A deadline no prompt can meet, whatever the machine's speed: it passes while the prompt is admitted.
@@ -154,7 +154,7 @@ def test_missed_deadline_fails_the_request_and_returns_blocks(pd_server):
 def test_a_share_a_decode_worker_cannot_map_reaches_the_sender_as_ipc_unavailable_and_keeps_the_lease(pd_server):
     """What a prefill worker's fallback relies on: through Ray the refusal keeps its type (the sender catches
     IpcUnavailable), nothing was written and the lease stays open, so the same KV can still arrive."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    baseline = _settled_free_blocks(pd_server)
     decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
 
     def on_worker(fn):
@@ -183,7 +183,7 @@ def test_a_share_a_decode_worker_cannot_map_reaches_the_sender_as_ipc_unavailabl
 def test_a_reservation_over_the_free_blocks_reaches_the_caller_as_out_of_blocks(pd_server):
     """What the dispatcher's re-route and the gateway's 429 rely on: through Ray the refusal keeps its type
     and its counts (it once failed to unpickle in the caller, and the client got a 500), and holds nothing."""
-    baseline = _wait_free_blocks(pd_server, _free_blocks(pd_server))
+    baseline = _settled_free_blocks(pd_server)
     decode = pd_server.server.cluster.dispatcher.workers["decode-0"]
     blocks = decode.info.total_blocks + 1
     with pytest.raises(OutOfBlocksError) as refused:
@@ -192,7 +192,7 @@ def test_a_reservation_over_the_free_blocks_reaches_the_caller_as_out_of_blocks(
     assert refused.value.needed == blocks and refused.value.free < blocks
     # Its own message, which the gateway's 429 quotes: not Ray's, which is the worker's traceback, pid and IP.
     assert str(refused.value) == f"need {blocks} KV blocks, {refused.value.free} free"
-    assert _free_blocks(pd_server) == baseline
+    assert _settled_free_blocks(pd_server) == baseline
 
 
 async def _reserved(decode, request_id: str, num_tokens: int, wait_s: float = 30.0) -> None:
