@@ -53,8 +53,9 @@ class WorkerClient:
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float,
                       max_new_tokens: int = 0) -> bool:
         """Reserve decode-side blocks for ``num_tokens`` of prompt KV, held for ``lease_s``, for a request that
-        will decode up to ``max_new_tokens``. True: reserved. False: no room yet, and the reservation waits up
-        to ``wait_s`` for it on the worker while the prompt is computed (``DecodeWorker.reserve``)."""
+        will decode up to ``max_new_tokens``. True: reserved. False: no room yet, and the reservation waits in
+        line up to ``wait_s`` for it on the worker; the prefill starts once it is first in line and its KV
+        push waits for it (``DecodeWorker.reserve``, ``prefill(lease_pending=True)``)."""
         return await self._call(self.actor.reserve.remote(request_id, num_tokens, lease_s, wait_s, max_new_tokens),
                                 timeout_s)
 
