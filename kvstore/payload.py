@@ -238,6 +238,7 @@ _BIND = f"local holder, tierbit = '{POOL_HOLDER}', {TIERS['redis']}\n"
 _COMMIT = _BIND + lua_script("payload_prelude", "payload_commit")
 _TOUCH = _BIND + lua_script("payload_prelude", "payload_touch")
 _DISCARD = _BIND + lua_script("payload_prelude", "payload_discard")
+_LEADING = lua_script("payload_leading")
 
 
 class RedisTier:
@@ -253,6 +254,7 @@ class RedisTier:
         self._commit = pool.script(_COMMIT)
         self._touch = pool.script(_TOUCH)
         self._discard = pool.script(_DISCARD)
+        self._leading = pool.script(_LEADING)
 
     def _key(self, h: int) -> str:
         return f"{self.pool.ns}p:{hex_of(h)}"
@@ -276,6 +278,19 @@ class RedisTier:
 
     def get_blocks(self, hashes: Sequence[int]) -> list[torch.Tensor | None]:
         """Each block, or None for a miss, a bad block, or Redis unreachable; one round trip."""
+        return self._read(hashes, touch=True)
+
+    def get_prefix(self, hashes: Sequence[int]) -> list[torch.Tensor]:
+        """The leading blocks up to the first miss. One script call finds how many lead (and marks them
+        used), then only those are read: a fresh prompt, whose first block is missing, costs one small
+        round trip instead of a GET for each of its blocks."""
+        if not hashes:
+            return []
+        leading = self.pool.run(lambda: int(self.pool.client.evalsha(self._leading.sha, 0, self.pool.ns,
+                                                                    *map(hex_of, hashes))), 0)
+        return _prefix(self._read(hashes[:leading], touch=False))
+
+    def _read(self, hashes: Sequence[int], touch: bool) -> list[torch.Tensor | None]:
         if not hashes:
             return []
 
@@ -283,8 +298,9 @@ class RedisTier:
             pipe = self.pool.client.pipeline(transaction=False)
             for h in hashes:
                 pipe.get(self._key(h))
-            pipe.evalsha(self._touch.sha, 0, self.pool.ns, *map(hex_of, hashes))
-            return execute(pipe)[:-1]
+            if touch:
+                pipe.evalsha(self._touch.sha, 0, self.pool.ns, *map(hex_of, hashes))
+            return execute(pipe)[: len(hashes)]
         raw = self.pool.run(fetch, [None] * len(hashes))
         out: list[torch.Tensor | None] = [None] * len(hashes)
         bad = []
@@ -300,10 +316,6 @@ class RedisTier:
         if bad:
             self.discard(bad)
         return out
-
-    def get_prefix(self, hashes: Sequence[int]) -> list[torch.Tensor]:
-        """The leading blocks up to the first miss."""
-        return _prefix(self.get_blocks(hashes))
 
     def discard(self, hashes: Sequence[int]) -> bool:
         """Remove blocks (e.g. ones that failed their check) and publish their removal."""

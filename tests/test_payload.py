@@ -20,7 +20,7 @@ from kvstore.payload import (
     read_block,
 )
 from kvstore.pool import POOL_HOLDER, KVPool, hex_of
-from services.local_redis import free_port
+from services.local_redis import LocalRedis, free_port
 
 pytestmark = pytest.mark.redis
 
@@ -75,12 +75,34 @@ def test_eviction_keeps_redis_under_cap_and_publishes_evictions(pool, redis_url,
 
 
 @pytest.mark.timeout(30)
-def test_eviction_is_least_recently_used(pool):
+@pytest.mark.parametrize("read", ["get_blocks", "get_prefix"])
+def test_eviction_is_least_recently_used(pool, read):
     tier = RedisTier(pool, max_bytes=3 * block_bytes())
     tier.put_blocks(HASHES[:3], blocks(3))
-    tier.get_blocks([HASHES[0]])  # now the most recently used
+    assert len(getattr(tier, read)([HASHES[0], HASHES[5]])) >= 1  # block 0 is now the most recently used
     tier.put_blocks([HASHES[3]], blocks(1))
     assert [b is not None for b in tier.get_blocks(HASHES[:4])] == [True, False, True, True]
+
+
+@pytest.mark.timeout(30)
+def test_a_prefix_read_fetches_only_the_leading_blocks_redis_holds():
+    """A fresh prompt's look into Redis (every prefill makes one) reads no block: one script call finds
+    that nothing leads, where a GET for each of its blocks would cost a round trip's worth of commands."""
+    with LocalRedis() as server:  # private: its command counts are this test's alone
+        pool = KVPool(server.url, "tiny", 4, ttl_s=30)
+        try:
+            tier = RedisTier(pool, max_bytes=1 << 20)
+            data = blocks(3)
+            tier.put_blocks(HASHES[:2] + [HASHES[3]], data)  # block 2 missing: the run stops there
+            pool.client.config_resetstat()
+            got = tier.get_prefix(HASHES[:8])
+            assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, data, strict=False))
+            assert pool.client.info("commandstats")["cmdstat_get"]["calls"] == 2
+            assert tier.get_prefix(HASHES[4:]) == []
+            assert tier.get_prefix(HASHES[2:4]) == []  # a later block held does not make a prefix
+            assert pool.client.info("commandstats")["cmdstat_get"]["calls"] == 2
+        finally:
+            pool.close()
 
 
 @pytest.mark.timeout(30)
