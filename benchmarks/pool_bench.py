@@ -7,11 +7,14 @@ disk tier against plain file I/O of the same bytes, and the router's in-memory m
    on a private redis-server this script starts: the server's own ceiling for this machine.
 2. ``KVPool.longest_prefix`` on 100-block chains over 8 workers: lookups/s and latency (one Lua call each).
 3. ``RedisTier.put_blocks`` / ``get_blocks`` of KV blocks (default Llama-3-8B-sized, 2 MiB bf16): MB/s.
-4. ``DiskTier.put_blocks`` / ``get_prefix`` of the same blocks in prefix runs against plain open/write/read
+4. ``RedisTier.get_prefix`` of a 128-block prompt (the read every prefill makes before computing): one
+   Redis lacks entirely, against one GET round trip of a missing key; one whose first 16 blocks Redis
+   holds, against a ``get_blocks`` of just those 16. Median latency of each, in the same run.
+5. ``DiskTier.put_blocks`` / ``get_prefix`` of the same blocks in prefix runs against plain open/write/read
    of the same encoded bytes, one file per block and one sequential file: MB/s, writes ending in ``sync``.
    Cold reads drop the files from the page cache first (``posix_fadvise(DONTNEED)``, on both sides);
    warm reads are page-cache reads on both sides.
-5. ``PoolMirror.longest_prefix`` with 1,000 workers and 1M indexed blocks, loaded into Redis and rebuilt
+6. ``PoolMirror.longest_prefix`` with 1,000 workers and 1M indexed blocks, loaded into Redis and rebuilt
    by the mirror: p50/p99 latency (goal p99 < 1 ms) and the rebuild time.
 """
 
@@ -111,6 +114,44 @@ def bench_payload(url: str, shape: tuple[int, ...], total_bytes: int, batch: int
     moved = n * block_bytes / 1e6
     return {"block_bytes": block_bytes, "blocks": n, "batch": batch,
             "put_MB_s": moved / put_s, "get_MB_s": moved / get_s}
+
+
+def bench_prefix_read(url: str, shape: tuple[int, ...], prompt_blocks: int, held_blocks: int,
+                      prompts: int) -> dict[str, float]:
+    """What a prefill's look into the Redis tier costs for a fresh prompt and for one with a held prefix
+    (e.g. a system prompt), against the least that could answer each: one round trip, and reading the held
+    blocks alone."""
+    pool = KVPool(url, "bench-prefix", shape[2], ttl_s=600)
+    tier = RedisTier(pool, max_bytes=4 * held_blocks * 2 * int(torch.tensor(shape).prod()))
+    block = torch.randn(shape).to(torch.bfloat16)
+    held = [random.getrandbits(64) for _ in range(held_blocks)]
+    assert tier.put_blocks(held, [block] * held_blocks)
+
+    def median_ms(read, make_hashes) -> float:
+        samples = []
+        for _ in range(prompts):
+            hashes = make_hashes()
+            start = time.perf_counter()
+            read(hashes)
+            samples.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(samples)
+
+    def fresh() -> list[int]:
+        return [random.getrandbits(64) for _ in range(prompt_blocks)]
+
+    def read_held(hashes: list[int]) -> None:
+        assert len(tier.get_prefix(hashes)) == held_blocks
+
+    out = {"prompt_blocks": prompt_blocks, "held_blocks": held_blocks,
+           "miss_ms": median_ms(tier.get_prefix, fresh),
+           "round_trip_ms": median_ms(lambda _: pool.client.get(pool.ns + "p:absent"), lambda: None),
+           "held_ms": median_ms(read_held, lambda: held + fresh()[held_blocks:]),
+           "held_alone_ms": median_ms(tier.get_blocks, lambda: held)}
+    out["miss_vs_round_trip"] = out["miss_ms"] / out["round_trip_ms"]
+    out["held_vs_held_alone"] = out["held_ms"] / out["held_alone_ms"]
+    pool.client.flushdb()
+    pool.close()
+    return out
 
 
 def filesystem_of(path: Path) -> str:
@@ -277,6 +318,7 @@ def main() -> None:
         server_client.flushdb()
         results["pool_longest_prefix_100_blocks"] = bench_lookup(server.url, lookups // 4)
         results["payload"] = bench_payload(server.url, shape, args.payload_mib << 20, batch=8)
+        results["prefix_read"] = bench_prefix_read(server.url, shape, 128, 16, 20 if args.quick else 100)
         disk_root = Path(tempfile.mkdtemp(prefix="tidepool-disk-bench-", dir=args.disk_dir))
         results["disk"] = bench_disk(disk_root, shape, args.payload_mib << 20, args.disk_run_blocks)
         for kind in ("read_cold", "read_warm"):  # the fetch order: disk before Redis when it reads faster
