@@ -253,8 +253,11 @@ class Dispatcher:
         """How long the decode reservation may wait for room: what the TTFT SLO leaves of the request's time
         after the router's estimate (the router admitted it on blocks projected free by its prefill's end), so
         a lease granted at the end of its wait meets the SLO even when its prompt was not computed meanwhile.
+        Never past the prefill's deadline (a TTFT SLO may be longer): a wait that finds no room ends with the
+        decode worker's refusal, which is routed again, before the prefill times out waiting for it.
         One budget per request: an attempt routed again after a wait has less."""
-        return max(0.0, self.conductor.slo.ttft_s - (time.monotonic() - arrived) - decision.est_ttft_s)
+        budget = min(self.conductor.slo.ttft_s, self.deadlines.prefill_s)
+        return max(0.0, budget - (time.monotonic() - arrived) - decision.est_ttft_s)
 
     def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
         if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in

@@ -49,11 +49,11 @@ class PrefillWorker(Worker):
             self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority)
 
         try:
-            if lease is not None:
-                await asyncio.shield(lease.at_head)
-            await self.loop.acall(admit)
             try:
                 async with asyncio.timeout(deadline - time.monotonic()):  # (wait_for may swallow a cancel)
+                    if lease is not None:  # (its remote wait ends at the deadline too, raising TimeoutError)
+                        await asyncio.shield(lease.at_head)
+                    await self.loop.acall(admit)
                     output = await self._prompt_output(queue, lease)
             except TimeoutError as exc:
                 raise PrefillTimeoutError(deadline_s) from exc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -301,15 +302,16 @@ def test_a_reservation_behind_another_gives_up_at_its_deadline_or_release_and_th
     _on_a_full_decode_worker(pd_server, scenario)
 
 
-def _handoff(pd_server, decode, request_id: str, prompt: list[int], reserve_wait_s: float) -> asyncio.Task:
+def _handoff(pd_server, decode, request_id: str, prompt: list[int], reserve_wait_s: float,
+             deadlines: Deadlines | None = None) -> asyncio.Task:
     """One disaggregated attempt from prefill-0 to ``decode``, as the dispatcher runs it; its tokens."""
     dispatcher = pd_server.server.cluster.dispatcher
     attempt = Attempt(request_id, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), 0, (),
                       None, 0, reserve_wait_s)
 
     async def tokens() -> list[int]:
-        stream = run_disaggregated(attempt, dispatcher.workers["prefill-0"], decode, dispatcher.deadlines,
-                                   asyncio.Event(), lambda result: None)
+        stream = run_disaggregated(attempt, dispatcher.workers["prefill-0"], decode,
+                                   deadlines or dispatcher.deadlines, asyncio.Event(), lambda result: None)
         return [token async for event in stream for token in event.token_ids]
 
     return asyncio.create_task(tokens())
@@ -361,6 +363,28 @@ def test_a_reservation_that_finds_no_room_in_time_fails_the_handoff_as_out_of_bl
         with pytest.raises(OutOfBlocksError) as refused:
             await _handoff(pd_server, decode, "no-room", prompt, reserve_wait_s=0.5)
         assert resumable(refused.value)
+
+    _on_a_full_decode_worker(pd_server, scenario)
+
+
+@pytest.mark.timeout(120)
+def test_a_prompt_whose_lease_waits_past_the_prefill_deadline_fails_as_a_prefill_timeout_and_frees_both_sides(
+        pd_server):
+    """Second in line, the prompt waits to be computed; when the prefill's deadline passes first, the client is
+    told the prefill timed out (a 504), not an unexplained error, and no block stays taken."""
+    prompt = random.Random(13).choices(range(3, 250), k=100)
+    deadlines = dataclasses.replace(pd_server.server.cluster.dispatcher.deadlines, prefill_s=2.0)
+
+    async def scenario(decode, bs: int, free: int) -> None:
+        ahead = asyncio.create_task(_reserved(decode, "ahead-of-a-deadline", bs))
+        await _until_waiting(decode, 1, 1, ahead)
+        try:
+            with pytest.raises(PrefillTimeoutError, match="deadline of 2s"):
+                await _handoff(pd_server, decode, "past-its-deadline", prompt, 30.0, deadlines)
+        finally:
+            await decode.release("ahead-of-a-deadline")
+            with pytest.raises(ReservationReleased):
+                await ahead
 
     _on_a_full_decode_worker(pd_server, scenario)
 

@@ -174,21 +174,24 @@ def test_a_decode_worker_without_room_for_the_lease_is_routed_around_on_fresh_lo
     assert p.calls == [("prefill", "r1/1")]
 
 
-@pytest.mark.parametrize("ttft_slo_s", [30.0, 1e-4])
+@pytest.mark.parametrize("ttft_slo_s", [30.0, 1e-4, 10_000.0])
 def test_the_decode_reservation_may_wait_for_room_the_ttft_slos_slack_over_the_routers_estimate(ttft_slo_s):
     """The router admitted the request on blocks projected free by its prefill's end; the reservation may wait
     for them as long as the TTFT SLO leaves room after the router's whole estimate, so that a lease granted
     at the end of its wait still meets the SLO when its prompt was not computed meanwhile (none when the
-    estimate is already past it: round_robin never rejects)."""
+    estimate is already past it: round_robin never rejects). A TTFT SLO longer than the prefill's deadline
+    (batch jobs set one) counts as the deadline: a wait in vain ends with the decode worker's refusal, which
+    is routed again, before the prefill times out waiting for it."""
     p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
     dispatcher = make_dispatcher(p, d)
     dispatcher.conductor.slo = SLO(ttft_slo_s, 1.0)
+    budget_s = min(ttft_slo_s, dispatcher.deadlines.prefill_s)
     decisions = []
     route = dispatcher.conductor.route
     dispatcher.conductor.route = lambda *args: decisions.append(route(*args)) or decisions[-1]
     asyncio.run(collect(dispatcher))
     assert 0 < decisions[0].est_ttft_s < 30.0
-    assert d.reserve_waits == [pytest.approx(max(0.0, ttft_slo_s - decisions[0].est_ttft_s), abs=0.5)]
+    assert d.reserve_waits == [pytest.approx(max(0.0, budget_s - decisions[0].est_ttft_s), abs=0.5)]
 
 
 def test_a_request_routed_again_after_waiting_for_room_waits_only_what_its_slo_has_left():
