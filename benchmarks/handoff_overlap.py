@@ -23,6 +23,12 @@ separate runs: it charges layer-wise for any compute it slows down (exports insi
 thread sharing the worker's core), but on a shared machine the compute itself drifts between runs by more
 than the whole transfer costs. So the per-request figure is shown too, where each request's own compute
 cancels out: exposed = T_call - T_step, and hidden per request = 1 - exposed(layer-wise) / exposed(whole).
+
+exposed also holds what the call costs before the prompt's step starts (the Ray call's arrival, the look
+for cached prefix blocks, admission) and after the worker answers (the return): the same in both modes,
+and no part of the transfer. The worker's own figure leaves them out: after = the result's ``exposed_s``,
+from the end of the step that computed the prompt to the decode side's ack (what the first token waits
+for), and hidden after compute = 1 - after(layer-wise) / after(whole), medians of each mode.
 """
 
 from __future__ import annotations
@@ -70,7 +76,8 @@ async def measure(transport: str, layerwise: bool, prompt_len: int, repeats: int
             if i == 0:
                 continue  # warm-up: first transfer opens the channel / connection
             samples.append({"call_s": call_s, "step_s": stats.recent_step_times_s[-1],
-                            "transfer_s": result.transfer_s, "transfer_bytes": result.transfer_bytes,
+                            "transfer_s": result.transfer_s, "after_s": result.exposed_s,
+                            "transfer_bytes": result.transfer_bytes,
                             "cached_tokens": result.num_cached_tokens})
         return samples
     finally:
@@ -110,20 +117,25 @@ def main() -> int:
         t_layerwise = med(lw, "call_s")
         hidden = (t_prefill + t_transfer - t_layerwise) / t_transfer
         hidden_per_request = 1 - statistics.median(s["call_s"] - s["step_s"] for s in lw) / t_transfer
+        hidden_after_compute = 1 - med(lw, "after_s") / med(whole, "after_s")
         summary[transport] = {"T_prefill_s": t_prefill, "T_transfer_alone_s": t_transfer,
                               "T_layerwise_s": t_layerwise, "hidden_fraction": hidden,
                               "hidden_fraction_per_request": hidden_per_request,
+                              "hidden_fraction_after_compute": hidden_after_compute,
                               "transfer_bytes": whole[0]["transfer_bytes"]}
         for mode, samples in modes.items():
             rows.append([transport, mode, 1000 * med(samples, "call_s"), 1000 * med(samples, "step_s"),
                          1000 * statistics.median(s["call_s"] - s["step_s"] for s in samples),
-                         1000 * med(samples, "transfer_s"), samples[0]["transfer_bytes"] / 2**20,
-                         *((hidden, hidden_per_request) if mode == "layer-wise" else ("", ""))])
-    print(format_table(["transport", "mode", "T_call", "T_step", "exposed", "transfer_s", "MiB", "hidden",
-                        "hidden/req"], rows))
+                         1000 * med(samples, "after_s"), 1000 * med(samples, "transfer_s"),
+                         samples[0]["transfer_bytes"] / 2**20,
+                         *((hidden, hidden_per_request, hidden_after_compute) if mode == "layer-wise"
+                           else ("", "", ""))])
+    print(format_table(["transport", "mode", "T_call", "T_step", "exposed", "after", "transfer_s", "MiB", "hidden",
+                        "hidden/req", "hidden/after"], rows))
     print(f"(ms, medians of {args.repeats}; {args.prompt_len}-token prompt; hidden = (T_prefill + "
           f"T_transfer_alone - T_layerwise) / T_transfer_alone across runs, hidden/req = 1 - exposed(layer-wise) "
-          f"/ exposed(whole); goal >= 0.5); load average now {load_average()}")
+          f"/ exposed(whole), hidden/after = 1 - after(layer-wise) / after(whole)); load average now "
+          f"{load_average()}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "summary": summary, "samples": raw},
                                               indent=2) + "\n")

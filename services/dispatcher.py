@@ -287,7 +287,8 @@ class Dispatcher:
 
         def observe(result: PrefillResult) -> None:
             if result.transport:
-                self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s)
+                self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s,
+                                              result.exposed_s)
             if result.transport and result.link_s > 0:
                 self.conductor.observe_transfer(decision.prefill, decision.decode, result.transfer_bytes, result.link_s)
             for source, nbytes, seconds in result.prefix_copies:

@@ -111,6 +111,9 @@ class PrefillResult:
     # Seconds the bytes were moving: transfer_s less a layer-wise sender's waits for layers still being
     # computed; what the router learns the link from (0: nothing sent)
     link_s: float = 0.0
+    # Seconds from the prompt's last step to the decode side's ack: what the first token waited for the KV,
+    # the part of the handoff in its TTFT (all of it when sent after the prefill; 0: nothing sent)
+    exposed_s: float = 0.0
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
     # Prefix blocks copied in before the prefill: (source, bytes, seconds) per source ("pool", a worker id)
     prefix_copies: tuple[tuple[str, int, float], ...] = ()

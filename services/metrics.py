@@ -139,6 +139,10 @@ class Metrics:
                                       [*m, "transport"], registry=r)
         self.transfer_seconds = Histogram("tidepool_kv_transfer_seconds", "Duration of one KV handoff",
                                           [*m, "transport"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self.transfer_exposed = Histogram(
+            "tidepool_kv_transfer_exposed_seconds",
+            "Time a first token waited for its KV handoff after the prompt was computed (its part in the TTFT)",
+            [*m, "transport"], buckets=_TRANSFER_BUCKETS, registry=r)
         self.rejections = Counter("tidepool_rejections", "Requests the router rejected early, by reason",
                                   [*m, "reason"], registry=r)
         self.requests = Counter("tidepool_requests", "API requests answered, by route and status",
@@ -212,9 +216,10 @@ class Metrics:
         return (total - free) / total if total else 0.0
 
     # ---- transfers, rejections, API answers -----------------------------------------------------------
-    def observe_transfer(self, transport: str, nbytes: int, seconds: float) -> None:
+    def observe_transfer(self, transport: str, nbytes: int, seconds: float, exposed_s: float) -> None:
         self.transfer_bytes.labels(self.model_name, transport).inc(nbytes)
         self.transfer_seconds.labels(self.model_name, transport).observe(seconds)
+        self.transfer_exposed.labels(self.model_name, transport).observe(exposed_s)
 
     def inc_rejection(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason).inc()

@@ -59,6 +59,7 @@ class PrefillWorker(Worker):
                 raise PrefillTimeoutError(deadline_s) from exc
             if isinstance(output, EngineStepError):
                 raise output
+            computed = time.perf_counter()
             first = output.new_token_ids[0]
             logprobs = output.logprobs[0] if output.logprobs else None
             if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
@@ -71,8 +72,8 @@ class PrefillWorker(Worker):
             self.background.spawn(self._share_and_release(request_id, tokens, output.num_cached_tokens))
             released = True
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
-                                 handoff.transport, link_s=link_s, logprobs=logprobs,
-                                 prefix_copies=copies)
+                                 handoff.transport, link_s=link_s, exposed_s=time.perf_counter() - computed,
+                                 logprobs=logprobs, prefix_copies=copies)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)

@@ -103,6 +103,15 @@ def test_disaggregated_greedy_equals_colocated(start_server, colocated_outputs, 
                                                         {"model_name": metrics.model_name, "transport": way}) or 0
                  for way in ("grpc", "collective", "ipc")}
         assert moved[transport] > 0 and sum(moved.values()) == moved[transport]  # none fell back
+        # Every handoff's wait after the compute is recorded; sent after the prefill, it covers the transfer.
+        def sample(name: str) -> float:
+            return metrics.registry.get_sample_value(name, {"model_name": metrics.model_name, "transport": transport})
+
+        handoffs = sample("tidepool_kv_transfer_seconds_count")
+        assert sample("tidepool_kv_transfer_exposed_seconds_count") == handoffs == 16
+        assert sample("tidepool_kv_transfer_exposed_seconds_sum") > 0
+        if not layerwise or transport == "ipc":
+            assert sample("tidepool_kv_transfer_exposed_seconds_sum") >= sample("tidepool_kv_transfer_seconds_sum")
     finally:
         server.stop()
 
