@@ -238,7 +238,7 @@ _BIND = f"local holder, tierbit = '{POOL_HOLDER}', {TIERS['redis']}\n"
 _COMMIT = _BIND + lua_script("payload_prelude", "payload_commit")
 _TOUCH = _BIND + lua_script("payload_prelude", "payload_touch")
 _DISCARD = _BIND + lua_script("payload_prelude", "payload_discard")
-_LEADING = lua_script("payload_leading")
+_LEADING = _BIND + lua_script("payload_prelude", "payload_leading")
 
 
 class RedisTier:

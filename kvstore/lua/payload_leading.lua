@@ -2,6 +2,6 @@
 -- recently used (the caller reads them next). A prompt whose first block is missing costs one call.
 for i = 2, #ARGV do
   if redis.call('EXISTS', ns .. 'p:' .. ARGV[i]) == 0 then return i - 2 end
-  redis.call('ZADD', ns .. 'plru', 'XX', redis.call('INCR', ns .. 'pclock'), ARGV[i])
+  mark_used(ARGV[i])
 end
 return #ARGV - 1
