@@ -152,8 +152,9 @@ class Engine:
                 for s in self._fork(seq) if seq.fanout > 1 else (seq,):
                     rows.append(row)
                     sampled.append(s)
-        if sampled:
-            outputs += self._sample(logits if len(rows) == len(chunks) else logits[rows], sampled)
+        if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
+            every_row_once = rows == list(range(logits.shape[0]))
+            outputs += self._sample(logits if every_row_once else logits[rows], sampled)
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs

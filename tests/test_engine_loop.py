@@ -172,6 +172,18 @@ def test_n2_shares_prompt_blocks_copy_on_write_and_seeds_reproduce(model_dir):
     assert got[("n2", 0)] != got[("n2", 1)]
 
 
+@pytest.mark.timeout(60)
+def test_forked_samples_draw_from_their_prompts_logits_beside_a_partial_prompt(model_dir):
+    # The n = 2 prompt completes (and forks) in the first step, where the long prompt is only partly computed:
+    # both samples must draw from the short prompt's last row, never from the long prompt's partial chunk.
+    engine = make_engine(model_dir, max_num_batched_tokens=40, enable_prefix_caching=False)
+    ids = prompt(30, seed=1)
+    got = run(engine, {"fork": (ids, SamplingParams(max_tokens=4, n=2, **GREEDY)),
+                       "long": (prompt(100, seed=2), SamplingParams(max_tokens=2, **GREEDY))})
+    expected = alone(model_dir, ids, SamplingParams(max_tokens=4, **GREEDY))
+    assert got[("fork", 0)] == got[("fork", 1)] == expected
+
+
 def run_rest(engine: Engine, tokens: dict) -> dict:
     """Finish whatever the engine has in flight, appending to ``tokens``."""
     while engine.has_unfinished():
