@@ -42,8 +42,7 @@ from engine.config import EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_format import window_layer_bytes  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
-from engine.model import AttentionMetadata  # noqa: E402
-from engine.runner import ModelRunner, SeqChunk  # noqa: E402
+from engine.runner import SeqChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 FULL = "auto"  # the cache in the model's dtype: the reference every other option is compared with
@@ -79,22 +78,6 @@ def room_for(docs: list[list[int]]) -> int:
     return BLOCK_SIZE * sum(blocks_for(len(d)) for d in docs)
 
 
-class AllRowsRunner(ModelRunner):
-    """The engine's runner (same model, same paged cache, same forward pass: K/V written to and read
-    back from the cache in its format) whose ``run`` returns the logits of every token of its chunks
-    instead of each chunk's last."""
-
-    def prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                         torch.Tensor]:
-        input_ids, positions, meta, _ = super().prepare(chunks)
-        return input_ids, positions, meta, torch.arange(len(input_ids), device=self.device)
-
-
-def scoring_runner(engine: Engine) -> AllRowsRunner:
-    """The engine's runner with every row's logits: same model, cache and attention window."""
-    return AllRowsRunner(engine.model, engine.model_config, engine.kv_cache, engine.runner.window)
-
-
 def batch_token_nll(engine: Engine, docs: list[list[int]],
                     chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per document: (NLL in nats of tokens[1:], the bytes of text each of them stands for: 0 for a
@@ -103,7 +86,7 @@ def batch_token_nll(engine: Engine, docs: list[list[int]],
     frees after). ``chunk`` 1 reads the cache as generation does: a token sees the K/V before it as the
     cache holds them (the block it fills still in its window); a longer chunk reads it as a prompt does:
     its blocks filled in the step are read back in the cache's format."""
-    runner, table = scoring_runner(engine), token_bytes(str(resolve_model_dir(engine.config.model)))
+    table = token_bytes(str(resolve_model_dir(engine.config.model)))
     request_ids = [f"kv-quality-{i}" for i in range(len(docs))]
     tables: list[list[int]] = []
     nll: list[list[torch.Tensor]] = [[] for _ in docs]
@@ -112,9 +95,10 @@ def batch_token_nll(engine: Engine, docs: list[list[int]],
             tables.append(engine.reserve_blocks(request_id, len(doc) - 1))
         for start in range(0, max(map(len, docs)) - 1, chunk):
             live = [i for i, doc in enumerate(docs) if len(doc) - 1 > start]
-            chunks = [SeqChunk(docs[i][start:min(start + chunk, len(docs[i]) - 1)], start, tables[i])
+            # The engine's own pass (same model, cache, attention backend and window), every row's logits.
+            chunks = [SeqChunk(docs[i][start:min(start + chunk, len(docs[i]) - 1)], start, tables[i], all_logits=True)
                       for i in live]
-            rows = runner.run(chunks).cpu().split([len(c.token_ids) for c in chunks])
+            rows = engine.runner.run(chunks).cpu().split([len(c.token_ids) for c in chunks])
             for i, logits in zip(live, rows, strict=True):
                 targets = torch.tensor(docs[i][start + 1:start + 1 + len(logits)])
                 nll[i].append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))

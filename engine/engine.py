@@ -93,7 +93,7 @@ class Engine:
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
-            seq.token_ids, self.reusable_prefix_blocks(seq.num_tokens))[0])
+            seq.token_ids, self.scheduler.cacheable_blocks(seq))[0])
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
 
@@ -128,7 +128,9 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             pos = seq.num_computed_tokens
             table = bm.block_table(seq.seq_id)
-            chunks.append(SeqChunk(seq.token_ids[pos:pos + n], pos, table))
+            # A sequence collecting prompt logprobs needs every row whose next token is in the prompt.
+            chunks.append(SeqChunk(seq.token_ids[pos:pos + n], pos, table,
+                                   seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
             if pos >= seq.num_prompt_tokens and n == 1:  # a decode row
@@ -138,10 +140,14 @@ class Engine:
                 step.prefill_chunks.append((seq.request_id, n, pos))
         layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
         logits = self.runner.run(chunks, layer_done)
-        rows: list[int] = []
+        rows: list[int] = []  # the logits row each sampled sequence draws from
         sampled: list[Sequence] = []
-        for row, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
-            pos = seq.num_computed_tokens
+        last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
+        for seq, n, chunk in zip(batch.seqs, batch.num_new_tokens, chunks, strict=True):
+            pos, first = seq.num_computed_tokens, last + 1
+            last += n if chunk.all_logits else 1
+            if chunk.all_logits:
+                self._collect_prompt_logprobs(seq, pos, logits[first:last + 1])
             if pos < seq.num_prompt_tokens:
                 self.prompt_tokens_computed += min(n, seq.num_prompt_tokens - pos)
             seq.num_computed_tokens = pos + n
@@ -150,7 +156,7 @@ class Engine:
                 bm.drop(seq.seq_id, self.window.droppable(pos + n))
             if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
                 for s in self._fork(seq) if seq.fanout > 1 else (seq,):
-                    rows.append(row)
+                    rows.append(last)
                     sampled.append(s)
         if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
             every_row_once = rows == list(range(logits.shape[0]))
@@ -158,6 +164,15 @@ class Engine:
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs
+
+    @staticmethod
+    def _collect_prompt_logprobs(seq: Sequence, pos: int, logits: torch.Tensor) -> None:
+        """The logprobs of the prompt tokens after positions ``pos``.. (``logits``' rows), of which the prompt
+        holds the next token; a prompt computed again (preempted before its first token) overwrites them."""
+        m = min(logits.shape[0], seq.num_prompt_tokens - 1 - pos)
+        del seq.prompt_logprobs[pos:]
+        seq.prompt_logprobs += top_logprobs(logits[:m], seq.token_ids[pos + 1:pos + 1 + m],
+                                            [seq.params.prompt_logprobs] * m)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
@@ -185,9 +200,10 @@ class Engine:
                                                seq.text, seq.prefill_only)
         seq.finish_reason = reason
         text = "" if seq.text is None else seq.text.emit(final=reason not in (None, FinishReason.PREFILLED))
+        prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # handed out once, with the first token
         return RequestOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, None if logprobs is None else [logprobs], text,
-                             seq.stop_reason)
+                             seq.stop_reason, prompt_logprobs)
 
     # -- disaggregation: prefill side --------------------------------------------------------------
     def request_block_ids(self, request_id: str) -> list[int]:
@@ -307,7 +323,8 @@ class Engine:
         text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop)
         seq = Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, [*token_ids, *output_ids],
                        len(token_ids), params, index,
-                       generator=make_generator(params.seed, index, self.device), text=text)
+                       generator=make_generator(params.seed, index, self.device), text=text,
+                       prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None)
         for token in output_ids:
             if text is not None:
                 text.push(token)
@@ -324,6 +341,7 @@ class Engine:
             child = self._new_seq(parent.request_id, list(parent.token_ids), parent.params, index)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.prompt_logprobs = parent.prompt_logprobs  # the same prompt's (each sample hands them out)
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
             self.requests[parent.request_id].append(child)

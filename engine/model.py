@@ -254,9 +254,9 @@ class CausalLM(nn.Module):
         self.inv_freq = rope_inv_freq(self.config).to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_layers: Sequence[PagedKV], last_rows: torch.Tensor,
+                kv_layers: Sequence[PagedKV], logit_rows: torch.Tensor,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Hidden rows -> float32 logits of ``last_rows``; writes every row's K/V into ``kv_layers`` (one
+        """Hidden rows -> float32 logits of ``logit_rows``; writes every row's K/V into ``kv_layers`` (one
         per layer, ``KVCache.for_step``), calling ``on_layer_done(layer)`` once a layer is done (its K/V
         written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
@@ -266,6 +266,6 @@ class CausalLM(nn.Module):
             h, residual = layer(h, residual, cos, sin, kv_layers[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = h[last_rows] if residual is None else residual[last_rows] + h[last_rows]
+        h = h[logit_rows] if residual is None else residual[logit_rows] + h[logit_rows]
         h = self.model.norm(h)
         return self.lm_head(h).float()

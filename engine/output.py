@@ -30,12 +30,12 @@ class FinishReason(enum.StrEnum):
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """A sampled token's logprob and the ``k`` most likely tokens', from the model's raw distribution.
+    """A token's logprob and the ``k`` most likely tokens' at its position, from the model's raw distribution.
 
     Plain ints and floats (it crosses process boundaries inside ``TokenEvent`` and ``PrefillResult``)."""
 
     token_id: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing before it predicts (an echoed prompt)
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
@@ -53,6 +53,9 @@ class RequestOutput:
     # (OpenAI semantics), and text that could still become a stop string is held back until it can't.
     text: str = ""
     stop_reason: int | str | None = None  # the stop token id or stop string that ended the sample
+    # With the first token, when the request asked for prompt logprobs: one per prompt token after the first
+    # (nothing predicts the first), each with the prompt_logprobs most likely tokens at its position.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class OutputText:

@@ -32,6 +32,7 @@ class SeqChunk:
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
+    all_logits: bool = False  # logits of every token of the chunk, not only the last (prompt logprobs)
 
 
 class ModelRunner:
@@ -77,7 +78,8 @@ class ModelRunner:
 
     def prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
                                                           torch.Tensor]:
-        """(input_ids, positions, attention metadata, row of each chunk's last token) for one pass.
+        """(input_ids, positions, attention metadata, the rows whose logits the pass returns) for one pass:
+        each chunk's last row, or all of its rows when it asks for ``all_logits``, in the order of ``chunks``.
 
         Decode chunks (one token after some context) take the first rows so attention can treat them
         as one contiguous batch; logits still come back in the order of ``chunks``."""
@@ -89,9 +91,9 @@ class ModelRunner:
         token_ids = [chunks[i].token_ids[0] for i in decode]
         positions = [chunks[i].start_pos for i in decode]
         slots = [chunks[i].block_table[p // B] * B + p % B for i, p in zip(decode, positions, strict=True)]
-        last_rows = [0] * len(chunks)
+        logit_rows: list[range] = [range(0)] * len(chunks)
         for row, i in enumerate(decode):
-            last_rows[i] = row
+            logit_rows[i] = range(row, row + 1)
         prefills: list[PrefillMeta] = []
         for i in prefill:
             c, n, begin = chunks[i], lens[i], len(token_ids)
@@ -102,7 +104,7 @@ class ModelRunner:
             token_ids.extend(c.token_ids)
             positions.extend(pos.tolist())
             slots.extend((own[pos // B - first] * B + pos % B).tolist())
-            last_rows[i] = begin + n - 1
+            logit_rows[i] = range(begin if c.all_logits else begin + n - 1, begin + n)
             if not self.paged:
                 prefills.append(self._prefill_meta(c, begin, n, pos))
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
@@ -114,7 +116,7 @@ class ModelRunner:
         else:
             self._decode_meta(meta, [chunks[i] for i in decode], pos)
         return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
-                torch.tensor(last_rows, dtype=torch.long, device=self.device))
+                torch.tensor([r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device))
 
     def _prefill_meta(self, c: SeqChunk, begin: int, n: int, pos: torch.Tensor) -> PrefillMeta:
         """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it in a
@@ -161,13 +163,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk],
             on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Float32 logits ``[len(chunks), vocab]`` of each chunk's last token; writes the chunks' K/V."""
+        """Float32 logits ``[rows, vocab]`` of each chunk's last token (of each of its tokens when it asks for
+        ``all_logits``), in the order of ``chunks``; writes the chunks' K/V."""
         if self.graphs is not None and self.graphs.fits(chunks):  # completes no prompt: no layer hook
             return self.graphs.run(chunks)
-        input_ids, positions, meta, last_rows = self.prepare(chunks)
+        input_ids, positions, meta, logit_rows = self.prepare(chunks)
         kv_layers = self.kv_cache.for_step(meta.slot_mapping, [(c.block_table, c.start_pos,
                                                                  c.start_pos + len(c.token_ids)) for c in chunks])
-        return self.model(input_ids, positions, meta, kv_layers, last_rows, on_layer_done)
+        return self.model(input_ids, positions, meta, kv_layers, logit_rows, on_layer_done)
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
+    # None: off; k: each prompt token's logprob (after the first) plus the top k at its position (vLLM's
+    # prompt_logprobs). The prompt is then computed whole: a prefix-cache hit has no logits.
+    prompt_logprobs: int | None = None
     # OpenAI: subtracted from the logit of every token the output already holds (presence: once;
     # frequency: once per occurrence).
     presence_penalty: float = 0.0
@@ -92,5 +95,7 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")

@@ -18,7 +18,7 @@ from enum import Enum
 import torch
 
 from engine.block_manager import BlockManager
-from engine.output import FinishReason, OutputText
+from engine.output import FinishReason, OutputText, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -26,6 +26,10 @@ class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+# Most prompt tokens a step computes for a sequence that collects prompt logprobs: each of them returns a
+# row of logits (vocabulary-wide, float32), which bounds that memory per sequence and step.
+PROMPT_LOGPROBS_CHUNK = 512
 
 
 @dataclass(eq=False)
@@ -49,6 +53,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     text: OutputText | None = None  # when the model has a tokenizer
+    # The logprobs of prompt tokens 1.. (prompt_logprobs asked for), collected as the prompt is computed and
+    # handed out with the first token; None otherwise and from then on.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +135,7 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.max_chunk)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk(seq))
             while not self.bm.allocate(seq.seq_id, seq.num_computed_tokens, n):
                 victim = order.pop()
                 self._preempt(victim)
@@ -150,9 +157,9 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
-            prefix = self.bm.cached_prefix(seq.token_ids, self.bm.max_prefix_blocks(seq.num_tokens))
+            prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq))
             num_cached = len(prefix[0]) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget, self.max_chunk)
+            n = min(seq.num_tokens - num_cached, budget, self._chunk(seq))
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix):
                 break
             self.waiting.popleft()
@@ -168,6 +175,14 @@ class Scheduler:
             budget -= n
             prompt_tokens += n
         return ScheduledBatch(seqs, counts, preempted)
+
+    def cacheable_blocks(self, seq: Sequence) -> int:
+        """The most leading blocks ``seq`` takes from the prefix cache: none while it collects prompt logprobs
+        (a cached position yields no logits, as in vLLM), else ``BlockManager.max_prefix_blocks``."""
+        return 0 if seq.prompt_logprobs is not None else self.bm.max_prefix_blocks(seq.num_tokens)
+
+    def _chunk(self, seq: Sequence) -> int:
+        return self.max_chunk if seq.prompt_logprobs is None else min(self.max_chunk, PROMPT_LOGPROBS_CHUNK)
 
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1

@@ -30,6 +30,7 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
     (dict(stop=["ok", 3]), "stop"),
     (dict(top_k=-1), "top_k"),
     (dict(logprobs=99), "logprobs"),
+    (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_validate_names_the_bad_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:

@@ -19,7 +19,6 @@ from benchmarks.kv_quality import (
     room_for,
     run_dtypes,
     score_documents,
-    scoring_runner,
     token_nll,
 )
 from benchmarks.train_tiny import (
@@ -84,7 +83,7 @@ def test_trained_checkpoint_logits_match_transformers(trained):
     model, cfg = load_model(args.out)
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads) == (args.hidden, args.layers, args.kv_heads)
     engine = make_engine(str(args.out), len(tokens))
-    ours = scoring_runner(engine).run([SeqChunk(tokens, 0, engine.reserve_blocks("r", len(tokens)))])
+    ours = engine.runner.run([SeqChunk(tokens, 0, engine.reserve_blocks("r", len(tokens)), all_logits=True)])
     torch.testing.assert_close(ours, hf_logits(args.out, tokens), atol=1e-4, rtol=0)
 
 
