@@ -129,7 +129,8 @@ async def run_disaggregated(
             a.output_ids, a.priority, lease_pending=not reserved))
         on_handoff(result)
         first = TokenEvent(a.index, [result.first_token_id], result.finish_reason, len(a.prompt_ids),
-                           result.num_cached_tokens, result.text, result.logprobs and [result.logprobs])
+                           result.num_cached_tokens, result.text, result.logprobs and [result.logprobs],
+                           result.prompt_logprobs)
         if result.finish_reason is not None:
             yield first
             return

@@ -215,7 +215,12 @@ class Dispatcher:
         try:
             for attempt in range(_MAX_ATTEMPTS):
                 tokens = [*prompt_ids, *progress.output_ids]
-                route_req = RouteRequest(request_id, len(tokens), block_hashes(tokens, self.block_size, self._salt),
+                # Prompt logprobs come with the first token; a prompt scored for them is computed whole, so the
+                # router counts no cached prefix for it (an attempt resumed after that token uses the cache).
+                if progress.output_ids and params.prompt_logprobs is not None:
+                    params = dataclasses.replace(params, prompt_logprobs=None)
+                hashes = block_hashes(tokens, self.block_size, self._salt) if params.prompt_logprobs is None else []
+                route_req = RouteRequest(request_id, len(tokens), hashes,
                                          params.max_tokens - len(progress.output_ids), self.max_kv_tokens)
                 decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(
                     route_req, excluded)

@@ -95,6 +95,8 @@ class TokenEvent:
     num_cached_tokens: int
     text: str = ""  # new text: the engine detokenizes, holds back a possible stop string and cuts a matched one
     logprobs: list[TokenLogprobs] | None = None  # one per token of ``token_ids``, when the request asked
+    # With a choice's first token, when the request asked for prompt logprobs: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -115,5 +117,6 @@ class PrefillResult:
     # the part of the handoff in its TTFT (all of it when sent after the prefill; 0: nothing sent)
     exposed_s: float = 0.0
     logprobs: TokenLogprobs | None = None  # the first token's, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprobs] | None = None  # when the request asked for them (RequestOutput's)
     # Prefix blocks copied in before the prefill: (source, bytes, seconds) per source ("pool", a worker id)
     prefix_copies: tuple[tuple[str, int, float], ...] = ()

@@ -38,7 +38,7 @@ class PrefillWorker(Worker):
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
-        fetched = await self._fetch_prefix(tokens, fetch, deadline_s)
+        fetched = await self._fetch_prefix(tokens, params, fetch, deadline_s)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_stream(request_id)
         lease = PendingLease(kv_target, request_id, deadline) if lease_pending else None
@@ -65,7 +65,8 @@ class PrefillWorker(Worker):
             if output.finish_reason != FinishReason.PREFILLED:  # the first token already ends it: nothing to send
                 handoff.cancel()
                 return PrefillResult(first, output.text, output.finish_reason, output.num_cached_tokens, 0, 0.0,
-                                     logprobs=logprobs, prefix_copies=copies)
+                                     logprobs=logprobs, prompt_logprobs=output.prompt_logprobs,
+                                     prefix_copies=copies)
             nbytes, seconds, link_s = await handoff.finish()
             # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
             # step boundaries, so they run after it.
@@ -73,7 +74,7 @@ class PrefillWorker(Worker):
             released = True
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
                                  handoff.transport, link_s=link_s, exposed_s=time.perf_counter() - computed,
-                                 logprobs=logprobs, prefix_copies=copies)
+                                 logprobs=logprobs, prompt_logprobs=output.prompt_logprobs, prefix_copies=copies)
         except BaseException:
             handoff.cancel()
             await self.loop.acall(self.engine.abort, request_id)

@@ -122,13 +122,13 @@ class Worker:
         await self.loop.acall(self.engine.abort, request_id)
 
     # ---- the KV pool and peer copies ------------------------------------------------------------------------
-    async def _fetch_prefix(self, token_ids: list[int], fetch: PrefixFetch | None,
+    async def _fetch_prefix(self, token_ids: list[int], params: SamplingParams, fetch: PrefixFetch | None,
                             timeout_s: float) -> list[FetchedBlocks]:
         """The prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then from
         the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing). They
         are placed by ``_place`` on the engine thread, in the call that admits the request."""
-        if not self.engine.block_manager.enable_prefix_caching:
-            return []  # nothing fetched could be placed
+        if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None:
+            return []  # nothing fetched could be placed, or used (a prompt scored whole: no cache hit)
         have = self.engine.cached_prefix_len(token_ids) // self.engine.block_size  # a lock-free hint
         fetched = []
         if fetch is not None:
@@ -212,6 +212,7 @@ def _merge(outputs: list[RequestOutput], index: int) -> TokenEvent:
         text="".join(o.text for o in outputs),
         logprobs=None if all(o.logprobs is None for o in outputs) else [
             lp for o in outputs for lp in o.logprobs or ()],
+        prompt_logprobs=outputs[0].prompt_logprobs,  # only a choice's first output has them
     )
 
 
@@ -225,7 +226,7 @@ class ColocatedWorker(Worker):
         """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them.
         ``priority``: the router's order, which the engine's waiting queue keeps."""
         tokens = [*prompt_ids, *output_ids]
-        fetched = await self._fetch_prefix(tokens, fetch, _COLOCATED_COPY_TIMEOUT_S)
+        fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S)
 
         def admit() -> None:
             self._place(tokens, fetched)

@@ -23,7 +23,7 @@ from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import PromptTooLongError
 from services.gateway.chat_prompt import encode_chat
 from services.gateway.errors import NotFoundError, PromptTextTooLongError
-from services.gateway.generation import Generation, merge_streams
+from services.gateway.generation import Echo, Generation, merge_streams
 from services.gateway.token_texts import TokenTexts
 from services.messages import TokenEvent
 from services.sessions import SessionStore, SessionTurn
@@ -38,7 +38,7 @@ MAX_CHARS_PER_TOKEN = 64
 MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render (no tool turns)
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logprobs")
+             "repetition_penalty", "logprobs", "prompt_logprobs")
 
 
 @dataclass
@@ -59,6 +59,9 @@ class Options:
     repetition_penalty: float | None = None
     logprobs: int | None = None  # None: none; k: the sampled token's and the k most likely
     logit_bias: list[tuple[int, float]] = field(default_factory=list)
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's (after the first) and the k most likely
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    echo_only: bool = False  # ... and holds nothing else: the one token computed is not returned
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
@@ -134,7 +137,13 @@ class Frontend:
         if len(prompts) > MAX_PROMPTS:
             raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts in one request")
         prompt_ids = [await self._prompt_ids(p) for p in prompts]
-        return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None)
+        echo = None
+        if options.echo:  # a prompt sent as token ids is echoed as their text
+            texts = [p if isinstance(p, str) else await asyncio.to_thread(
+                self.dispatcher.tokenizer.decode, ids, skip_special_tokens=False) for p, ids in zip(
+                prompts, prompt_ids, strict=True)]
+            echo = Echo(texts, prompt_ids, output=not options.echo_only)
+        return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo)
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         tokenizer = self.dispatcher.tokenizer
@@ -171,7 +180,8 @@ class Frontend:
         return params
 
     async def _start(self, id_prefix: str, prompts: list[list[int]], options: Options, prompt_field: str,
-                     default_max_tokens: int | None, turn: SessionTurn | None) -> Generation:
+                     default_max_tokens: int | None, turn: SessionTurn | None, echo: Echo | None = None
+                     ) -> Generation:
         if options.n > self.max_n:
             raise InvalidRequestError("n", f"must be at most {self.max_n} on this server, got {options.n}")
         vocab = self.dispatcher.tokenizer.vocab_size
@@ -188,7 +198,7 @@ class Frontend:
                 for i, (ids, p) in enumerate(zip(prompts, params, strict=True))])
         if turn is not None:
             events = turn.run(events, options.n)
-        gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n)
+        gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n, echo=echo)
         try:
             await gen.start()
         except BaseException:

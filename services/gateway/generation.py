@@ -7,7 +7,9 @@ runs to completion. Driven directly from Starlette's streaming task instead, tha
 cancelled again at its first await.
 
 A completions request with several prompts runs one dispatcher request per prompt; ``merge_streams``
-interleaves their events, whose choice indices the frontend has shifted to ``prompt * n + choice``.
+interleaves their events, whose choice indices the frontend has shifted to ``prompt * n + choice``. With
+``echo``, each choice's first delta starts with its prompt's text and, when logprobs were asked for, the
+prompt tokens' logprobs (which the request's first event carries).
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ class Delta:
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
 
 
+@dataclass(frozen=True)
+class Echo:
+    """Completions' echo: each prompt's text and token ids go before its choices' output."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    output: bool = True  # False (max_tokens 0): the prompt only; the one token computed is not returned
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
@@ -49,8 +60,10 @@ class Generation:
     """Iterate it for `Delta`s; `start()` first, which raises the dispatcher's up-front errors."""
 
     def __init__(self, request_id: str, events: AsyncIterator, n: int,
-                 choices_per_prompt: int | None = None) -> None:
+                 choices_per_prompt: int | None = None, echo: Echo | None = None) -> None:
         """``n`` choices in all, ``choices_per_prompt`` of them (default: all) for each prompt."""
+        self.echo = echo
+        self._echoed: set[int] = set()  # choices whose prompt was echoed
         self.request_id = request_id
         self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # each choice's, when asked
@@ -106,12 +119,22 @@ class Generation:
             self._cached_tokens[prompt] = event.num_cached_tokens
         self.usage.prompt_tokens = sum(self._prompt_tokens.values())
         self.usage.cached_tokens = sum(self._cached_tokens.values())
-        self.usage.completion_tokens += len(event.token_ids)
-        self.texts[i] += event.text
-        if event.logprobs:
-            self.logprobs[i] += event.logprobs
-        self.finish_reasons[i] = event.finish_reason
-        return Delta(i, event.text, list(event.token_ids), event.finish_reason, event.logprobs)
+        text, token_ids, logprobs, finish_reason = event.text, list(event.token_ids), event.logprobs, event.finish_reason
+        if self.echo is not None:
+            if not self.echo.output:  # max_tokens 0: the token computed is not part of the answer
+                text, token_ids, logprobs, finish_reason = "", [], logprobs and [], finish_reason and "length"
+            if i not in self._echoed:  # the choice's first event
+                self._echoed.add(i)
+                text = self.echo.texts[prompt] + text
+                if event.prompt_logprobs is not None:
+                    first = TokenLogprobs(self.echo.token_ids[prompt][0], None)
+                    logprobs = [first, *event.prompt_logprobs, *(logprobs or ())]
+        self.usage.completion_tokens += len(token_ids)
+        self.texts[i] += text
+        if logprobs:
+            self.logprobs[i] += logprobs
+        self.finish_reasons[i] = finish_reason
+        return Delta(i, text, token_ids, finish_reason, logprobs)
 
     def close(self) -> None:
         """Stop the request if it is still running (the dispatcher aborts it and frees its blocks)."""

@@ -43,11 +43,13 @@ class LogprobShapes:
         return {"content": content, "refusal": None}
 
     def completion(self, index: int, items: list[TokenLogprobs]) -> dict:
+        """An echoed prompt's first token has no logprob: null, and null for its top tokens (as OpenAI)."""
         offsets = []
         for it in items:
             offsets.append(self._offsets[index])
             self._offsets[index] += len(self.texts.text(it.token_id))
-        top = [{self._name(t): _logprob(lp) for t, lp in (*it.top, (it.token_id, it.logprob))} for it in items]
+        top = [None if it.logprob is None else {self._name(t): _logprob(lp) for t, lp in
+                                                 (*it.top, (it.token_id, it.logprob))} for it in items]
         return {"tokens": [self._name(it.token_id) for it in items],
-                "token_logprobs": [_logprob(it.logprob) for it in items], "top_logprobs": top,
-                "text_offset": offsets}
+                "token_logprobs": [None if it.logprob is None else _logprob(it.logprob) for it in items],
+                "top_logprobs": top, "text_offset": offsets}

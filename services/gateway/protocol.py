@@ -174,19 +174,25 @@ class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="Text or token ids, or a list of either: each prompt gets its own n choices.")
     logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]: the top k and the sampled token.")
+    echo: bool = Field(False, description="The prompt before each choice's text; with logprobs, the prompt "
+                                          "tokens' too (the first one's null). With max_tokens 0: the prompt only.")
     # Accepted only with their no-op values: see `completion_options`.
-    echo: bool = Field(False, description="Only false.")
     suffix: str | None = Field(None, description="Only empty.")
     best_of: int | None = Field(None, description="Only equal to n.")
 
     def completion_options(self) -> Options:
-        if self.echo:
-            raise _refuse("echo", "echoing the prompt is not supported")
         if self.suffix:
             raise _refuse("suffix", "insertion (suffix) is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise _refuse("best_of", "best_of other than n is not supported")
-        return self.options(self.max_tokens, self.logprobs)
+        # max_tokens 0 with echo scores the prompt (OpenAI's legacy use): one token is computed, none returned.
+        prompt_only = self.echo and self.max_tokens == 0
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequestError("max_tokens", "must be a positive integer (0 only with echo: true), got 0")
+        options = self.options(1 if prompt_only else self.max_tokens, self.logprobs)
+        options.echo, options.echo_only = self.echo, prompt_only
+        options.prompt_logprobs = self.logprobs if self.echo else None
+        return options
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
