@@ -176,7 +176,8 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                           [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs])
+                           [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs],
+                           [self._stop_tokens(s) if s.num_output_tokens < s.params.min_tokens else [] for s in seqs])
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         finished = [seq for seq, out in zip(seqs, outputs, strict=True) if out.finished]
@@ -192,6 +193,11 @@ class Engine:
                 else:
                     self.block_manager.free(seq.seq_id)
         return outputs
+
+    def _stop_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens that would end ``seq`` (kept out of its first min_tokens)."""
+        eos = () if seq.params.ignore_eos else self.eos_token_ids
+        return sorted({*seq.params.stop_token_ids, *eos})
 
     def _append(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""

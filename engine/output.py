@@ -68,11 +68,12 @@ class OutputText:
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out
 
-    def push(self, token_id: int) -> str | None:
-        """Add a sampled token's text; returns the stop string it completes (the text is cut before it)."""
+    def push(self, token_id: int, match: bool = True) -> str | None:
+        """Add a sampled token's text; returns the stop string it completes (the text is cut before it), when
+        ``match``."""
         before = len(self.text)
         self.text += self._detokenizer.push([token_id])
-        if self._stop and len(self.text) > before:
+        if match and self._stop and len(self.text) > before:
             return self._match_stop(before)
         return None
 
@@ -106,10 +107,12 @@ def check_finish(token_id: int, num_output_tokens: int, params: SamplingParams, 
     """(why the sample ends with ``token_id``, or None; the stop token or stop string that ended it).
 
     ``num_output_tokens`` counts ``token_id``. The token's text goes into ``text`` unless it is a stop
-    token, whose text is not output."""
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+    token, whose text is not output. Nothing stops the first ``params.min_tokens`` tokens but their count
+    (the sampler kept stop tokens out of them; a stop string they hold is not matched, as in vLLM)."""
+    may_stop = num_output_tokens > params.min_tokens
+    if may_stop and (token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)):
         return FinishReason.STOP, token_id
-    if text is not None and (stop := text.push(token_id)) is not None:
+    if text is not None and (stop := text.push(token_id, match=may_stop)) is not None:
         return FinishReason.STOP, stop
     if num_output_tokens >= params.max_tokens:
         if text is not None:

@@ -36,6 +36,11 @@ class RequestLimits:
         vocab = self.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        # The sampler indexes the vocabulary with these: one out of range would fail the whole batch's step.
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_model_len}")

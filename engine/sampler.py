@@ -5,7 +5,8 @@ top-p act per row, and random draws come from the row's own ``torch.Generator`` 
 seed, so a seeded request gives the same tokens whatever it is batched with. Sampling uses the
 exponential-race form ``argmax(p / q)`` with ``q ~ Exp(1)``, which draws from ``p`` with one random number
 per vocabulary entry and no cumulative sums (the same trick vLLM uses). Penalties and bias come first
-(greedy rows see them too), in vLLM's order: repetition, frequency, presence, then the bias.
+(greedy rows see them too), in vLLM's order: repetition, frequency, presence, then the bias, then the
+tokens a row may not sample yet (its stop tokens, before ``min_tokens``).
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
-                    num_prompt_tokens: list[int] | None) -> torch.Tensor:
-    """``logits`` with each row's penalties and logit bias applied (a copy; the input stays raw).
+                    num_prompt_tokens: list[int] | None, banned: list[list[int]] | None = None) -> torch.Tensor:
+    """``logits`` with each row's penalties and logit bias applied, and its ``banned[r]`` tokens ruled out
+    (a copy; the input stays raw).
 
     Row r's history is ``token_ids[r]``: its prompt (the first ``num_prompt_tokens[r]``), then its output;
     only rows with penalties need one. The repetition penalty covers both (HF's
     ``RepetitionPenaltyLogitsProcessor``); presence and frequency penalties only the output (OpenAI)."""
-    rows = [r for r, p in enumerate(params) if p.has_penalties or p.logit_bias]
+    rows = [r for r, p in enumerate(params) if p.has_penalties or p.logit_bias or (banned and banned[r])]
     if not rows:
         return logits
     if (token_ids is None or num_prompt_tokens is None) and any(params[r].has_penalties for r in rows):
@@ -71,14 +73,18 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
             ids, biases = zip(*p.logit_bias, strict=True)
             row.index_add_(0, torch.tensor(ids, dtype=torch.long, device=device),
                            torch.tensor(biases, dtype=row.dtype, device=device))
+        if banned and banned[r]:
+            row[torch.tensor(banned[r], dtype=torch.long, device=device)] = float("-inf")
     return out
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None) -> list[int]:
+           token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
+           banned: list[list[int]] | None = None) -> list[int]:
     """One token per row of float32 ``logits [rows, vocab]``; ``token_ids`` / ``num_prompt_tokens`` are
-    each row's history, needed only when a row has penalties (see ``apply_penalties``)."""
-    logits = apply_penalties(logits, params, token_ids, num_prompt_tokens)
+    each row's history, needed only when a row has penalties, and ``banned`` the tokens each row may not
+    sample (see ``apply_penalties``)."""
+    logits = apply_penalties(logits, params, token_ids, num_prompt_tokens, banned)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1).tolist()

@@ -28,6 +28,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # vLLM's: the first min_tokens output tokens are never a stop token (EOS unless ignore_eos, stop_token_ids)
+    # nor complete a stop string.
+    min_tokens: int = 0
     n: int = 1
     logprobs: int | None = None  # None: off; k: the sampled token's logprob plus the top k
     # None: off; k: each prompt token's logprob (after the first) plus the top k at its position (vLLM's
@@ -69,6 +72,8 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
         if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
             raise bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < 0:

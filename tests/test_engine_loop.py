@@ -214,6 +214,32 @@ def test_stop_strings_stop_tokens_and_logprobs(model_dir):
     assert all(o.logprobs[0].top[0] == (o.new_token_ids[0], o.logprobs[0].logprob) for o in outs)  # greedy
 
 
+@pytest.mark.timeout(60)
+def test_min_tokens_keep_stop_tokens_and_stop_strings_out_of_the_first_tokens(model_dir):
+    engine = make_engine(model_dir)
+    ids = prompt(20, seed=8)
+    eos = 257  # one of the model's two EOS ids; a bias makes it the greedy choice at every step
+    forced = dict(temperature=0.0, logit_bias=[(eos, 100.0)])
+    engine.add_request("eos", ids, SamplingParams(max_tokens=8, **forced))
+    assert [o.new_token_ids for o in run_outputs(engine)] == [[eos]]  # without min_tokens: stops at once
+    engine.add_request("min3", ids, SamplingParams(max_tokens=8, min_tokens=3, **forced))
+    outs = run_outputs(engine)
+    tokens = [o.new_token_ids[0] for o in outs]
+    assert len(tokens) == 4 and tokens[3] == eos and not {*tokens[:3]} & {257, 258}  # neither EOS id
+    assert outs[-1].finish_reason is FinishReason.STOP and outs[-1].stop_reason == eos
+    # a stop token id too, and ignore_eos leaves the EOS ids alone (only stop_token_ids are kept out)
+    engine.add_request("stop-id", ids, SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=[eos],
+                                                      ignore_eos=True, **forced))
+    assert [o.new_token_ids[0] for o in run_outputs(engine)][2:] == [eos]
+    # a stop string the first tokens complete is not matched before min_tokens
+    base = run(make_engine(model_dir), {"a": (ids, SamplingParams(max_tokens=6, **GREEDY))})[("a", 0)]
+    first = engine.tokenizer.decode(base[:1])
+    engine.add_request("s", ids, SamplingParams(max_tokens=6, stop=[first], **GREEDY))
+    assert [o.new_token_ids[0] for o in run_outputs(engine)] == base[:1]
+    engine.add_request("s-min", ids, SamplingParams(max_tokens=6, min_tokens=6, stop=[first], **GREEDY))
+    assert [o.new_token_ids[0] for o in run_outputs(engine)] == base
+
+
 def run_outputs(engine: Engine) -> list[RequestOutput]:
     outs = []
     while engine.has_unfinished():
@@ -231,6 +257,9 @@ def run_outputs(engine: Engine) -> list[RequestOutput]:
     ([1, 2, 3], dict(top_p=1.01), "top_p"),
     ([1, 2, 3], dict(stop=7), "stop"),
     ([1, 2, VOCAB], dict(max_tokens=4), "prompt"),  # token id outside the vocabulary
+    ([1, 2, 3], dict(max_tokens=4, stop_token_ids=[VOCAB]), "stop_token_ids"),
+    ([1, 2, 3], dict(max_tokens=4, logit_bias=[(VOCAB, 1.0)]), "logit_bias"),
+    ([1, 2, 3], dict(max_tokens=4, min_tokens=5), "min_tokens"),
 ])
 def test_bad_requests_raise_before_any_block_is_taken(model_dir, ids, kwargs, field):
     engine = make_engine(model_dir)

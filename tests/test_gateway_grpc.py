@@ -109,6 +109,12 @@ def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_choice(live_server
                                                             stop_token_ids=[token]))
     assert [c.finish_reason for c in stopped if c.finish_reason] == ["stop"]
     assert stopped[-1].usage.completion_tokens == 1
+    # min_tokens keeps the stop token out of the first three (one sampled by the prefill worker)
+    held = chat(live_server, serving_pb2.SamplingOptions(max_tokens=5, temperature=0.0, logit_bias={token: 100.0},
+                                                         stop_token_ids=[token], min_tokens=3))
+    tokens = [t for c in held for t in c.token_ids]
+    assert len(tokens) == 4 and token not in tokens[:3] and tokens[3] == token
+    assert [c.finish_reason for c in held if c.finish_reason] == ["stop"]
 
 
 def test_session_turn_two_reuses_cached_prefix(live_server):

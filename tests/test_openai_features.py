@@ -122,6 +122,22 @@ def test_logit_bias_forces_a_token(live_server):
     assert [token_id(e.token) for e in resp.choices[0].logprobs.content] == [forced] * 4
 
 
+def test_min_tokens_hold_off_the_end_of_sequence(live_server):
+    eos = live_server.dispatcher.tokenizer.eos_token_ids[0]
+    kwargs = dict(model=live_server.model_id, messages=CHAT, max_tokens=6, temperature=0.0, logprobs=True,
+                  logit_bias={str(eos): 100}, extra_body={"return_tokens_as_token_ids": True})
+    at_once = client(live_server).chat.completions.create(**kwargs)
+    assert (at_once.usage.completion_tokens, at_once.choices[0].finish_reason) == (1, "stop")
+    held = client(live_server).chat.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"],
+                                                                                   "min_tokens": 4}})
+    tokens = [token_id(e.token) for e in held.choices[0].logprobs.content]
+    assert len(tokens) == 5 and eos not in tokens[:4] and tokens[4] == eos
+    assert held.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(live_server).chat.completions.create(**{**kwargs, "extra_body": {"min_tokens": 7}})
+    assert exc.value.param == "min_tokens"
+
+
 # ---- lists of prompts -------------------------------------------------------------------------------------
 
 def test_a_list_of_prompts_gets_n_choices_each_in_prompt_order(live_server):

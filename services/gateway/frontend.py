@@ -38,7 +38,7 @@ MAX_CHARS_PER_TOKEN = 64
 MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render (no tool turns)
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "logprobs", "prompt_logprobs")
+             "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
 
 @dataclass
@@ -54,6 +54,7 @@ class Options:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    min_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -185,8 +186,9 @@ class Frontend:
         if options.n > self.max_n:
             raise InvalidRequestError("n", f"must be at most {self.max_n} on this server, got {options.n}")
         vocab = self.dispatcher.tokenizer.vocab_size
-        if any(not 0 <= token < vocab for token, _ in options.logit_bias):
-            raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
+            if any(not 0 <= token < vocab for token in ids):
+                raise InvalidRequestError(name, f"token ids must be in [0, {vocab})")
         # Every prompt is checked before any starts.
         params = [self._sampling_params(ids, options, prompt_field, default_max_tokens) for ids in prompts]
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"

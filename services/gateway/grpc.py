@@ -38,7 +38,7 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    n=s.n if s.HasField("n") else 1, ignore_eos=s.ignore_eos,
                    presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),
-                   logit_bias=sorted(s.logit_bias.items()))
+                   logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"))
 
 
 def _chunk(delta: Delta, request_id: str) -> serving_pb2.GenerateChunk:

@@ -99,6 +99,8 @@ class _SamplingBody(_Body):
     repetition_penalty: float | None = Field(None, description="> 0, over prompt and output (vLLM). Extension.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens. Extension.")
+    min_tokens: int | None = Field(None, description="Tokens generated before a stop token or string may end a "
+                                                     "choice (vLLM). Extension.")
     return_tokens_as_token_ids: bool = Field(False, description="Logprobs name tokens 'token_id:<id>' (as "
                                                                 "vLLM). Extension.")
     stream: bool = False
@@ -120,7 +122,7 @@ class _SamplingBody(_Body):
                        seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
                        ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                       logprobs=logprobs, logit_bias=bias)
+                       logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens)
 
     @property
     def include_usage(self) -> bool:
