@@ -80,6 +80,7 @@ def test_no_op_values_and_identifying_fields_are_accepted(live_server):
     ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
+    ({"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
 ])
 def test_values_out_of_range_are_400_naming_the_field(live_server, kwargs, param):
     with pytest.raises(openai.BadRequestError) as exc:
