@@ -63,6 +63,9 @@ class Options:
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's (after the first) and the k most likely
     echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
     echo_only: bool = False  # ... and holds nothing else: the one token computed is not returned
+    # Completions: a text prompt gets the tokenizer's special tokens (its post-processor's BOS, say), as
+    # transformers' and vLLM's do; a chat's come from its template.
+    add_special_tokens: bool = True
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
@@ -103,10 +106,7 @@ class Frontend:
         session from before its history is read until the reply is stored, or the turn fails or is cancelled.
         """
         self.check_model(model)
-        for i, message in enumerate(messages):  # HTTP's schema checks this too; gRPC's strings are free
-            if message["role"] not in CHAT_ROLES:
-                raise InvalidRequestError(f"messages.{i}.role", f"{message['role']!r} is not one of "
-                                                                f"{', '.join(CHAT_ROLES)}")
+        _check_roles(messages)
         history: list[dict] = []
         turn: SessionTurn | None = None
         if session_id:
@@ -137,7 +137,7 @@ class Frontend:
             raise InvalidRequestError("prompt", "at least one prompt is required")
         if len(prompts) > MAX_PROMPTS:
             raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts in one request")
-        prompt_ids = [await self._prompt_ids(p) for p in prompts]
+        prompt_ids = [await self.prompt_ids(p, options.add_special_tokens) for p in prompts]
         echo = None
         if options.echo:  # a prompt sent as token ids is echoed as their text
             texts = [p if isinstance(p, str) else await asyncio.to_thread(
@@ -146,11 +146,13 @@ class Frontend:
             echo = Echo(texts, prompt_ids, output=not options.echo_only)
         return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo)
 
-    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A completion prompt's token ids: text encoded (``add_special_tokens``: with the tokenizer's special
+        tokens), ids checked."""
         tokenizer = self.dispatcher.tokenizer
         if isinstance(prompt, str):
             self._check_text_size(len(prompt))
-            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens)
         else:
             prompt_ids = list(prompt)
             if len(prompt_ids) > self.prompt_token_limit:  # before the scan of every id
@@ -160,6 +162,21 @@ class Frontend:
         if not prompt_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return prompt_ids
+
+    async def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+        """A stateless chat's prompt token ids, as ``chat`` computes them (for ``/tokenize``)."""
+        _check_roles(messages)
+        if not messages:
+            raise InvalidRequestError("messages", "at least one message is required")
+        self._check_text_size(sum(len(m["content"]) for m in messages))
+        return await asyncio.to_thread(encode_chat, self.token_texts, messages, None)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids``, special tokens spelled out (for ``/detokenize``)."""
+        tokenizer = self.dispatcher.tokenizer
+        if not all(0 <= t < tokenizer.vocab_size for t in token_ids):
+            raise InvalidRequestError("tokens", f"token ids must be in [0, {tokenizer.vocab_size})")
+        return await asyncio.to_thread(tokenizer.decode, token_ids, skip_special_tokens=False)
 
     def _check_text_size(self, chars: int) -> None:
         limit = self.prompt_token_limit
@@ -207,6 +224,13 @@ class Frontend:
             gen.close()
             raise
         return gen
+
+
+def _check_roles(messages: list[dict]) -> None:
+    for i, message in enumerate(messages):  # HTTP's schema checks this too; gRPC's strings are free
+        if message["role"] not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages.{i}.role", f"{message['role']!r} is not one of "
+                                                            f"{', '.join(CHAT_ROLES)}")
 
 
 async def _shifted(events: AsyncIterator[TokenEvent], offset: int) -> AsyncIterator[TokenEvent]:

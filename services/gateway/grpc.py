@@ -105,8 +105,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         async def start() -> Generation:
             _refuse_undecodable(request)
             prompt = list(request.prompt_token_ids) or request.prompt
-            return await self.frontend.complete(request.model or self.frontend.model_id, [prompt],
-                                                _options(request.sampling))
+            options = _options(request.sampling)
+            options.add_special_tokens = not request.HasField("add_special_tokens") or request.add_special_tokens
+            return await self.frontend.complete(request.model or self.frontend.model_id, [prompt], options)
 
         async for chunk in self._serve("Complete", start, context):
             yield chunk

@@ -23,7 +23,12 @@ from services.gateway.frontend import Frontend
 from services.gateway.generation import Delta, Generation, Usage
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.logprobs import LogprobShapes
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
 
@@ -156,6 +161,26 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         shape = _Shape(gen, body.model, chat=False,
                        logprobs=None if body.logprobs is None else _logprobs(gen, body))
         return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        """vLLM's: the token ids a completion prompt or a chat gets here, and the context they go into."""
+        body.checked()
+        if body.model is not None:
+            frontend.check_model(body.model)
+        if body.messages is not None:
+            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages])
+        else:
+            ids = await frontend.prompt_ids(body.prompt, body.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": dispatcher.max_model_len, "tokens": ids,
+                "token_strs": [frontend.token_texts.text(t) for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        body.check_extra("")
+        if body.model is not None:
+            frontend.check_model(body.model)
+        return {"prompt": await frontend.detokenize(body.tokens)}
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -178,6 +178,8 @@ class CompletionRequest(_SamplingBody):
     logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]: the top k and the sampled token.")
     echo: bool = Field(False, description="The prompt before each choice's text; with logprobs, the prompt "
                                           "tokens' too (the first one's null). With max_tokens 0: the prompt only.")
+    add_special_tokens: bool = Field(True, description="Text prompts get the tokenizer's special tokens (its "
+                                                       "BOS, say), as in transformers and vLLM. Extension.")
     # Accepted only with their no-op values: see `completion_options`.
     suffix: str | None = Field(None, description="Only empty.")
     best_of: int | None = Field(None, description="Only equal to n.")
@@ -193,6 +195,7 @@ class CompletionRequest(_SamplingBody):
             raise InvalidRequestError("max_tokens", "must be a positive integer (0 only with echo: true), got 0")
         options = self.options(1 if prompt_only else self.max_tokens, self.logprobs)
         options.echo, options.echo_only = self.echo, prompt_only
+        options.add_special_tokens = self.add_special_tokens
         options.prompt_logprobs = self.logprobs if self.echo else None
         return options
 
@@ -201,3 +204,34 @@ class CompletionRequest(_SamplingBody):
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         return list(self.prompt)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's ``/tokenize``: a completion prompt (``prompt``) or a chat (``messages``), tokenized as the server
+    tokenizes it for generation."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = Field(None, description="prompt: default true, as for completions; "
+                                                              "messages: only false (the template writes them).")
+    add_generation_prompt: bool = Field(True, description="Only true: a chat prompt ends ready for the answer.")
+    return_token_strs: bool = Field(False, description="Each token's text in token_strs.")
+
+    def checked(self) -> TokenizeRequest:
+        self.check_extra("")
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequestError("prompt", "send either prompt or messages")
+        if self.messages is not None:
+            for k, message in enumerate(self.messages):
+                message.check(f"messages.{k}")
+            if self.add_special_tokens:
+                raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
+        if not self.add_generation_prompt:
+            raise _refuse("add_generation_prompt", "a chat prompt always ends with the generation prompt")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,96 @@
+"""Prompt tokenization as clients see it, on a server whose tokenizer adds BOS to text (as Llama's and
+Mistral's tokenizer.json post-processors do): completions' text prompts get it (vLLM's and transformers'
+default; ``add_special_tokens: false`` leaves it out, over HTTP and gRPC), a chat's comes from its template
+alone, and vLLM's ``/tokenize`` and ``/detokenize`` report exactly what generation uses."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import pytest
+from test_gateway_grpc import stub
+from test_openai_features import client
+
+from tidepool.v1 import serving_pb2
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(120)]
+
+TEXT = "Periwinkles graze"
+CHAT = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.fixture(scope="module")
+def bos_server(start_server, serving_model_dir, tmp_path_factory):
+    """One colocated worker serving the service tests' checkpoint with a BOS-adding post-processor."""
+    model = tmp_path_factory.mktemp("bos-model") / "small-llama"
+    shutil.copytree(serving_model_dir, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    bos = json.loads((model / "tokenizer_config.json").read_text())["bos_token"]
+    bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == bos)
+    spec["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    server = start_server(colocated=1, model_dir=model)
+    server.bos_id = bos_id
+    yield server
+    server.stop()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.http_url}{path}", json=body, timeout=60)
+
+
+def test_text_completions_get_bos_unless_told_not_to(bos_server):
+    c, text_ids = client(bos_server), list(TEXT.encode())  # the byte-level vocabulary: a byte is its id
+    kwargs = dict(model=bos_server.model_id, prompt=TEXT, max_tokens=1, echo=True, logprobs=0)
+    with_bos = c.completions.create(**kwargs)
+    assert with_bos.usage.prompt_tokens == len(text_ids) + 1
+    assert with_bos.choices[0].text.startswith(TEXT)  # the text as sent, not its ids' decoding
+    without = c.completions.create(**kwargs, extra_body={"add_special_tokens": False})
+    assert without.usage.prompt_tokens == len(text_ids)
+    ids = c.completions.create(model=bos_server.model_id, prompt=text_ids, max_tokens=1)  # ids are used as sent
+    assert ids.usage.prompt_tokens == len(text_ids)
+    grpc_stub = stub(bos_server)
+    for unset_or_true, expected in ((None, len(text_ids) + 1), (False, len(text_ids))):
+        request = serving_pb2.CompleteRequest(model=bos_server.model_id, prompt=TEXT, add_special_tokens=unset_or_true,
+                                              sampling=serving_pb2.SamplingOptions(max_tokens=1))
+        chunks = list(grpc_stub.Complete(request, timeout=60))
+        assert chunks[-1].usage.prompt_tokens == expected
+
+
+def test_tokenize_reports_the_ids_generation_uses_and_detokenize_inverts_them(bos_server):
+    c = client(bos_server)
+    tokenized = post(bos_server, "/tokenize", {"model": bos_server.model_id, "prompt": TEXT,
+                                               "return_token_strs": True}).json()
+    assert tokenized["tokens"] == [bos_server.bos_id, *TEXT.encode()] and tokenized["count"] == len(TEXT) + 1
+    assert tokenized["max_model_len"] == bos_server.dispatcher.max_model_len
+    assert "".join(tokenized["token_strs"][1:]) == TEXT
+    plain = post(bos_server, "/tokenize", {"prompt": TEXT, "add_special_tokens": False}).json()
+    assert plain["tokens"] == list(TEXT.encode()) and plain["token_strs"] is None
+    chat = post(bos_server, "/tokenize", {"messages": CHAT}).json()
+    served = c.chat.completions.create(model=bos_server.model_id, messages=CHAT, max_tokens=1)
+    assert chat["count"] == served.usage.prompt_tokens
+    assert chat["tokens"].count(bos_server.bos_id) == 1  # the template's BOS, none added on top
+    text = post(bos_server, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
+    assert text.endswith("Hi<|eot|><|assistant|>")  # special tokens spelled out
+    assert post(bos_server, "/tokenize", {"prompt": TEXT}).json()["tokens"] == tokenized["tokens"]
+
+
+@pytest.mark.parametrize("path, body, param, status", [
+    ("/tokenize", {}, "prompt", 400),
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt", 400),
+    ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens", 400),
+    ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages", 400),
+    ("/tokenize", {"prompt": "a", "model": "nope"}, "model", 404),
+    ("/detokenize", {"tokens": [10 ** 6]}, "tokens", 400),
+    ("/detokenize", {"tokens": [1], "skip": True}, "skip", 400),
+])
+def test_bad_tokenize_requests_name_the_field(bos_server, path, body, param, status):
+    resp = post(bos_server, path, body)
+    assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
