@@ -34,6 +34,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template  # the Jinja source, as tokenizer_config.json has it
         self._template = None
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,

@@ -9,6 +9,7 @@ import json
 import shutil
 
 import httpx
+import jinja2
 import pytest
 from test_gateway_grpc import stub
 from test_openai_features import client
@@ -80,6 +81,20 @@ def test_tokenize_reports_the_ids_generation_uses_and_detokenize_inverts_them(bo
     text = post(bos_server, "/detokenize", {"tokens": chat["tokens"]}).json()["prompt"]
     assert text.endswith("Hi<|eot|><|assistant|>")  # special tokens spelled out
     assert post(bos_server, "/tokenize", {"prompt": TEXT}).json()["tokens"] == tokenized["tokens"]
+
+
+def test_tokenizer_info_lets_a_client_render_and_encode_as_the_server(bos_server):
+    info = httpx.get(f"{bos_server.http_url}/tokenizer_info", timeout=10).json()
+    assert info["bos_token"] == "<|begin_of_text|>" and info["eos_token"] == "<|eot|>"
+    assert info["model_max_length"] == bos_server.dispatcher.max_model_len
+    # lm-evaluation-harness's remote tokenizer: the template rendered client-side, then encoded by /tokenize,
+    # gives the ids the server's chat path computes
+    rendered = jinja2.Environment().from_string(info["chat_template"]).render(
+        messages=CHAT, add_generation_prompt=True, bos_token=info["bos_token"])
+    remote = post(bos_server, "/tokenize", {"prompt": rendered, "add_special_tokens": False}).json()["tokens"]
+    assert remote == post(bos_server, "/tokenize", {"messages": CHAT}).json()["tokens"]
+    eos = post(bos_server, "/tokenize", {"prompt": info["eos_token"], "add_special_tokens": False}).json()["tokens"]
+    assert len(eos) == 1 and eos[0] in bos_server.dispatcher.tokenizer.eos_token_ids
 
 
 @pytest.mark.parametrize("path, body, param, status", [

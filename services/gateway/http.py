@@ -175,6 +175,15 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         return {"count": len(ids), "max_model_len": dispatcher.max_model_len, "tokens": ids,
                 "token_strs": [frontend.token_texts.text(t) for t in ids] if body.return_token_strs else None}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's: what a client needs to tokenize as this server does (lm-evaluation-harness's remote
+        tokenizer reads it, then calls /tokenize and /detokenize)."""
+        tok = dispatcher.tokenizer
+        return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                "chat_template": tok.chat_template, "model_max_length": dispatcher.max_model_len,
+                "vocab_size": tok.vocab_size}
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         body.check_extra("")
