@@ -57,6 +57,23 @@ def test_chat_stream_joins_to_the_same_text_and_ends_with_usage(live_server):
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 10
     assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(live_server, endpoint):
+    # GuideLLM's streaming request: continuous usage, no stop, ignore_eos
+    c = client(live_server)
+    kwargs = dict(model=live_server.model_id, max_tokens=6, stream=True, stop=None, extra_body={"ignore_eos": True},
+                  stream_options={"include_usage": True, "continuous_usage_stats": True})
+    create = c.chat.completions.create if endpoint == "chat" else c.completions.create
+    chunks = list(create(**kwargs, **({"messages": CHAT} if endpoint == "chat" else {"prompt": "Sea slugs"})))
+    assert all(ch.usage is not None for ch in chunks)
+    completion = [ch.usage.completion_tokens for ch in chunks]
+    assert completion == sorted(completion) and completion[-1] == 6 and chunks[-1].choices == []
+    prompt = chunks[-1].usage.prompt_tokens
+    assert {ch.usage.prompt_tokens for ch in chunks} == {prompt}  # known from the first chunk on
+    assert all(ch.usage.total_tokens == prompt + ch.usage.completion_tokens for ch in chunks)
 
 
 def test_max_completion_tokens_limits_the_reply(live_server):

@@ -99,8 +99,11 @@ class Generation:
         return item
 
     async def start(self) -> None:
-        """Wait for the first event, so rejections and errors surface before any response is sent."""
+        """Wait for the first event, so rejections and errors surface before any response is sent (its
+        prompt's tokens count in the usage from then on)."""
         self._first = await self._next()
+        if self._first is not _END:
+            self._count_prompt(self._first)
 
     async def __aiter__(self) -> AsyncIterator[Delta]:
         event = self._first
@@ -111,14 +114,18 @@ class Generation:
             event = await self._next()
         self.close()
 
-    def _apply(self, event) -> Delta:
-        i = event.index
-        prompt = i // self._per_prompt
+    def _count_prompt(self, event) -> None:
+        prompt = event.index // self._per_prompt
         self._prompt_tokens[prompt] = event.num_prompt_tokens
-        if i % self._per_prompt == 0:  # the later choices hit the blocks choice 0 computed: report its own hit
+        if event.index % self._per_prompt == 0:  # the later choices hit the blocks choice 0 computed: its own hit
             self._cached_tokens[prompt] = event.num_cached_tokens
         self.usage.prompt_tokens = sum(self._prompt_tokens.values())
         self.usage.cached_tokens = sum(self._cached_tokens.values())
+
+    def _apply(self, event) -> Delta:
+        i = event.index
+        prompt = i // self._per_prompt
+        self._count_prompt(event)
         text, token_ids, logprobs, finish_reason = event.text, list(event.token_ids), event.logprobs, event.finish_reason
         if self.echo is not None:
             if not self.echo.output:  # max_tokens 0: the token computed is not part of the answer

@@ -152,7 +152,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await _unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = _Shape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None)
-        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
+        return _stream(gen, shape, body.include_usage, body.continuous_usage) if body.stream else await _collect(gen, shape, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -160,7 +160,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await _unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
         shape = _Shape(gen, body.model, chat=False,
                        logprobs=None if body.logprobs is None else _logprobs(gen, body))
-        return _stream(gen, shape, body.include_usage) if body.stream else await _collect(gen, shape, request)
+        return _stream(gen, shape, body.include_usage, body.continuous_usage) if body.stream else await _collect(gen, shape, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -268,7 +268,8 @@ class _Shape:
     def chunk(self, choices: list[dict], usage: Usage | None = None, *, with_usage: bool) -> dict:
         out = {**self.base, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "choices": choices}
-        # With include_usage, every chunk has "usage": null except the last, which has no choices.
+        # With include_usage, every chunk has "usage": null (the usage so far with continuous_usage_stats) except
+        # the last, which has no choices.
         return {**out, "usage": _usage(usage) if usage else None} if with_usage else out
 
     def delta(self, d: Delta) -> dict:
@@ -315,15 +316,17 @@ async def _collect(gen: Generation, shape: _Shape, request: Request) -> Response
     return JSONResponse(shape.complete())
 
 
-def _stream(gen: Generation, shape: _Shape, include_usage: bool) -> StreamingResponse:
+def _stream(gen: Generation, shape: _Shape, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
+    """SSE chunks; ``continuous_usage``: each carries the usage so far (else only the last, when included)."""
     async def events() -> AsyncIterator[str]:
         try:
             opening = shape.opening()
             if opening:
-                yield _sse(shape.chunk(opening, with_usage=include_usage))
+                yield _sse(shape.chunk(opening, gen.usage if continuous_usage else None, with_usage=include_usage))
             async for d in gen:
                 if d.text or d.finish_reason or d.logprobs:
-                    yield _sse(shape.chunk([shape.delta(d)], with_usage=include_usage))
+                    yield _sse(shape.chunk([shape.delta(d)], gen.usage if continuous_usage else None,
+                                           with_usage=include_usage))
             if include_usage:
                 yield _sse(shape.chunk([], gen.usage, with_usage=True))
         except Exception as exc:  # headers are gone: report in-band, as OpenAI does

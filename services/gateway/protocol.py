@@ -45,6 +45,8 @@ def _refuse(param: str, message: str) -> UnsupportedFieldError:
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="With include_usage, every chunk carries the usage so "
+                                                            "far (vLLM). Extension.")
     include_obfuscation: bool | None = Field(None, description="Accepted; no padding is ever added.")
 
 
@@ -127,6 +129,11 @@ class _SamplingBody(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk (vLLM's continuous_usage_stats, which needs include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class ChatCompletionRequest(_SamplingBody):
