@@ -63,7 +63,7 @@ class Generation:
                  choices_per_prompt: int | None = None, echo: Echo | None = None) -> None:
         """``n`` choices in all, ``choices_per_prompt`` of them (default: all) for each prompt."""
         self.echo = echo
-        self._echoed: set[int] = set()  # choices whose prompt was echoed
+        self._echo_sent: set[int] = set()  # choices whose prompt was echoed
         self.request_id = request_id
         self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # each choice's, when asked
@@ -128,20 +128,28 @@ class Generation:
         self._count_prompt(event)
         text, token_ids, logprobs, finish_reason = event.text, list(event.token_ids), event.logprobs, event.finish_reason
         if self.echo is not None:
-            if not self.echo.output:  # max_tokens 0: the token computed is not part of the answer
-                text, token_ids, logprobs, finish_reason = "", [], logprobs and [], finish_reason and "length"
-            if i not in self._echoed:  # the choice's first event
-                self._echoed.add(i)
-                text = self.echo.texts[prompt] + text
-                if event.prompt_logprobs is not None:
-                    first = TokenLogprobs(self.echo.token_ids[prompt][0], None)
-                    logprobs = [first, *event.prompt_logprobs, *(logprobs or ())]
+            text, token_ids, logprobs, finish_reason = self._with_echo(event, prompt, text, logprobs, finish_reason)
         self.usage.completion_tokens += len(token_ids)
         self.texts[i] += text
         if logprobs:
             self.logprobs[i] += logprobs
         self.finish_reasons[i] = finish_reason
         return Delta(i, text, token_ids, finish_reason, logprobs)
+
+    def _with_echo(self, event, prompt: int, text: str, logprobs: list[TokenLogprobs] | None, finish_reason: str | None
+                ) -> tuple[str, list[int], list[TokenLogprobs] | None, str | None]:
+        """(text, token ids, logprobs, finish reason) of ``event`` with echo: the prompt's text and logprobs go
+        before the choice's first event's; with max_tokens 0, the token computed is not part of the answer."""
+        token_ids = list(event.token_ids)
+        if not self.echo.output:
+            text, token_ids, logprobs, finish_reason = "", [], logprobs and [], finish_reason and "length"
+        if event.index not in self._echo_sent:
+            self._echo_sent.add(event.index)
+            text = self.echo.texts[prompt] + text
+            if event.prompt_logprobs is not None:
+                first = TokenLogprobs(self.echo.token_ids[prompt][0], None)  # nothing predicts it
+                logprobs = [first, *event.prompt_logprobs, *(logprobs or ())]
+        return text, token_ids, logprobs, finish_reason
 
     def close(self) -> None:
         """Stop the request if it is still running (the dispatcher aborts it and frees its blocks)."""
