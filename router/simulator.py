@@ -25,7 +25,7 @@ from router.prefix_cache import BlockCache, PrefixIndex
 from router.profile import Profile
 from router.sim_workers import SimConfig, SimDecode, SimJob, SimPrefill, SimRequest
 from router.trace import TraceRequest
-from router.view import Replication
+from router.view import Replication, reusable_tokens
 
 __all__ = ["SimConfig", "SimRequest", "Simulation"]
 
@@ -102,7 +102,7 @@ class Simulation:
         r.need = math.ceil((r.prompt + r.out) / d.bs)
         d.reserved += r.need
         p.load = d.load = None
-        cached = min(dec.cached_blocks * self.cfg.block_tokens, r.prompt - 1)
+        cached = min(dec.cached_blocks * self.cfg.block_tokens, reusable_tokens(r.prompt, self.cfg.block_tokens))
         job = SimJob(r, r.prompt - cached, cached, self.now)
         if dec.fetch_from is not None and dec.fetch_blocks > 0:
             self._fetch(job, dec)
@@ -136,9 +136,10 @@ class Simulation:
     def _copy(self, job: SimJob, src, link, blocks: int, extra_blocks: int) -> None:
         """The fetch of the first ``blocks`` prefix blocks (``extra_blocks`` of them missing here) starts now."""
         src.touch(job.req.hashes[:blocks])
-        tokens = min(max(extra_blocks, 0) * self.cfg.block_tokens, job.req.prompt - 1)
+        usable = reusable_tokens(job.req.prompt, self.cfg.block_tokens)
+        tokens = min(max(extra_blocks, 0) * self.cfg.block_tokens, usable)
         job.ready = self.now + (link.time(tokens * self.profile.kv_bytes_per_token) if tokens > 0 else 0.0)
-        job.fetched = min(blocks * self.cfg.block_tokens, job.req.prompt - 1) if tokens > 0 else 0
+        job.fetched = min(blocks * self.cfg.block_tokens, usable) if tokens > 0 else 0
         self.fetched_tokens += tokens
 
     def _replicate(self, r: SimRequest, rep: Replication) -> None:
@@ -171,7 +172,8 @@ class Simulation:
         r = job.req
         # What is here when it starts: the local prefix (a request queued behind one with the same prefix
         # finds it computed; vLLM matches at schedule time) or what was fetched, whichever is longer.
-        cached = max(min(p.cache.leading(r.hashes) * self.cfg.block_tokens, r.prompt - 1), job.fetched)
+        cached = max(min(p.cache.leading(r.hashes) * self.cfg.block_tokens,
+                         reusable_tokens(r.prompt, self.cfg.block_tokens)), job.fetched)
         new = r.prompt - cached
         start = max(self.now, job.ready)
         dur = float(self.profile.prefill.predict(new, cached))

@@ -93,6 +93,12 @@ class _Sources(NamedTuple):
     delay1: float
 
 
+def reusable_tokens(prompt_len: int, block_size: int) -> int:
+    """The most prompt tokens a cached prefix saves: whole blocks, never the one holding the last token, which is
+    always computed for its logits (``BlockManager.max_prefix_blocks``, less a quantized cache's residual)."""
+    return max(prompt_len - 1, 0) // block_size * block_size
+
+
 class ClusterView:
     """Everything a policy needs for one request, as arrays over prefill (p_*) and decode (d_*) workers.
 
@@ -108,7 +114,7 @@ class ClusterView:
         # requests a second that carried each heat_stride blocks of this prompt's prefix (router.heat)
         self.heat, self.heat_stride = np.zeros(0) if heat is None else heat, heat_stride
         self.mean_output_tokens = mean_output_tokens
-        self._cap = max(req.prompt_len - 1, 0)
+        self._cap = reusable_tokens(req.prompt_len, block_size)
         self._table = table
         p, d = table.p_sel, table.d_sel
         self.p_ids, self.d_ids = table.p_ids, table.d_ids
@@ -166,7 +172,7 @@ class ClusterView:
 
     # ----- per-request quantities, vectorized over workers -----
     def cached_tokens(self, blocks):
-        """Tokens a prefix of ``blocks`` saves: at least one prompt token is always computed."""
+        """Tokens a prefix of ``blocks`` saves (``reusable_tokens``)."""
         return np.minimum(blocks * self.block_size, self._cap)
 
     def prefill_s(self, blocks):

@@ -68,6 +68,17 @@ def test_estimating_policies_use_the_local_prefix_when_its_holder_is_idle(policy
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["mooncake", "tidepool"])
+def test_a_wholly_cached_prompt_is_estimated_to_compute_its_last_block(policy):
+    # The engine takes at most the blocks before the one holding the last token from the cache (that one is
+    # computed for its logits): all 32 blocks cached cost what 31 do, not one token's prefill.
+    loads = [prefill("p0"), prefill("p1"), decode("d0")]
+    whole, all_but_last = route(policy, loads, index(p0=32)), route(policy, loads, index(p0=31))
+    assert (whole.prefill, whole.cached_blocks) == ("p0", 32)
+    assert whole.est_ttft_s == pytest.approx(all_but_last.est_ttft_s)
+
+
+@pytest.mark.timeout(30)
 def test_cache_aware_follows_the_prefix_until_the_imbalance_passes_both_thresholds():
     dec = route("cache_aware", BUSY_HOLDER, index(p0=31))
     assert (dec.prefill, dec.fetch_from, dec.cached_blocks) == ("p0", None, 31)
