@@ -9,12 +9,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.config import read_json, special_token_ids
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, InvalidRequestError
 
 
 def _token_text(value: Any) -> str | None:
@@ -23,7 +22,8 @@ def _token_text(value: Any) -> str | None:
 
 
 def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    """A template's ``raise_exception``: it refuses the messages it was given (roles out of turn, say)."""
+    raise InvalidRequestError("messages", f"the chat template refuses these messages: {message}")
 
 
 class Tokenizer:
@@ -81,10 +81,16 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    # Names the rendering sets itself; a request's chat_template_kwargs may not replace them.
+    TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
+        """The chat as the template renders it; ``kwargs`` are further template variables (Qwen3's
+        ``enable_thinking``, say). InvalidRequestError when there is no template, or it refuses the messages."""
         if self._template is None:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+            raise InvalidRequestError("messages", "this model has no chat template (its tokenizer_config.json "
+                                                  "holds none): send the prompt to /v1/completions")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **kwargs)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from engine.errors import InvalidRequestError
 from engine.loader import resolve_model_dir
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -37,6 +40,17 @@ def test_chat_template_uses_special_tokens(tok):
     assert tok.decode(ids) == "Be brief.Hi"  # special tokens skipped
     no_gen = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=False)
     assert not no_gen.endswith("<|assistant|>")
+
+
+def test_a_chat_without_a_template_is_a_request_error(tmp_path, tok):
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((resolve_model_dir("tiny") / name).read_bytes())
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del config["chat_template"]  # a base model's tokenizer
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(InvalidRequestError) as exc:
+        Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert exc.value.field == "messages" and "/v1/completions" in str(exc.value)
 
 
 def test_eos_ids(tok):

@@ -1,7 +1,9 @@
-"""Prompt tokenization as clients see it, on a server whose tokenizer adds BOS to text (as Llama's and
-Mistral's tokenizer.json post-processors do): completions' text prompts get it (vLLM's and transformers'
-default; ``add_special_tokens: false`` leaves it out, over HTTP and gRPC), a chat's comes from its template
-alone, and vLLM's ``/tokenize`` and ``/detokenize`` report exactly what generation uses."""
+"""Prompts as clients see them, on a server whose tokenizer adds BOS to text (as Llama's and Mistral's
+tokenizer.json post-processors do) and whose chat template refuses roles out of turn (as Mistral's does) and
+reads a variable (as Qwen3's reads enable_thinking): completions' text prompts get BOS (vLLM's and
+transformers' default; ``add_special_tokens: false`` leaves it out, over HTTP and gRPC), a chat's comes from
+its template alone, chat_template_kwargs reach the template, a refusal is a 400, and vLLM's ``/tokenize``,
+``/detokenize`` and ``/tokenizer_info`` report exactly what generation uses."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import shutil
 
 import httpx
 import jinja2
+import openai
 import pytest
 from test_gateway_grpc import stub
 from test_openai_features import client
@@ -20,11 +23,19 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(120)]
 
 TEXT = "Periwinkles graze"
 CHAT = [{"role": "user", "content": "Hi"}]
+TEMPLATE = (  # the tiny model's, plus Mistral's turn check and a Qwen3-style switch
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if loop.index0 > 0 and message['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|eot|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}{{ '<think></think>' }}{% endif %}{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def bos_server(start_server, serving_model_dir, tmp_path_factory):
-    """One colocated worker serving the service tests' checkpoint with a BOS-adding post-processor."""
+    """One colocated worker serving the service tests' checkpoint with a BOS-adding post-processor and
+    ``TEMPLATE``."""
     model = tmp_path_factory.mktemp("bos-model") / "small-llama"
     shutil.copytree(serving_model_dir, model)
     spec = json.loads((model / "tokenizer.json").read_text())
@@ -37,6 +48,8 @@ def bos_server(start_server, serving_model_dir, tmp_path_factory):
                  {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
     (model / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     server = start_server(colocated=1, model_dir=model)
     server.bos_id = bos_id
     yield server
@@ -97,12 +110,32 @@ def test_tokenizer_info_lets_a_client_render_and_encode_as_the_server(bos_server
     assert len(eos) == 1 and eos[0] in bos_server.dispatcher.tokenizer.eos_token_ids
 
 
+def test_chat_template_kwargs_reach_the_template_and_its_refusal_is_a_400(bos_server):
+    c = client(bos_server)
+    plain = post(bos_server, "/tokenize", {"messages": CHAT}).json()["count"]
+    off = {"enable_thinking": False}
+    thinking_off = post(bos_server, "/tokenize", {"messages": CHAT, "chat_template_kwargs": off}).json()["count"]
+    assert thinking_off == plain + len("<think></think>")
+    served = c.chat.completions.create(model=bos_server.model_id, messages=CHAT, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": off})
+    assert served.usage.prompt_tokens == thinking_off
+    with pytest.raises(openai.BadRequestError) as exc:  # two user turns in a row: the template raises
+        c.chat.completions.create(model=bos_server.model_id, messages=CHAT + CHAT, max_tokens=1)
+    assert exc.value.param == "messages" and "roles must alternate" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(model=bos_server.model_id, messages=CHAT, max_tokens=1,
+                                  extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+    assert exc.value.param == "chat_template_kwargs"
+
+
 @pytest.mark.parametrize("path, body, param, status", [
     ("/tokenize", {}, "prompt", 400),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt", 400),
     ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens", 400),
     ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages", 400),
     ("/tokenize", {"prompt": "a", "model": "nope"}, "model", 404),
+    ("/tokenize", {"prompt": "a", "chat_template_kwargs": {"x": 1}}, "chat_template_kwargs", 400),
+    ("/tokenize", {"messages": CHAT + CHAT}, "messages", 400),
     ("/detokenize", {"tokens": [10 ** 6]}, "tokens", 400),
     ("/detokenize", {"tokens": [1], "skip": True}, "skip", 400),
 ])

@@ -11,32 +11,39 @@ verbatim; one that rewrites it, where such strings occur, is refused with a 400.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
+from collections.abc import Callable
 
 from engine.errors import InvalidRequestError
 from services.gateway.token_texts import TokenTexts
 from services.messages import SessionSequence
 
+Render = Callable[[list[dict]], str]  # messages -> the prompt text the chat template renders for them
 
-def encode_chat(texts: TokenTexts, messages: list[dict], previous: SessionSequence | None = None) -> list[int]:
+
+def encode_chat(texts: TokenTexts, messages: list[dict], previous: SessionSequence | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
     """Token ids of ``messages`` through the chat template, ready for generation (blocking: run it in a
-    thread for long prompts).
+    thread for long prompts). ``template_kwargs``: further template variables (vLLM's chat_template_kwargs).
 
     ``previous``: the session turn whose reply is the last assistant message of ``messages``. Its token ids
     are kept as they were, and only the text after the reply is encoded: encoding the reply's text again
     may give other tokens (BPE merges across the boundary; a random model's invalid UTF-8, decoded as
     U+FFFD), and the turn's KV, in the pool under its own tokens, would then be recomputed.
     """
-    prompt = texts.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    kept = None if previous is None else _continued(texts, messages, prompt, previous)
+    render = functools.partial(texts.tokenizer.apply_chat_template, add_generation_prompt=True,
+                               **(template_kwargs or {}))
+    prompt = render(messages)
+    kept = None if previous is None else _continued(texts, render, messages, prompt, previous)
     if kept is not None:
         ids, start = kept
-        return ids + _encode(texts, messages, prompt, start)
-    return _encode(texts, messages, prompt, 0)
+        return ids + _encode(texts, render, messages, prompt, start)
+    return _encode(texts, render, messages, prompt, 0)
 
 
-def _continued(texts: TokenTexts, messages: list[dict], prompt: str,
+def _continued(texts: TokenTexts, render: Render, messages: list[dict], prompt: str,
                previous: SessionSequence) -> tuple[list[int], int] | None:
     """(the previous turn's ids, where in ``prompt`` the text after its reply starts), when ``prompt``
     renders that turn exactly (its prompt's text, then its reply's); None otherwise."""
@@ -45,10 +52,10 @@ def _continued(texts: TokenTexts, messages: list[dict], prompt: str,
     if reply_at is None:
         return None
     try:
-        start, end = _content_spans(tokenizer, messages, prompt)[reply_at]
-    except InvalidRequestError:  # a template that rewrites content: no exact place for the reply
-        return None
-    if prompt[:start] != tokenizer.apply_chat_template(messages[:reply_at], add_generation_prompt=True):
+        start, end = _content_spans(render, messages, prompt)[reply_at]
+        if prompt[:start] != render(messages[:reply_at]):
+            return None
+    except InvalidRequestError:  # content rewritten: no exact place for the reply; or a history the template refuses
         return None
     reply = previous.ids[previous.prompt_len:]
     while reply and texts.is_special(reply[-1]):  # an end-of-turn token: the template writes its own
@@ -58,7 +65,7 @@ def _continued(texts: TokenTexts, messages: list[dict], prompt: str,
     return previous.ids[:previous.prompt_len] + reply, end
 
 
-def _encode(texts: TokenTexts, messages: list[dict], prompt: str, start: int) -> list[int]:
+def _encode(texts: TokenTexts, render: Render, messages: list[dict], prompt: str, start: int) -> list[int]:
     """Token ids of ``prompt[start:]``, special-token strings inside message content encoded as text."""
     tokenizer = texts.tokenizer
     ids = tokenizer.encode(prompt[start:])
@@ -69,19 +76,19 @@ def _encode(texts: TokenTexts, messages: list[dict], prompt: str, start: int) ->
     pattern = re.compile("|".join(re.escape(s) for s in sorted(forged, key=len, reverse=True)))
     out: list[int] = []
     done = start  # characters of ``prompt`` encoded so far
-    for span_start, span_end in _content_spans(tokenizer, messages, prompt):
+    for span_start, span_end in _content_spans(render, messages, prompt):
         for match in pattern.finditer(prompt, max(span_start, start), max(span_end, start)):
             out += tokenizer.encode(prompt[done:match.start()]) + _encode_plain(texts, match.group())
             done = match.end()
     return out + tokenizer.encode(prompt[done:])
 
 
-def _content_spans(tokenizer, messages: list[dict], prompt: str) -> list[tuple[int, int]]:
+def _content_spans(render: Render, messages: list[dict], prompt: str) -> list[tuple[int, int]]:
     """Where each message's content lies in ``prompt``: the template is rendered again with a marker
     in place of each content, and the real prompt must be that skeleton with the contents put back."""
     marker = f"\x00{uuid.uuid4().hex}"
     marked = [{**m, "content": f"{marker}{i}\x00"} for i, m in enumerate(messages)]
-    skeleton = tokenizer.apply_chat_template(marked, add_generation_prompt=True)
+    skeleton = render(marked)
     pieces = re.split(re.escape(marker) + r"(\d+)\x00", skeleton)
     # pieces: text, content index, text, content index, ..., text
     order = [int(i) for i in pieces[1::2]]

@@ -43,7 +43,7 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequ
 
 @dataclass
 class Options:
-    """Sampling fields as the APIs name them; None means the engine's default."""
+    """A request's sampling fields and prompt options, as the APIs name them; None means the engine's default."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -66,6 +66,7 @@ class Options:
     # Completions: a text prompt gets the tokenizer's special tokens (its post-processor's BOS, say), as
     # transformers' and vLLM's do; a chat's come from its template.
     add_special_tokens: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat: further template variables (vLLM's)
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
@@ -121,7 +122,8 @@ class Frontend:
             if not history and not messages:
                 raise InvalidRequestError("messages", "at least one message is required")
             self._check_text_size(sum(len(m["content"]) for m in history + messages))
-            prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous)
+            prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous,
+                                                 options.chat_template_kwargs)
             if turn is not None:
                 turn.prompt_ids = prompt_ids
             return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
@@ -163,13 +165,13 @@ class Frontend:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return prompt_ids
 
-    async def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict) -> list[int]:
         """A stateless chat's prompt token ids, as ``chat`` computes them (for ``/tokenize``)."""
         _check_roles(messages)
         if not messages:
             raise InvalidRequestError("messages", "at least one message is required")
         self._check_text_size(sum(len(m["content"]) for m in messages))
-        return await asyncio.to_thread(encode_chat, self.token_texts, messages, None)
+        return await asyncio.to_thread(encode_chat, self.token_texts, messages, None, template_kwargs)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens spelled out (for ``/detokenize``)."""

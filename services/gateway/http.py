@@ -28,6 +28,7 @@ from services.gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    template_kwargs,
 )
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
@@ -169,7 +170,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         if body.model is not None:
             frontend.check_model(body.model)
         if body.messages is not None:
-            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages])
+            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages],
+                                                 template_kwargs(body.chat_template_kwargs))
         else:
             ids = await frontend.prompt_ids(body.prompt, body.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": dispatcher.max_model_len, "tokens": ids,

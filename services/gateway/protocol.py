@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS
+from engine.tokenizer import Tokenizer
 from services.gateway.errors import UnsupportedFieldError
 from services.gateway.frontend import Options
 
@@ -153,6 +154,8 @@ class ChatCompletionRequest(_SamplingBody):
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     store: bool | None = Field(None, description="Only false.")
     service_tier: str | None = Field(None, description='Only "auto" or "default".')
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Further chat template variables, e.g. "
+                                                        "Qwen3's {\"enable_thinking\": false} (vLLM). Extension.")
 
     def chat_options(self) -> Options:
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -176,7 +179,9 @@ class ChatCompletionRequest(_SamplingBody):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        options.chat_template_kwargs = template_kwargs(self.chat_template_kwargs)
+        return options
 
 
 class CompletionRequest(_SamplingBody):
@@ -213,6 +218,14 @@ class CompletionRequest(_SamplingBody):
         return list(self.prompt)
 
 
+def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
+    """A request's chat_template_kwargs, refusing names the rendering sets itself."""
+    taken = sorted(Tokenizer.TEMPLATE_VARIABLES.intersection(given or {}))
+    if taken:
+        raise InvalidRequestError("chat_template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
+    return dict(given or {})
+
+
 class TokenizeRequest(_Body):
     """vLLM's ``/tokenize``: a completion prompt (``prompt``) or a chat (``messages``), tokenized as the server
     tokenizes it for generation."""
@@ -223,6 +236,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = Field(None, description="prompt: default true, as for completions; "
                                                               "messages: only false (the template writes them).")
     add_generation_prompt: bool = Field(True, description="Only true: a chat prompt ends ready for the answer.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as for chat completions.")
     return_token_strs: bool = Field(False, description="Each token's text in token_strs.")
 
     def checked(self) -> TokenizeRequest:
@@ -234,6 +248,8 @@ class TokenizeRequest(_Body):
                 message.check(f"messages.{k}")
             if self.add_special_tokens:
                 raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
+        elif self.chat_template_kwargs:
+            raise _refuse("chat_template_kwargs", "only with messages")
         if not self.add_generation_prompt:
             raise _refuse("add_generation_prompt", "a chat prompt always ends with the generation prompt")
         return self
