@@ -5,10 +5,12 @@ detokenization that never emits half a UTF-8 character.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -19,6 +21,24 @@ from engine.errors import CheckpointError, InvalidRequestError
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores special tokens as a string or as an AddedToken dict."""
     return value.get("content") if isinstance(value, dict) else value
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson: keys in their order and no HTML escaping (Jinja's sorts keys and escapes <, >, &
+    and '), so tool definitions render as the model was trained on them."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlock(Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}``, which marks the assistant's text for training
+    masks: rendered as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> list:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _raise(message: str) -> None:
@@ -37,8 +57,10 @@ class Tokenizer:
         self.chat_template = chat_template  # the Jinja source, as tokenizer_config.json has it
         self._template = None
         if chat_template:
+            # As transformers renders chat templates: its tojson and its {% generation %} block.
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+                                                extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(chat_template)
@@ -82,7 +104,7 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     # Names the rendering sets itself; a request's chat_template_kwargs may not replace them.
-    TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+    TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

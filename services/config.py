@@ -15,6 +15,7 @@ from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
 from kvstore.transfer.transports import TRANSPORTS as KV_TRANSPORTS
+from services.gateway.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.messages import Role
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "mooncake", "tidepool")
@@ -72,6 +73,8 @@ class GatewayConfig:
     session_ttl_s: float = 3600.0  # idle chat sessions expire after this
     metrics_require_key: bool = False  # /metrics and the API docs need the API key too (/health never does)
     shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long before they are cancelled
+    # Chat tool calling: the format the model writes calls in ("hermes"); None refuses tools
+    tool_call_parser: str | None = None
 
 
 class _MarkSet(argparse.Action):
@@ -165,6 +168,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most choices (n) a request may ask for, per prompt; above it the answer is a 400")
     p.add_argument("--metrics-require-key", action="store_true", default=g.metrics_require_key,
                    help="require the API key for /metrics and the API docs as well (/health stays open)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=g.tool_call_parser,
+                   help="serve chat tool calling, reading the calls the model writes in this format (hermes: "
+                        "Qwen2.5, Qwen3, Hermes); without it, requests with tools are a 400")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=g.shutdown_timeout_s,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish before they are cancelled")
     p.set_defaults(prefill_set=False, decode_set=False)
@@ -198,7 +204,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         api_key=args.api_key or os.environ.get("TIDEPOOL_API_KEY"), max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
-        shutdown_timeout_s=args.shutdown_timeout_s,
+        shutdown_timeout_s=args.shutdown_timeout_s, tool_call_parser=args.tool_call_parser,
     )
     cluster.policy_options()  # refuses an option the chosen policy does not have
     return cluster, gateway

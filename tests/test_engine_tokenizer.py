@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import transformers
 
 from engine.errors import InvalidRequestError
 from engine.loader import resolve_model_dir
@@ -72,3 +73,20 @@ def test_incremental_detokenizer_skips_special_tokens(tok):
     detok = IncrementalDetokenizer(tok)
     out = detok.push(tok.encode("ok")) + detok.push([tok.token_to_id("<|eot|>")])
     assert out == "ok"
+
+
+def test_a_template_renders_tools_as_transformers_renders_them(tmp_path, tok):
+    # transformers' tojson keeps key order and escapes nothing; its {% generation %} block renders its body
+    template = ("{% for t in tools %}{{ t | tojson }}\n{% endfor %}{% for m in messages %}<|{{ m.role }}|>"
+                "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+                "{% else %}{{ m.content }}{% endif %}<|eot|>{% endfor %}<|assistant|>")
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Finds <tags> & the 'quoted'",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    tiny = resolve_model_dir("tiny")
+    theirs = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tiny / "tokenizer.json"), chat_template=template)
+    expected = theirs.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    ours = Tokenizer(tok._tok, template, tok.bos_token, tok.eos_token, tok.eos_token_ids, tok.bos_token_id)
+    assert ours.apply_chat_template(messages, tools=tools) == expected
+    assert '{"type": "function", "function": {"name": "lookup", "description": "Finds <tags> & the \'quoted\'"' \
+        in expected

@@ -36,7 +36,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # fit the token limit and is refused without tokenizing it.
 MAX_CHARS_PER_TOKEN = 64
 MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
-CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render (no tool turns)
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render ("tool" with tools on)
 _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
@@ -67,6 +67,12 @@ class Options:
     # transformers' and vLLM's do; a chat's come from its template.
     add_special_tokens: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)  # chat: further template variables (vLLM's)
+    tools: list[dict] | None = None  # chat: the functions the model is shown, and whose calls are read back
+
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template's variables beyond the messages."""
+        return {**self.chat_template_kwargs, "tools": self.tools} if self.tools else self.chat_template_kwargs
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
@@ -83,6 +89,7 @@ class Frontend:
         self.sessions = sessions
         self.max_prompt_tokens = config.max_prompt_tokens
         self.max_n = config.max_n
+        self.tool_calls = config.tool_call_parser is not None
         self.token_texts = TokenTexts(dispatcher.tokenizer)
 
     @property
@@ -107,7 +114,10 @@ class Frontend:
         session from before its history is read until the reply is stored, or the turn fails or is cancelled.
         """
         self.check_model(model)
-        _check_roles(messages)
+        _check_roles(messages, self.tool_calls)
+        if options.tools and session_id:
+            raise InvalidRequestError("tools", "tools with a session are not supported: send the whole conversation "
+                                               "without session_id")
         history: list[dict] = []
         turn: SessionTurn | None = None
         if session_id:
@@ -123,7 +133,7 @@ class Frontend:
                 raise InvalidRequestError("messages", "at least one message is required")
             self._check_text_size(sum(len(m["content"]) for m in history + messages))
             prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous,
-                                                 options.chat_template_kwargs)
+                                                 options.template_kwargs)
             if turn is not None:
                 turn.prompt_ids = prompt_ids
             return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
@@ -167,7 +177,7 @@ class Frontend:
 
     async def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict) -> list[int]:
         """A stateless chat's prompt token ids, as ``chat`` computes them (for ``/tokenize``)."""
-        _check_roles(messages)
+        _check_roles(messages, self.tool_calls)
         if not messages:
             raise InvalidRequestError("messages", "at least one message is required")
         self._check_text_size(sum(len(m["content"]) for m in messages))
@@ -228,11 +238,12 @@ class Frontend:
         return gen
 
 
-def _check_roles(messages: list[dict]) -> None:
+def _check_roles(messages: list[dict], tools: bool) -> None:
+    """``tools``: tool calling is on, and the templates render tool messages too."""
+    roles = CHAT_ROLES + ("tool",) if tools else CHAT_ROLES
     for i, message in enumerate(messages):  # HTTP's schema checks this too; gRPC's strings are free
-        if message["role"] not in CHAT_ROLES:
-            raise InvalidRequestError(f"messages.{i}.role", f"{message['role']!r} is not one of "
-                                                            f"{', '.join(CHAT_ROLES)}")
+        if message["role"] not in roles:
+            raise InvalidRequestError(f"messages.{i}.role", f"{message['role']!r} is not one of {', '.join(roles)}")
 
 
 async def _shifted(events: AsyncIterator[TokenEvent], offset: int) -> AsyncIterator[TokenEvent]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Header, Request
@@ -20,7 +19,7 @@ from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend
-from services.gateway.generation import Delta, Generation, Usage
+from services.gateway.generation import Generation
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.logprobs import LogprobShapes
 from services.gateway.protocol import (
@@ -28,8 +27,8 @@ from services.gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    template_kwargs,
 )
+from services.gateway.responses import ResponseShape
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
 
@@ -119,11 +118,6 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _usage(usage: Usage) -> dict:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: GatewayConfig) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn."""
     frontend = Frontend(dispatcher, sessions, config)
@@ -148,30 +142,34 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_session_id: str | None = Header(None)) -> Response:
-        options = body.chat_options()
+        options = body.chat_options(config.tool_call_parser)
         messages = [m.as_dict() for m in body.messages]
         gen = await _unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
-        shape = _Shape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None)
-        return _stream(gen, shape, body.include_usage, body.continuous_usage) if body.stream else await _collect(gen, shape, request)
+        shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
+                              tool_calls=options.tools is not None)
+        if body.stream:
+            return _stream(gen, shape, body.include_usage, body.continuous_usage)
+        return await _collect(gen, shape, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         options = body.completion_options()
         gen = await _unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
-        shape = _Shape(gen, body.model, chat=False,
-                       logprobs=None if body.logprobs is None else _logprobs(gen, body))
-        return _stream(gen, shape, body.include_usage, body.continuous_usage) if body.stream else await _collect(gen, shape, request)
+        shape = ResponseShape(gen, body.model, chat=False,
+                              logprobs=None if body.logprobs is None else _logprobs(gen, body))
+        if body.stream:
+            return _stream(gen, shape, body.include_usage, body.continuous_usage)
+        return await _collect(gen, shape, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's: the token ids a completion prompt or a chat gets here, and the context they go into."""
-        body.checked()
+        kwargs = body.template_kwargs(config.tool_call_parser)
         if body.model is not None:
             frontend.check_model(body.model)
         if body.messages is not None:
-            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages],
-                                                 template_kwargs(body.chat_template_kwargs))
+            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages], kwargs)
         else:
             ids = await frontend.prompt_ids(body.prompt, body.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": dispatcher.max_model_len, "tokens": ids,
@@ -238,52 +236,6 @@ def _model_card(dispatcher: Dispatcher) -> dict:
             "max_model_len": dispatcher.max_model_len}
 
 
-class _Shape:
-    """OpenAI response objects: `chat.completion(.chunk)` for chat, `text_completion` for completions."""
-
-    def __init__(self, gen: Generation, model: str, chat: bool, logprobs: LogprobShapes | None) -> None:
-        """``logprobs``: how to shape them, when the request asked for them."""
-        self.gen, self.chat, self.logprobs = gen, chat, logprobs
-        self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
-
-    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs: list, *,
-                streaming: bool) -> dict:
-        if not self.chat:
-            body = {"text": text}
-        elif streaming:
-            body = {"delta": {"content": text} if text else {}}
-        else:
-            body = {"message": {"role": "assistant", "content": text}}
-        if self.logprobs is None:
-            shaped = None
-        else:
-            shaped = self.logprobs.chat(logprobs) if self.chat else self.logprobs.completion(index, logprobs)
-        return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason}
-
-    def opening(self) -> list[dict]:
-        """Chat streams announce the assistant role first, one chunk choice per index."""
-        if not self.chat:
-            return []
-        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None} for i in range(len(self.gen.texts))]
-
-    def chunk(self, choices: list[dict], usage: Usage | None = None, *, with_usage: bool) -> dict:
-        out = {**self.base, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "choices": choices}
-        # With include_usage, every chunk has "usage": null (the usage so far with continuous_usage_stats) except
-        # the last, which has no choices.
-        return {**out, "usage": _usage(usage) if usage else None} if with_usage else out
-
-    def delta(self, d: Delta) -> dict:
-        return self._choice(d.index, d.text, d.finish_reason, d.logprobs or [], streaming=True)
-
-    def complete(self) -> dict:
-        choices = [self._choice(i, text, self.gen.finish_reasons[i], self.gen.logprobs[i], streaming=False)
-                   for i, text in enumerate(self.gen.texts)]
-        return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": choices, "usage": _usage(self.gen.usage)}
-
-
 async def _unless_client_leaves(request: Request, starting: Awaitable[Generation]) -> Generation:
     """The started generation, unless the client leaves first: then prompt, session, routing and prefill
     up to the first event are cancelled (which aborts the request and frees its blocks)."""
@@ -300,7 +252,7 @@ async def _unless_client_leaves(request: Request, starting: Awaitable[Generation
         task.cancel()  # the handler itself was cancelled (shutdown); no-op once done
 
 
-async def _collect(gen: Generation, shape: _Shape, request: Request) -> Response:
+async def _collect(gen: Generation, shape: ResponseShape, request: Request) -> Response:
     """Run a non-streamed request to its end, unless the client leaves first (then it is aborted)."""
 
     async def watch_client() -> None:
@@ -318,7 +270,7 @@ async def _collect(gen: Generation, shape: _Shape, request: Request) -> Response
     return JSONResponse(shape.complete())
 
 
-def _stream(gen: Generation, shape: _Shape, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
+def _stream(gen: Generation, shape: ResponseShape, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
     """SSE chunks; ``continuous_usage``: each carries the usage so far (else only the last, when included)."""
     async def events() -> AsyncIterator[str]:
         try:
@@ -326,8 +278,8 @@ def _stream(gen: Generation, shape: _Shape, include_usage: bool, continuous_usag
             if opening:
                 yield _sse(shape.chunk(opening, gen.usage if continuous_usage else None, with_usage=include_usage))
             async for d in gen:
-                if d.text or d.finish_reason or d.logprobs:
-                    yield _sse(shape.chunk([shape.delta(d)], gen.usage if continuous_usage else None,
+                if (choice := shape.delta(d)) is not None:
+                    yield _sse(shape.chunk([choice], gen.usage if continuous_usage else None,
                                            with_usage=include_usage))
             if include_usage:
                 yield _sse(shape.chunk([], gen.usage, with_usage=True))

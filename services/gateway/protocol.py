@@ -9,6 +9,7 @@ except `IGNORED_FIELDS`, which change no output by definition. A field sent as n
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,7 +22,8 @@ from services.gateway.frontend import Options
 
 # Accepted and ignored: they identify the caller or the cache, or only matter for stored completions.
 IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata"})
-_TOOLS = "tool and function calling is not supported"
+_TOOLS = "tool calling is off on this server (it is served with --tool-call-parser)"
+_FUNCTIONS = "the deprecated functions API is not supported: use tools"
 
 
 class _Body(BaseModel):
@@ -56,22 +58,53 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="A JSON object, as the model wrote it.")
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def as_dict(self) -> dict:
+        """As chat templates read it: arguments as an object when they are one (as vLLM renders them)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except json.JSONDecodeError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name,
+                             "arguments": arguments if isinstance(arguments, dict) else self.function.arguments}}
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, description="Passed to the chat template with the message.")
-    # Refused unless empty: this server does not call tools or produce audio.
-    tool_calls: list[Any] | None = None
+    # An assistant's earlier calls and the tool's answers to them: only where tool calling is on.
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
+    # Refused unless empty: the deprecated functions API, audio.
     function_call: Any | None = None
     refusal: str | None = None
     audio: Any | None = None
     annotations: list[Any] | None = Field(None, description="Accepted and ignored (citations of content).")
 
-    def check(self, path: str) -> None:
+    def check(self, path: str, tools: bool) -> None:
+        """``tools``: tool calling is on (tool messages and earlier calls are rendered)."""
         self.check_extra(path)
-        if self.role in ("tool", "function") or self.tool_calls or self.tool_call_id or self.function_call:
+        if self.role == "function" or self.function_call:
+            raise UnsupportedFieldError("messages", f"{path}: {_FUNCTIONS}")
+        if not tools and (self.role == "tool" or self.tool_calls or self.tool_call_id):
             raise UnsupportedFieldError("messages", f"{path}: {_TOOLS}")
+        if self.tool_calls and self.role != "assistant":
+            raise InvalidRequestError("messages", f"{path}: only an assistant message holds tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise InvalidRequestError("messages", f"{path}: a tool message needs the tool_call_id it answers")
+        for k, call in enumerate(self.tool_calls or ()):
+            call.check_extra(f"{path}.tool_calls.{k}")
         if self.refusal or self.audio:
             raise UnsupportedFieldError("messages", f"{path}: only text messages are supported")
         for k, part in enumerate(self.content if isinstance(self.content, list) else ()):
@@ -84,7 +117,32 @@ class ChatMessage(_Body):
         """The message as the chat template and the session store take it (content parts joined)."""
         content = self.content if isinstance(self.content, str | None) else "".join(p.text for p in self.content)
         message = {"role": self.role, "content": content or ""}
-        return {**message, "name": self.name} if self.name else message
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.as_dict() for call in self.tool_calls]
+        if self.tool_call_id:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+class FunctionSpec(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments.")
+    strict: bool | None = Field(None, description="Only false: keeping to the schema needs constrained decoding.")
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def check(self, path: str) -> None:
+        self.check_extra(path)
+        self.function.check_extra(f"{path}.function")
+        if self.function.strict:
+            raise UnsupportedFieldError("tools", f"{path}.function.strict: keeping arguments to the schema needs "
+                                                 "constrained decoding, which this server does not have")
 
 
 class _SamplingBody(_Body):
@@ -146,25 +204,35 @@ class ChatCompletionRequest(_SamplingBody):
                                                      "X-Session-Id): send only the new messages. Extension.")
     # Accepted only with their no-op values: see `chat_options`.
     response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
-    tools: list[Any] | None = Field(None, description="Only empty.")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='Only "none".')
-    functions: list[Any] | None = Field(None, description="Only empty.")
+    tools: list[ToolSpec] | None = Field(None, description="Functions the model may call (servers started with "
+                                                            "--tool-call-parser).")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='"auto" (with tools) or "none".')
+    functions: list[Any] | None = Field(None, description="Only empty (deprecated: use tools).")
     function_call: str | dict[str, Any] | None = Field(None, description='Only "none".')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; no effect without tools.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted: every call the model writes is returned.")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     store: bool | None = Field(None, description="Only false.")
     service_tier: str | None = Field(None, description='Only "auto" or "default".')
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Further chat template variables, e.g. "
                                                         "Qwen3's {\"enable_thinking\": false} (vLLM). Extension.")
 
-    def chat_options(self) -> Options:
+    def chat_options(self, tool_call_parser: str | None) -> Options:
+        """``tool_call_parser``: the server's (None: tool calling is off)."""
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise _refuse("response_format", "structured output (json_object, json_schema) is not supported")
-        if self.tools or self.functions:
-            raise _refuse("tools" if self.tools else "functions", _TOOLS)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise _refuse(name, _TOOLS)
+        if self.functions:
+            raise _refuse("functions", _FUNCTIONS)
+        if self.function_call not in (None, "none"):
+            raise _refuse("function_call", _FUNCTIONS)
+        if self.tools and tool_call_parser is None:
+            raise _refuse("tools", _TOOLS)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise InvalidRequestError("tool_choice", "only allowed with tools")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise _refuse("tool_choice", 'only "auto" and "none": forcing a call needs constrained decoding, which '
+                                         "this server does not have")
+        for k, tool in enumerate(self.tools or ()):
+            tool.check(f"tools.{k}")
         if self.modalities is not None and self.modalities != ["text"]:
             raise _refuse("modalities", "only text output is supported")
         if self.store:
@@ -172,7 +240,7 @@ class ChatCompletionRequest(_SamplingBody):
         if self.service_tier not in (None, "auto", "default"):
             raise _refuse("service_tier", "this server has one service tier (auto / default)")
         for k, message in enumerate(self.messages):
-            message.check(f"messages.{k}")
+            message.check(f"messages.{k}", tool_call_parser is not None)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs", "needs logprobs: true")
@@ -181,6 +249,8 @@ class ChatCompletionRequest(_SamplingBody):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
         options.chat_template_kwargs = template_kwargs(self.chat_template_kwargs)
+        if self.tools and self.tool_choice != "none":  # "none": the model is not shown the tools
+            options.tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
         return options
 
 
@@ -237,22 +307,30 @@ class TokenizeRequest(_Body):
                                                               "messages: only false (the template writes them).")
     add_generation_prompt: bool = Field(True, description="Only true: a chat prompt ends ready for the answer.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as for chat completions.")
+    tools: list[ToolSpec] | None = Field(None, description="messages: as for chat completions.")
     return_token_strs: bool = Field(False, description="Each token's text in token_strs.")
 
-    def checked(self) -> TokenizeRequest:
+    def template_kwargs(self, tool_call_parser: str | None) -> dict[str, Any]:
+        """The chat template's further variables, after refusing what this request may not ask
+        (``tool_call_parser``: the server's; None: tool calling is off)."""
         self.check_extra("")
         if (self.prompt is None) == (self.messages is None):
             raise InvalidRequestError("prompt", "send either prompt or messages")
-        if self.messages is not None:
-            for k, message in enumerate(self.messages):
-                message.check(f"messages.{k}")
-            if self.add_special_tokens:
-                raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
-        elif self.chat_template_kwargs:
-            raise _refuse("chat_template_kwargs", "only with messages")
+        if self.messages is None:
+            if self.chat_template_kwargs or self.tools:
+                raise _refuse("chat_template_kwargs" if self.chat_template_kwargs else "tools", "only with messages")
+        elif self.add_special_tokens:
+            raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
+        if self.tools and tool_call_parser is None:
+            raise _refuse("tools", _TOOLS)
+        for k, tool in enumerate(self.tools or ()):
+            tool.check(f"tools.{k}")
+        for k, message in enumerate(self.messages or ()):
+            message.check(f"messages.{k}", tool_call_parser is not None)
         if not self.add_generation_prompt:
             raise _refuse("add_generation_prompt", "a chat prompt always ends with the generation prompt")
-        return self
+        kwargs = template_kwargs(self.chat_template_kwargs)
+        return {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else kwargs
 
 
 class DetokenizeRequest(_Body):

@@ -1,0 +1,194 @@
+"""Chat tool calling (``--tool-call-parser hermes``): the Hermes parser on answers as they stream, the
+response shapes it gives (message and stream deltas, finish_reason "tool_calls"), and, through the
+official `openai` client against a server whose chat template renders tools, calls and tool answers, that
+tools reach the prompt and every refusal names its field. (A random-weight model writes no tool call, so
+the parser's output is checked on the gateway's own Generation fed with token events.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+from test_openai_features import client
+
+from services.gateway.generation import Generation
+from services.gateway.responses import ResponseShape
+from services.gateway.tool_calls import ToolCallParser, parse_tool_calls
+from services.messages import TokenEvent
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANSWER = f"Let me look.\n{CALL}\n<tool_call>\n{{\"name\": \"now\", \"arguments\": {{}}}}\n</tool_call>"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+TEMPLATE = (  # the tiny model's, plus Qwen-style tools, calls and tool answers
+    "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|eot|>{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|eot|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+# ---- the parser ---------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_calls_are_split_from_content_whole_or_streamed_a_character_at_a_time():
+    content, calls = parse_tool_calls(ANSWER)
+    assert content.strip() == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
+    assert len({c.id for c in calls}) == 2
+    parser, streamed, found = ToolCallParser(), "", []
+    for ch in ANSWER:
+        text, new = parser.feed(ch)
+        assert OPEN_TAIL not in text  # never a piece of a tag
+        streamed, found = streamed + text, found + new
+    rest, more = parser.finish()
+    assert streamed + rest == content and [c.name for c in found + more] == ["get_weather", "now"]
+
+
+OPEN_TAIL = "<tool"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("answer, content, names", [
+    ("a <toolbox> b", "a <toolbox> b", []),  # held back while it could begin a tag, then released
+    ("x <tool_call>not json</tool_call> y", "x <tool_call>not json</tool_call> y", []),  # not a call: content
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}', "", ["f"]),  # the answer ended inside a whole call
+    ('<tool_call>{"name": "f", "argu', '<tool_call>{"name": "f", "argu', []),  # cut short: content
+    ("ends with <tool_c", "ends with <tool_c", []),
+])
+def test_what_is_not_a_whole_call_stays_content(answer, content, names):
+    got, calls = parse_tool_calls(answer)
+    assert (got, [c.name for c in calls]) == (content, names)
+    parser = ToolCallParser()
+    streamed = "".join(parser.feed(ch)[0] for ch in answer)
+    assert streamed + parser.finish()[0] == content
+
+
+# ---- the response shapes -------------------------------------------------------------------------------------
+
+def shaped(pieces: list[str]) -> tuple[list[dict], dict]:
+    """The stream's chunk choices and the whole response's choice for an answer arriving in ``pieces``, through
+    the gateway's Generation and response shapes (the dispatcher's events replaced by ``pieces``)."""
+    async def events():
+        for k, piece in enumerate(pieces):
+            yield TokenEvent(0, [k], "stop" if k == len(pieces) - 1 else None, 5, 0, piece)
+
+    async def run() -> tuple[list[dict], dict]:
+        gen = Generation("chatcmpl-test", events(), 1)
+        await gen.start()
+        shape = ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=True)
+        choices = [c async for d in gen if (c := shape.delta(d)) is not None]
+        return choices, ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=True).complete()["choices"][0]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_a_streamed_answer_with_calls_sends_content_then_one_delta_per_call():
+    choices, whole = shaped([ANSWER[i:i + 7] for i in range(0, len(ANSWER), 7)])
+    content = "".join(c["delta"].get("content", "") for c in choices)
+    calls = [call for c in choices for call in c["delta"].get("tool_calls", [])]
+    assert content.strip() == "Let me look."
+    assert [(c["index"], c["type"], c["function"]["name"]) for c in calls] == [(0, "function", "get_weather"),
+                                                                               (1, "function", "now")]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["tool_calls"]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"].strip() == "Let me look."
+    assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "now"]
+
+
+@pytest.mark.timeout(10)
+def test_an_answer_that_is_only_a_call_has_null_content():
+    message = shaped([CALL])[1]["message"]
+    assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+# ---- a live server ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tool_server(start_server, serving_model_dir, tmp_path_factory):
+    model = tmp_path_factory.mktemp("tool-model") / "small-llama"
+    shutil.copytree(serving_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    server = start_server(colocated=1, model_dir=model, tool_call_parser="hermes")
+    yield server
+    server.stop()
+
+
+def tokenize(server, body: dict) -> dict:
+    return httpx.post(f"{server.http_url}/tokenize", json=body, timeout=60).json()
+
+
+def detokenize(server, ids: list[int]) -> str:
+    return httpx.post(f"{server.http_url}/detokenize", json={"tokens": ids}, timeout=60).json()["prompt"]
+
+
+CONVERSATION = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 21 C"},
+]
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_tools_calls_and_tool_answers_reach_the_prompt(tool_server):
+    c = client(tool_server)
+    prompt = tokenize(tool_server, {"messages": CONVERSATION, "tools": TOOLS})
+    text = detokenize(tool_server, prompt["tokens"])
+    assert "Tools: get_weather" in text  # the tools, rendered by the template
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text  # an object
+    assert "<|tool|>Sunny, 21 C<|eot|><|assistant|>" in text
+    resp = c.chat.completions.create(model=tool_server.model_id, messages=CONVERSATION, tools=TOOLS,
+                                     tool_choice="auto", max_tokens=4, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert resp.usage.prompt_tokens == prompt["count"]
+    # a random-weight model writes no call: the answer is content, as it would be without tools
+    assert resp.choices[0].message.tool_calls is None and resp.choices[0].finish_reason == "length"
+    streamed = c.chat.completions.create(model=tool_server.model_id, messages=CONVERSATION, tools=TOOLS,
+                                         max_tokens=4, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == resp.choices[0].message.content
+    # tool_choice "none": the model is not shown the tools
+    unseen = c.chat.completions.create(model=tool_server.model_id, messages=CONVERSATION, tools=TOOLS,
+                                       tool_choice="none", max_tokens=1)
+    assert unseen.usage.prompt_tokens == tokenize(tool_server, {"messages": CONVERSATION})["count"]
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools"),
+    ({"extra_body": {"session_id": "s-tools"}}, "tools"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # which call it answers
+    ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_what_tool_calling_here_cannot_do_is_a_400_naming_the_field(tool_server, fields, param):
+    kwargs = {"model": tool_server.model_id, "messages": CONVERSATION, "tools": TOOLS, "max_tokens": 1, **fields}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(tool_server).chat.completions.create(**kwargs)
+    assert exc.value.param == param, exc.value.message
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_server_without_a_tool_call_parser_refuses_tools(live_server):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(live_server).chat.completions.create(model=live_server.model_id, messages=CONVERSATION[:1],
+                                                    tools=TOOLS, max_tokens=1)
+    assert exc.value.param == "tools" and "--tool-call-parser" in exc.value.message
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(live_server).chat.completions.create(model=live_server.model_id, messages=CONVERSATION, max_tokens=1)
+    assert exc.value.param == "messages"
