@@ -15,6 +15,7 @@ from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
 from kvstore.transfer.transports import TRANSPORTS as KV_TRANSPORTS
+from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.messages import Role
 
@@ -75,6 +76,8 @@ class GatewayConfig:
     shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long before they are cancelled
     # Chat tool calling: the format the model writes calls in ("hermes"); None refuses tools
     tool_call_parser: str | None = None
+    # Chat: split the thinking a reasoning model writes into reasoning_content ("qwen3", "deepseek_r1"); None: off
+    reasoning_parser: str | None = None
 
 
 class _MarkSet(argparse.Action):
@@ -171,6 +174,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=g.tool_call_parser,
                    help="serve chat tool calling, reading the calls the model writes in this format (hermes: "
                         "Qwen2.5, Qwen3, Hermes); without it, requests with tools are a 400")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=g.reasoning_parser,
+                   help="return a reasoning model's thinking (<think>...</think>) as reasoning_content, apart from "
+                        "the answer (qwen3: the model opens the block; deepseek_r1: the template does)")
     p.add_argument("--shutdown-timeout", dest="shutdown_timeout_s", type=float, default=g.shutdown_timeout_s,
                    help="on SIGTERM/Ctrl-C, seconds in-flight requests get to finish before they are cancelled")
     p.set_defaults(prefill_set=False, decode_set=False)
@@ -205,6 +211,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         api_key=args.api_key or os.environ.get("TIDEPOOL_API_KEY"), max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
         shutdown_timeout_s=args.shutdown_timeout_s, tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     cluster.policy_options()  # refuses an option the chosen policy does not have
     return cluster, gateway

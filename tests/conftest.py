@@ -172,7 +172,7 @@ def start_server(ray_session, redis_url, serving_model_dir):
     base = redis_url.rsplit("/", 1)[0]
 
     def start(api_key: str | None = None, model_dir=None, tool_call_parser: str | None = None,
-              **cluster_kwargs) -> ThreadedServer:
+              reasoning_parser: str | None = None, **cluster_kwargs) -> ThreadedServer:
         """``model_dir``: the checkpoint to serve (default: ``serving_model_dir``)."""
         for stopped in [s for s in databases if not s.running]:
             free = databases.pop(stopped)
@@ -185,7 +185,8 @@ def start_server(ray_session, redis_url, serving_model_dir):
         config = ClusterConfig(engine=engine, redis_url=f"{base}/{db}", **cluster_kwargs)
         try:
             server = _start_on_free_ports(ThreadedServer, config, lambda: GatewayConfig(
-                http_port=free_port(), grpc_port=free_port(), api_key=api_key, tool_call_parser=tool_call_parser))
+                http_port=free_port(), grpc_port=free_port(), api_key=api_key, tool_call_parser=tool_call_parser,
+                reasoning_parser=reasoning_parser))
         except BaseException:
             _redis_dbs.append(db)
             raise

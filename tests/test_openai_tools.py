@@ -1,4 +1,4 @@
-"""Chat tool calling (``--tool-call-parser hermes``): the Hermes parser on answers as they stream, the
+"""Chat tool calling (``--tool-call-parser hermes``, beside ``--reasoning-parser qwen3``): the Hermes parser on answers as they stream, the
 response shapes it gives (message and stream deltas, finish_reason "tool_calls"), and, through the
 official `openai` client against a server whose chat template renders tools, calls and tool answers, that
 tools reach the prompt and every refusal names its field. (A random-weight model writes no tool call, so
@@ -116,7 +116,7 @@ def tool_server(start_server, serving_model_dir, tmp_path_factory):
     shutil.copytree(serving_model_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    server = start_server(colocated=1, model_dir=model, tool_call_parser="hermes")
+    server = start_server(colocated=1, model_dir=model, tool_call_parser="hermes", reasoning_parser="qwen3")
     yield server
     server.stop()
 
@@ -151,8 +151,9 @@ def test_tools_calls_and_tool_answers_reach_the_prompt(tool_server):
                                      tool_choice="auto", max_tokens=4, temperature=0.0,
                                      extra_body={"ignore_eos": True})
     assert resp.usage.prompt_tokens == prompt["count"]
-    # a random-weight model writes no call: the answer is content, as it would be without tools
+    # a random-weight model writes no call and no thinking: the answer is content, as it would be without either
     assert resp.choices[0].message.tool_calls is None and resp.choices[0].finish_reason == "length"
+    assert resp.choices[0].message.reasoning_content is None and resp.choices[0].message.content
     streamed = c.chat.completions.create(model=tool_server.model_id, messages=CONVERSATION, tools=TOOLS,
                                          max_tokens=4, temperature=0.0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(ch.choices[0].delta.content or "" for ch in streamed) == resp.choices[0].message.content

@@ -1,6 +1,6 @@
 """OpenAI's response objects for a running `Generation`: `chat.completion(.chunk)` for chat, `text_completion`
-for completions, whole or as stream chunks; with tool calling on, a chat answer's calls are read out of its text
-(`tool_calls.py`)."""
+for completions, whole or as stream chunks; with a reasoning parser, a chat answer's thinking is split off
+(`reasoning.py`), and with tool calling on, its calls are read out of the rest (`tool_calls.py`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import time
 
 from services.gateway.generation import Delta, Generation, Usage
 from services.gateway.logprobs import LogprobShapes
+from services.gateway.reasoning import ReasoningParser, parse_reasoning
+from services.gateway.tagged_text import parsed
 from services.gateway.tool_calls import ToolCallParser, parse_tool_calls
 
 
@@ -22,23 +24,25 @@ class ResponseShape:
     ``chunk``)."""
 
     def __init__(self, gen: Generation, model: str, chat: bool, logprobs: LogprobShapes | None,
-                 tool_calls: bool = False) -> None:
+                 tool_calls: bool = False, reasoning: str | None = None) -> None:
         """``logprobs``: how to shape them, when the request asked for them; ``tool_calls``: the answers are
-        read for tool calls (``tool_calls.py``)."""
-        self.gen, self.chat, self.logprobs = gen, chat, logprobs
+        read for tool calls (``tool_calls.py``); ``reasoning``: the server's reasoning parser, which splits
+        the thinking off first (``reasoning.py``)."""
+        self.gen, self.chat, self.logprobs, self.reasoning = gen, chat, logprobs, reasoning
         self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
-        self.parsers = [ToolCallParser() for _ in gen.texts] if tool_calls else None  # each streamed choice's
+        n = len(gen.texts)  # each streamed choice's parsers
+        self.tool_parsers = [ToolCallParser() for _ in range(n)] if tool_calls else None
+        self.reasoning_parsers = [ReasoningParser(reasoning) for _ in range(n)] if reasoning else None
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: list, *,
-                streaming: bool, tool_calls: list[dict] | None = None) -> dict:
+                streaming: bool, fields: dict | None = None) -> dict:
+        """``fields``: a chat message's (or delta's) further fields (reasoning_content, tool_calls)."""
         if not self.chat:
             body = {"text": text}
         elif streaming:
-            delta = {"content": text} if text else {}
-            body = {"delta": {**delta, "tool_calls": tool_calls} if tool_calls else delta}
+            body = {"delta": {**({"content": text} if text else {}), **(fields or {})}}
         else:
-            message = {"role": "assistant", "content": text}
-            body = {"message": {**message, "tool_calls": tool_calls} if tool_calls else message}
+            body = {"message": {"role": "assistant", "content": text, **(fields or {})}}
         if self.logprobs is None:
             shaped = None
         else:
@@ -60,28 +64,36 @@ class ResponseShape:
         return {**out, "usage": _usage(usage) if usage else None} if with_usage else out
 
     def delta(self, d: Delta) -> dict | None:
-        """The stream chunk's choice for ``d``; None when there is nothing to send (text the tool call parser
-        holds back)."""
-        text, calls, finish_reason = d.text, None, d.finish_reason
-        if self.parsers is not None:
-            parser = self.parsers[d.index]
-            done = len(parser.calls)
-            text = parser.feed(text)[0] + (parser.finish()[0] if finish_reason else "")
-            calls = [call.as_dict(index=k) for k, call in enumerate(parser.calls) if k >= done]
-            if finish_reason and parser.calls:
+        """The stream chunk's choice for ``d``; None when there is nothing to send (text a parser holds back)."""
+        text, fields, finish_reason = d.text, {}, d.finish_reason
+        final = finish_reason is not None
+        if self.reasoning_parsers is not None:
+            reasoning, text = parsed(self.reasoning_parsers[d.index], text, final)
+            if reasoning:
+                fields["reasoning_content"] = reasoning
+        if self.tool_parsers is not None:
+            parser = self.tool_parsers[d.index]
+            text, calls = parsed(parser, text, final)
+            first = len(parser.calls) - len(calls)  # the new calls' places among the choice's
+            if calls:
+                fields["tool_calls"] = [call.as_dict(index=first + k) for k, call in enumerate(calls)]
+            if final and parser.calls:
                 finish_reason = "tool_calls"
-        if not (text or calls or finish_reason or d.logprobs):
+        if not (text or fields or finish_reason or d.logprobs):
             return None
-        return self._choice(d.index, text, finish_reason, d.logprobs or [], streaming=True, tool_calls=calls)
+        return self._choice(d.index, text, finish_reason, d.logprobs or [], streaming=True, fields=fields)
 
     def complete(self) -> dict:
         choices = []
         for i, text in enumerate(self.gen.texts):
-            finish_reason, calls = self.gen.finish_reasons[i], None
-            if self.parsers is not None and (parsed := parse_tool_calls(text))[1]:
-                text = parsed[0] if parsed[0].strip() else None
-                finish_reason, calls = "tool_calls", [call.as_dict() for call in parsed[1]]
+            finish_reason, fields = self.gen.finish_reasons[i], {}
+            if self.reasoning is not None:
+                reasoning, text = parse_reasoning(self.reasoning, text)
+                fields["reasoning_content"] = reasoning or None
+            if self.tool_parsers is not None and (calls := parse_tool_calls(text))[1]:
+                text = calls[0] if calls[0].strip() else None
+                finish_reason, fields["tool_calls"] = "tool_calls", [call.as_dict() for call in calls[1]]
             choices.append(self._choice(i, text, finish_reason, self.gen.logprobs[i], streaming=False,
-                                        tool_calls=calls))
+                                        fields=fields))
         return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
                 "choices": choices, "usage": _usage(self.gen.usage)}

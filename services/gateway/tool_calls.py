@@ -14,6 +14,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from services.gateway.tagged_text import parsed, split_at
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PARSERS = ("hermes",)  # --tool-call-parser choices
 
@@ -42,11 +44,6 @@ def _call(block: str) -> ToolCall | None:
                     arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
-def _partial_open(text: str) -> int:
-    """Length of the longest tail of ``text`` that begins ``<tool_call>`` (held back: it may be one)."""
-    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
-
-
 class ToolCallParser:
     """One choice's answer: ``feed`` each new piece of text, ``finish`` at its end; both return (content
     released, calls completed)."""
@@ -67,14 +64,10 @@ class ToolCallParser:
                 block, self._pending, self._in_call = self._pending[:end], self._pending[end + len(CLOSE):], False
                 content += self._take(block, calls, closed=True)
                 continue
-            start = self._pending.find(OPEN)
-            if start < 0:
-                keep = _partial_open(self._pending)
-                content += self._pending[:len(self._pending) - keep]
-                self._pending = self._pending[len(self._pending) - keep:]
+            released, self._pending, self._in_call = split_at(self._pending, OPEN)
+            content += released
+            if not self._in_call:
                 return content, calls
-            content += self._pending[:start]
-            self._pending, self._in_call = self._pending[start + len(OPEN):], True
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The rest: an unclosed call that parses is a call (the answer ended inside it), else content."""
@@ -95,7 +88,4 @@ class ToolCallParser:
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """A whole answer's (content, calls)."""
-    parser = ToolCallParser()
-    content, calls = parser.feed(text)
-    rest, more = parser.finish()
-    return content + rest, calls + more
+    return parsed(ToolCallParser(), text, final=True)
