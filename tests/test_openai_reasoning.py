@@ -5,14 +5,10 @@ the gateway's own Generation fed with token events; the live server's side is in
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
+from test_openai_tools import shaped
 
-from services.gateway.generation import Generation
 from services.gateway.reasoning import ReasoningParser, parse_reasoning
-from services.gateway.responses import ResponseShape
-from services.messages import TokenEvent
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -39,26 +35,9 @@ def test_thinking_is_split_from_the_answer_whole_or_streamed_a_character_at_a_ti
     assert (got[0] + rest[0], got[1] + rest[1]) == (reasoning, content)
 
 
-def shaped(pieces: list[str], tool_calls: bool) -> tuple[list[dict], dict]:
-    """The stream's chunk choices and the whole response's choice for an answer arriving in ``pieces``."""
-    async def events():
-        for k, piece in enumerate(pieces):
-            yield TokenEvent(0, [k], "stop" if k == len(pieces) - 1 else None, 5, 0, piece)
-
-    async def run() -> tuple[list[dict], dict]:
-        gen = Generation("chatcmpl-test", events(), 1)
-        await gen.start()
-        shape = ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=tool_calls, reasoning="qwen3")
-        choices = [c async for d in gen if (c := shape.delta(d)) is not None]
-        whole = ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=tool_calls, reasoning="qwen3")
-        return choices, whole.complete()["choices"][0]
-
-    return asyncio.run(run())
-
-
 def test_reasoning_content_streams_before_the_answer_and_stands_beside_it_whole():
     answer = "<think>Low tide at noon.</think>Go at noon."
-    choices, whole = shaped([answer[i:i + 5] for i in range(0, len(answer), 5)], tool_calls=False)
+    choices, whole = shaped([answer[i:i + 5] for i in range(0, len(answer), 5)], tool_calls=False, reasoning="qwen3")
     assert "".join(c["delta"].get("reasoning_content", "") for c in choices) == "Low tide at noon."
     assert "".join(c["delta"].get("content", "") for c in choices) == "Go at noon."
     last_thought = max(i for i, c in enumerate(choices) if "reasoning_content" in c["delta"])
@@ -68,7 +47,7 @@ def test_reasoning_content_streams_before_the_answer_and_stands_beside_it_whole(
 
 def test_tool_calls_are_read_from_the_answer_after_the_thinking():
     answer = '<think>I need the weather.</think>\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}'
-    choices, whole = shaped([answer[i:i + 9] for i in range(0, len(answer), 9)], tool_calls=True)
+    choices, whole = shaped([answer[i:i + 9] for i in range(0, len(answer), 9)], reasoning="qwen3")
     message = whole["message"]
     assert message["reasoning_content"] == "I need the weather." and message["content"] is None
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]

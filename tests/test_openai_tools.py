@@ -71,7 +71,7 @@ def test_what_is_not_a_whole_call_stays_content(answer, content, names):
 
 # ---- the response shapes -------------------------------------------------------------------------------------
 
-def shaped(pieces: list[str]) -> tuple[list[dict], dict]:
+def shaped(pieces: list[str], tool_calls: bool = True, reasoning: str | None = None) -> tuple[list[dict], dict]:
     """The stream's chunk choices and the whole response's choice for an answer arriving in ``pieces``, through
     the gateway's Generation and response shapes (the dispatcher's events replaced by ``pieces``)."""
     async def events():
@@ -81,9 +81,12 @@ def shaped(pieces: list[str]) -> tuple[list[dict], dict]:
     async def run() -> tuple[list[dict], dict]:
         gen = Generation("chatcmpl-test", events(), 1)
         await gen.start()
-        shape = ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=True)
-        choices = [c async for d in gen if (c := shape.delta(d)) is not None]
-        return choices, ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=True).complete()["choices"][0]
+        def shape() -> ResponseShape:
+            return ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=tool_calls, reasoning=reasoning)
+
+        streamed = shape()
+        choices = [c async for d in gen if (c := streamed.delta(d)) is not None]
+        return choices, shape().complete()["choices"][0]
 
     return asyncio.run(run())
 
