@@ -152,9 +152,8 @@ class Frontend:
         prompt_ids = [await self.prompt_ids(p, options.add_special_tokens) for p in prompts]
         echo = None
         if options.echo:  # a prompt sent as token ids is echoed as their text
-            texts = [p if isinstance(p, str) else await asyncio.to_thread(
-                self.dispatcher.tokenizer.decode, ids, skip_special_tokens=False) for p, ids in zip(
-                prompts, prompt_ids, strict=True)]
+            texts = [p if isinstance(p, str) else await self.detokenize(ids)
+                     for p, ids in zip(prompts, prompt_ids, strict=True)]
             echo = Echo(texts, prompt_ids, output=not options.echo_only)
         return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo)
 
