@@ -91,9 +91,10 @@ class ModelRunner:
         token_ids = [chunks[i].token_ids[0] for i in decode]
         positions = [chunks[i].start_pos for i in decode]
         slots = [chunks[i].block_table[p // B] * B + p % B for i, p in zip(decode, positions, strict=True)]
-        logit_rows: list[range] = [range(0)] * len(chunks)
+        last_rows = [0] * len(chunks)
         for row, i in enumerate(decode):
-            logit_rows[i] = range(row, row + 1)
+            last_rows[i] = row
+        first_rows: dict[int, int] = {}  # of the chunks that want every row's logits
         prefills: list[PrefillMeta] = []
         for i in prefill:
             c, n, begin = chunks[i], lens[i], len(token_ids)
@@ -104,7 +105,9 @@ class ModelRunner:
             token_ids.extend(c.token_ids)
             positions.extend(pos.tolist())
             slots.extend((own[pos // B - first] * B + pos % B).tolist())
-            logit_rows[i] = range(begin if c.all_logits else begin + n - 1, begin + n)
+            last_rows[i] = begin + n - 1
+            if c.all_logits:
+                first_rows[i] = begin
             if not self.paged:
                 prefills.append(self._prefill_meta(c, begin, n, pos))
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
@@ -115,8 +118,10 @@ class ModelRunner:
                                          for i in prefill], B, self.device)
         else:
             self._decode_meta(meta, [chunks[i] for i in decode], pos)
+        rows = last_rows if not first_rows else [
+            row for i, last in enumerate(last_rows) for row in range(first_rows.get(i, last), last + 1)]
         return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
-                torch.tensor([r for rows in logit_rows for r in rows], dtype=torch.long, device=self.device))
+                torch.tensor(rows, dtype=torch.long, device=self.device))
 
     def _prefill_meta(self, c: SeqChunk, begin: int, n: int, pos: torch.Tensor) -> PrefillMeta:
         """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it in a
