@@ -74,7 +74,7 @@ class GatewayConfig:
     session_ttl_s: float = 3600.0  # idle chat sessions expire after this
     metrics_require_key: bool = False  # /metrics and the API docs need the API key too (/health never does)
     shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long before they are cancelled
-    # Chat tool calling: the format the model writes calls in ("hermes"); None refuses tools
+    # Chat tool calling: the format the model writes calls in ("hermes", "llama3_json"); None refuses tools
     tool_call_parser: str | None = None
     # Chat: split the thinking a reasoning model writes into reasoning_content ("qwen3", "deepseek_r1"); None: off
     reasoning_parser: str | None = None
@@ -171,9 +171,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="most choices (n) a request may ask for, per prompt; above it the answer is a 400")
     p.add_argument("--metrics-require-key", action="store_true", default=g.metrics_require_key,
                    help="require the API key for /metrics and the API docs as well (/health stays open)")
-    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=g.tool_call_parser,
+    p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=g.tool_call_parser,
                    help="serve chat tool calling, reading the calls the model writes in this format (hermes: "
-                        "Qwen2.5, Qwen3, Hermes); without it, requests with tools are a 400")
+                        "Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1 and later); without it, requests with "
+                        "tools are a 400")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=g.reasoning_parser,
                    help="return a reasoning model's thinking (<think>...</think>) as reasoning_content, apart from "
                         "the answer (qwen3: the model opens the block; deepseek_r1: the template does)")

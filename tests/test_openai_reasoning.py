@@ -37,7 +37,7 @@ def test_thinking_is_split_from_the_answer_whole_or_streamed_a_character_at_a_ti
 
 def test_reasoning_content_streams_before_the_answer_and_stands_beside_it_whole():
     answer = "<think>Low tide at noon.</think>Go at noon."
-    choices, whole = shaped([answer[i:i + 5] for i in range(0, len(answer), 5)], tool_calls=False, reasoning="qwen3")
+    choices, whole = shaped([answer[i:i + 5] for i in range(0, len(answer), 5)], tool_calls=None, reasoning="qwen3")
     assert "".join(c["delta"].get("reasoning_content", "") for c in choices) == "Low tide at noon."
     assert "".join(c["delta"].get("content", "") for c in choices) == "Go at noon."
     last_thought = max(i for i, c in enumerate(choices) if "reasoning_content" in c["delta"])

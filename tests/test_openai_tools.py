@@ -17,7 +17,7 @@ from test_openai_features import client
 
 from services.gateway.generation import Generation
 from services.gateway.responses import ResponseShape
-from services.gateway.tool_calls import ToolCallParser, parse_tool_calls
+from services.gateway.tool_calls import HermesParser, Llama3JsonParser, parse_tool_calls
 from services.messages import TokenEvent
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -36,11 +36,11 @@ TEMPLATE = (  # the tiny model's, plus Qwen-style tools, calls and tool answers
 
 @pytest.mark.timeout(10)
 def test_calls_are_split_from_content_whole_or_streamed_a_character_at_a_time():
-    content, calls = parse_tool_calls(ANSWER)
+    content, calls = parse_tool_calls("hermes", ANSWER)
     assert content.strip() == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}), ("now", {})]
     assert len({c.id for c in calls}) == 2
-    parser, streamed, found = ToolCallParser(), "", []
+    parser, streamed, found = HermesParser(), "", []
     for ch in ANSWER:
         text, new = parser.feed(ch)
         assert OPEN_TAIL not in text  # never a piece of a tag
@@ -62,16 +62,38 @@ OPEN_TAIL = "<tool"
     ("ends with <tool_c", "ends with <tool_c", []),
 ])
 def test_what_is_not_a_whole_call_stays_content(answer, content, names):
-    got, calls = parse_tool_calls(answer)
+    got, calls = parse_tool_calls("hermes", answer)
     assert (got, [c.name for c in calls]) == (content, names)
-    parser = ToolCallParser()
+    parser = HermesParser()
+    streamed = "".join(parser.feed(ch)[0] for ch in answer)
+    assert streamed + parser.finish()[0] == content
+
+
+LLAMA_CALLS = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "now", "parameters": {}}'
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("answer, content, calls", [
+    (LLAMA_CALLS, "", [("get_weather", {"city": "Paris"}), ("now", {})]),  # the whole answer is the calls
+    ('  {"name": "f", "arguments": {"a": 1}}  ', "", [("f", {"a": 1})]),
+    ('<|python_tag|>{"name": "f", "parameters": {}}', "", [("f", {})]),  # the tag, where special tokens are kept
+    ('{"result": 4} is the JSON', '{"result": 4} is the JSON', []),  # an object, but not a call: content
+    ('{"name": "f", "parameters": {}} and more', '{"name": "f", "parameters": {}} and more', []),
+    ('{"name": "f", "param', '{"name": "f", "param', []),  # cut short: content
+    ('The call is {"name": "f"}', 'The call is {"name": "f"}', []),  # a call inside text is text
+])
+def test_llama3_json_reads_an_answer_that_is_nothing_but_calls(answer, content, calls):
+    got, found = parse_tool_calls("llama3_json", answer)
+    assert (got, [(c.name, json.loads(c.arguments)) for c in found]) == (content, calls)
+    parser = Llama3JsonParser()
     streamed = "".join(parser.feed(ch)[0] for ch in answer)
     assert streamed + parser.finish()[0] == content
 
 
 # ---- the response shapes -------------------------------------------------------------------------------------
 
-def shaped(pieces: list[str], tool_calls: bool = True, reasoning: str | None = None) -> tuple[list[dict], dict]:
+def shaped(pieces: list[str], tool_calls: str | None = "hermes",
+           reasoning: str | None = None) -> tuple[list[dict], dict]:
     """The stream's chunk choices and the whole response's choice for an answer arriving in ``pieces``, through
     the gateway's Generation and response shapes (the dispatcher's events replaced by ``pieces``)."""
     async def events():
@@ -103,6 +125,15 @@ def test_a_streamed_answer_with_calls_sends_content_then_one_delta_per_call():
     assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["tool_calls"]
     assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"].strip() == "Let me look."
     assert [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather", "now"]
+
+
+@pytest.mark.timeout(10)
+def test_a_llama_answer_of_calls_streams_nothing_until_it_ends_then_every_call():
+    choices, whole = shaped([LLAMA_CALLS[i:i + 6] for i in range(0, len(LLAMA_CALLS), 6)], tool_calls="llama3_json")
+    assert len(choices) == 1 and "content" not in choices[0]["delta"]  # held, then one chunk at the end
+    assert [c["function"]["name"] for c in choices[0]["delta"]["tool_calls"]] == ["get_weather", "now"]
+    assert choices[0]["finish_reason"] == whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["content"] is None and len(whole["message"]["tool_calls"]) == 2
 
 
 @pytest.mark.timeout(10)

@@ -147,7 +147,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await _unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
-                              tool_calls=options.tools is not None, reasoning=config.reasoning_parser)
+                              tool_calls=config.tool_call_parser if options.tools else None,
+                              reasoning=config.reasoning_parser)
         if body.stream:
             return _stream(gen, shape, body.include_usage, body.continuous_usage)
         return await _collect(gen, shape, request)
