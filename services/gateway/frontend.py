@@ -66,13 +66,9 @@ class Options:
     # Completions: a text prompt gets the tokenizer's special tokens (its post-processor's BOS, say), as
     # transformers' and vLLM's do; a chat's come from its template.
     add_special_tokens: bool = True
-    chat_template_kwargs: dict = field(default_factory=dict)  # chat: further template variables (vLLM's)
+    # Chat: the template's variables beyond the messages (vLLM's chat_template_kwargs, and the tools shown)
+    chat_template_kwargs: dict = field(default_factory=dict)
     tools: list[dict] | None = None  # chat: the functions the model is shown, and whose calls are read back
-
-    @property
-    def template_kwargs(self) -> dict:
-        """The chat template's variables beyond the messages."""
-        return {**self.chat_template_kwargs, "tools": self.tools} if self.tools else self.chat_template_kwargs
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
@@ -133,7 +129,7 @@ class Frontend:
                 raise InvalidRequestError("messages", "at least one message is required")
             self._check_text_size(sum(len(m["content"]) for m in history + messages))
             prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous,
-                                                 options.template_kwargs)
+                                                 options.chat_template_kwargs)
             if turn is not None:
                 turn.prompt_ids = prompt_ids
             return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)

@@ -224,23 +224,20 @@ class ChatCompletionRequest(_SamplingBody):
             raise _refuse("functions", _FUNCTIONS)
         if self.function_call not in (None, "none"):
             raise _refuse("function_call", _FUNCTIONS)
-        if self.tools and tool_call_parser is None:
-            raise _refuse("tools", _TOOLS)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequestError("tool_choice", "only allowed with tools")
         if self.tool_choice not in (None, "none", "auto"):
             raise _refuse("tool_choice", 'only "auto" and "none": forcing a call needs constrained decoding, which '
                                          "this server does not have")
-        for k, tool in enumerate(self.tools or ()):
-            tool.check(f"tools.{k}")
         if self.modalities is not None and self.modalities != ["text"]:
             raise _refuse("modalities", "only text output is supported")
         if self.store:
             raise _refuse("store", "stored completions are not supported")
         if self.service_tier not in (None, "auto", "default"):
             raise _refuse("service_tier", "this server has one service tier (auto / default)")
-        for k, message in enumerate(self.messages):
-            message.check(f"messages.{k}", tool_call_parser is not None)
+        # "none": the model is not shown the tools
+        variables, shown = chat_template_variables(self.messages, self.tools, self.chat_template_kwargs,
+                                                   tool_call_parser, show_tools=self.tool_choice != "none")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs", "needs logprobs: true")
@@ -248,9 +245,7 @@ class ChatCompletionRequest(_SamplingBody):
                 raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
-        options.chat_template_kwargs = template_kwargs(self.chat_template_kwargs)
-        if self.tools and self.tool_choice != "none":  # "none": the model is not shown the tools
-            options.tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        options.chat_template_kwargs, options.tools = variables, shown
         return options
 
 
@@ -288,12 +283,23 @@ class CompletionRequest(_SamplingBody):
         return list(self.prompt)
 
 
-def template_kwargs(given: dict[str, Any] | None) -> dict[str, Any]:
-    """A request's chat_template_kwargs, refusing names the rendering sets itself."""
-    taken = sorted(Tokenizer.TEMPLATE_VARIABLES.intersection(given or {}))
+def chat_template_variables(messages: list[ChatMessage], tools: list[ToolSpec] | None,
+                            kwargs: dict[str, Any] | None, tool_call_parser: str | None, show_tools: bool = True
+                            ) -> tuple[dict[str, Any], list[dict] | None]:
+    """(the chat template's variables beyond the messages: the request's chat_template_kwargs and the tools
+    shown; the tools shown, if any), after refusing what this server cannot render or read back
+    (``tool_call_parser``: the server's; None: tool calling is off)."""
+    if tools and tool_call_parser is None:
+        raise _refuse("tools", _TOOLS)
+    for k, tool in enumerate(tools or ()):
+        tool.check(f"tools.{k}")
+    for k, message in enumerate(messages):
+        message.check(f"messages.{k}", tool_call_parser is not None)
+    taken = sorted(Tokenizer.TEMPLATE_VARIABLES.intersection(kwargs or {}))
     if taken:
         raise InvalidRequestError("chat_template_kwargs", f"{', '.join(taken)}: set by the server, not by a request")
-    return dict(given or {})
+    shown = [tool.model_dump(exclude_none=True) for tool in tools] if tools and show_tools else None
+    return {**(kwargs or {}), **({"tools": shown} if shown else {})}, shown
 
 
 class TokenizeRequest(_Body):
@@ -321,16 +327,9 @@ class TokenizeRequest(_Body):
                 raise _refuse("chat_template_kwargs" if self.chat_template_kwargs else "tools", "only with messages")
         elif self.add_special_tokens:
             raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
-        if self.tools and tool_call_parser is None:
-            raise _refuse("tools", _TOOLS)
-        for k, tool in enumerate(self.tools or ()):
-            tool.check(f"tools.{k}")
-        for k, message in enumerate(self.messages or ()):
-            message.check(f"messages.{k}", tool_call_parser is not None)
         if not self.add_generation_prompt:
             raise _refuse("add_generation_prompt", "a chat prompt always ends with the generation prompt")
-        kwargs = template_kwargs(self.chat_template_kwargs)
-        return {**kwargs, "tools": [t.model_dump(exclude_none=True) for t in self.tools]} if self.tools else kwargs
+        return chat_template_variables(self.messages or [], self.tools, self.chat_template_kwargs, tool_call_parser)[0]
 
 
 class DetokenizeRequest(_Body):
