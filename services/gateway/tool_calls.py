@@ -136,7 +136,6 @@ def _json_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
-ToolCallParser = HermesParser | Llama3JsonParser
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}  # --tool-call-parser choices
 
 
