@@ -62,8 +62,7 @@ class OutputText:
     """One sample's output text: pushed token by token, handed out by ``emit``."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]):
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._detokenizer.push(prompt_ids[-DETOKENIZER_CONTEXT:])  # context only; its text is not output
+        self._detokenizer = IncrementalDetokenizer(tokenizer, context=prompt_ids[-DETOKENIZER_CONTEXT:])
         self._stop = stop
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out

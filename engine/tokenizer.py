@@ -103,6 +103,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` holds it (structured outputs build their vocabulary from it)."""
+        return self._tok.to_str()
+
     # Names the rendering sets itself; a request's chat_template_kwargs may not replace them.
     TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 
@@ -122,14 +126,16 @@ class IncrementalDetokenizer:
     """Streams text for a growing token sequence: ``push`` returns only newly completed text.
 
     Decodes a short window (the previously emitted tokens and the new ones) rather than the whole
-    sequence, and holds text back while it ends in an incomplete UTF-8 character ("\\ufffd")."""
+    sequence, and holds text back while it ends in an incomplete UTF-8 character ("\\ufffd"). ``context``:
+    tokens decoded ahead of the stream (a prompt's last few, so its first word spaces right) whose text is
+    never emitted, even when they end in an incomplete character."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: list[int] | None = None):
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context or [])
         self._prefix = 0  # start of the window whose text was already emitted up to _read
-        self._read = 0  # tokens before this index are emitted
+        self._read = len(self._ids)  # tokens before this index are emitted (or were context)
 
     def push(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)

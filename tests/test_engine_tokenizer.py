@@ -69,6 +69,13 @@ def test_incremental_detokenizer_streams_whole_characters(tok):
     assert [held.push([i]) for i in wave] == ["", "", "", "🌊"]
 
 
+def test_context_that_ends_mid_character_is_never_emitted(tok):
+    """A prompt of token ids may end inside a character: its bytes stay context, not output text."""
+    context = tok.encode("ab") + tok.encode("🌊")[:2]
+    detok = IncrementalDetokenizer(tok, context=context)
+    assert detok.push(tok.encode("ok")) + detok.flush() == "ok"
+
+
 def test_incremental_detokenizer_skips_special_tokens(tok):
     detok = IncrementalDetokenizer(tok)
     out = detok.push(tok.encode("ok")) + detok.push([tok.token_to_id("<|eot|>")])
