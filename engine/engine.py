@@ -33,6 +33,7 @@ from engine.sampler import make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.streaming_window import DEFAULT_MAX_LEN, StreamingWindow
+from engine.structured_output import GrammarMasks
 from engine.tokenizer import Tokenizer
 from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
@@ -74,6 +75,8 @@ class Engine:
             self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
+        self.grammars = GrammarMasks(self.tokenizer.to_json() if self.tokenizer else None,
+                                     self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
@@ -139,11 +142,15 @@ class Engine:
             else:
                 step.prefill_chunks.append((seq.request_id, n, pos))
         layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
+        # Structured outputs: the tokens each completing sequence may sample, found while the forward pass runs
+        bitmask = self.grammars.fill([seq.grammar if seq.num_computed_tokens + n == seq.num_tokens else None
+                                      for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
         logits = self.runner.run(chunks, layer_done)
         rows: list[int] = []  # the logits row each sampled sequence draws from
+        mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
         sampled: list[Sequence] = []
         last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
-        for seq, n, chunk in zip(batch.seqs, batch.num_new_tokens, chunks, strict=True):
+        for i, (seq, n, chunk) in enumerate(zip(batch.seqs, batch.num_new_tokens, chunks, strict=True)):
             pos, first = seq.num_computed_tokens, last + 1
             last += n if chunk.all_logits else 1
             if chunk.all_logits:
@@ -155,12 +162,14 @@ class Engine:
             if self.window is not None:  # free the blocks the window has passed (registered ones stay cached)
                 bm.drop(seq.seq_id, self.window.droppable(pos + n))
             if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
-                for s in self._fork(seq) if seq.fanout > 1 else (seq,):
+                for s in self._fork(seq) if seq.fanout > 1 else (seq,):  # forks start where their prompt's grammar is
                     rows.append(last)
+                    mask_rows.append(i)
                     sampled.append(s)
         if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
             every_row_once = rows == list(range(logits.shape[0]))
-            outputs += self._sample(logits if every_row_once else logits[rows], sampled)
+            outputs += self._sample(logits if every_row_once else logits[rows], sampled,
+                                    None if bitmask is None else bitmask[mask_rows])
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs
@@ -174,10 +183,15 @@ class Engine:
         seq.prompt_logprobs += top_logprobs(logits[:m], seq.token_ids[pos + 1:pos + 1 + m],
                                             [seq.params.prompt_logprobs] * m)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
-        token_ids = sample(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                           [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs],
-                           [self._stop_tokens(s) if s.num_output_tokens < s.params.min_tokens else [] for s in seqs])
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None) -> list[RequestOutput]:
+        """``bitmask``: the tokens each row may take (structured outputs), None when no row is constrained."""
+        # Structured outputs mask a copy: logprobs stay the model's raw distribution, as vLLM reports them.
+        # A complete grammar allows only stop tokens, which min_tokens then no longer holds back.
+        allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
+        banned = [self._stop_tokens(s) if s.num_output_tokens < s.params.min_tokens
+                  and not (s.grammar is not None and s.grammar.complete) else [] for s in seqs]
+        token_ids = sample(allowed, [s.params for s in seqs], [s.generator for s in seqs],
+                           [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], banned)
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         finished = [seq for seq, out in zip(seqs, outputs, strict=True) if out.finished]
@@ -202,6 +216,8 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""
         seq.token_ids.append(tok)
+        if seq.grammar is not None:
+            seq.grammar.advance(tok)
         reason, seq.stop_reason = check_finish(tok, seq.num_output_tokens, seq.params, self.eos_token_ids,
                                                seq.text, seq.prefill_only)
         seq.finish_reason = reason
@@ -264,9 +280,9 @@ class Engine:
         done = check_finish(first_token_id, len(output_ids) + 1, params, self.eos_token_ids, None, False)[0]
         if done is not None:
             raise InvalidRequestError("first_token_id", "the request already finished at its first token")
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id, [*output_ids, first_token_id])
         del self.held[request_id]
         self._leases.pop(seq_id, None)  # a running sequence from now on
-        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id, [*output_ids, first_token_id])
         seq.num_computed_tokens = seq.num_tokens - 1
         self.requests[request_id] = [seq]
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -325,12 +341,16 @@ class Engine:
     def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
                  seq_id: int | None = None, output_ids: tuple[int, ...] | list[int] = ()) -> Sequence:
         """``output_ids``: tokens sampled elsewhere (the prefill side, a failed worker): their text was
-        handed out (and matched no stop), and their random draws are skipped, one row each."""
+        handed out (and matched no stop), and their random draws are skipped, one row each. Raises
+        InvalidRequestError (taking nothing) when they break the request's structured output."""
+        spec = params.structured_output
+        grammar = None if spec is None else self.grammars.matcher(spec, output_ids)
         text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop)
         seq = Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, [*token_ids, *output_ids],
                        len(token_ids), params, index,
                        generator=make_generator(params.seed, index, self.device), text=text,
-                       prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None)
+                       prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None,
+                       grammar=grammar)
         for token in output_ids:
             if text is not None:
                 text.push(token)

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
 
 # Temperatures below this are greedy (dividing by ~0 only overflows).
 GREEDY_EPS = 1e-5
@@ -43,6 +44,8 @@ class SamplingParams:
     # HF / vLLM: logits of tokens in the prompt or the output are divided by it (multiplied when negative).
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, added to its logit)
+    # The output kept to a JSON schema, regex, choice list or grammar (engine/structured_output.py); None: free.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -100,6 +103,12 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutput):
+                raise bad("structured_output", f"must be a StructuredOutput, got {self.structured_output!r}")
+            if self.ignore_eos:  # a complete grammar allows only end-of-sequence tokens
+                raise bad("ignore_eos", "cannot be combined with a structured output, which ends with EOS")
+            self.structured_output.validate()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):

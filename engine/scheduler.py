@@ -20,6 +20,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.output import FinishReason, OutputText, TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.structured_output import GrammarMatcher
 
 
 class SeqStatus(Enum):
@@ -56,6 +57,7 @@ class Sequence:
     # The logprobs of prompt tokens 1.. (prompt_logprobs asked for), collected as the prompt is computed and
     # handed out with the first token; None otherwise and from then on.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    grammar: GrammarMatcher | None = None  # where the sample is in its structured output, if it has one
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,179 @@
+"""Structured outputs: a sample's text kept to a JSON schema, a regular expression, a list of choices or a
+grammar (Lark or GBNF), as OpenAI's ``response_format`` and vLLM's ``structured_outputs`` ask.
+
+The spec travels as plain strings in ``SamplingParams.structured_output`` (it pickles to the workers and is
+checked at the gateway). Each engine compiles it with llguidance (the Rust library behind vLLM's "guidance"
+backend) into one matcher per sample. Before each sampling step the matchers give the tokens each
+constrained row may take next, as a bitmask over the vocabulary (computed before the forward pass, so it
+overlaps a GPU's kernels); the row's other logits become -inf and the sampled token advances the matcher. Once the grammar is complete only end-of-sequence tokens remain, so the
+sample ends as any other does. A sample that began elsewhere (the prefill worker sampled its first token, or
+a failed worker's tokens are resumed) replays its tokens into a fresh matcher.
+
+llguidance is imported on first use: the engine also runs where it is not installed (the GPU check's bare
+CUDA machine), as long as no request asks for a structured output. Torch is needed only by
+``GrammarMasks.fill`` and ``apply``, so the gateway can check specs without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+# json: a JSON schema (text); regex: a regular expression (Rust's syntax) the whole output matches; choice: a
+# JSON list of strings, the output being one of them; grammar: a Lark grammar, or a GBNF one (llama.cpp's).
+KINDS = ("json", "regex", "choice", "grammar")
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's json_object: any JSON object
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as exc:  # a bare engine install; serving installs it (pyproject)
+        raise InvalidRequestError("structured_output", "this server cannot keep to a structured output: the "
+                                                       "llguidance package is not installed") from exc
+    return llguidance
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    kind: str  # one of KINDS
+    spec: str
+
+    def validate(self) -> None:
+        """InvalidRequestError("structured_output", why) for an unknown kind or a spec that does not compile."""
+        compile_grammar(self.kind, self.spec)
+
+
+@functools.lru_cache(maxsize=256)  # each worker checks and compiles the same spec: once each
+def compile_grammar(kind: str, spec: str) -> str:
+    """llguidance's grammar for a structured output; InvalidRequestError when it does not compile."""
+    if kind not in KINDS:
+        raise InvalidRequestError("structured_output", f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidRequestError("structured_output", f"the {kind} spec is empty")
+    llguidance = _llguidance()
+    if kind == "choice":
+        choices = _json(spec, "choice")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise InvalidRequestError("structured_output", "choice must be a non-empty list of non-empty strings")
+    elif kind == "json" and not isinstance(_json(spec, "json schema"), dict | bool):
+        raise InvalidRequestError("structured_output", "a JSON schema is an object (or true / false)")
+    try:
+        grammar = llguidance.grammar_from(kind, spec)
+    except ValueError as exc:  # GBNF that does not convert, a schema that is not an object
+        raise InvalidRequestError("structured_output", str(exc)) from exc
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise InvalidRequestError("structured_output", f"the {kind} spec does not compile: {error}")
+    return grammar
+
+
+def _json(spec: str, what: str) -> Any:
+    try:
+        return json.loads(spec)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError("structured_output", f"the {what} is not valid JSON: {exc}") from exc
+
+
+class GrammarMatcher:
+    """One sample's position in its grammar."""
+
+    def __init__(self, matcher: Any):
+        self._matcher = matcher
+
+    def advance(self, token_id: int) -> None:
+        """Take a sampled token (always one the mask allowed; a later mask step may still fail, see
+        ``GrammarMasks.fill``)."""
+        if not self._matcher.consume_token(token_id):
+            log.warning("structured output: token %d refused: %s", token_id, self._matcher.get_error())
+
+    @property
+    def complete(self) -> bool:
+        """Whether the grammar can take nothing more than an end-of-sequence token."""
+        return self._matcher.is_stopped()
+
+    @property
+    def matcher(self) -> Any:
+        return self._matcher
+
+
+class GrammarMasks:
+    """One engine's side of structured outputs: the vocabulary as llguidance sees it (built on first use:
+    milliseconds for a 32k vocabulary, about a second for 150k), a matcher per constrained sample, and the
+    per-step mask over a batch's logits."""
+
+    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int]):
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocabulary
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: Any = None
+        self._executor: Any = None
+
+    def matcher(self, spec: StructuredOutput, output_ids: list[int] | tuple[int, ...] = ()) -> GrammarMatcher:
+        """A fresh matcher for ``spec`` that has taken ``output_ids`` (tokens sampled elsewhere);
+        InvalidRequestError when the spec does not compile or the tokens break it."""
+        grammar = compile_grammar(spec.kind, spec.spec)
+        llguidance = _llguidance()
+        if self._tokenizer is None:
+            if self._tokenizer_json is None:
+                raise InvalidRequestError("structured_output", "this model has no tokenizer.json to match a "
+                                                               "structured output against")
+            self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=self._eos)
+            self._executor = llguidance.LLExecutor()
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if output_ids and not matcher.consume_tokens(list(output_ids)):
+            raise InvalidRequestError("output_ids", f"the tokens already sampled break the {spec.kind} spec: "
+                                                    f"{matcher.get_error()}")
+        if matcher.is_error():
+            raise InvalidRequestError("structured_output", matcher.get_error())
+        return GrammarMatcher(matcher)
+
+    def fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
+        """The tokens each row may take next, as an int32 bitmask ``[rows, ceil(vocab / 32)]`` on the CPU (all
+        ones for a row without a matcher); None when no row has one. The engine calls it before the forward
+        pass, so on a GPU this CPU work overlaps the kernels. A matcher that fails here (a grammar past
+        llguidance's per-step limits) allows only end-of-sequence tokens, ending its sample."""
+        import torch
+
+        rows = [r for r, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        words = -(-self.vocab_size // 32)
+        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        # llguidance fills the rows in parallel, straight into the tensor's memory (its torch helper's way,
+        # without importing that helper's torch.compile).
+        self._executor.unsafe_compute_mask_ptr([(matchers[r].matcher, r) for r in rows], bitmask.data_ptr(),
+                                               words * 4, len(matchers))
+        for r in rows:
+            if matchers[r].matcher.is_error():
+                log.warning("structured output: ended early: %s", matchers[r].matcher.get_error())
+                bitmask[r] = 0
+                for eos in self._eos:
+                    bitmask[r, eos // 32] |= _bit(eos % 32)
+        return bitmask
+
+    @staticmethod
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """``logits [rows, vocab]`` with what ``bitmask`` (``fill``'s, one row each) rules out at -inf: a copy,
+        as the input stays raw for logprobs."""
+        import torch
+
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+        return logits.masked_fill(~allowed, float("-inf"))
+
+
+def _bit(k: int) -> int:
+    """Bit ``k`` of an int32 word (bit 31 is the sign bit)."""
+    return 1 << k if k < 31 else -(1 << 31)
