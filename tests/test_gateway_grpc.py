@@ -5,6 +5,7 @@ Fixtures as in test_gateway_http.py: `live_server`, `secured_server`, `overloade
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import grpc
@@ -115,6 +116,26 @@ def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_choice(live_server
     tokens = [t for c in held for t in c.token_ids]
     assert len(tokens) == 4 and token not in tokens[:3] and tokens[3] == token
     assert [c.finish_reason for c in held if c.finish_reason] == ["stop"]
+
+
+def test_a_structured_output_keeps_the_answer_as_it_does_over_http(live_server):
+    schema = {"type": "object", "properties": {"tide": {"enum": ["low", "high"]}}, "required": ["tide"],
+              "additionalProperties": False}
+    kept = serving_pb2.StructuredOutput(json_schema=json.dumps(schema), disable_any_whitespace=True)
+    text = "".join(c.text for c in chat(live_server, serving_pb2.SamplingOptions(
+        max_tokens=48, temperature=0.0, structured_output=kept)))
+    http = http_chat(live_server, max_tokens=48, temperature=0.0,
+                     structured_outputs={"json": schema, "disable_any_whitespace": True})
+    assert text == http["choices"][0]["message"]["content"] and json.loads(text)["tide"] in ("low", "high")
+    choices = ["crab", "limpet"]
+    one = chat(live_server, serving_pb2.SamplingOptions(max_tokens=8, structured_output=serving_pb2.StructuredOutput(
+        choice=serving_pb2.Choices(values=choices))))
+    assert "".join(c.text for c in one) in choices
+    for bad, fragment in [(serving_pb2.StructuredOutput(regex="[0-9"), "does not compile"),
+                          (serving_pb2.StructuredOutput(), "set one of")]:
+        err = status_of(lambda b=bad: chat(live_server, serving_pb2.SamplingOptions(max_tokens=2, structured_output=b)))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.details()
+        assert fragment in err.details()
 
 
 def test_session_turn_two_reuses_cached_prefix(live_server):

@@ -17,7 +17,8 @@ from test_openai_features import client
 
 from services.gateway.generation import Generation
 from services.gateway.responses import ResponseShape
-from services.gateway.tool_calls import HermesParser, Llama3JsonParser, parse_tool_calls
+from services.gateway.tagged_text import parsed
+from services.gateway.tool_calls import PARSERS, ForcedCallsParser, HermesParser, Llama3JsonParser, ToolCall
 from services.messages import TokenEvent
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -33,6 +34,10 @@ TEMPLATE = (  # the tiny model's, plus Qwen-style tools, calls and tool answers
 
 
 # ---- the parser ---------------------------------------------------------------------------------------------
+
+def parse_tool_calls(kind: str, text: str) -> tuple[str, list[ToolCall]]:
+    return parsed(PARSERS[kind](), text, final=True)
+
 
 @pytest.mark.timeout(10)
 def test_calls_are_split_from_content_whole_or_streamed_a_character_at_a_time():
@@ -92,13 +97,13 @@ def test_llama3_json_reads_an_answer_that_is_nothing_but_calls(answer, content, 
 
 # ---- the response shapes -------------------------------------------------------------------------------------
 
-def shaped(pieces: list[str], tool_calls: str | None = "hermes",
-           reasoning: str | None = None) -> tuple[list[dict], dict]:
+def shaped(pieces: list[str], tool_calls=PARSERS["hermes"], reasoning: str | None = None,
+           finish_reason: str = "stop") -> tuple[list[dict], dict]:
     """The stream's chunk choices and the whole response's choice for an answer arriving in ``pieces``, through
     the gateway's Generation and response shapes (the dispatcher's events replaced by ``pieces``)."""
     async def events():
         for k, piece in enumerate(pieces):
-            yield TokenEvent(0, [k], "stop" if k == len(pieces) - 1 else None, 5, 0, piece)
+            yield TokenEvent(0, [k], finish_reason if k == len(pieces) - 1 else None, 5, 0, piece)
 
     async def run() -> tuple[list[dict], dict]:
         gen = Generation("chatcmpl-test", events(), 1)
@@ -129,7 +134,7 @@ def test_a_streamed_answer_with_calls_sends_content_then_one_delta_per_call():
 
 @pytest.mark.timeout(10)
 def test_a_llama_answer_of_calls_streams_nothing_until_it_ends_then_every_call():
-    choices, whole = shaped([LLAMA_CALLS[i:i + 6] for i in range(0, len(LLAMA_CALLS), 6)], tool_calls="llama3_json")
+    choices, whole = shaped([LLAMA_CALLS[i:i + 6] for i in range(0, len(LLAMA_CALLS), 6)], tool_calls=PARSERS["llama3_json"])
     assert len(choices) == 1 and "content" not in choices[0]["delta"]  # held, then one chunk at the end
     assert [c["function"]["name"] for c in choices[0]["delta"]["tool_calls"]] == ["get_weather", "now"]
     assert choices[0]["finish_reason"] == whole["finish_reason"] == "tool_calls"
@@ -140,6 +145,29 @@ def test_a_llama_answer_of_calls_streams_nothing_until_it_ends_then_every_call()
 def test_an_answer_that_is_only_a_call_has_null_content():
     message = shaped([CALL])[1]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.timeout(10)
+def test_a_named_forced_call_is_the_whole_answer_and_finishes_as_stop():
+    answer = '{"city": "Paris"}'
+    choices, whole = shaped([answer[:6], answer[6:]], tool_calls=lambda: ForcedCallsParser("get_weather"))
+    assert len(choices) == 1 and choices[0]["finish_reason"] == "stop"  # held, then the call at the end
+    (call,) = choices[0]["delta"]["tool_calls"]
+    assert (call["index"], call["function"]["name"], call["function"]["arguments"]) == (0, "get_weather", answer)
+    assert whole["finish_reason"] == "stop" and whole["message"]["content"] is None
+    assert whole["message"]["tool_calls"][0]["function"]["arguments"] == answer
+
+
+@pytest.mark.timeout(10)
+def test_a_required_answer_is_a_list_of_calls_and_cut_short_it_is_content():
+    answer = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "now", "parameters": {}}]'
+    whole = shaped([answer], tool_calls=ForcedCallsParser)[1]
+    calls = whole["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "now"] and whole["finish_reason"] == "tool_calls"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    cut = shaped([answer[:30]], tool_calls=ForcedCallsParser, finish_reason="length")[1]
+    assert cut["message"]["content"] == answer[:30] and "tool_calls" not in cut["message"]
+    assert cut["finish_reason"] == "length"
 
 
 # ---- a live server ------------------------------------------------------------------------------------------
@@ -197,13 +225,45 @@ def test_tools_calls_and_tool_answers_reach_the_prompt(tool_server):
     assert unseen.usage.prompt_tokens == tokenize(tool_server, {"messages": CONVERSATION})["count"]
 
 
+# Compact (llguidance's schema option), so that a random-weight model's forced arguments end within max_tokens.
+SET_UNIT = {"type": "function", "function": {"name": "set_unit", "strict": True, "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+    "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}}}
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_forced_call_keeps_to_its_function_schema(tool_server):
+    c = client(tool_server)
+    kwargs = dict(model=tool_server.model_id, messages=CONVERSATION[:1], tools=[*TOOLS, SET_UNIT], temperature=0.0)
+    named = c.chat.completions.create(**kwargs, max_tokens=32,
+                                      tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    choice = named.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "stop" and choice.message.content is None and call.function.name == "set_unit"
+    assert json.loads(call.function.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    streamed = c.chat.completions.create(**kwargs, max_tokens=32, stream=True,
+                                         tool_choice={"type": "function", "function": {"name": "set_unit"}})
+    deltas = [call for chunk in streamed for call in chunk.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [("set_unit", call.function.arguments)]
+    # "required": a JSON list of calls, which JSON's free whitespace may leave unfinished at max_tokens
+    required = c.chat.completions.create(**kwargs, max_tokens=24, tool_choice="required").choices[0]
+    if required.finish_reason == "tool_calls":
+        assert {call.function.name for call in required.message.tool_calls} <= {"get_weather", "set_unit"}
+    else:
+        assert required.finish_reason == "length" and required.message.content.lstrip().startswith("[")
+
+
 @pytest.mark.ray
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fields, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),  # not in tools
+    ({"tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),  # the Responses API's shape
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools"),  # auto: not kept to
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),  # two outputs
     ({"extra_body": {"session_id": "s-tools"}}, "tools"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # which call it answers
     ({"extra_body": {"chat_template_kwargs": {"tools": []}}}, "chat_template_kwargs"),

@@ -28,8 +28,7 @@ def post(server, path: str, content: bytes) -> httpx.Response:
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ({"tool_choice": "auto"}, "tool_choice"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),

@@ -15,9 +15,11 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import PromptTooLongError
@@ -69,12 +71,18 @@ class Options:
     # Chat: the template's variables beyond the messages (vLLM's chat_template_kwargs, and the tools shown)
     chat_template_kwargs: dict = field(default_factory=dict)
     tools: list[dict] | None = None  # chat: the functions the model is shown, and whose calls are read back
+    # chat with tools: "auto" (the model may call), "required" (it writes a list of calls) or "named" (it writes
+    # the arguments of ``tool_name``)
+    tool_choice: Literal["auto", "required", "named"] = "auto"
+    tool_name: str | None = None
+    structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
         params = SamplingParams(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
                                 stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), n=self.n,
-                                ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias), **given)
+                                ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias),
+                                structured_output=self.structured_output, **given)
         params.validate()
         return params
 

@@ -14,12 +14,15 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from engine.errors import InvalidRequestError
+from engine.structured_output import StructuredOutput
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Delta, Generation
+from services.gateway.structured_outputs import StructuredOutputsParams, requested_output
 from services.sessions import SessionStore
 from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
@@ -38,7 +41,19 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    n=s.n if s.HasField("n") else 1, ignore_eos=s.ignore_eos,
                    presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),
-                   logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"))
+                   logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"),
+                   structured_output=_structured_output(s.structured_output) if s.HasField("structured_output") else None)
+
+
+def _structured_output(spec: serving_pb2.StructuredOutput) -> StructuredOutput:
+    """As HTTP's ``structured_outputs`` (the same checks and messages)."""
+    kind = spec.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured_outputs", "set one of json_schema, regex, choice, grammar and "
+                                                        "json_object")
+    value = list(spec.choice.values) if kind == "choice" else getattr(spec, kind)
+    fields = {{"json_schema": "json"}.get(kind, kind): value, "disable_any_whitespace": spec.disable_any_whitespace}
+    return requested_output(None, StructuredOutputsParams.model_validate(fields))
 
 
 def _chunk(delta: Delta, request_id: str) -> serving_pb2.GenerateChunk:

@@ -29,6 +29,7 @@ from services.gateway.protocol import (
     TokenizeRequest,
 )
 from services.gateway.responses import ResponseShape
+from services.gateway.tool_calls import call_parser
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
 
@@ -147,7 +148,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await _unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
-                              tool_calls=config.tool_call_parser if options.tools else None,
+                              tool_calls=call_parser(config.tool_call_parser, options.tool_choice, options.tool_name)
+                              if options.tools else None,
                               reasoning=config.reasoning_parser)
         if body.stream:
             return _stream(gen, shape, body.include_usage, body.continuous_usage)

@@ -12,38 +12,27 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import MAX_LOGPROBS
+from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
 from services.gateway.errors import UnsupportedFieldError
 from services.gateway.frontend import Options
+from services.gateway.request_body import Body as _Body
+from services.gateway.request_body import refuse as _refuse
+from services.gateway.structured_outputs import (
+    ResponseFormat,
+    StructuredOutputsParams,
+    forced_call_output,
+    requested_output,
+)
 
 # Accepted and ignored: they identify the caller or the cache, or only matter for stored completions.
 IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "metadata"})
 _TOOLS = "tool calling is off on this server (it is served with --tool-call-parser)"
 _FUNCTIONS = "the deprecated functions API is not supported: use tools"
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown fields are refused by `check_extra`, naming them
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_absent(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-    def check_extra(self, path: str, ignored: frozenset[str] = frozenset()) -> None:
-        """Refuse fields this model does not declare (``path`` locates the model in the request)."""
-        for name in self.model_extra or {}:
-            if name not in ignored:
-                top = path.split(".")[0] or name
-                raise UnsupportedFieldError(top, f"{path + '.' if path else ''}{name}: not supported by this server")
-
-
-def _refuse(param: str, message: str) -> UnsupportedFieldError:
-    return UnsupportedFieldError(param, f"{param}: {message}")
 
 
 class StreamOptions(_Body):
@@ -130,19 +119,21 @@ class FunctionSpec(_Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments.")
-    strict: bool | None = Field(None, description="Only false: keeping to the schema needs constrained decoding.")
+    strict: bool | None = Field(None, description="true only with a forced call (tool_choice required or named), "
+                                                   "whose arguments always keep to the schema.")
 
 
 class ToolSpec(_Body):
     type: Literal["function"]
     function: FunctionSpec
 
-    def check(self, path: str) -> None:
+    def check(self, path: str, forced_call: bool) -> None:
+        """``forced_call``: tool_choice is "required" or names a function, so the arguments keep to the schema."""
         self.check_extra(path)
         self.function.check_extra(f"{path}.function")
-        if self.function.strict:
-            raise UnsupportedFieldError("tools", f"{path}.function.strict: keeping arguments to the schema needs "
-                                                 "constrained decoding, which this server does not have")
+        if self.function.strict and not forced_call:
+            raise UnsupportedFieldError("tools", f"{path}.function.strict: arguments keep to the schema only when the "
+                                                 'call is forced (tool_choice "required" or a named function)')
 
 
 class _SamplingBody(_Body):
@@ -166,9 +157,14 @@ class _SamplingBody(_Body):
                                                                 "vLLM). Extension.")
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="One of json, regex, choice, grammar, json_object (vLLM). Extension.")
 
-    def options(self, max_tokens: int | None, logprobs: int | None) -> Options:
-        """The sampling fields as `Options`, after refusing what this server does not implement."""
+    def options(self, max_tokens: int | None, logprobs: int | None,
+                forced_call: StructuredOutput | None = None) -> Options:
+        """The sampling fields as `Options`, after refusing what this server does not implement
+        (``forced_call``: what a forced tool call keeps to)."""
         self.check_extra("", IGNORED_FIELDS)
         if self.stream_options is not None:
             self.stream_options.check_extra("stream_options")
@@ -183,7 +179,8 @@ class _SamplingBody(_Body):
                        seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
                        ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                       logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens)
+                       logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens,
+                       structured_output=requested_output(self.response_format, self.structured_outputs, forced_call))
 
     @property
     def include_usage(self) -> bool:
@@ -203,10 +200,10 @@ class ChatCompletionRequest(_SamplingBody):
     session_id: str | None = Field(None, description="Keep the conversation server-side (also header "
                                                      "X-Session-Id): send only the new messages. Extension.")
     # Accepted only with their no-op values: see `chat_options`.
-    response_format: dict[str, Any] | None = Field(None, description='Only {"type": "text"}.')
     tools: list[ToolSpec] | None = Field(None, description="Functions the model may call (servers started with "
                                                             "--tool-call-parser).")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='"auto" (with tools) or "none".')
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='"auto", "none", "required" or {"type": "function", "function": {"name": ...}}.')
     functions: list[Any] | None = Field(None, description="Only empty (deprecated: use tools).")
     function_call: str | dict[str, Any] | None = Field(None, description='Only "none".')
     parallel_tool_calls: bool | None = Field(None, description="Accepted: every call the model writes is returned.")
@@ -218,17 +215,14 @@ class ChatCompletionRequest(_SamplingBody):
 
     def chat_options(self, tool_call_parser: str | None) -> Options:
         """``tool_call_parser``: the server's (None: tool calling is off)."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise _refuse("response_format", "structured output (json_object, json_schema) is not supported")
         if self.functions:
             raise _refuse("functions", _FUNCTIONS)
         if self.function_call not in (None, "none"):
             raise _refuse("function_call", _FUNCTIONS)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise InvalidRequestError("tool_choice", "only allowed with tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise _refuse("tool_choice", 'only "auto" and "none": forcing a call needs constrained decoding, which '
-                                         "this server does not have")
+        forced_name = self._forced_tool_name()
+        forced = self.tool_choice == "required" or forced_name is not None
         if self.modalities is not None and self.modalities != ["text"]:
             raise _refuse("modalities", "only text output is supported")
         if self.store:
@@ -237,16 +231,34 @@ class ChatCompletionRequest(_SamplingBody):
             raise _refuse("service_tier", "this server has one service tier (auto / default)")
         # "none": the model is not shown the tools
         variables, shown = chat_template_variables(self.messages, self.tools, self.chat_template_kwargs,
-                                                   tool_call_parser, show_tools=self.tool_choice != "none")
+                                                   tool_call_parser, show_tools=self.tool_choice != "none",
+                                                   forced_call=forced)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs", "needs logprobs: true")
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        forced_call = forced_call_output(shown, forced_name) if forced else None
+        options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, forced_call)
         options.chat_template_kwargs, options.tools = variables, shown
+        options.tool_choice = "required" if self.tool_choice == "required" else "named" if forced else "auto"
+        options.tool_name = forced_name
         return options
+
+    def _forced_tool_name(self) -> str | None:
+        """The function a tool_choice object names; None for the string choices (400 for an unknown one)."""
+        if isinstance(self.tool_choice, dict):
+            function = self.tool_choice.get("function")
+            if (self.tool_choice.get("type") != "function" or not isinstance(function, dict)
+                    or not isinstance(function.get("name"), str) or set(self.tool_choice) != {"type", "function"}):
+                raise InvalidRequestError("tool_choice", 'a named choice is {"type": "function", "function": '
+                                                         '{"name": ...}}')
+            return function["name"]
+        if self.tool_choice not in (None, "none", "auto", "required"):
+            raise InvalidRequestError("tool_choice", f'must be "auto", "none", "required" or a named function, got '
+                                                     f"{self.tool_choice!r}")
+        return None
 
 
 class CompletionRequest(_SamplingBody):
@@ -284,15 +296,15 @@ class CompletionRequest(_SamplingBody):
 
 
 def chat_template_variables(messages: list[ChatMessage], tools: list[ToolSpec] | None,
-                            kwargs: dict[str, Any] | None, tool_call_parser: str | None, show_tools: bool = True
-                            ) -> tuple[dict[str, Any], list[dict] | None]:
+                            kwargs: dict[str, Any] | None, tool_call_parser: str | None, show_tools: bool = True,
+                            forced_call: bool = False) -> tuple[dict[str, Any], list[dict] | None]:
     """(the chat template's variables beyond the messages: the request's chat_template_kwargs and the tools
     shown; the tools shown, if any), after refusing what this server cannot render or read back
-    (``tool_call_parser``: the server's; None: tool calling is off)."""
+    (``tool_call_parser``: the server's; None: tool calling is off; ``forced_call``: tool_choice forces one)."""
     if tools and tool_call_parser is None:
         raise _refuse("tools", _TOOLS)
     for k, tool in enumerate(tools or ()):
-        tool.check(f"tools.{k}")
+        tool.check(f"tools.{k}", forced_call)
     for k, message in enumerate(messages):
         message.check(f"messages.{k}", tool_call_parser is not None)
     taken = sorted(Tokenizer.TEMPLATE_VARIABLES.intersection(kwargs or {}))

@@ -5,13 +5,13 @@ for completions, whole or as stream chunks; with a reasoning parser, a chat answ
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from services.gateway.generation import Delta, Generation, Usage
 from services.gateway.logprobs import LogprobShapes
 from services.gateway.reasoning import ReasoningParser, parse_reasoning
 from services.gateway.tagged_text import parsed
-from services.gateway.tool_calls import PARSERS as TOOL_PARSERS
-from services.gateway.tool_calls import parse_tool_calls
+from services.gateway.tool_calls import ToolCallParser
 
 
 def _usage(usage: Usage) -> dict:
@@ -25,14 +25,14 @@ class ResponseShape:
     ``chunk``)."""
 
     def __init__(self, gen: Generation, model: str, chat: bool, logprobs: LogprobShapes | None,
-                 tool_calls: str | None = None, reasoning: str | None = None) -> None:
-        """``logprobs``: how to shape them, when the request asked for them; ``tool_calls``: the parser the
-        answers are read for tool calls with (``tool_calls.py``); ``reasoning``: the server's reasoning
-        parser, which splits the thinking off first (``reasoning.py``)."""
+                 tool_calls: Callable[[], ToolCallParser] | None = None, reasoning: str | None = None) -> None:
+        """``logprobs``: how to shape them, when the request asked for them; ``tool_calls``: makes the parser
+        each answer is read for tool calls with (``tool_calls.call_parser``); ``reasoning``: the server's
+        reasoning parser, which splits the thinking off first (``reasoning.py``)."""
         self.gen, self.chat, self.logprobs, self.reasoning, self.tool_calls = gen, chat, logprobs, reasoning, tool_calls
         self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
         n = len(gen.texts)  # each streamed choice's parsers
-        self.tool_parsers = [TOOL_PARSERS[tool_calls]() for _ in range(n)] if tool_calls else None
+        self.tool_parsers = [tool_calls() for _ in range(n)] if tool_calls else None
         self.reasoning_parsers = [ReasoningParser(reasoning) for _ in range(n)] if reasoning else None
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: list, *,
@@ -78,7 +78,7 @@ class ResponseShape:
             first = len(parser.calls) - len(calls)  # the new calls' places among the choice's
             if calls:
                 fields["tool_calls"] = [call.as_dict(index=first + k) for k, call in enumerate(calls)]
-            if final and parser.calls:
+            if final and parser.calls and parser.ends_with_calls:
                 finish_reason = "tool_calls"
         if not (text or fields or finish_reason or d.logprobs):
             return None
@@ -91,9 +91,10 @@ class ResponseShape:
             if self.reasoning is not None:
                 reasoning, text = parse_reasoning(self.reasoning, text)
                 fields["reasoning_content"] = reasoning or None
-            if self.tool_calls is not None and (calls := parse_tool_calls(self.tool_calls, text))[1]:
+            if self.tool_calls is not None and (calls := parsed(parser := self.tool_calls(), text, final=True))[1]:
                 text = calls[0] if calls[0].strip() else None
-                finish_reason, fields["tool_calls"] = "tool_calls", [call.as_dict() for call in calls[1]]
+                fields["tool_calls"] = [call.as_dict() for call in calls[1]]
+                finish_reason = "tool_calls" if parser.ends_with_calls else finish_reason
             choices.append(self._choice(i, text, finish_reason, self.gen.logprobs[i], streaming=False,
                                         fields=fields))
         return {**self.base, "object": "chat.completion" if self.chat else "text_completion",

@@ -5,16 +5,18 @@ Qwen2.5, Qwen3 and the Hermes models write each call as ``<tool_call>{"name": ..
 call, ``{"name": ..., "parameters": {...}}``, several joined by ``;`` (``Llama3JsonParser``). Their chat
 templates render the request's ``tools`` and earlier calls and results that way. A parser splits a growing
 answer into content and complete calls as it streams; what is not a JSON object with a string ``name`` stays
-content, as vLLM leaves it.
+content, as vLLM leaves it. A forced call (``tool_choice: "required"`` or a named function) is kept to a schema
+while it is sampled (``structured_outputs.py``) and read whole by ``ForcedCallsParser``.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.gateway.tagged_text import parsed, split_at
+from services.gateway.tagged_text import split_at
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama's: a special token, dropped from the text unless special tokens are kept
@@ -39,11 +41,15 @@ def _call(block: str) -> ToolCall | None:
         return None
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def _call_of(value: object) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return ToolCall(f"call_{uuid.uuid4().hex[:24]}", value["name"],
+    return ToolCall(_call_id(), value["name"],
                     arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
@@ -51,6 +57,8 @@ class HermesParser:
     """One choice's answer: ``feed`` each new piece of text, ``finish`` at its end; both return (content
     released, calls completed). Content is released as it comes except a tail that could still begin
     ``<tool_call>``, and a call once its closing tag (or the end of the answer) arrives."""
+
+    ends_with_calls = True  # an answer with calls finishes as "tool_calls"
 
     def __init__(self) -> None:
         self._pending = ""  # text not released yet: a possible start of a tag, or an open call's body
@@ -94,6 +102,8 @@ class Llama3JsonParser:
     """One choice's answer, as ``HermesParser``'s. An answer that starts with ``{`` is held until it ends, then
     read as calls, or released as content when it is not one; any other answer is released as it comes."""
 
+    ends_with_calls = True
+
     def __init__(self) -> None:
         self._pending = ""
         self._holding: bool | None = None  # None: undecided until the first character that is not a space
@@ -136,9 +146,46 @@ def _json_calls(text: str) -> list[ToolCall] | None:
     return calls
 
 
+class ForcedCallsParser:
+    """A forced answer, held whole and read at its end. With ``name`` (a named function) the answer is that
+    function's arguments, and stays its call even when max_tokens cut it (finish_reason says so), as vLLM
+    returns it; the answer finishes as "stop", as OpenAI's does. Without (``tool_choice: "required"``) the
+    answer is a JSON list of ``{"name", "parameters"}`` calls and finishes as "tool_calls"; one that is not
+    (cut short) is content."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self._name = name
+        self._pending = ""
+        self.ends_with_calls = name is None
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._pending += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._pending = self._pending, ""
+        if self._name is not None:
+            calls = [ToolCall(_call_id(), self._name, rest.strip())]
+        else:
+            try:
+                value = json.loads(rest)
+            except json.JSONDecodeError:
+                return rest, []
+            calls = [_call_of(item) for item in value] if isinstance(value, list) and value else [None]
+            if None in calls:
+                return rest, []
+        self.calls += calls
+        return "", calls
+
+
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}  # --tool-call-parser choices
+ToolCallParser = HermesParser | Llama3JsonParser | ForcedCallsParser
 
 
-def parse_tool_calls(kind: str, text: str) -> tuple[str, list[ToolCall]]:
-    """A whole answer's (content, calls), read by the ``kind`` parser."""
-    return parsed(PARSERS[kind](), text, final=True)
+def call_parser(kind: str, tool_choice: str, name: str | None) -> Callable[[], ToolCallParser]:
+    """How a choice's answer is read: by the server's ``kind`` parser when the model may call (``tool_choice``
+    "auto"), else as the forced call(s) (``name``: the function a "named" choice forces)."""
+    if tool_choice == "auto":
+        return PARSERS[kind]
+    return lambda: ForcedCallsParser(name if tool_choice == "named" else None)
