@@ -20,6 +20,7 @@ import functools
 import importlib.util
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +50,17 @@ def _llguidance() -> Any:
 class StructuredOutput:
     kind: str  # one of KINDS
     spec: str
+    # The spec applies to what follows the first occurrence of these tokens in the output (a reasoning model's
+    # end of thinking, "</think>": the gateway sets it), and the output is free until then; empty: from the
+    # first token.
+    start_after: tuple[int, ...] = ()
 
     def validate(self) -> None:
         """InvalidRequestError("structured_output", why) for an unknown kind or a spec that does not compile."""
+        if not isinstance(self.start_after, tuple) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.start_after):
+            raise InvalidRequestError("structured_output", f"start_after must be a tuple of token ids, got "
+                                                           f"{self.start_after!r}")
         compile_grammar(self.kind, self.spec)
 
 
@@ -87,25 +96,29 @@ def _json(spec: str, what: str) -> Any:
 
 
 class GrammarMatcher:
-    """One sample's position in its grammar."""
+    """One sample's position in its grammar; before its ``start_after`` tokens have been sampled (if it has
+    them), not active: the output is free and ``matcher`` is None."""
 
-    def __init__(self, matcher: Any):
-        self._matcher = matcher
+    def __init__(self, start: Callable[[], Any], start_after: tuple[int, ...]):
+        self._start = start  # a fresh llguidance matcher
+        self._start_after = start_after
+        self._recent: list[int] = []  # the output's last tokens, while waiting for start_after
+        self.matcher: Any = None if start_after else start()
 
     def advance(self, token_id: int) -> None:
         """Take a sampled token (always one the mask allowed; a later mask step may still fail, see
         ``GrammarMasks.fill``)."""
-        if not self._matcher.consume_token(token_id):
-            log.warning("structured output: token %d refused: %s", token_id, self._matcher.get_error())
+        if self.matcher is None:
+            self._recent = [*self._recent, token_id][-len(self._start_after):]
+            if tuple(self._recent) == self._start_after:
+                self.matcher = self._start()
+        elif not self.matcher.consume_token(token_id):
+            log.warning("structured output: token %d refused: %s", token_id, self.matcher.get_error())
 
     @property
     def complete(self) -> bool:
         """Whether the grammar can take nothing more than an end-of-sequence token."""
-        return self._matcher.is_stopped()
-
-    @property
-    def matcher(self) -> Any:
-        return self._matcher
+        return self.matcher is not None and self.matcher.is_stopped()
 
 
 class GrammarMasks:
@@ -138,13 +151,16 @@ class GrammarMasks:
         llguidance = _llguidance()
         if self._tokenizer is None:
             self._build_tokenizer()
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
-        if output_ids and not matcher.consume_tokens(list(output_ids)):
-            raise InvalidRequestError("output_ids", f"the tokens already sampled break the {spec.kind} spec: "
-                                                    f"{matcher.get_error()}")
-        if matcher.is_error():
-            raise InvalidRequestError("structured_output", matcher.get_error())
-        return GrammarMatcher(matcher)
+        tokenizer = self._tokenizer
+        matcher = GrammarMatcher(lambda: llguidance.LLMatcher(tokenizer, grammar, log_level=0), spec.start_after)
+        if matcher.matcher is not None and matcher.matcher.is_error():  # a grammar this vocabulary cannot meet
+            raise InvalidRequestError("structured_output", matcher.matcher.get_error())
+        for token in output_ids:
+            matcher.advance(token)
+            if matcher.matcher is not None and matcher.matcher.is_error():
+                raise InvalidRequestError("output_ids", f"the tokens already sampled break the {spec.kind} spec: "
+                                                        f"{matcher.matcher.get_error()}")
+        return matcher
 
     def fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
         """The tokens each row may take next, as an int32 bitmask ``[rows, ceil(vocab / 32)]`` on the CPU (all
@@ -153,7 +169,7 @@ class GrammarMasks:
         llguidance's per-step limits) allows only end-of-sequence tokens, ending its sample."""
         import torch
 
-        rows = [r for r, m in enumerate(matchers) if m is not None]
+        rows = [r for r, m in enumerate(matchers) if m is not None and m.matcher is not None]
         if not rows:
             return None
         words = -(-self.vocab_size // 32)

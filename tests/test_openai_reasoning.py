@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from test_openai_tools import shaped
 
-from services.gateway.reasoning import ReasoningParser, parse_reasoning
+from engine.structured_output import StructuredOutput
+from services.gateway.reasoning import ReasoningParser, after_thinking, parse_reasoning
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -54,3 +55,17 @@ def test_tool_calls_are_read_from_the_answer_after_the_thinking():
     assert whole["finish_reason"] == "tool_calls"
     streamed = [call for c in choices for call in c["delta"].get("tool_calls", [])]
     assert [(c["index"], c["function"]["arguments"]) for c in streamed] == [(0, '{"city": "Oslo"}')]
+
+
+THINK, END = [7, 8], [9]  # a two-token <think> and a one-token </think>
+
+
+@pytest.mark.parametrize("prompt, waits", [
+    ([1, 2, 3], True),  # Qwen3 thinking: the model opens and closes the block itself
+    ([1, *THINK, 4], True),  # DeepSeek-R1: the template opened the block
+    ([1, *THINK, 5, *END, 6], False),  # Qwen3 with enable_thinking false: an empty block, closed in the prompt
+    ([1, *THINK, *END, 2, *THINK], True),  # an earlier turn's block is closed, this one is open
+])
+def test_a_structured_output_waits_for_the_end_of_thinking_unless_the_prompt_closed_it(prompt, waits):
+    spec = StructuredOutput("regex", "[0-9]+")
+    assert after_thinking(spec, prompt, THINK, END) == (StructuredOutput("regex", "[0-9]+", (9,)) if waits else spec)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 
 import httpx
@@ -236,7 +237,10 @@ SET_UNIT = {"type": "function", "function": {"name": "set_unit", "strict": True,
 @pytest.mark.timeout(120)
 def test_a_forced_call_keeps_to_its_function_schema(tool_server):
     c = client(tool_server)
-    kwargs = dict(model=tool_server.model_id, messages=CONVERSATION[:1], tools=[*TOOLS, SET_UNIT], temperature=0.0)
+    # The server's reasoning parser holds the forced call back until the thinking ends: this prompt closes it
+    # (see test_with_a_reasoning_parser_a_structured_output_waits_for_the_end_of_thinking).
+    asked = [{"role": "user", "content": "Weather in Paris? <think></think>"}]
+    kwargs = dict(model=tool_server.model_id, messages=asked, tools=[*TOOLS, SET_UNIT], temperature=0.0)
     named = c.chat.completions.create(**kwargs, max_tokens=32,
                                       tool_choice={"type": "function", "function": {"name": "set_unit"}})
     choice = named.choices[0]
@@ -253,6 +257,26 @@ def test_a_forced_call_keeps_to_its_function_schema(tool_server):
         assert {call.function.name for call in required.message.tool_calls} <= {"get_weather", "set_unit"}
     else:
         assert required.finish_reason == "length" and required.message.content.lstrip().startswith("[")
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_with_a_reasoning_parser_a_structured_output_waits_for_the_end_of_thinking(tool_server):
+    """The server's qwen3 parser: an answer is kept to its spec from the first token when the prompt closed
+    the thinking block (as Qwen3's template does with enable_thinking false; here a message writes the tags),
+    else only after the answer's own </think>, which a random-weight model never writes: its answer is free."""
+    c = client(tool_server)
+    kwargs = dict(model=tool_server.model_id, max_tokens=12, temperature=0.0)
+    digits = {"structured_outputs": {"regex": "[0-9]{4}"}}
+    closed = [{"role": "user", "content": "Year? <think></think>"}]
+    kept = c.chat.completions.create(messages=closed, extra_body=digits, **kwargs).choices[0]
+    assert re.fullmatch("[0-9]{4}", kept.message.content) and kept.finish_reason == "stop"
+    assert kept.message.reasoning_content is None
+    opened = [{"role": "user", "content": "Year?"}]
+    free = c.chat.completions.create(messages=opened, **kwargs).choices[0].message.content
+    assert c.chat.completions.create(messages=opened, extra_body=digits, **kwargs).choices[0].message.content == free
+    assert not re.fullmatch("[0-9]{4}", free)
 
 
 @pytest.mark.ray

@@ -135,6 +135,30 @@ def test_resumed_tokens_continue_the_grammar_and_tokens_that_break_it_are_refuse
     assert not broken.has_unfinished() and broken.stats().free_blocks == broken.stats().total_blocks
 
 
+def test_an_output_is_free_until_its_start_after_tokens_then_kept(model_dir):
+    """A reasoning model's end of thinking (``start_after``): tokens before it are the model's own; once it is
+    in the output, the rest keeps to the spec."""
+    engine = make_engine(model_dir)
+    tok = engine.tokenizer
+    spec = StructuredOutput("regex", SPECS["regex"], start_after=tuple(tok.encode("</think>")))
+    ids = prompt(15, seed=8)
+
+    def text_after(output_ids: list[int], params: SamplingParams) -> str:
+        engine.add_request("r", ids, params, output_ids=output_ids)
+        got = ""
+        while engine.has_unfinished():
+            got += "".join(out.text for out in engine.step())
+        return got
+
+    ended = text_after(tok.encode("<think>hm</think>"), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                      structured_output=spec))
+    assert kept_to("regex", ended), ended
+    thinking = tok.encode("<think>hm")
+    free = text_after(thinking, SamplingParams(max_tokens=10, temperature=0.0))
+    assert text_after(thinking, SamplingParams(max_tokens=10, temperature=0.0, structured_output=spec)) == free
+    assert not kept_to("regex", free)
+
+
 def test_min_tokens_yields_to_a_complete_grammar(model_dir):
     """A choice is complete after one or two tokens; min_tokens cannot hold its EOS back past that."""
     engine = make_engine(model_dir)

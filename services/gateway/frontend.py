@@ -26,6 +26,7 @@ from services.errors import PromptTooLongError
 from services.gateway.chat_prompt import encode_chat
 from services.gateway.errors import NotFoundError, PromptTextTooLongError
 from services.gateway.generation import Echo, Generation, merge_streams
+from services.gateway.reasoning import END_THINK, THINK, after_thinking
 from services.gateway.token_texts import TokenTexts
 from services.messages import TokenEvent
 from services.sessions import SessionStore, SessionTurn
@@ -95,6 +96,10 @@ class Frontend:
         self.max_n = config.max_n
         self.tool_calls = config.tool_call_parser is not None
         self.token_texts = TokenTexts(dispatcher.tokenizer)
+        # With a reasoning parser, a structured output waits for the end of the thinking block (after_thinking).
+        tokenizer = dispatcher.tokenizer
+        self.thinking_tags = None if config.reasoning_parser is None else (tokenizer.encode(THINK),
+                                                                         tokenizer.encode(END_THINK))
 
     @property
     def model_id(self) -> str:
@@ -140,6 +145,9 @@ class Frontend:
                                                  options.chat_template_kwargs)
             if turn is not None:
                 turn.prompt_ids = prompt_ids
+            if options.structured_output is not None and self.thinking_tags is not None:
+                options = dataclasses.replace(options, structured_output=after_thinking(
+                    options.structured_output, prompt_ids, *self.thinking_tags))
             return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
         except BaseException:
             if turn is not None:  # once the turn's events run, they release it themselves; twice is harmless

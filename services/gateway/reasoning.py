@@ -4,11 +4,15 @@ Reasoning models write their thinking between ``<think>`` and ``</think>``, then
 both tags itself (with ``enable_thinking: false`` its template writes an empty pair into the prompt, and the
 answer has none); DeepSeek-R1, and Qwen3's thinking-only releases, whose templates open the block in the
 prompt, write only the closing one. The thinking goes out as ``reasoning_content`` (DeepSeek's API name,
-which vLLM uses), the rest as ``content``; an answer cut short inside the block is all thinking.
+which vLLM uses), the rest as ``content``; an answer cut short inside the block is all thinking. A structured
+output applies to the answer after the thinking (``after_thinking``), as vLLM applies it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from engine.structured_output import StructuredOutput
 from services.gateway.tagged_text import parsed, split_at
 
 THINK, END_THINK = "<think>", "</think>"
@@ -59,3 +63,19 @@ class ReasoningParser:
 def parse_reasoning(kind: str, text: str) -> tuple[str, str]:
     """A whole answer's (reasoning, content)."""
     return parsed(ReasoningParser(kind), text, final=True)
+
+
+def after_thinking(spec: StructuredOutput, prompt_ids: list[int], think_ids: list[int],
+                   end_ids: list[int]) -> StructuredOutput:
+    """``spec`` for a reasoning model's answer: from its first token when the prompt has closed the thinking
+    block already (Qwen3's template with ``enable_thinking: false``), else once the answer has written
+    ``end_ids`` (``</think>``), so the model thinks freely first. ``think_ids``: ``<think>``'s tokens."""
+    if _last(prompt_ids, end_ids) > _last(prompt_ids, think_ids):
+        return spec
+    return dataclasses.replace(spec, start_after=tuple(end_ids))
+
+
+def _last(ids: list[int], sub: list[int]) -> int:
+    """Where ``sub`` last starts in ``ids``; -1 if nowhere."""
+    n = len(sub)
+    return next((i for i in range(len(ids) - n, -1, -1) if ids[i:i + n] == sub), -1)
