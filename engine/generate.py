@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.kv_format import FORMATS, RESIDUAL_HELP
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 
 
 def _ids(value: str) -> list[int]:
@@ -24,6 +26,20 @@ def _ids(value: str) -> list[int]:
         return [int(t) for t in value.split(",") if t.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {value!r}") from None
+
+
+def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
+    """The --json-schema / --regex / --choice / --grammar spec (``@FILE`` reads the file); None without one."""
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json_schema is not None:
+        return StructuredOutput("json", text(args.json_schema))
+    if args.regex is not None:
+        return StructuredOutput("regex", args.regex)
+    if args.choice:
+        return StructuredOutput("choice", json.dumps(args.choice))
+    return None if args.grammar is None else StructuredOutput("grammar", text(args.grammar))
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,6 +68,13 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
                         "ones, so prompt + output may outgrow the model's context (default: full attention)")
     p.add_argument("--kv-sinks", type=int, default=0, metavar="N",
                    help="leading tokens every token attends to with --kv-window (attention sinks)")
+    kept = p.add_mutually_exclusive_group()
+    kept.add_argument("--json-schema", metavar="SCHEMA", help="keep each sample to this JSON Schema (its text, or "
+                                                              "@FILE)")
+    kept.add_argument("--regex", help="keep each sample to this regular expression (matched whole)")
+    kept.add_argument("--choice", action="append", help="each sample is one of these strings (repeatable)")
+    kept.add_argument("--grammar", metavar="GRAMMAR", help="keep each sample to this Lark or GBNF grammar (its "
+                                                           "text, or @FILE)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=run_generate)
@@ -73,9 +96,14 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [engine.tokenizer.encode(text, add_special_tokens=True) for text in args.prompt]
     else:
         prompts = args.prompt_ids
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                            n=args.n)
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                                n=args.n, structured_output=_structured_output(args))
+        params.validate()
+    except (InvalidRequestError, OSError) as err:
+        print(f"tidepool generate: {err}", file=sys.stderr)
+        return 2
     tokens: dict[tuple[int, int], list[int]] = {}
     texts: dict[tuple[int, int], str] = {}
     try:

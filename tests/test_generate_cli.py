@@ -67,3 +67,16 @@ def test_bad_request_is_a_one_line_error(serving_model_dir, capsys):
                                 capsys)
     assert code == 2 and lines == []
     assert err.strip().count("\n") == 0 and "max_tokens" in err
+
+
+def test_structured_output_flags_keep_every_sample_and_a_bad_spec_is_refused(serving_model_dir, tmp_path, capsys):
+    model = ["--model", str(serving_model_dir), "--prompt", "Tide", "--max-tokens", "12", "--json"]
+    _, lines, _ = generate([*model, "--choice", "low", "--choice", "high", "--n", "3", "--temperature", "1"], capsys)
+    assert {s["text"] for s in json.loads(lines[0])["samples"]} <= {"low", "high"}
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}))
+    _, lines, _ = generate([*model, "--json-schema", f"@{schema}"], capsys)
+    assert json.loads(json.loads(lines[0])["text"]) in ({"ok": True}, {"ok": False})
+    code, lines, err = generate([*model, "--regex", "[0-9"], capsys)
+    assert code == 2 and lines == [] and "structured_output" in err
