@@ -16,8 +16,8 @@ CUDA machine), and then refuses structured outputs with a 400. Torch is needed o
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import importlib.util
 import json
 import logging
 from collections.abc import Callable
@@ -133,8 +133,9 @@ class GrammarMasks:
         self._executor: Any = None
         # Built now where llguidance is installed (0.3 s for a 49k vocabulary here), not in the middle of a
         # batch's step when the first structured request arrives.
-        if tokenizer_json is not None and importlib.util.find_spec("llguidance") is not None:
-            self._build_tokenizer()
+        if tokenizer_json is not None:
+            with contextlib.suppress(InvalidRequestError):  # llguidance is not installed: refused per request
+                self._build_tokenizer()
 
     def _build_tokenizer(self) -> None:
         llguidance = _llguidance()
