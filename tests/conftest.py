@@ -199,6 +199,25 @@ def start_server(ray_session, redis_url, serving_model_dir):
         server.stop()
 
 
+TOOL_TEMPLATE = (  # the tiny model's, plus Qwen-style tools, calls and tool answers
+    "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
+    "<|eot|>{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|eot|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tool_server(start_server, serving_model_dir, tmp_path_factory):
+    """A colocated server whose chat template renders tools, calls and tool answers, with the hermes tool-call
+    parser and the qwen3 reasoning parser (test_openai_tools.py, test_openai_responses.py)."""
+    from live_helpers import checkpoint_with_template
+
+    model = checkpoint_with_template(serving_model_dir, tmp_path_factory.mktemp("tool-model"), TOOL_TEMPLATE)
+    server = start_server(colocated=1, model_dir=model, tool_call_parser="hermes", reasoning_parser="qwen3")
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def live_server(start_server):
     """The default server the API tests talk to: one prefill and one decode worker over gRPC transfer."""

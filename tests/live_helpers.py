@@ -1,10 +1,13 @@
-"""Helpers tests share: bounded waiting (never timing asserts), and the live-server tests' worker block
-counters."""
+"""Helpers tests share: bounded waiting (never timing asserts), the live-server tests' worker block
+counters, and checkpoints with a chat template of a test's own."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 
 def free_blocks(server) -> int:
@@ -44,3 +47,12 @@ def last_sequence(server, session_id: str):
             await store.close()
 
     return asyncio.run(read())
+
+
+def checkpoint_with_template(source: Path, parent: Path, chat_template: str) -> Path:
+    """A copy of the checkpoint ``source`` in ``parent`` whose tokenizer_config.json holds ``chat_template``."""
+    model = parent / "small-llama"
+    shutil.copytree(source, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
+    return model

@@ -8,12 +8,12 @@ its template alone, chat_template_kwargs reach the template, a refusal is a 400,
 from __future__ import annotations
 
 import json
-import shutil
 
 import httpx
 import jinja2
 import openai
 import pytest
+from live_helpers import checkpoint_with_template
 from test_gateway_grpc import stub
 from test_openai_features import client
 
@@ -36,8 +36,7 @@ TEMPLATE = (  # the tiny model's, plus Mistral's turn check and a Qwen3-style sw
 def bos_server(start_server, serving_model_dir, tmp_path_factory):
     """One colocated worker serving the service tests' checkpoint with a BOS-adding post-processor and
     ``TEMPLATE``."""
-    model = tmp_path_factory.mktemp("bos-model") / "small-llama"
-    shutil.copytree(serving_model_dir, model)
+    model = checkpoint_with_template(serving_model_dir, tmp_path_factory.mktemp("bos-model"), TEMPLATE)
     spec = json.loads((model / "tokenizer.json").read_text())
     bos = json.loads((model / "tokenizer_config.json").read_text())["bos_token"]
     bos_id = next(t["id"] for t in spec["added_tokens"] if t["content"] == bos)
@@ -48,8 +47,6 @@ def bos_server(start_server, serving_model_dir, tmp_path_factory):
                  {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
     (model / "tokenizer.json").write_text(json.dumps(spec))
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     server = start_server(colocated=1, model_dir=model)
     server.bos_id = bos_id
     yield server

@@ -1,7 +1,7 @@
 """Chat tool calling (``--tool-call-parser hermes``, beside ``--reasoning-parser qwen3``): the Hermes parser on answers as they stream, the
 response shapes it gives (message and stream deltas, finish_reason "tool_calls"), and, through the
 official `openai` client against a server whose chat template renders tools, calls and tool answers, that
-tools reach the prompt and every refusal names its field. (A random-weight model writes no tool call, so
+tools reach the prompt and every refusal names its field (`tool_server`, conftest.py). (A random-weight model writes no tool call, so
 the parser's output is checked on the gateway's own Generation fed with token events.)"""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 
 import httpx
 import openai
@@ -27,11 +26,6 @@ ANSWER = f"Let me look.\n{CALL}\n<tool_call>\n{{\"name\": \"now\", \"arguments\"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
-TEMPLATE = (  # the tiny model's, plus Qwen-style tools, calls and tool answers
-    "{{ bos_token }}{% if tools %}<|system|>Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}"
-    "<|eot|>{% endif %}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}"
-    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}<|eot|>"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 # ---- the parser ---------------------------------------------------------------------------------------------
@@ -98,16 +92,18 @@ def test_llama3_json_reads_an_answer_that_is_nothing_but_calls(answer, content, 
 
 # ---- the response shapes -------------------------------------------------------------------------------------
 
+async def token_events(pieces: list[str], finish_reason: str = "stop"):
+    """The dispatcher's events for one choice whose answer arrives in ``pieces``, a token each."""
+    for k, piece in enumerate(pieces):
+        yield TokenEvent(0, [k], finish_reason if k == len(pieces) - 1 else None, 5, 0, piece)
+
+
 def shaped(pieces: list[str], tool_calls=PARSERS["hermes"], reasoning: str | None = None,
            finish_reason: str = "stop") -> tuple[list[dict], dict]:
     """The stream's chunk choices and the whole response's choice for an answer arriving in ``pieces``, through
     the gateway's Generation and response shapes (the dispatcher's events replaced by ``pieces``)."""
-    async def events():
-        for k, piece in enumerate(pieces):
-            yield TokenEvent(0, [k], finish_reason if k == len(pieces) - 1 else None, 5, 0, piece)
-
     async def run() -> tuple[list[dict], dict]:
-        gen = Generation("chatcmpl-test", events(), 1)
+        gen = Generation("chatcmpl-test", token_events(pieces, finish_reason), 1)
         await gen.start()
         def shape() -> ResponseShape:
             return ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=tool_calls, reasoning=reasoning)
@@ -172,17 +168,6 @@ def test_a_required_answer_is_a_list_of_calls_and_cut_short_it_is_content():
 
 
 # ---- a live server ------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def tool_server(start_server, serving_model_dir, tmp_path_factory):
-    model = tmp_path_factory.mktemp("tool-model") / "small-llama"
-    shutil.copytree(serving_model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
-    server = start_server(colocated=1, model_dir=model, tool_call_parser="hermes", reasoning_parser="qwen3")
-    yield server
-    server.stop()
-
 
 def tokenize(server, body: dict) -> dict:
     return httpx.post(f"{server.http_url}/tokenize", json=body, timeout=60).json()

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from engine.errors import InvalidRequestError
 from services.cluster_status import cluster_status
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend
-from services.gateway.generation import Generation
+from services.gateway.generation import Delta, Generation
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.logprobs import LogprobShapes
 from services.gateway.protocol import (
@@ -29,6 +30,8 @@ from services.gateway.protocol import (
     TokenizeRequest,
 )
 from services.gateway.responses import ResponseShape
+from services.gateway.responses_output import ResponsesOutput
+from services.gateway.responses_request import ResponsesRequest, renamed
 from services.gateway.tool_calls import call_parser
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
@@ -153,7 +156,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
                               reasoning=config.reasoning_parser)
         if body.stream:
             return _stream(gen, shape, body.include_usage, body.continuous_usage)
-        return await _collect(gen, shape, request)
+        await _collect(gen, request)
+        return JSONResponse(shape.complete())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -163,7 +167,27 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
                               logprobs=None if body.logprobs is None else _logprobs(gen, body))
         if body.stream:
             return _stream(gen, shape, body.include_usage, body.continuous_usage)
-        return await _collect(gen, shape, request)
+        await _collect(gen, request)
+        return JSONResponse(shape.complete())
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, stateless, on the chat path (``responses_request.py``)."""
+        try:
+            chat = body.chat_request()
+            options = chat.chat_options(config.tool_call_parser)
+            gen = await _unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
+                                                                     options))
+        except (InvalidRequestError, errors.UnsupportedFieldError) as exc:
+            if (named := renamed(exc)) is exc:
+                raise
+            raise named from None
+        output = ResponsesOutput(gen, body.echoed(), reasoning=config.reasoning_parser, tool_calls=call_parser(
+            config.tool_call_parser, options.tool_choice, options.tool_name) if options.tools else None)
+        if body.stream:
+            return _GenerationStream(gen, _response_events(gen, output))
+        await _collect(gen, request, output.feed)
+        return JSONResponse(output.response())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -255,8 +279,9 @@ async def _unless_client_leaves(request: Request, starting: Awaitable[Generation
         task.cancel()  # the handler itself was cancelled (shutdown); no-op once done
 
 
-async def _collect(gen: Generation, shape: ResponseShape, request: Request) -> Response:
-    """Run a non-streamed request to its end, unless the client leaves first (then it is aborted)."""
+async def _collect(gen: Generation, request: Request, on_delta: Callable[[Delta], object] | None = None) -> None:
+    """Run a non-streamed request to its end (``on_delta`` sees each delta), unless the client leaves first
+    (then it is aborted)."""
 
     async def watch_client() -> None:
         while not await request.is_disconnected():
@@ -265,12 +290,36 @@ async def _collect(gen: Generation, shape: ResponseShape, request: Request) -> R
 
     watcher = asyncio.create_task(watch_client())
     try:
-        async for _ in gen:
-            pass
+        async for d in gen:
+            if on_delta is not None:
+                on_delta(d)
     finally:
         watcher.cancel()
         gen.close()
-    return JSONResponse(shape.complete())
+
+
+def _response_events(gen: Generation, output: ResponsesOutput) -> AsyncIterator[str]:
+    """The Responses API's SSE events (``event:`` names its type); an error after the start is an ``error``
+    event, as OpenAI sends it."""
+    async def events() -> AsyncIterator[str]:
+        try:
+            for event in output.start():
+                yield _sse_event(event)
+            async for d in gen:
+                for event in output.feed(d):
+                    yield _sse_event(event)
+            for event in output.finish():
+                yield _sse_event(event)
+        except Exception as exc:
+            err = errors.classify(exc).body()["error"]
+            yield _sse_event({"type": "error", "sequence_number": output.next_sequence(), "code": err["code"],
+                              "message": err["message"], "param": err["param"]})
+
+    return events()
+
+
+def _sse_event(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
 
 
 def _stream(gen: Generation, shape: ResponseShape, include_usage: bool, continuous_usage: bool) -> StreamingResponse:

@@ -1,0 +1,156 @@
+"""OpenAI's Responses API (``POST /v1/responses``) through the official `openai` client: answers equal the chat
+completions answer for the same conversation, streamed events build the same items in order, input items
+(function calls and their outputs) reach the prompt as chat renders them, tools and text.format work, and
+every refusal names the Responses field."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from test_openai_features import client
+from test_openai_tools import CONVERSATION, SET_UNIT, TOOLS, token_events
+
+from services.gateway.generation import Generation
+from services.gateway.responses_output import ResponsesOutput
+from services.gateway.tool_calls import PARSERS
+
+INSTRUCTIONS = "Answer in one word."
+QUESTION = "Which creature hides in a shell?"
+
+
+def event_types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+# ---- the output items, on the gateway's own Generation ------------------------------------------------------
+
+def fed(pieces: list[str], finish_reason: str = "stop") -> tuple[list[dict], dict]:
+    """(every event, the final response) for an answer arriving in ``pieces`` on a server with the qwen3
+    reasoning parser and hermes tool calls."""
+    async def run() -> tuple[list[dict], dict]:
+        gen = Generation("chatcmpl-abc", token_events(pieces, finish_reason), 1)
+        await gen.start()
+        output = ResponsesOutput(gen, {"model": "m"}, PARSERS["hermes"], "qwen3")
+        got = output.start()
+        async for d in gen:
+            got += output.feed(d)
+        return got + output.finish(), output.response()
+
+    return asyncio.run(run())
+
+
+@pytest.mark.timeout(10)
+def test_thinking_text_and_a_call_become_three_items_opened_filled_and_closed_in_order():
+    answer = '<think>Crabs.</think>A crab.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    events, response = fed([answer[i:i + 5] for i in range(0, len(answer), 5)])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [t for t in event_types(events) if not t.endswith(".delta")]
+    assert kinds == ["response.created", "response.in_progress",
+                     "response.output_item.added", "response.content_part.added", "response.reasoning_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.content_part.added", "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.output_item.added", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Crabs."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "A crab."
+    reasoning, message, call = response["output"]
+    assert reasoning["content"][0] == {"type": "reasoning_text", "text": "Crabs."}
+    assert message["content"][0]["text"] == "A crab." and message["status"] == "completed"
+    assert (call["name"], json.loads(call["arguments"]), call["status"]) == ("get_weather", {"city": "Oslo"}, "completed")
+    assert response["status"] == "completed" and events[-1]["response"] == response
+    assert response["id"] == "resp_abc" and response["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+
+
+@pytest.mark.timeout(10)
+def test_an_answer_cut_by_max_output_tokens_is_incomplete():
+    events, response = fed(["A cr", "ab"], finish_reason="length")
+    assert events[-1]["type"] == "response.incomplete" and response["status"] == "incomplete"
+    assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert response["output"][0]["status"] == "incomplete"
+
+
+# ---- a live server ------------------------------------------------------------------------------------------
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_response_is_the_chat_answer_to_the_same_conversation_whole_or_streamed(live_server):
+    c = client(live_server)
+    kwargs = dict(model=live_server.model_id, instructions=INSTRUCTIONS, input=QUESTION, max_output_tokens=12,
+                  temperature=0.0)
+    whole = c.responses.create(**kwargs)
+    chat = c.chat.completions.create(model=live_server.model_id, max_tokens=12, temperature=0.0, messages=[
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}])
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == chat.usage.completion_tokens
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    events = list(c.responses.create(**kwargs, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{whole.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output[0].content[0].text == whole.output_text
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_function_calls_and_their_outputs_in_input_reach_the_prompt_as_chat_renders_them(tool_server):
+    call, answer = CONVERSATION[1]["tool_calls"][0], CONVERSATION[2]
+    items = [{"role": "user", "content": CONVERSATION[0]["content"]},
+             {"type": "function_call", "call_id": call["id"], "name": call["function"]["name"],
+              "arguments": call["function"]["arguments"]},
+             {"type": "function_call_output", "call_id": answer["tool_call_id"], "output": answer["content"]}]
+    tools = [{"type": "function", **TOOLS[0]["function"]}]
+    resp = client(tool_server).responses.create(model=tool_server.model_id, input=items, tools=tools,
+                                                max_output_tokens=1)
+    prompt = httpx.post(f"{tool_server.http_url}/tokenize", timeout=60,
+                        json={"messages": CONVERSATION, "tools": TOOLS}).json()
+    assert resp.usage.input_tokens == prompt["count"]
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_forced_function_and_a_json_schema_format_keep_the_answer(tool_server):
+    c = client(tool_server)
+    closed = "Which unit? <think></think>"  # the server's reasoning parser: the prompt ends the thinking
+    tool = {"type": "function", **SET_UNIT["function"]}
+    forced = c.responses.create(model=tool_server.model_id, input=closed, tools=[tool], temperature=0.0,
+                                tool_choice={"type": "function", "name": "set_unit"}, max_output_tokens=32)
+    (call,) = forced.output
+    assert call.type == "function_call" and call.name == "set_unit" and call.call_id.startswith("call_")
+    assert json.loads(call.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    schema = {**SET_UNIT["function"]["parameters"]}
+    formatted = c.responses.create(model=tool_server.model_id, input=closed, temperature=0.0, max_output_tokens=32,
+                                   text={"format": {"type": "json_schema", "name": "unit", "schema": schema}})
+    assert json.loads(formatted.output_text)["unit"] in ("celsius", "fahrenheit")
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fields, param", [
+    ({"store": True}, "store"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": [{"type": "web_search_call", "id": "w"}]}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+])
+def test_what_the_responses_api_here_cannot_do_is_a_400_naming_the_field(live_server, fields, param):
+    kwargs = {"model": live_server.model_id, "input": QUESTION, "max_output_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(live_server).responses.create(**kwargs)
+    assert exc.value.param == param, exc.value.message
