@@ -1,17 +1,14 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat and completions, streamed (SSE) or not.
+"""The OpenAI-compatible HTTP API (FastAPI): chat, completions and responses, streamed (SSE) or not.
 
 Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prompt, limits, session) ->
-`Generation` (dispatcher events -> text) -> JSON or SSE. Every error goes through `errors.classify`.
+`Generation` (dispatcher events -> text) -> JSON or SSE (`http_streams.py`). Every error goes through
+`errors.classify`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-
 from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from engine.errors import InvalidRequestError
 from services.cluster_status import cluster_status
@@ -20,7 +17,8 @@ from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend
-from services.gateway.generation import Delta, Generation
+from services.gateway.generation import Generation
+from services.gateway.http_streams import chat_stream, response_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.logprobs import LogprobShapes
 from services.gateway.protocol import (
@@ -36,7 +34,6 @@ from services.gateway.tool_calls import call_parser
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
 
-_DISCONNECT_POLL_S = 0.25
 _OPEN_PATHS = ("/health",)
 _SCRAPE_PATHS = ("/metrics", "/docs", "/openapi.json", "/redoc")  # open too, unless --metrics-require-key
 
@@ -93,35 +90,6 @@ class _Guard:
         await self.app(scope, replay, counted_send)
 
 
-class _GenerationStream(StreamingResponse):
-    """A streaming response that stops its generation however the response ends (done, error, disconnect).
-
-    The disconnect closes the generation as soon as the server reports it, rather than through
-    Starlette's cancellation of the streaming task: that cancellation is only delivered while the task
-    waits, and a task woken by a token on every loop turn may never be seen waiting.
-    """
-
-    def __init__(self, gen: Generation, content: AsyncIterator[str]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.gen = gen
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def watched_receive():
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                self.gen.close()
-            return message
-
-        try:
-            await super().__call__(scope, watched_receive, send)
-        finally:
-            self.gen.close()
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: GatewayConfig) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn."""
     frontend = Frontend(dispatcher, sessions, config)
@@ -148,26 +116,26 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
                                x_session_id: str | None = Header(None)) -> Response:
         options = body.chat_options(config.tool_call_parser)
         messages = [m.as_dict() for m in body.messages]
-        gen = await _unless_client_leaves(request, frontend.chat(body.model, messages, options,
+        gen = await unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
                               tool_calls=call_parser(config.tool_call_parser, options.tool_choice, options.tool_name)
                               if options.tools else None,
                               reasoning=config.reasoning_parser)
         if body.stream:
-            return _stream(gen, shape, body.include_usage, body.continuous_usage)
-        await _collect(gen, request)
+            return chat_stream(gen, shape, body.include_usage, body.continuous_usage)
+        await run_to_end(gen, request)
         return JSONResponse(shape.complete())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         options = body.completion_options()
-        gen = await _unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
+        gen = await unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
         shape = ResponseShape(gen, body.model, chat=False,
                               logprobs=None if body.logprobs is None else _logprobs(gen, body))
         if body.stream:
-            return _stream(gen, shape, body.include_usage, body.continuous_usage)
-        await _collect(gen, request)
+            return chat_stream(gen, shape, body.include_usage, body.continuous_usage)
+        await run_to_end(gen, request)
         return JSONResponse(shape.complete())
 
     @app.post("/v1/responses")
@@ -176,7 +144,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         try:
             chat = body.chat_request()
             options = chat.chat_options(config.tool_call_parser)
-            gen = await _unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
+            gen = await unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
                                                                      options))
         except (InvalidRequestError, errors.UnsupportedFieldError) as exc:
             if (named := renamed(exc)) is exc:
@@ -185,8 +153,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         output = ResponsesOutput(gen, body.echoed(), reasoning=config.reasoning_parser, tool_calls=call_parser(
             config.tool_call_parser, options.tool_choice, options.tool_name) if options.tools else None)
         if body.stream:
-            return _GenerationStream(gen, _response_events(gen, output))
-        await _collect(gen, request, output.feed)
+            return response_stream(gen, output)
+        await run_to_end(gen, request, output.feed)
         return JSONResponse(output.response())
 
     @app.post("/tokenize")
@@ -261,82 +229,3 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
 def _model_card(dispatcher: Dispatcher) -> dict:
     return {"id": dispatcher.model_id, "object": "model", "created": 0, "owned_by": "tidepool",
             "max_model_len": dispatcher.max_model_len}
-
-
-async def _unless_client_leaves(request: Request, starting: Awaitable[Generation]) -> Generation:
-    """The started generation, unless the client leaves first: then prompt, session, routing and prefill
-    up to the first event are cancelled (which aborts the request and frees its blocks)."""
-    task = asyncio.ensure_future(starting)
-    try:
-        while not task.done():
-            await asyncio.wait([task], timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise errors.ClientLeftError()
-        return task.result()
-    finally:
-        task.cancel()  # the handler itself was cancelled (shutdown); no-op once done
-
-
-async def _collect(gen: Generation, request: Request, on_delta: Callable[[Delta], object] | None = None) -> None:
-    """Run a non-streamed request to its end (``on_delta`` sees each delta), unless the client leaves first
-    (then it is aborted)."""
-
-    async def watch_client() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(_DISCONNECT_POLL_S)
-        gen.close()
-
-    watcher = asyncio.create_task(watch_client())
-    try:
-        async for d in gen:
-            if on_delta is not None:
-                on_delta(d)
-    finally:
-        watcher.cancel()
-        gen.close()
-
-
-def _response_events(gen: Generation, output: ResponsesOutput) -> AsyncIterator[str]:
-    """The Responses API's SSE events (``event:`` names its type); an error after the start is an ``error``
-    event, as OpenAI sends it."""
-    async def events() -> AsyncIterator[str]:
-        try:
-            for event in output.start():
-                yield _sse_event(event)
-            async for d in gen:
-                for event in output.feed(d):
-                    yield _sse_event(event)
-            for event in output.finish():
-                yield _sse_event(event)
-        except Exception as exc:
-            err = errors.classify(exc).body()["error"]
-            yield _sse_event({"type": "error", "sequence_number": output.next_sequence(), "code": err["code"],
-                              "message": err["message"], "param": err["param"]})
-
-    return events()
-
-
-def _sse_event(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
-
-
-def _stream(gen: Generation, shape: ResponseShape, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
-    """SSE chunks; ``continuous_usage``: each carries the usage so far (else only the last, when included)."""
-    async def events() -> AsyncIterator[str]:
-        try:
-            opening = shape.opening()
-            if opening:
-                yield _sse(shape.chunk(opening, gen.usage if continuous_usage else None, with_usage=include_usage))
-            async for d in gen:
-                if (choice := shape.delta(d)) is not None:
-                    yield _sse(shape.chunk([choice], gen.usage if continuous_usage else None,
-                                           with_usage=include_usage))
-            if include_usage:
-                yield _sse(shape.chunk([], gen.usage, with_usage=True))
-        except Exception as exc:  # headers are gone: report in-band, as OpenAI does
-            yield _sse(errors.classify(exc).body())
-        yield _sse("[DONE]")
-
-    return _GenerationStream(gen, events())
