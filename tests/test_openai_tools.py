@@ -18,7 +18,14 @@ from test_openai_features import client
 from services.gateway.generation import Generation
 from services.gateway.responses import ResponseShape
 from services.gateway.tagged_text import parsed
-from services.gateway.tool_calls import PARSERS, ForcedCallsParser, HermesParser, Llama3JsonParser, ToolCall
+from services.gateway.tool_calls import (
+    PARSERS,
+    ForcedCallsParser,
+    HermesParser,
+    Llama3JsonParser,
+    ToolCall,
+    call_parser,
+)
 from services.messages import TokenEvent
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -142,6 +149,27 @@ def test_a_llama_answer_of_calls_streams_nothing_until_it_ends_then_every_call()
 def test_an_answer_that_is_only_a_call_has_null_content():
     message = shaped([CALL])[1]["message"]
     assert message["content"] is None and message["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kind, write", [
+    ("hermes", lambda call: f"<tool_call>{json.dumps(call)}</tool_call>"),
+    ("llama3_json", json.dumps),
+])
+def test_a_strict_functions_call_is_a_call_only_when_its_arguments_validate(kind, write):
+    """With tool_choice auto the model writes calls freely: a strict function's are checked, not constrained."""
+    tools = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True, "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    parser = call_parser(kind, tools)
+    good, bad = {"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "arguments": {}}
+    if kind == "llama3_json":
+        good, bad = ({"name": c["name"], "parameters": c["arguments"]} for c in (good, bad))
+    content, calls = parsed(parser(), write(good), final=True)
+    assert content == "" and json.loads(calls[0].arguments) == {"city": "Oslo"}
+    content, calls = parsed(parser(), write(bad), final=True)
+    assert content == write(bad) and calls == []
+    loose = call_parser(kind, [{"type": "function", "function": {**tools[0]["function"], "strict": False}}])
+    assert len(parsed(loose(), write(bad), final=True)[1]) == 1  # not strict: returned as the model wrote it
 
 
 @pytest.mark.timeout(10)
@@ -271,7 +299,8 @@ def test_with_a_reasoning_parser_a_structured_output_waits_for_the_end_of_thinki
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),  # not in tools
     ({"tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice"),  # the Responses API's shape
-    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "tools"),  # auto: not kept to
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": 5}}}]},
+     "tools"),  # a strict function's calls are validated against its schema: it must be one
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),  # two outputs
     ({"extra_body": {"session_id": "s-tools"}}, "tools"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),  # which call it answers

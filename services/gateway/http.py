@@ -119,7 +119,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
-                              tool_calls=call_parser(config.tool_call_parser, options.tool_choice, options.tool_name)
+                              tool_calls=call_parser(config.tool_call_parser, options.tools, options.tool_choice,
+                                                                options.tool_name)
                               if options.tools else None,
                               reasoning=config.reasoning_parser)
         if body.stream:
@@ -151,7 +152,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
                 raise
             raise named from None
         output = ResponsesOutput(gen, body.echoed(), reasoning=config.reasoning_parser, tool_calls=call_parser(
-            config.tool_call_parser, options.tool_choice, options.tool_name) if options.tools else None)
+            config.tool_call_parser, options.tools, options.tool_choice, options.tool_name) if options.tools else None)
         if body.stream:
             return response_stream(gen, output)
         await run_to_end(gen, request, output.feed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+import jsonschema
 from pydantic import Field
 
 from engine.errors import InvalidRequestError
@@ -119,21 +120,23 @@ class FunctionSpec(_Body):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments.")
-    strict: bool | None = Field(None, description="true only with a forced call (tool_choice required or named), "
-                                                   "whose arguments always keep to the schema.")
+    strict: bool | None = Field(None, description="Forced calls keep to the schema (constrained); a call the model "
+                                                   "writes freely is returned only when its arguments validate.")
 
 
 class ToolSpec(_Body):
     type: Literal["function"]
     function: FunctionSpec
 
-    def check(self, path: str, forced_call: bool) -> None:
-        """``forced_call``: tool_choice is "required" or names a function, so the arguments keep to the schema."""
+    def check(self, path: str) -> None:
         self.check_extra(path)
         self.function.check_extra(f"{path}.function")
-        if self.function.strict and not forced_call:
-            raise UnsupportedFieldError("tools", f"{path}.function.strict: arguments keep to the schema only when the "
-                                                 'call is forced (tool_choice "required" or a named function)')
+        if self.function.strict and self.function.parameters is not None:  # the calls are validated against it
+            try:
+                jsonschema.validators.validator_for(self.function.parameters).check_schema(self.function.parameters)
+            except jsonschema.SchemaError as exc:
+                raise InvalidRequestError("tools", f"{path}.function.parameters: not a valid JSON Schema: "
+                                                   f"{exc.message}") from None
 
 
 class _SamplingBody(_Body):
@@ -231,8 +234,7 @@ class ChatCompletionRequest(_SamplingBody):
             raise _refuse("service_tier", "this server has one service tier (auto / default)")
         # "none": the model is not shown the tools
         variables, shown = chat_template_variables(self.messages, self.tools, self.chat_template_kwargs,
-                                                   tool_call_parser, show_tools=self.tool_choice != "none",
-                                                   forced_call=forced)
+                                                   tool_call_parser, show_tools=self.tool_choice != "none")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise InvalidRequestError("top_logprobs", "needs logprobs: true")
@@ -296,15 +298,15 @@ class CompletionRequest(_SamplingBody):
 
 
 def chat_template_variables(messages: list[ChatMessage], tools: list[ToolSpec] | None,
-                            kwargs: dict[str, Any] | None, tool_call_parser: str | None, show_tools: bool = True,
-                            forced_call: bool = False) -> tuple[dict[str, Any], list[dict] | None]:
+                            kwargs: dict[str, Any] | None, tool_call_parser: str | None, show_tools: bool = True
+                            ) -> tuple[dict[str, Any], list[dict] | None]:
     """(the chat template's variables beyond the messages: the request's chat_template_kwargs and the tools
     shown; the tools shown, if any), after refusing what this server cannot render or read back
-    (``tool_call_parser``: the server's; None: tool calling is off; ``forced_call``: tool_choice forces one)."""
+    (``tool_call_parser``: the server's; None: tool calling is off)."""
     if tools and tool_call_parser is None:
         raise _refuse("tools", _TOOLS)
     for k, tool in enumerate(tools or ()):
-        tool.check(f"tools.{k}", forced_call)
+        tool.check(f"tools.{k}")
     for k, message in enumerate(messages):
         message.check(f"messages.{k}", tool_call_parser is not None)
     taken = sorted(Tokenizer.TEMPLATE_VARIABLES.intersection(kwargs or {}))

@@ -5,7 +5,8 @@ Qwen2.5, Qwen3 and the Hermes models write each call as ``<tool_call>{"name": ..
 call, ``{"name": ..., "parameters": {...}}``, several joined by ``;`` (``Llama3JsonParser``). Their chat
 templates render the request's ``tools`` and earlier calls and results that way. A parser splits a growing
 answer into content and complete calls as it streams; what is not a JSON object with a string ``name`` stays
-content, as vLLM leaves it. A forced call (``tool_choice: "required"`` or a named function) is kept to a schema
+content, as vLLM leaves it, and so is a call to a ``strict`` function whose arguments do not validate against
+its schema (a call the model may write freely is checked, not constrained). A forced call (``tool_choice: "required"`` or a named function) is kept to a schema
 while it is sampled (``structured_outputs.py``) and read whole by ``ForcedCallsParser``.
 """
 
@@ -13,8 +14,11 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
 
 from services.gateway.tagged_text import split_at
 
@@ -34,9 +38,9 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def _call(block: str) -> ToolCall | None:
+def _call(block: str, strict: Mapping[str, Any]) -> ToolCall | None:
     try:
-        return _call_of(json.loads(block))
+        return _call_of(json.loads(block), strict)
     except json.JSONDecodeError:
         return None
 
@@ -45,12 +49,24 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_of(value: object) -> ToolCall | None:
+def _call_of(value: object, strict: Mapping[str, Any]) -> ToolCall | None:
+    """The call ``value`` writes; None when it is not one, or its function is strict (``strict``: name ->
+    parameters schema) and the arguments do not validate."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
+    if value["name"] in strict and not _valid(arguments, strict[value["name"]]):
+        return None
     return ToolCall(_call_id(), value["name"],
                     arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
+
+
+def _valid(arguments: Any, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(arguments) if isinstance(arguments, str) else arguments, schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 class HermesParser:
@@ -60,7 +76,9 @@ class HermesParser:
 
     ends_with_calls = True  # an answer with calls finishes as "tool_calls"
 
-    def __init__(self) -> None:
+    def __init__(self, strict: Mapping[str, Any] | None = None) -> None:
+        """``strict``: the strict functions' parameter schemas, by name."""
+        self._strict = strict or {}
         self._pending = ""  # text not released yet: a possible start of a tag, or an open call's body
         self._in_call = False
         self.calls: list[ToolCall] = []
@@ -90,7 +108,7 @@ class HermesParser:
 
     def _take(self, block: str, calls: list[ToolCall], closed: bool) -> str:
         """A call from ``block`` (added to ``calls``), or the block, tags and all, as content when it is not one."""
-        call = _call(block.strip())
+        call = _call(block.strip(), self._strict)
         if call is None:
             return f"{OPEN}{block}{CLOSE if closed else ''}"
         calls.append(call)
@@ -104,7 +122,8 @@ class Llama3JsonParser:
 
     ends_with_calls = True
 
-    def __init__(self) -> None:
+    def __init__(self, strict: Mapping[str, Any] | None = None) -> None:
+        self._strict = strict or {}
         self._pending = ""
         self._holding: bool | None = None  # None: undecided until the first character that is not a space
         self.calls: list[ToolCall] = []
@@ -123,14 +142,14 @@ class Llama3JsonParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._pending = self._pending, ""
-        calls = _json_calls(rest.strip().removeprefix(PYTHON_TAG)) if self._holding else None
+        calls = _json_calls(rest.strip().removeprefix(PYTHON_TAG), self._strict) if self._holding else None
         if not calls:
             return rest, []
         self.calls += calls
         return "", calls
 
 
-def _json_calls(text: str) -> list[ToolCall] | None:
+def _json_calls(text: str, strict: Mapping[str, Any]) -> list[ToolCall] | None:
     """The calls of ``text`` when it is nothing but JSON call objects joined by ``;``; else None."""
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(text):
@@ -138,7 +157,7 @@ def _json_calls(text: str) -> list[ToolCall] | None:
             value, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
-        if (call := _call_of(value)) is None:
+        if (call := _call_of(value, strict)) is None:
             return None
         calls.append(call)
         rest = text[at:].lstrip()
@@ -172,7 +191,7 @@ class ForcedCallsParser:
                 value = json.loads(rest)
             except json.JSONDecodeError:
                 return rest, []
-            calls = [_call_of(item) for item in value] if isinstance(value, list) and value else [None]
+            calls = [_call_of(item, {}) for item in value] if isinstance(value, list) and value else [None]
             if None in calls:
                 return rest, []
         self.calls += calls
@@ -183,9 +202,13 @@ PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}  # --tool-ca
 ToolCallParser = HermesParser | Llama3JsonParser | ForcedCallsParser
 
 
-def call_parser(kind: str, tool_choice: str, name: str | None) -> Callable[[], ToolCallParser]:
-    """How a choice's answer is read: by the server's ``kind`` parser when the model may call (``tool_choice``
-    "auto"), else as the forced call(s) (``name``: the function a "named" choice forces)."""
+def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: str | None = None
+                ) -> Callable[[], ToolCallParser]:
+    """How a choice's answer is read: by the server's ``kind`` parser when the model may call any of ``tools``
+    (``tool_choice`` "auto"; strict functions' calls are checked against their schemas), else as the forced
+    call(s) (``name``: the function a "named" choice forces), which their schemas constrained."""
     if tool_choice == "auto":
-        return PARSERS[kind]
+        strict = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
+                  if t["function"].get("strict")}
+        return lambda: PARSERS[kind](strict)
     return lambda: ForcedCallsParser(name if tool_choice == "named" else None)
