@@ -7,6 +7,8 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 
@@ -16,7 +18,7 @@ from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
-from services.gateway.frontend import Frontend
+from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Generation
 from services.gateway.http_streams import chat_stream, response_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
@@ -30,7 +32,7 @@ from services.gateway.protocol import (
 from services.gateway.responses import ResponseShape
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
-from services.gateway.tool_calls import call_parser
+from services.gateway.tool_calls import ToolCallParser, call_parser
 from services.profile_samples import profile_samples
 from services.sessions import SessionStore
 
@@ -111,6 +113,20 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
     def _logprobs(gen: Generation, body: ChatCompletionRequest | CompletionRequest) -> LogprobShapes:
         return LogprobShapes(frontend.token_texts, body.return_tokens_as_token_ids, len(gen.texts))
 
+    def _tool_calls(options: Options) -> Callable[[], ToolCallParser] | None:
+        """How the answers are read for tool calls (None: the request has no tools)."""
+        if not options.tools:
+            return None
+        return call_parser(config.tool_call_parser, options.tools, options.tool_choice, options.tool_name)
+
+    async def _answer(gen: Generation, shape: ResponseShape, body: ChatCompletionRequest | CompletionRequest,
+                      request: Request) -> Response:
+        """SSE chunks, or the whole response once the generation ends."""
+        if body.stream:
+            return chat_stream(gen, shape, body.include_usage, body.continuous_usage)
+        await run_to_end(gen, request)
+        return JSONResponse(shape.complete())
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_session_id: str | None = Header(None)) -> Response:
@@ -119,14 +135,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
-                              tool_calls=call_parser(config.tool_call_parser, options.tools, options.tool_choice,
-                                                                options.tool_name)
-                              if options.tools else None,
-                              reasoning=config.reasoning_parser)
-        if body.stream:
-            return chat_stream(gen, shape, body.include_usage, body.continuous_usage)
-        await run_to_end(gen, request)
-        return JSONResponse(shape.complete())
+                              tool_calls=_tool_calls(options), reasoning=config.reasoning_parser)
+        return await _answer(gen, shape, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -134,10 +144,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
         gen = await unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
         shape = ResponseShape(gen, body.model, chat=False,
                               logprobs=None if body.logprobs is None else _logprobs(gen, body))
-        if body.stream:
-            return chat_stream(gen, shape, body.include_usage, body.continuous_usage)
-        await run_to_end(gen, request)
-        return JSONResponse(shape.complete())
+        return await _answer(gen, shape, body, request)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -151,8 +158,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
             if (named := renamed(exc)) is exc:
                 raise
             raise named from None
-        output = ResponsesOutput(gen, body.echoed(), reasoning=config.reasoning_parser, tool_calls=call_parser(
-            config.tool_call_parser, options.tools, options.tool_choice, options.tool_name) if options.tools else None)
+        output = ResponsesOutput(gen, body.echoed(), _tool_calls(options), config.reasoning_parser)
         if body.stream:
             return response_stream(gen, output)
         await run_to_end(gen, request, output.feed)
