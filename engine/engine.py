@@ -75,7 +75,7 @@ class Engine:
             self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
-        self.grammars = GrammarMasks(self.tokenizer.to_json() if self.tokenizer else None,
+        self.grammars = GrammarMasks(model_dir / "tokenizer.json" if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)

@@ -22,6 +22,7 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import InvalidRequestError
@@ -34,7 +35,6 @@ log = logging.getLogger(__name__)
 # json: a JSON schema (text); regex: a regular expression (Rust's syntax) the whole output matches; choice: a
 # JSON list of strings, the output being one of them; grammar: a Lark grammar, or a GBNF one (llama.cpp's).
 KINDS = ("json", "regex", "choice", "grammar")
-JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's json_object: any JSON object
 
 
 def _llguidance() -> Any:
@@ -125,24 +125,26 @@ class GrammarMasks:
     """One engine's side of structured outputs: the vocabulary as llguidance sees it, a matcher per
     constrained sample, and the per-step mask over a batch's logits."""
 
-    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_token_ids: list[int]):
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer_file: Path | None, vocab_size: int, eos_token_ids: list[int]):
+        """``tokenizer_file``: the checkpoint's tokenizer.json (None: it has none)."""
+        self._tokenizer_file = tokenizer_file
         self.vocab_size = vocab_size  # the logits' width, which may exceed the tokenizer's vocabulary
         self._eos = sorted(eos_token_ids)
         self._tokenizer: Any = None
         self._executor: Any = None
         # Built now where llguidance is installed (0.3 s for a 49k vocabulary here), not in the middle of a
         # batch's step when the first structured request arrives.
-        if tokenizer_json is not None:
+        if tokenizer_file is not None:
             with contextlib.suppress(InvalidRequestError):  # llguidance is not installed: refused per request
                 self._build_tokenizer()
 
     def _build_tokenizer(self) -> None:
         llguidance = _llguidance()
-        if self._tokenizer_json is None:
+        if self._tokenizer_file is None:
             raise InvalidRequestError("structured_output", "this model has no tokenizer.json to match a "
                                                            "structured output against")
-        self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos)
+        self._tokenizer = llguidance.LLTokenizer(str(self._tokenizer_file), n_vocab=self.vocab_size,
+                                                 eos_token=self._eos)
         self._executor = llguidance.LLExecutor()
 
     def matcher(self, spec: StructuredOutput, output_ids: list[int] | tuple[int, ...] = ()) -> GrammarMatcher:

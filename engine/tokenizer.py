@@ -103,10 +103,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def to_json(self) -> str:
-        """The tokenizer as ``tokenizer.json`` holds it (structured outputs build their vocabulary from it)."""
-        return self._tok.to_str()
-
     # Names the rendering sets itself; a request's chat_template_kwargs may not replace them.
     TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools"})
 

@@ -20,8 +20,7 @@ from services.gateway.protocol import IGNORED_FIELDS, ChatCompletionRequest
 from services.gateway.request_body import Body, refuse
 
 # The chat request's field -> the Responses field an error about it names.
-_FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
-                "tools": "tools", "tool_choice": "tool_choice", "structured_outputs": "text"}
+_FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 _NOT_STORED = "responses are not stored on this server: send the whole conversation in input"
 _ROLES = ("user", "system", "developer", "assistant")
 

@@ -12,10 +12,11 @@ from typing import Any, Literal
 from pydantic import Field
 
 from engine.errors import InvalidRequestError
-from engine.structured_output import JSON_OBJECT_SCHEMA, StructuredOutput
+from engine.structured_output import StructuredOutput
 from services.gateway.request_body import Body
 
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a function that declares none takes {}
+_JSON_OBJECT = {"type": "object"}  # OpenAI's json_object: any JSON object
 
 
 class JsonSchemaFormat(Body):
@@ -34,7 +35,7 @@ class ResponseFormat(Body):
         if self.type != "json_schema":
             if self.json_schema is not None:
                 raise InvalidRequestError("response_format", f"json_schema goes with type json_schema, not {self.type}")
-            return None if self.type == "text" else StructuredOutput("json", JSON_OBJECT_SCHEMA)
+            return None if self.type == "text" else StructuredOutput("json", json_spec(_JSON_OBJECT))
         if self.json_schema is None or self.json_schema.schema_ is None:
             raise InvalidRequestError("response_format", "type json_schema needs json_schema.schema")
         self.json_schema.check_extra("response_format.json_schema")
@@ -62,7 +63,7 @@ class StructuredOutputsParams(Body):
             raise InvalidRequestError("structured_outputs", "disable_any_whitespace only applies to json and "
                                                             "json_object")
         if given[0] == "json_object":
-            return StructuredOutput("json", json_spec(json.loads(JSON_OBJECT_SCHEMA), self.disable_any_whitespace))
+            return StructuredOutput("json", json_spec(_JSON_OBJECT, self.disable_any_whitespace))
         if given[0] == "json_":
             schema = self.json_
             if isinstance(schema, str):

@@ -211,4 +211,4 @@ def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: s
         strict = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
                   if t["function"].get("strict")}
         return lambda: PARSERS[kind](strict)
-    return lambda: ForcedCallsParser(name if tool_choice == "named" else None)
+    return lambda: ForcedCallsParser(name)  # None: "required"
