@@ -72,6 +72,7 @@ class GatewayConfig:
     max_prompt_tokens: int | None = None  # None: the model's context is the only limit
     max_n: int = 16  # most choices (n) one request may ask for, per prompt
     session_ttl_s: float = 3600.0  # idle chat sessions expire after this
+    response_ttl_s: float = 3600.0  # stored Responses API responses expire this long after they finish; 0: none kept
     metrics_require_key: bool = False  # /metrics and the API docs need the API key too (/health never does)
     shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long before they are cancelled
     # Chat tool calling: the format the model writes calls in ("hermes", "llama3_json"); None refuses tools
@@ -169,6 +170,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest prompt accepted (default: the model's context)")
     p.add_argument("--max-n", type=int, default=g.max_n,
                    help="most choices (n) a request may ask for, per prompt; above it the answer is a 400")
+    p.add_argument("--session-ttl", dest="session_ttl_s", type=float, default=g.session_ttl_s,
+                   help="seconds an idle chat session (session_id) is kept")
+    p.add_argument("--response-ttl", dest="response_ttl_s", type=float, default=g.response_ttl_s,
+                   help="seconds a Responses API response is kept for previous_response_id and GET after it "
+                        "finishes; 0 keeps none (store: true is then a 400)")
     p.add_argument("--metrics-require-key", action="store_true", default=g.metrics_require_key,
                    help="require the API key for /metrics and the API docs as well (/health stays open)")
     p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=g.tool_call_parser,
@@ -212,7 +218,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         api_key=args.api_key or os.environ.get("TIDEPOOL_API_KEY"), max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
         shutdown_timeout_s=args.shutdown_timeout_s, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, session_ttl_s=args.session_ttl_s, response_ttl_s=args.response_ttl_s,
     )
+    if gateway.session_ttl_s <= 0 or gateway.response_ttl_s < 0:
+        raise ValueError("--session-ttl must be positive and --response-ttl at least 0")
     cluster.policy_options()  # refuses an option the chosen policy does not have
     return cluster, gateway

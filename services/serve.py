@@ -23,6 +23,7 @@ from services.cluster_status import worker_rows
 from services.config import ClusterConfig, GatewayConfig
 from services.gateway.grpc import start_grpc_server
 from services.gateway.http import create_app
+from services.response_store import ResponseStore
 from services.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Server:
         self._http_task: asyncio.Task | None = None
         self._grpc = None
         self.sessions: SessionStore | None = None
+        self.responses: ResponseStore | None = None
         self._stopping: asyncio.Task | None = None
         self._stop_requested = False
 
@@ -73,7 +75,9 @@ class Server:
                 for sig in (signal.SIGINT, signal.SIGTERM):
                     loop.add_signal_handler(sig, self._on_signal)
             self.sessions = SessionStore(self.cluster.redis_url, ttl_s=self.gateway.session_ttl_s)
-            app = create_app(dispatcher, self.sessions, self.gateway)
+            if self.gateway.response_ttl_s > 0:
+                self.responses = ResponseStore(self.cluster.redis_url, ttl_s=self.gateway.response_ttl_s)
+            app = create_app(dispatcher, self.sessions, self.responses, self.gateway)
             self._grpc = await start_grpc_server(dispatcher, self.sessions, self.gateway)
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
                                     log_level="warning", lifespan="off",
@@ -121,9 +125,10 @@ class Server:
             if isinstance(result, Exception):
                 log.warning("a gateway stopped with an error: %r", result)
         self._http = self._grpc = None
-        if self.sessions is not None:
-            await self.sessions.close()
-            self.sessions = None
+        for store in (self.sessions, self.responses):
+            if store is not None:
+                await store.close()
+        self.sessions = self.responses = None
         await self.cluster.stop()
 
 

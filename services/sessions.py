@@ -68,6 +68,14 @@ class SessionBusyError(Exception):
         self.session_id = session_id
 
 
+def gateway_redis(redis_url: str) -> aioredis.Redis:
+    """The gateway's connection to Redis for what it keeps there (sessions, stored responses). Short timeouts
+    and one quick retry: a connection broken by a Redis restart is replaced on the next call, and while Redis
+    is down a request fails in about a second instead of backing off for many."""
+    return aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=5.0,
+                                   retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1))
+
+
 def _check_id(session_id: str) -> str:
     if not _VALID_ID.match(session_id):
         raise InvalidSessionIdError(session_id)
@@ -81,10 +89,7 @@ class SessionStore:
     def __init__(self, redis_url: str, ttl_s: float = 3600.0, lock_ttl_s: float = 30.0) -> None:
         self.ttl_s = ttl_s
         self.lock_ttl_s = lock_ttl_s
-        # Short timeouts and one quick retry: a connection broken by a Redis restart is replaced on the next
-        # call, and while Redis is down a request fails in about a second instead of backing off for many.
-        self._redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=5.0,
-                                              retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1))
+        self._redis = gateway_redis(redis_url)
         self._renew = self._redis.register_script(_RENEW)
         self._release = self._redis.register_script(_RELEASE)
         self._commit = self._redis.register_script(_COMMIT)

@@ -85,6 +85,15 @@ def test_num_reserved_decode_tokens_reaches_the_engine_and_a_negative_count_is_r
         configs_from_args(parser.parse_args(["serve", "--num-reserved-decode-tokens", "-1"]))
 
 
+def test_session_and_response_ttls_reach_the_gateway_and_a_negative_one_is_refused():
+    parser = build_parser()
+    _, gateway = configs_from_args(parser.parse_args(["serve", "--session-ttl", "60", "--response-ttl", "0"]))
+    assert (gateway.session_ttl_s, gateway.response_ttl_s) == (60, 0)
+    for flags in (["--session-ttl", "0"], ["--response-ttl", "-1"]):
+        with pytest.raises(ValueError, match="--session-ttl must be positive and --response-ttl at least 0"):
+            configs_from_args(parser.parse_args(["serve", *flags]))
+
+
 @pytest.mark.parametrize(("files", "named"), [
     ({}, "config.json: not found"),
     ({"config.json": "{"}, "config.json: not valid JSON"),

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``) through the official `openai` client: answers equal the chat
 completions answer for the same conversation, streamed events build the same items in order, input items
 (function calls and their outputs) reach the prompt as chat renders them, tools and text.format work, and
-every refusal names the Responses field."""
+every refusal names the Responses field. Stored responses continue by previous_response_id as the chat
+conversation they stand for, and are read and deleted by id."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import pytest
 from test_openai_features import client
 from test_openai_tools import CONVERSATION, SET_UNIT, TOOLS, token_events
 
+from services.gateway.errors import UnsupportedFieldError
 from services.gateway.generation import Generation
 from services.gateway.responses_output import ResponsesOutput
+from services.gateway.responses_request import ResponsesRequest
 from services.gateway.tool_calls import PARSERS
 
 INSTRUCTIONS = "Answer in one word."
@@ -135,8 +138,6 @@ def test_a_forced_function_and_a_json_schema_format_keep_the_answer(tool_server)
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fields, param", [
-    ({"store": True}, "store"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
@@ -154,3 +155,88 @@ def test_what_the_responses_api_here_cannot_do_is_a_400_naming_the_field(live_se
     with pytest.raises(openai.BadRequestError) as exc:
         client(live_server).responses.create(**kwargs)
     assert exc.value.param == param, exc.value.message
+
+
+# ---- stored responses ---------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(10)
+def test_store_follows_the_request_and_a_server_keeping_none_refuses_to_store_or_continue():
+    def request(**fields) -> ResponsesRequest:
+        return ResponsesRequest.model_validate({"model": "m", "input": "hi", **fields})
+
+    assert request().stored(True) and request(store=True).stored(True)
+    assert not request(store=False).stored(True) and not request().stored(False)
+    for fields in ({"store": True}, {"previous_response_id": "resp_1"}):
+        with pytest.raises(UnsupportedFieldError) as exc:
+            request(**fields).stored(False)
+        assert exc.value.param == next(iter(fields)) and "--response-ttl" in str(exc.value)
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_previous_response_id_continues_the_chat_conversation_and_reuses_its_prefix(live_server):
+    c = client(live_server)
+    kwargs = dict(model=live_server.model_id, max_output_tokens=8, temperature=0.0)
+    first = c.responses.create(**kwargs, instructions=INSTRUCTIONS, input=QUESTION)
+    follow_up = "And which one sings?"
+    second = c.responses.create(**kwargs, instructions=INSTRUCTIONS, input=follow_up, previous_response_id=first.id)
+    conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": follow_up}]
+    chat = c.chat.completions.create(model=live_server.model_id, max_tokens=8, temperature=0.0,
+                                     messages=[{"role": "system", "content": INSTRUCTIONS}, *conversation])
+    assert (first.store, second.previous_response_id) == (True, first.id)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the first prompt's blocks
+    # Instructions are not carried over: without its own, the continuation has no system message.
+    bare = c.responses.create(**kwargs, input=follow_up, previous_response_id=first.id)
+    prompt = httpx.post(f"{live_server.http_url}/tokenize", timeout=60, json={"messages": conversation}).json()
+    assert bare.usage.input_tokens == prompt["count"]
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_stored_response_is_read_and_deleted_by_id_and_store_false_keeps_nothing(live_server):
+    c = client(live_server)
+    kwargs = dict(model=live_server.model_id, input=QUESTION, max_output_tokens=4)
+    events = list(c.responses.create(**kwargs, stream=True))
+    done = events[-1].response
+    # Stored before the last event went out: readable at once.
+    assert c.responses.retrieve(done.id).model_dump() == done.model_dump()
+    c.responses.delete(done.id)
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(done.id)
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.responses.create(**kwargs, previous_response_id=done.id)
+    assert exc.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.NotFoundError):
+        c.responses.delete(done.id)
+    unkept = c.responses.create(**kwargs, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(unkept.id)
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_function_call_answered_after_previous_response_id_reaches_the_prompt_as_chat_renders_it(tool_server):
+    c = client(tool_server)
+    question = "Which unit? <think></think>"  # closes the thinking, so the forced call starts at once
+    tool = {"type": "function", **SET_UNIT["function"]}
+    forced = c.responses.create(model=tool_server.model_id, input=question, tools=[tool], temperature=0.0,
+                                tool_choice={"type": "function", "name": "set_unit"}, max_output_tokens=32)
+    (call,) = forced.output
+    answered = c.responses.create(model=tool_server.model_id, previous_response_id=forced.id, tools=[tool],
+                                  max_output_tokens=1, input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                               "output": "set"}])
+    conversation = [{"role": "user", "content": question},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": call.call_id, "type": "function",
+                         "function": {"name": "set_unit", "arguments": call.arguments}}]},
+                    {"role": "tool", "tool_call_id": call.call_id, "content": "set"}]
+    prompt = httpx.post(f"{tool_server.http_url}/tokenize", timeout=60,
+                        json={"messages": conversation, "tools": [SET_UNIT]}).json()
+    assert answered.usage.input_tokens == prompt["count"]

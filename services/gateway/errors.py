@@ -178,10 +178,10 @@ _RULES: list[tuple[type[BaseException], Callable[[Any], ApiError]]] = [
     (RedisDownError, lambda e: ApiError(503, _DOWN, "service_unavailable", str(e), code="redis_unavailable",
                                         retry_after_s=2.0)),
     (redis.exceptions.ConnectionError, lambda e: ApiError(503, _DOWN, "service_unavailable",
-                                                          "session store unavailable", code="sessions_unavailable",
+                                                          "session or response store unavailable", code="sessions_unavailable",
                                                           retry_after_s=2.0)),
     (redis.exceptions.TimeoutError, lambda e: ApiError(503, _DOWN, "service_unavailable",
-                                                       "session store unavailable", code="sessions_unavailable",
+                                                       "session or response store unavailable", code="sessions_unavailable",
                                                        retry_after_s=2.0)),
     (StarletteHTTPException, _http_error),
 ]

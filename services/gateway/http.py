@@ -7,10 +7,12 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 
 from engine.errors import InvalidRequestError
 from services.cluster_status import cluster_status
@@ -34,7 +36,10 @@ from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
 from services.gateway.tool_calls import ToolCallParser, call_parser
 from services.profile_samples import profile_samples
+from services.response_store import ResponseStore
 from services.sessions import SessionStore
+
+log = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health",)
 _SCRAPE_PATHS = ("/metrics", "/docs", "/openapi.json", "/redoc")  # open too, unless --metrics-require-key
@@ -92,8 +97,9 @@ class _Guard:
         await self.app(scope, replay, counted_send)
 
 
-def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: GatewayConfig) -> FastAPI:
-    """The HTTP gateway; serve it with uvicorn."""
+def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_store: ResponseStore | None,
+               config: GatewayConfig) -> FastAPI:
+    """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses)."""
     frontend = Frontend(dispatcher, sessions, config)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
@@ -148,9 +154,11 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        """OpenAI's Responses API, stateless, on the chat path (``responses_request.py``)."""
+        """OpenAI's Responses API on the chat path (``responses_request.py``), kept in ``response_store``."""
         try:
-            chat = body.chat_request()
+            store = body.stored(response_store is not None)
+            earlier = await _conversation_of(body.previous_response_id)
+            chat = body.chat_request(earlier)
             options = chat.chat_options(config.tool_call_parser)
             gen = await unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
                                                                      options))
@@ -158,11 +166,47 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, config: Ga
             if (named := renamed(exc)) is exc:
                 raise
             raise named from None
-        output = ResponsesOutput(gen, body.echoed(), _tool_calls(options), config.reasoning_parser)
+        output = ResponsesOutput(gen, body.echoed(store), _tool_calls(options), config.reasoning_parser)
+        keep = (lambda: _keep(output, [*earlier, *body.input_items()])) if store else None
         if body.stream:
-            return response_stream(gen, output)
+            return response_stream(gen, output, keep)
         await run_to_end(gen, request, output.feed)
+        if keep is not None:
+            await keep()
         return JSONResponse(output.response())
+
+    async def _conversation_of(response_id: str | None) -> list[dict]:
+        """The items a response continuing ``response_id`` starts from ([] for None)."""
+        if response_id is None:
+            return []
+        stored = await response_store.get(response_id)
+        if stored is None:
+            raise errors.NotFoundError("response", response_id, "previous_response_id")
+        return stored.items
+
+    async def _keep(output: ResponsesOutput, conversation: list[dict]) -> None:
+        """Store a response that finished; when Redis fails, the answer still goes out, saying store: false."""
+        if output.finish_reason in (None, "abort"):
+            return
+        try:
+            await response_store.put(output.response(), conversation)
+        except RedisError as exc:
+            log.warning("response %s was not stored: %s", output.id, exc)
+            output.request["store"] = False
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        stored = None if response_store is None else await response_store.get(response_id)
+        if stored is None:
+            raise errors.NotFoundError("response", response_id, None)
+        return stored.response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        """Forget a stored response (those that continued it keep their own copy of the conversation)."""
+        if response_store is None or not await response_store.delete(response_id):
+            raise errors.NotFoundError("response", response_id, None)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

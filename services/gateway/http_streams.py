@@ -82,9 +82,11 @@ async def run_to_end(gen: Generation, request: Request, on_delta: Callable[[Delt
         gen.close()
 
 
-def response_stream(gen: Generation, output: ResponsesOutput) -> StreamingResponse:
+def response_stream(gen: Generation, output: ResponsesOutput,
+                    keep: Callable[[], Awaitable[None]] | None = None) -> StreamingResponse:
     """The Responses API's SSE events (``event:`` names its type); an error after the start is an ``error``
-    event, as OpenAI sends it."""
+    event, as OpenAI sends it. ``keep`` stores the finished response before its last event goes out, so a
+    client that has seen it can continue it."""
     async def events() -> AsyncIterator[str]:
         try:
             for event in output.start():
@@ -92,6 +94,8 @@ def response_stream(gen: Generation, output: ResponsesOutput) -> StreamingRespon
             async for d in gen:
                 for event in output.feed(d):
                     yield _sse_event(event)
+            if keep is not None:
+                await keep()
             for event in output.finish():
                 yield _sse_event(event)
         except Exception as exc:

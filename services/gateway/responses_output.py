@@ -32,7 +32,7 @@ class ResponsesOutput:
 
     def __init__(self, gen: Generation, request: dict[str, Any], tool_calls: Callable[[], ToolCallParser] | None,
                  reasoning: str | None) -> None:
-        """``request``: the response object's echo of the request (model, tools, text, ...); ``tool_calls``:
+        """``request``: the response object's echo of the request (model, tools, text, store, ...); ``tool_calls``:
         makes the answer's tool-call parser (``tool_calls.call_parser``), None without tools; ``reasoning``: the
         server's reasoning parser."""
         self.gen, self.request = gen, request
@@ -53,7 +53,7 @@ class ResponsesOutput:
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
-                **self.request, "output": self.items, "store": False, "previous_response_id": None,
+                **self.request, "output": self.items,
                 "usage": {"input_tokens": usage.prompt_tokens,
                           "input_tokens_details": {"cached_tokens": usage.cached_tokens},
                           "output_tokens": usage.completion_tokens,

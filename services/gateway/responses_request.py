@@ -1,11 +1,12 @@
-"""OpenAI's Responses API request (``POST /v1/responses``), served statelessly on the chat path.
+"""OpenAI's Responses API request (``POST /v1/responses``), served on the chat path.
 
-A request's ``instructions`` and ``input`` items (messages, earlier ``function_call`` items and their
+A request's ``instructions`` and its conversation (the items of the response it continues, named by
+``previous_response_id``, then its own ``input`` items: messages, ``function_call`` items and their
 ``function_call_output``) become chat messages, its ``tools``, ``tool_choice`` and ``text.format`` the chat
 request's tools, tool choice and response format, so every check, template and parser is the chat
 completions one (``protocol.ChatCompletionRequest``). Errors name the Responses field, not the chat one.
-Nothing is stored: ``store: true``, ``previous_response_id`` and ``background`` are a 400 (send the whole
-conversation, as with ``store: false``).
+Responses are stored (``services/response_store.py``) unless ``store`` is false or the server keeps none;
+``background`` is a 400.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from services.gateway.request_body import Body, refuse
 
 # The chat request's field -> the Responses field an error about it names.
 _FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
-_NOT_STORED = "responses are not stored on this server: send the whole conversation in input"
+_NOT_STORED = "this server stores no responses (it runs with --response-ttl 0): send the whole conversation in input"
 _ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -53,28 +54,42 @@ class ResponsesRequest(Body):
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(None, description="Accepted; no obfuscation padding is added.")
     # Accepted only with their no-op values: see `chat_request`.
-    store: bool | None = Field(None, description="Only false (nothing is stored).")
-    previous_response_id: str | None = None
-    background: bool | None = None
+    store: bool | None = Field(None, description="Keep the response to continue or read later (default: true, "
+                                                 "unless the server keeps none).")
+    previous_response_id: str | None = Field(None, description="Continue this stored response's conversation.")
+    background: bool | None = Field(None, description="Only false.")
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = Field(None, description="Only empty: a reasoning model thinks as it was trained.")
     truncation: Literal["disabled"] | None = None
     service_tier: str | None = None
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The chat completions request that serves this one; 400s name this request's fields."""
-        self.check_extra("", IGNORED_FIELDS)
-        for name, value in (("store", self.store), ("previous_response_id", self.previous_response_id),
-                            ("background", self.background)):
-            if value:
+    def stored(self, server_stores: bool) -> bool:
+        """Whether the response is to be kept (``server_stores``: the server keeps responses); a 400 when it
+        asks for a store the server does not keep."""
+        for name, value in (("store", self.store), ("previous_response_id", self.previous_response_id)):
+            if value and not server_stores:
                 raise refuse(name, _NOT_STORED)
+        return server_stores and self.store is not False
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The request's own input as items (a string is one user message)."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def chat_request(self, earlier: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
+        """The chat completions request that serves this one, after the ``earlier`` items of the response it
+        continues; 400s name this request's fields."""
+        self.check_extra("", IGNORED_FIELDS)
+        if self.background:
+            raise refuse("background", "responses run in the foreground here: stream them to see progress")
         if self.include:
             raise refuse("include", "no extra output data (reasoning.encrypted_content, logprobs, ...) is available")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
             raise refuse("reasoning", "a reasoning model thinks as it was trained (no effort or summary settings)")
         if self.text is not None:
             self.text.check_extra("text")
-        chat: dict[str, Any] = {"model": self.model, "messages": self._messages(), "stream": self.stream,
+        chat: dict[str, Any] = {"model": self.model, "messages": self._messages(earlier), "stream": self.stream,
                                 "max_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
                                 "service_tier": self.service_tier}
@@ -94,9 +109,9 @@ class ResponsesRequest(Body):
             field = _FIELD_NAMES.get(str(loc[0]), str(loc[0])) if loc else "input"
             raise InvalidRequestError(field, exc.errors()[0]["msg"]) from None
 
-    def echoed(self) -> dict[str, Any]:
-        """The request's settings, as a response object repeats them."""
-        return {"model": self.model, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+    def echoed(self, stored: bool) -> dict[str, Any]:
+        """The request's settings, as a response object repeats them (``stored``: whether it is kept)."""
+        return {"model": self.model, "store": stored, "previous_response_id": self.previous_response_id, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p,
                 "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or ()],
@@ -104,28 +119,30 @@ class ResponsesRequest(Body):
                 "text": {"format": self.text.format if self.text and self.text.format else {"type": "text"}},
                 "truncation": "disabled", "metadata": (self.model_extra or {}).get("metadata") or {}}
 
-    def _messages(self) -> list[dict[str, Any]]:
+    def _messages(self, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
         if self.instructions:
             messages.append({"role": "system", "content": self.instructions})
-        items = [{"role": "user", "content": self.input}] if isinstance(self.input, str) else self.input
-        for k, item in enumerate(items):
+        items = [(f"previous_response_id.{k}", item) for k, item in enumerate(earlier)]
+        items += [(f"input.{k}", item) for k, item in enumerate(self.input_items())]
+        for path, item in items:
             kind = item.get("type", "message")
             if kind == "message":
-                messages.append(_message(item, f"input.{k}"))
+                messages.append(_message(item, path))
             elif kind == "function_call":
-                call = {"id": _string(item, "call_id", k), "type": "function",
-                        "function": {"name": _string(item, "name", k), "arguments": _string(item, "arguments", k)}}
+                call = {"id": _string(item, "call_id", path), "type": "function",
+                        "function": {"name": _string(item, "name", path),
+                                     "arguments": _string(item, "arguments", path)}}
                 last = messages[-1] if messages else None
                 if last is not None and last["role"] == "assistant":  # its text, then its calls
                     last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             elif kind == "function_call_output":
-                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", k),
-                                 "content": _string(item, "output", k)})
+                messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", path),
+                                 "content": _string(item, "output", path)})
             elif kind != "reasoning":  # earlier thinking: chat templates leave it out of later turns
-                raise UnsupportedFieldError("input", f"input.{k}.type: {kind!r} items are not supported (messages, "
+                raise UnsupportedFieldError("input", f"{path}.type: {kind!r} items are not supported (messages, "
                                                      "function_call, function_call_output and reasoning are)")
         return messages
 
@@ -173,10 +190,10 @@ def _message(item: dict[str, Any], path: str) -> dict[str, Any]:
     return {"role": role, "content": content}
 
 
-def _string(item: dict[str, Any], name: str, k: int) -> str:
+def _string(item: dict[str, Any], name: str, path: str) -> str:
     value = item.get(name)
     if not isinstance(value, str):
-        raise InvalidRequestError("input", f"input.{k}.{name}: must be a string")
+        raise InvalidRequestError("input", f"{path}.{name}: must be a string")
     return value
 
 
