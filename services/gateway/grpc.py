@@ -6,6 +6,7 @@ A client that cancels its call cancels this handler; closing the `Generation` ab
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -43,6 +44,12 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),
                    logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"),
                    structured_output=_structured_output(s.structured_output) if s.HasField("structured_output") else None)
+
+
+async def _options_off_loop(s: serving_pb2.SamplingOptions) -> Options:
+    """`_options` in a thread: a structured output's grammar compiles there (milliseconds for a large schema,
+    the first time), which would stall every stream this event loop serves."""
+    return await asyncio.to_thread(_options, s)
 
 
 def _structured_output(spec: serving_pb2.StructuredOutput) -> StructuredOutput:
@@ -110,7 +117,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             _refuse_undecodable(request)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             return await self.frontend.chat(request.model or self.frontend.model_id, messages,
-                                            _options(request.sampling), request.session_id or None)
+                                            await _options_off_loop(request.sampling), request.session_id or None)
 
         async for chunk in self._serve("Chat", start, context):
             yield chunk
@@ -120,7 +127,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         async def start() -> Generation:
             _refuse_undecodable(request)
             prompt = list(request.prompt_token_ids) or request.prompt
-            options = _options(request.sampling)
+            options = await _options_off_loop(request.sampling)
             options.add_special_tokens = not request.HasField("add_special_tokens") or request.add_special_tokens
             return await self.frontend.complete(request.model or self.frontend.model_id, [prompt], options)
 

@@ -7,6 +7,7 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -136,7 +137,9 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                x_session_id: str | None = Header(None)) -> Response:
-        options = body.chat_options(config.tool_call_parser)
+        # In a thread: a structured output's grammar compiles there (milliseconds for a large schema, the first
+        # time), which would stall every stream this event loop serves.
+        options = await asyncio.to_thread(body.chat_options, config.tool_call_parser)
         messages = [m.as_dict() for m in body.messages]
         gen = await unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
@@ -146,7 +149,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        options = body.completion_options()
+        options = await asyncio.to_thread(body.completion_options)  # as chat's
         gen = await unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
         shape = ResponseShape(gen, body.model, chat=False,
                               logprobs=None if body.logprobs is None else _logprobs(gen, body))
@@ -159,7 +162,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
             store = body.stored(response_store is not None)
             earlier = await _conversation_of(body.previous_response_id)
             chat = body.chat_request(earlier)
-            options = chat.chat_options(config.tool_call_parser)
+            options = await asyncio.to_thread(chat.chat_options, config.tool_call_parser)  # as chat's
             gen = await unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
                                                                      options))
         except (InvalidRequestError, errors.UnsupportedFieldError) as exc:
