@@ -11,12 +11,14 @@ import json
 import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from test_openai_features import client
 
 from services.gateway.generation import Generation
 from services.gateway.responses import ResponseShape
+from services.gateway.structured_outputs import forced_call_output
 from services.gateway.tagged_text import parsed
 from services.gateway.tool_calls import (
     PARSERS,
@@ -193,6 +195,30 @@ def test_a_required_answer_is_a_list_of_calls_and_cut_short_it_is_content():
     cut = shaped([answer[:30]], tool_calls=ForcedCallsParser, finish_reason="length")[1]
     assert cut["message"]["content"] == answer[:30] and "tool_calls" not in cut["message"]
     assert cut["finish_reason"] == "length"
+
+
+@pytest.mark.timeout(10)
+def test_without_parallel_tool_calls_an_answer_keeps_only_its_first_call():
+    parser = call_parser("hermes", TOOLS, parallel=False)
+    choices, whole = shaped([ANSWER[i:i + 7] for i in range(0, len(ANSWER), 7)], tool_calls=parser)
+    streamed = [call["function"]["name"] for c in choices for call in c["delta"].get("tool_calls", [])]
+    assert streamed == [c["function"]["name"] for c in whole["message"]["tool_calls"]] == ["get_weather"]
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["content"].strip() == "Let me look."
+
+
+@pytest.mark.timeout(10)
+def test_a_required_list_holds_calls_of_name_and_parameters_only_and_one_without_parallel_calls():
+    def allows(single: bool, calls: list[dict]) -> bool:
+        try:
+            jsonschema.validate(calls, json.loads(forced_call_output([*TOOLS, SET_UNIT], None, single).spec))
+        except jsonschema.ValidationError:
+            return False
+        return True
+
+    one = [{"name": "get_weather", "parameters": {"city": "Oslo"}}]
+    two = [*one, {"name": "set_unit", "parameters": {"unit": "celsius"}}]
+    assert allows(False, one) and allows(False, two) and allows(True, one) and not allows(True, two)
+    assert not allows(False, [{**one[0], "action": "GET"}]) and not allows(False, [])
 
 
 # ---- a live server ------------------------------------------------------------------------------------------

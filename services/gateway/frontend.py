@@ -76,6 +76,7 @@ class Options:
     # the arguments of ``tool_name``)
     tool_choice: Literal["auto", "required", "named"] = "auto"
     tool_name: str | None = None
+    parallel_tool_calls: bool = True  # False: an answer holds at most one call
     structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

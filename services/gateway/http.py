@@ -124,7 +124,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         """How the answers are read for tool calls (None: the request has no tools)."""
         if not options.tools:
             return None
-        return call_parser(config.tool_call_parser, options.tools, options.tool_choice, options.tool_name)
+        return call_parser(config.tool_call_parser, options.tools, options.tool_choice, options.tool_name,
+                           options.parallel_tool_calls)
 
     async def _answer(gen: Generation, shape: ResponseShape, body: ChatCompletionRequest | CompletionRequest,
                       request: Request) -> Response:

@@ -209,7 +209,8 @@ class ChatCompletionRequest(_SamplingBody):
         None, description='"auto", "none", "required" or {"type": "function", "function": {"name": ...}}.')
     functions: list[Any] | None = Field(None, description="Only empty (deprecated: use tools).")
     function_call: str | dict[str, Any] | None = Field(None, description='Only "none".')
-    parallel_tool_calls: bool | None = Field(None, description="Accepted: every call the model writes is returned.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer (a forced list "
+                                                                "holds one; later calls written freely are dropped).")
     modalities: list[str] | None = Field(None, description='Only ["text"].')
     store: bool | None = Field(None, description="Only false.")
     service_tier: str | None = Field(None, description='Only "auto" or "default".')
@@ -241,11 +242,12 @@ class ChatCompletionRequest(_SamplingBody):
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError("top_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        forced_call = forced_call_output(shown, forced_name) if forced else None
+        single = self.parallel_tool_calls is False
+        forced_call = forced_call_output(shown, forced_name, single) if forced else None
         options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, forced_call)
         options.chat_template_kwargs, options.tools = variables, shown
         options.tool_choice = "required" if self.tool_choice == "required" else "named" if forced else "auto"
-        options.tool_name = forced_name
+        options.tool_name, options.parallel_tool_calls = forced_name, not single
         return options
 
     def _forced_tool_name(self) -> str | None:

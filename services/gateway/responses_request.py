@@ -49,7 +49,7 @@ class ResponsesRequest(Body):
     top_p: float | None = None
     tools: list[ResponsesTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = Field(None, description="Accepted: every call the model writes is returned.")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
     text: TextOptions | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(None, description="Accepted; no obfuscation padding is added.")

@@ -105,10 +105,10 @@ def requested_output(response_format: ResponseFormat | None, structured_outputs:
     return spec
 
 
-def forced_call_output(tools: list[dict], name: str | None) -> StructuredOutput:
+def forced_call_output(tools: list[dict], name: str | None, single: bool = False) -> StructuredOutput:
     """What a forced tool call keeps to: the named function's arguments (``name``), or for ``tool_choice:
     "required"`` (``name`` None) a JSON list of one or more ``{"name", "parameters"}`` calls, as vLLM forces
-    them."""
+    them (``single``: exactly one, for ``parallel_tool_calls: false``). A call object holds nothing else."""
     functions = {tool["function"]["name"]: tool["function"].get("parameters") or _EMPTY_PARAMETERS
                  for tool in tools}
     if name is not None:
@@ -116,5 +116,6 @@ def forced_call_output(tools: list[dict], name: str | None) -> StructuredOutput:
             raise InvalidRequestError("tool_choice", f"names the function {name!r}, which tools do not hold")
         return StructuredOutput("json", json_spec(functions[name]))
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [n]}, "parameters": p},
-              "required": ["name", "parameters"]} for n, p in functions.items()]
-    return StructuredOutput("json", json_spec({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
+              "required": ["name", "parameters"], "additionalProperties": False} for n, p in functions.items()]
+    listed = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **({"maxItems": 1} if single else {})}
+    return StructuredOutput("json", json_spec(listed))

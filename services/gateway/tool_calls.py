@@ -198,17 +198,42 @@ class ForcedCallsParser:
         return "", calls
 
 
+class FirstCallParser:
+    """Another parser's reading of an answer, with only its first call (``parallel_tool_calls: false``); the
+    later calls' text is dropped with them."""
+
+    ends_with_calls = True
+
+    def __init__(self, parser: HermesParser | Llama3JsonParser) -> None:
+        self._parser = parser
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        return self._first(*self._parser.feed(text))
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        return self._first(*self._parser.finish())
+
+    def _first(self, content: str, calls: list[ToolCall]) -> tuple[str, list[ToolCall]]:
+        calls = [] if self.calls else calls[:1]
+        self.calls += calls
+        return content, calls
+
+
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}  # --tool-call-parser choices
-ToolCallParser = HermesParser | Llama3JsonParser | ForcedCallsParser
+ToolCallParser = HermesParser | Llama3JsonParser | ForcedCallsParser | FirstCallParser
 
 
-def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: str | None = None
-                ) -> Callable[[], ToolCallParser]:
+def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: str | None = None,
+                parallel: bool = True) -> Callable[[], ToolCallParser]:
     """How a choice's answer is read: by the server's ``kind`` parser when the model may call any of ``tools``
     (``tool_choice`` "auto"; strict functions' calls are checked against their schemas), else as the forced
-    call(s) (``name``: the function a "named" choice forces), which their schemas constrained."""
-    if tool_choice == "auto":
-        strict = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
-                  if t["function"].get("strict")}
+    call(s) (``name``: the function a "named" choice forces), which their schemas constrained. Not
+    ``parallel``: calls after an answer's first are dropped (a forced list already holds one)."""
+    if tool_choice != "auto":
+        return lambda: ForcedCallsParser(name)  # None: "required"
+    strict = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
+              if t["function"].get("strict")}
+    if parallel:
         return lambda: PARSERS[kind](strict)
-    return lambda: ForcedCallsParser(name)  # None: "required"
+    return lambda: FirstCallParser(PARSERS[kind](strict))
