@@ -13,13 +13,14 @@ from loadtest.cli import add_bench_parser
 from router.sim_cli import add_simulate_parser
 from services.config import add_serve_arguments, configs_from_args
 from services.profile_cli import add_profile_parser
+from services.scale_cli import add_scale_parser
 from services.status import add_status_parser
 
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.config import UnsupportedModelError
     from engine.errors import CheckpointError
-    from services.placement import PlacementError
+    from services.errors import PlacementError
     from services.serve import Server
 
     try:
@@ -57,7 +58,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 # Each command's parser is defined next to the code it drives.
 _ADD_COMMAND = {"serve": add_serve_parser, "generate": add_generate_parser, "kv-calc": add_kv_calc_parser,
                 "simulate": add_simulate_parser, "bench": add_bench_parser, "status": add_status_parser,
-                "profile": add_profile_parser}
+                "profile": add_profile_parser, "scale": add_scale_parser}
 COMMANDS = tuple(_ADD_COMMAND)
 
 

@@ -27,6 +27,7 @@ from services.dispatcher import Dispatcher
 from services.local_redis import LocalRedis
 from services.metrics import Metrics
 from services.placement import WorkerLauncher
+from services.scaling import Scaler
 from services.supervisor import Supervisor
 from services.worker_client import WorkerClient
 
@@ -44,6 +45,7 @@ class Cluster:
         self.workers: list[WorkerClient] = []  # the first workers (the dispatcher's set follows replacements)
         self.launcher: WorkerLauncher | None = None
         self.supervisor: Supervisor | None = None
+        self.scaler: Scaler | None = None
         self.mirror: PoolMirror | None = None
         self.dispatcher: Dispatcher | None = None
         self.cluster_id = uuid.uuid4().hex[:8]  # actor names stay unique when clusters share one Ray
@@ -120,6 +122,7 @@ class Cluster:
         if self.config.replace_workers:
             self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)
             self.supervisor.start()
+        self.scaler = Scaler(self.dispatcher, self.launcher, colocated=bool(self.config.colocated))
         return self.dispatcher
 
     def describe_placement(self) -> str:

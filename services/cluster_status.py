@@ -20,6 +20,7 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
             "free_blocks": load.free_blocks if load else 0, "total_blocks": load.total_blocks if load else 0,
             "waiting": len(load.queued_prefills) + load.waiting_leases if load else 0,
             "waiting_leases": load.waiting_leases if load else 0, "running": load.num_running if load else 0,
+            "draining": worker.worker_id in dispatcher.draining,
         })
     return out
 

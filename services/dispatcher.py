@@ -29,6 +29,7 @@ from router.loads import DECODE_ROLES, PREFILL_ROLES
 from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
 from services.fanout import interleave
+from services.in_flight import InFlight
 from services.messages import PrefillResult, TokenEvent
 from services.metrics import Metrics
 from services.prefix_copies import PrefixCopies
@@ -82,6 +83,8 @@ class Dispatcher:
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
         self._routed = itertools.count()  # routing order, kept by the workers' engine queues
+        self.in_flight = InFlight()  # attempts running on each worker
+        self.draining: set[str] = set()  # workers routed to no more (services/scaling.py)
         self._refresher: asyncio.Task | None = None
 
     # ---- worker state -------------------------------------------------------------------------------------
@@ -159,10 +162,12 @@ class Dispatcher:
     def add_worker(self, worker: WorkerClient) -> None:  # routed to from its first load report
         self.workers[worker.worker_id] = worker
 
-    def remove_worker(self, worker_id: str) -> None:  # dead: requests that were on it resume on their own
+    def remove_worker(self, worker_id: str) -> None:
+        """Forget a dead or drained worker (requests that were on it resume on their own) and its series."""
         self.workers.pop(worker_id, None)
-        self._loads.pop(worker_id, None)
         self._deaths.pop(worker_id, None)
+        if (load := self._loads.pop(worker_id, None)) is not None and load.alive:
+            self.metrics.set_worker_load(dataclasses.replace(load, alive=False))
 
     async def drain(self, grace_s: float, cleanup_s: float) -> None:
         """Shutdown: running requests get ``grace_s`` to finish, then the rest are cancelled (their streams
@@ -265,10 +270,11 @@ class Dispatcher:
         return max(0.0, budget - (time.monotonic() - arrived) - decision.est_ttft_s)
 
     def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
+        excluded = excluded | self.draining  # workers that failed this request are out for its retry
         if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in
             raise NoWorkersError(f"no live {' or '.join(missing)} worker")
         loads = list(self._loads.values())
-        if excluded:  # workers that failed this request are out for its retry
+        if excluded:
             loads = [dataclasses.replace(ld, alive=False) if ld.worker_id in excluded else ld for ld in loads]
         decision = self.conductor.route(route_req, loads, self.index)
         if isinstance(decision, Reject):
@@ -286,11 +292,13 @@ class Dispatcher:
         return self._route(route_req, excluded)
 
     def _run(self, decision: Decision, attempt: Attempt) -> AsyncIterator[TokenEvent]:
+        use = self.in_flight.use(decision.prefill, decision.decode)
         if decision.prefill == decision.decode:
-            return run_colocated(attempt, self.workers[decision.prefill], self.deadlines)
+            return use.during(run_colocated(attempt, self.workers[decision.prefill], self.deadlines))
         died = self._deaths.setdefault(decision.decode, asyncio.Event())
 
         def observe(result: PrefillResult) -> None:
+            use.release(decision.prefill)  # the handoff is done: the rest is the decode worker's
             if result.transport:
                 self.metrics.observe_transfer(result.transport, result.transfer_bytes, result.transfer_s,
                                               result.exposed_s)
@@ -299,5 +307,5 @@ class Dispatcher:
             for source, nbytes, seconds in result.prefix_copies:
                 self.conductor.observe_transfer(source, decision.prefill, nbytes, seconds)
 
-        return run_disaggregated(attempt, self.workers[decision.prefill], self.workers[decision.decode],
-                                 self.deadlines, died, observe)
+        return use.during(run_disaggregated(attempt, self.workers[decision.prefill], self.workers[decision.decode],
+                                            self.deadlines, died, observe))

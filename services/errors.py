@@ -22,6 +22,23 @@ class NoWorkersError(Exception):
     """No worker of a needed role is alive."""
 
 
+class PlacementError(Exception):
+    """The workers cannot be placed on this Ray cluster (the message says what is missing)."""
+
+
+class UnknownWorkerError(LookupError):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"no worker {worker_id!r} in this cluster")
+        self.worker_id = worker_id
+
+    def __reduce__(self):
+        return type(self), (self.worker_id,)
+
+
+class ScalingConflictError(Exception):
+    """Resizing the cluster so would leave it unable to serve, or does not fit how it was started."""
+
+
 class PromptTooLongError(Exception):
     """The prompt (plus max_tokens) does not fit the model's context or the server's prompt limit."""
 

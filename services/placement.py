@@ -20,6 +20,7 @@ import ray
 
 from services.config import ClusterConfig
 from services.decode_worker import DecodeWorker
+from services.errors import PlacementError
 from services.messages import Role
 from services.prefill_worker import PrefillWorker
 from services.worker import ColocatedWorker, WorkerSpec
@@ -28,10 +29,6 @@ from services.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 
 _ACTOR_CLASSES = {Role.PREFILL: PrefillWorker, Role.DECODE: DecodeWorker, Role.COLOCATED: ColocatedWorker}
-
-
-class PlacementError(Exception):
-    """The workers cannot be placed on this Ray cluster (the message says what is missing)."""
 
 
 @dataclass
@@ -136,6 +133,13 @@ class WorkerLauncher:
             raise
         self.placements[worker_id] = Placement(worker_id, role, info.node, info.node_id, info.device, options)
         return WorkerClient(info, actor)
+
+    def stop(self, worker: WorkerClient) -> None:
+        """Kill one worker's actor (a drained worker: its resources go back to Ray) and forget it."""
+        with contextlib.suppress(Exception):  # dead already: nothing left to free
+            ray.kill(worker.actor, no_restart=True)
+        self.actors = [a for a in self.actors if a is not worker.actor]
+        self.placements.pop(worker.worker_id, None)
 
     def kill_all(self) -> None:
         if not ray.is_initialized():

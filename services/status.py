@@ -18,10 +18,17 @@ class StatusError(RuntimeError):
 
 
 def fetch_status(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> dict:
-    endpoint = url.rstrip("/") + STATUS_PATH
+    return call_gateway(url, STATUS_PATH, api_key, timeout_s)
+
+
+def call_gateway(url: str, path: str, api_key: str | None = None, timeout_s: float = 10.0, method: str = "GET",
+                 **request) -> dict:
+    """The JSON answer of one call to the gateway at ``url`` (``request``: httpx's json=, params=); StatusError
+    with the whole story when there is none."""
+    endpoint = url.rstrip("/") + path
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(endpoint, headers=headers, timeout=timeout_s)
+        response = httpx.request(method, endpoint, headers=headers, timeout=timeout_s, **request)
     except httpx.ConnectError as e:
         raise StatusError(f"cannot connect to {url} ({str(e) or 'connection refused'}); "
                           "is `tidepool serve` running there?") from None
@@ -31,12 +38,17 @@ def fetch_status(url: str, api_key: str | None = None, timeout_s: float = 10.0) 
         raise StatusError(f"{endpoint}: {e}") from None
     if response.status_code == 401:
         raise StatusError(f"{endpoint}: HTTP 401; pass --api-key or set TIDEPOOL_API_KEY")
-    if response.status_code != 200:
-        raise StatusError(f"{endpoint}: HTTP {response.status_code} {response.text[:200]!r}")
     try:
-        return response.json()
+        answer = response.json()
     except ValueError:
-        raise StatusError(f"{endpoint}: the answer is not JSON") from None
+        answer = None
+    if not response.is_success:
+        error = answer.get("error") if isinstance(answer, dict) else None
+        said = error.get("message") if isinstance(error, dict) else response.text[:200]
+        raise StatusError(f"{endpoint}: HTTP {response.status_code} {said!r}")
+    if answer is None:
+        raise StatusError(f"{endpoint}: the answer is not JSON")
+    return answer
 
 
 def _num(value) -> str:
@@ -72,7 +84,7 @@ def render_status(status: dict) -> str:
     rows = [
         [str(w.get("id", "?")), str(w.get("role", "?")), _num(w.get("node")), _num(w.get("device")),
          f"{_num(w.get('waiting'))}/{_num(w.get('running'))}", _kv_blocks(w),
-         "alive" if w.get("alive") else "DEAD"]
+         "draining" if w.get("draining") else "alive" if w.get("alive") else "DEAD"]
         for w in workers
     ]
     lines += _table(["WORKER", "ROLE", "NODE", "DEVICE", "QUEUE wait/run", "KV BLOCKS used/total", "STATE"], rows)

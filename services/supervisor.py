@@ -62,7 +62,8 @@ class Supervisor:
         while True:
             await asyncio.sleep(_POLL_S)
             for worker in self.dispatcher.dead_workers():
-                if worker.worker_id not in self._replacing:
+                # A draining worker that dies is not replaced: it was on its way out.
+                if worker.worker_id not in self._replacing and worker.worker_id not in self.dispatcher.draining:
                     self._replacing[worker.worker_id] = asyncio.create_task(self._replace(worker))
 
     async def _replace(self, dead: WorkerClient) -> None:

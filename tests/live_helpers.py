@@ -1,13 +1,16 @@
 """Helpers tests share: bounded waiting (never timing asserts), the live-server tests' worker block
-counters, and checkpoints with a chat template of a test's own."""
+counters, checkpoints with a chat template of a test's own, and greedy chats (whole or streamed)."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import openai
 
 
 def free_blocks(server) -> int:
@@ -56,3 +59,57 @@ def checkpoint_with_template(source: Path, parent: Path, chat_template: str) -> 
     config = json.loads((model / "tokenizer_config.json").read_text())
     (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": chat_template}))
     return model
+
+
+# ---- greedy chats against a live server (ignore_eos: exactly max_tokens tokens) ----------------------------
+
+def openai_client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0, timeout=180)
+
+
+def user_message(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def greedy(max_tokens: int) -> dict:
+    return {"max_tokens": max_tokens, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def greedy_chat(server, text: str, max_tokens: int) -> str:
+    resp = openai_client(server).chat.completions.create(model=server.model_id, messages=user_message(text),
+                                                         **greedy(max_tokens))
+    return resp.choices[0].message.content
+
+
+class Streams:
+    """Greedy streamed chats, one thread each; ``wait_started`` until every stream has its first text."""
+
+    def __init__(self, server, texts: list[str], max_tokens: int) -> None:
+        self.texts: list[list[str]] = [[] for _ in texts]
+        self.errors: list[BaseException] = []
+        self._first = [threading.Event() for _ in texts]
+        self._threads = [threading.Thread(target=self._run, args=(server, i, t, max_tokens), daemon=True)
+                         for i, t in enumerate(texts)]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, server, i: int, text: str, max_tokens: int) -> None:
+        try:
+            stream = openai_client(server).chat.completions.create(
+                model=server.model_id, messages=user_message(text), stream=True, **greedy(max_tokens))
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    self.texts[i].append(chunk.choices[0].delta.content)
+                    self._first[i].set()
+        except BaseException as exc:
+            self.errors.append(exc)
+            self._first[i].set()
+
+    def wait_started(self) -> bool:
+        return all(event.wait(120) for event in self._first)
+
+    def join(self) -> list[str]:
+        for thread in self._threads:
+            thread.join(200)
+        assert not self.errors, self.errors
+        return ["".join(parts) for parts in self.texts]

@@ -27,7 +27,7 @@ import pytest
 import ray
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from live_helpers import idle, wait_until
+from live_helpers import Streams, greedy_chat, idle, user_message, wait_until
 from test_dispatcher import PROMPT, FakeWorker, make_dispatcher
 from test_engine_loop import GREEDY, make_engine, prompt, run_outputs, write_model
 
@@ -237,58 +237,6 @@ def fixed_server(start_server):
     server.stop()
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0, timeout=180)
-
-
-def _messages(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
-
-def _greedy(max_tokens: int) -> dict:
-    return {"max_tokens": max_tokens, "temperature": 0.0, "extra_body": {"ignore_eos": True}}
-
-
-def _chat(server, text: str, max_tokens: int) -> str:
-    resp = _client(server).chat.completions.create(model=server.model_id, messages=_messages(text),
-                                                   **_greedy(max_tokens))
-    return resp.choices[0].message.content
-
-
-class _Streams:
-    """Streamed chats, one thread each; ``started`` once every stream has its first text."""
-
-    def __init__(self, server, texts: list[str], max_tokens: int) -> None:
-        self.texts: list[list[str]] = [[] for _ in texts]
-        self.errors: list[BaseException] = []
-        self._first = [threading.Event() for _ in texts]
-        self._threads = [threading.Thread(target=self._run, args=(server, i, t, max_tokens), daemon=True)
-                         for i, t in enumerate(texts)]
-        for thread in self._threads:
-            thread.start()
-
-    def _run(self, server, i: int, text: str, max_tokens: int) -> None:
-        try:
-            stream = _client(server).chat.completions.create(model=server.model_id, messages=_messages(text),
-                                                             stream=True, **_greedy(max_tokens))
-            for chunk in stream:
-                if chunk.choices and chunk.choices[0].delta.content:
-                    self.texts[i].append(chunk.choices[0].delta.content)
-                    self._first[i].set()
-        except BaseException as exc:
-            self.errors.append(exc)
-            self._first[i].set()
-
-    def wait_started(self) -> bool:
-        return all(event.wait(120) for event in self._first)
-
-    def join(self) -> list[str]:
-        for thread in self._threads:
-            thread.join(200)
-        assert not self.errors, self.errors
-        return ["".join(parts) for parts in self.texts]
-
-
 class _HealthWatch:
     """Polls /health from a thread; keeps every 503 answer's body and Retry-After."""
 
@@ -338,11 +286,11 @@ def _replaced(server, dead) -> bool:
 @pytest.mark.timeout(300)
 def test_killed_decode_worker_is_replaced_and_its_streams_end_as_undisturbed_ones(ft_server):
     texts = [f"Stream {i}: how do the tides reach the pools at the edge of the shore?" for i in range(4)]
-    expected = [_chat(ft_server, t, 300) for t in texts]
+    expected = [greedy_chat(ft_server, t, 300) for t in texts]
     decode = _worker(ft_server, "decode")
     pid, resumed = _pid(decode), ft_server.dispatcher.resumed
     with _HealthWatch(ft_server) as health:
-        streams = _Streams(ft_server, texts, 300)
+        streams = Streams(ft_server, texts, 300)
         assert streams.wait_started()
         os.kill(pid, signal.SIGKILL)  # mid-stream: every stream has text, none can have 300 tokens yet
         assert streams.join() == expected  # no token missing, none repeated, none different
@@ -350,7 +298,7 @@ def test_killed_decode_worker_is_replaced_and_its_streams_end_as_undisturbed_one
     assert ft_server.dispatcher.resumed > resumed
     # no decode worker between the death and the replacement: degraded, with when to retry
     assert any("no live decode worker" in message and retry for message, retry in health.degraded)
-    assert _chat(ft_server, texts[0], 300) == expected[0]  # the replacement serves
+    assert greedy_chat(ft_server, texts[0], 300) == expected[0]  # the replacement serves
     assert httpx.get(f"{ft_server.http_url}/health").status_code == 200
     assert wait_until(lambda: idle(ft_server), 30)
 
@@ -358,16 +306,16 @@ def test_killed_decode_worker_is_replaced_and_its_streams_end_as_undisturbed_one
 @pytest.mark.timeout(300)
 def test_killed_prefill_worker_is_replaced_and_requests_it_held_finish(ft_server):
     texts = [f"Prefill {i}: what lives in a tide pool?" for i in range(3)]
-    expected = [_chat(ft_server, t, 24) for t in texts]
+    expected = [greedy_chat(ft_server, t, 24) for t in texts]
     prefill, decode = _worker(ft_server, "prefill"), _worker(ft_server, "decode")
     token_texts = TokenTexts(ft_server.dispatcher.tokenizer)
-    leases = sum(-(-len(encode_chat(token_texts, _messages(t))) // ft_server.dispatcher.block_size) for t in texts)
+    leases = sum(-(-len(encode_chat(token_texts, user_message(t))) // ft_server.dispatcher.block_size) for t in texts)
     assert wait_until(lambda: _used_blocks(decode) == 0, 30)
     pid = _pid(prefill)
     os.kill(pid, signal.SIGSTOP)  # requests reach it and wait there
     try:
         with _HealthWatch(ft_server) as health:
-            streams = _Streams(ft_server, texts, 24)
+            streams = Streams(ft_server, texts, 24)
             # every request is routed and holds its decode lease: its prompt is in the frozen worker's hands
             assert wait_until(lambda: _used_blocks(decode) == leases, 60)
             os.kill(pid, signal.SIGKILL)
@@ -383,12 +331,12 @@ def test_killed_prefill_worker_is_replaced_and_requests_it_held_finish(ft_server
 @pytest.mark.timeout(180)
 def test_a_stream_whose_worker_stops_answering_is_resumed_after_its_token_deadline(ft_server):
     text = "Stall: where do hermit crabs find their shells?"
-    expected = _chat(ft_server, text, 300)
+    expected = greedy_chat(ft_server, text, 300)
     decode, dispatcher = _worker(ft_server, "decode"), ft_server.dispatcher
     pid, resumed, saved = _pid(decode), dispatcher.resumed, dispatcher.deadlines
     dispatcher.deadlines = dataclasses.replace(saved, token_s=3.0)
     try:
-        streams = _Streams(ft_server, [text], 300)
+        streams = Streams(ft_server, [text], 300)
         assert streams.wait_started()
         os.kill(pid, signal.SIGSTOP)  # alive, but silent: only the token deadline notices
         try:
@@ -444,7 +392,7 @@ def test_without_replacements_a_role_with_no_live_worker_is_503_with_retry_after
     health = httpx.get(f"{fixed_server.http_url}/health")
     assert health.headers["retry-after"] and "no live decode worker" in health.json()["error"]["message"]
     with pytest.raises(openai.InternalServerError) as info:  # 503, not 429: nothing to wait for in a queue
-        _chat(fixed_server, "hello", 4)
+        greedy_chat(fixed_server, "hello", 4)
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"]
     assert info.value.body["code"] == "no_workers" and "decode" in info.value.body["message"]
     stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(fixed_server.grpc_target))

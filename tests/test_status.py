@@ -42,7 +42,7 @@ def test_table_shows_each_worker_role_node_device_queue_and_kv_blocks():
 
 
 @pytest.mark.timeout(60)
-def test_decode_row_counts_reservations_waiting_for_blocks_as_waiting():
+def test_decode_row_counts_reservations_waiting_for_blocks_as_waiting_and_shows_a_drain():
     """A decode worker queues no prefills; what waits for it is leases waiting for free blocks."""
     def worker(wid: str, role: str) -> SimpleNamespace:
         return SimpleNamespace(worker_id=wid, role=role, info=SimpleNamespace(node="n", device="cpu"))
@@ -50,10 +50,13 @@ def test_decode_row_counts_reservations_waiting_for_blocks_as_waiting():
         workers={"p": worker("p", "prefill"), "d": worker("d", "decode")},
         loads={"p": WorkerLoad("p", "prefill", queued_prefills=[(100, 0), (50, 16)], total_blocks=64),
                "d": WorkerLoad("d", "decode", num_running=3, free_blocks=2, total_blocks=64,
-                               waiting_leases=2, waiting_lease_blocks=20)})
+                               waiting_leases=2, waiting_lease_blocks=20)},
+        draining={"d"})
     rows = {row["id"]: row for row in worker_rows(dispatcher)}
-    assert (rows["p"]["waiting"], rows["p"]["waiting_leases"]) == (2, 0)
+    assert (rows["p"]["waiting"], rows["p"]["waiting_leases"], rows["p"]["draining"]) == (2, 0, False)
     assert (rows["d"]["waiting"], rows["d"]["waiting_leases"], rows["d"]["running"]) == (2, 2, 3)
+    table = render_status({"workers": list(rows.values())}).splitlines()
+    assert rows["d"]["draining"] and next(line for line in table if line.startswith("d ")).endswith(" draining")
 
 
 @pytest.mark.timeout(60)

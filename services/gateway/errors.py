@@ -23,9 +23,12 @@ from engine.errors import InvalidRequestError, OutOfBlocksError
 from kvstore.transfer import TransferError, TransferTimeout
 from services.errors import (
     NoWorkersError,
+    PlacementError,
     PrefillTimeoutError,
     PromptTooLongError,
     RequestRejected,
+    ScalingConflictError,
+    UnknownWorkerError,
     WorkerFailedError,
 )
 from services.messages import EngineStepError
@@ -163,6 +166,12 @@ _RULES: list[tuple[type[BaseException], Callable[[Any], ApiError]]] = [
                                              code="prefill_timeout", retry_after_s=1.0)),
     (WorkerFailedError, lambda e: ApiError(503, _DOWN, "service_unavailable", f"worker failed: {e}",
                                            code="worker_failed")),
+    (UnknownWorkerError, lambda e: ApiError(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", str(e),
+                                            code="worker_not_found")),
+    (ScalingConflictError, lambda e: ApiError(409, grpc.StatusCode.FAILED_PRECONDITION, "invalid_request_error",
+                                              str(e), code="conflict")),
+    # Ray could not place a worker being added within the placement timeout: the cluster lacks room.
+    (PlacementError, lambda e: ApiError(503, _DOWN, "service_unavailable", str(e), code="placement_failed")),
     (SessionBusyError, lambda e: ApiError(409, grpc.StatusCode.ABORTED, "invalid_request_error", str(e),
                                           param="session_id", code="session_busy")),
     # The handoff's own messages name internal addresses: the client gets the kind of failure only.

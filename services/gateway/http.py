@@ -10,17 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
 from engine.errors import InvalidRequestError
-from services.cluster_status import cluster_status
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
+from services.gateway.cluster_api import cluster_routes
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Generation
 from services.gateway.http_streams import chat_stream, response_stream, run_to_end, unless_client_leaves
@@ -36,9 +37,11 @@ from services.gateway.responses import ResponseShape
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
 from services.gateway.tool_calls import ToolCallParser, call_parser
-from services.profile_samples import profile_samples
 from services.response_store import ResponseStore
 from services.sessions import SessionStore
+
+if TYPE_CHECKING:  # the scaler's module imports the workers' actor classes, and with them torch
+    from services.scaling import Scaler
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +102,9 @@ class _Guard:
 
 
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_store: ResponseStore | None,
-               config: GatewayConfig) -> FastAPI:
-    """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses)."""
+               config: GatewayConfig, scaler: Scaler | None = None) -> FastAPI:
+    """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
+    ``scaler``: None, the cluster routes cannot resize the cluster)."""
     frontend = Frontend(dispatcher, sessions, config)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
@@ -256,14 +260,6 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
             raise errors.NotFoundError("session", session_id, None)
         return {"id": session_id, "object": "session", "deleted": True}
 
-    @app.get("/v1/cluster/status")
-    async def get_cluster_status() -> dict:
-        return cluster_status(dispatcher)
-
-    @app.get("/v1/cluster/profile")
-    async def cluster_profile() -> dict:
-        return profile_samples(dispatcher)
-
     @app.get("/health")
     async def health() -> dict:
         missing = dispatcher.missing_roles()  # e.g. until a dead worker's replacement serves
@@ -278,6 +274,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     async def metrics() -> Response:
         return Response(dispatcher.metrics.render(), media_type=dispatcher.metrics.content_type)
 
+    app.include_router(cluster_routes(dispatcher, scaler))
     return app
 
 
