@@ -14,7 +14,6 @@ role is never drained.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ class Scaler:
         self.dispatcher = dispatcher
         self.launcher = launcher
         self.roles = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
+        self._issued: set[str] = set(dispatcher.workers)  # every id the cluster has used
 
     async def add(self, role: Role) -> WorkerClient:
         """Start a worker of ``role`` and route to it once it serves (PlacementError when Ray cannot place it
@@ -52,14 +52,23 @@ class Scaler:
         if role not in self.roles:
             raise ScalingConflictError(f"this cluster serves {' and '.join(map(str, self.roles))} workers, not "
                                        f"{role} ones")
-        taken = {worker_id.partition(".")[0] for worker_id in self.dispatcher.workers}
-        taken |= set(self.launcher.placements)  # launches under way
-        worker_id = next(f"{role}-{k}" for k in itertools.count() if f"{role}-{k}" not in taken)
+        worker_id = self._next_id(role)
         worker = await self.launcher.launch(worker_id, role)
         self.dispatcher.add_worker(worker)
         await self.dispatcher.refresh_loads()  # routed to at once, not at the next refresh
         log.warning("worker %s added", worker_id)
         return worker
+
+    def _next_id(self, role: Role) -> str:
+        """The role's next slot, never one used before in this cluster: a stopped actor's Ray name may still
+        be taken for a moment, and metrics and logs keep one id for one worker."""
+        used = [*self.dispatcher.workers, *self.launcher.placements, *self._issued]  # replacements: decode-0.1
+        slots = [int(slot) for worker_id in used
+                 if (slot := worker_id.partition(".")[0].removeprefix(f"{role}-")).isdigit()
+                 and worker_id.startswith(f"{role}-")]
+        worker_id = f"{role}-{max(slots, default=-1) + 1}"
+        self._issued.add(worker_id)
+        return worker_id
 
     async def drain(self, worker_id: str, timeout_s: float) -> DrainResult:
         """Stop routing to ``worker_id``, wait up to ``timeout_s`` for what runs on it, then stop it."""

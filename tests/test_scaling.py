@@ -88,6 +88,7 @@ def test_workers_added_while_serving_take_over_from_a_drained_one_and_scale_drai
     with pytest.raises(ray.exceptions.RayActorError):  # stopped: its resources are Ray's again
         ray.get(original.actor.load.remote(), timeout=30)
     assert greedy_chat(server, text, 8) == expected  # served by the added workers
+    assert wait_until(lambda: idle(server), 30)  # the reports no longer count the chat as running
     assert _scale(server, "--decode", "1", "--drain-timeout-s", "30") == 0
     assert "drained decode-2 (decode)" in capsys.readouterr().out  # the newest of two idle ones
     assert [w["id"] for w in _workers(server, "decode")] == ["decode-1"]
