@@ -4,7 +4,8 @@
     python benchmarks/chaos.py --requests 40 --concurrency 8 --fuzz-http 1000 --fuzz-grpc 500 --json out.json
 
 Scenarios: kill -9 the decode worker, the prefill worker, the private redis-server; idle and garbage TCP
-streams on the KV-transfer port; a burst of 10x the load's concurrency; generated HTTP bodies and gRPC
+streams on the KV-transfer port; a second decode worker added (``tidepool scale``), then the busier one
+drained with no time for its streams (they resume on the other); a burst of 10x the load's concurrency; generated HTTP bodies and gRPC
 requests (benchmarks/fuzz_inputs.py). For each: requests sent / completed / rejected (429 with
 Retry-After) / 503 with Retry-After (no live worker of a role) / other 5xx / lost, KV blocks still held
 once the server is idle, and seconds from the fault until /health is 200 and a probe request completes.
@@ -20,6 +21,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -76,6 +78,26 @@ def kill_marker(marker: str):
         proc = find_process(srv, marker)
         proc.send_signal(signal.SIGKILL)
         return f"SIGKILL {marker} pid {proc.pid}"
+    return inject
+
+
+def add_decode(srv: Served) -> str:
+    """A decode worker added while the load runs (``tidepool scale``)."""
+    workers = sum(w["role"] == "decode" for w in status(srv)["workers"]) + 1
+    done = subprocess.run([sys.executable, "-m", "services.cli", "scale", "--url", srv.base_url, "--decode",
+                           str(workers)], capture_output=True, text=True, timeout=600)
+    return f"tidepool scale --decode {workers}: {(done.stdout + done.stderr).strip()} (exit {done.returncode})"
+
+
+def drain_busiest_decode(timeout_s: float):
+    """The decode worker with the most streams drained while the load runs, its streams given ``timeout_s``
+    (0: they resume on another worker at once)."""
+    def inject(srv: Served) -> str:
+        workers = [w for w in status(srv)["workers"] if w["role"] == "decode" and w["alive"]]
+        busiest = max(workers, key=lambda w: w["running"])
+        done = httpx.delete(f"{srv.base_url}/v1/cluster/workers/{busiest['id']}", params={"timeout_s": timeout_s},
+                            timeout=timeout_s + 60).json()
+        return f"drained {busiest['id']} ({busiest['running']} running) with timeout_s={timeout_s:g}: {done}"
     return inject
 
 
@@ -167,10 +189,13 @@ def main() -> None:
 
     faults = [("baseline", None), ("kill decode", kill_marker("DecodeWorker")),
               ("kill prefill", kill_marker("PrefillWorker")), ("kill redis", kill_marker("redis-server")),
-              ("kv port junk", hostile_streams())]
+              ("kv port junk", hostile_streams()), ("add decode", add_decode),
+              ("drain decode", drain_busiest_decode(0.0))]
     rows, fuzz, exit_s = [], [], None
     started = time.perf_counter()
-    with served(["--prefill", "1", "--decode", "1", "--threads-per-worker", "1", "--shutdown-timeout", "20"]) as srv:
+    # Ray gets a logical CPU more than the two workers' threads: room for the decode worker "add decode" starts.
+    with served(["--prefill", "1", "--decode", "1", "--threads-per-worker", "1", "--ray-num-cpus", "3",
+                 "--shutdown-timeout", "20"]) as srv:
         srv.model = httpx.get(srv.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         for name, inject in faults:
             if not args.only or name in args.only:

@@ -114,6 +114,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=c.redis_url, help="use this Redis instead of a private redis-server")
     p.add_argument("--threads-per-worker", type=int, default=c.threads_per_worker,
                    help="CPU threads per worker (default: the cores split evenly)")
+    p.add_argument("--ray-num-cpus", type=int, default=c.ray_num_cpus,
+                   help="logical CPUs of the local Ray serve starts (default: the cores, or the workers' threads "
+                        "if more); more leaves room for `tidepool scale` to add CPU workers")
     p.add_argument("--gpus-per-worker", type=float, default=c.gpus_per_worker,
                    help="GPUs each worker asks Ray for (default: 1 when the Ray cluster has GPUs, else 0)")
     p.add_argument("--placement-timeout", dest="placement_timeout_s", type=float, default=c.placement_timeout_s,
@@ -207,7 +210,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
         replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
-        threads_per_worker=args.threads_per_worker, pool_max_bytes=args.pool_max_bytes,
+        threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus, pool_max_bytes=args.pool_max_bytes,
         kv_disk_dir=args.kv_disk_dir and os.path.abspath(args.kv_disk_dir),  # workers run in other directories
         kv_disk_bytes=args.kv_disk_bytes,
         ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000, gpus_per_worker=args.gpus_per_worker,

@@ -270,7 +270,7 @@ class Dispatcher:
         return max(0.0, budget - (time.monotonic() - arrived) - decision.est_ttft_s)
 
     def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
-        excluded = excluded | self.draining  # workers that failed this request are out for its retry
+        excluded = excluded | self.draining  # out: workers that failed this request, and those being drained
         if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in
             raise NoWorkersError(f"no live {' or '.join(missing)} worker")
         loads = list(self._loads.values())

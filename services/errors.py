@@ -27,12 +27,10 @@ class PlacementError(Exception):
 
 
 class UnknownWorkerError(LookupError):
+    """A worker id the cluster does not hold (raised in the gateway's process only)."""
+
     def __init__(self, worker_id: str) -> None:
         super().__init__(f"no worker {worker_id!r} in this cluster")
-        self.worker_id = worker_id
-
-    def __reduce__(self):
-        return type(self), (self.worker_id,)
 
 
 class ScalingConflictError(Exception):

@@ -85,10 +85,11 @@ def test_num_reserved_decode_tokens_reaches_the_engine_and_a_negative_count_is_r
         configs_from_args(parser.parse_args(["serve", "--num-reserved-decode-tokens", "-1"]))
 
 
-def test_session_and_response_ttls_reach_the_gateway_and_a_negative_one_is_refused():
+def test_ttls_and_ray_cpus_reach_the_configs_and_a_negative_ttl_is_refused():
     parser = build_parser()
-    _, gateway = configs_from_args(parser.parse_args(["serve", "--session-ttl", "60", "--response-ttl", "0"]))
-    assert (gateway.session_ttl_s, gateway.response_ttl_s) == (60, 0)
+    cluster, gateway = configs_from_args(parser.parse_args(["serve", "--session-ttl", "60", "--response-ttl", "0",
+                                                            "--ray-num-cpus", "8"]))
+    assert (gateway.session_ttl_s, gateway.response_ttl_s, cluster.ray_num_cpus) == (60, 0, 8)
     for flags in (["--session-ttl", "0"], ["--response-ttl", "-1"]):
         with pytest.raises(ValueError, match="--session-ttl must be positive and --response-ttl at least 0"):
             configs_from_args(parser.parse_args(["serve", *flags]))

@@ -25,6 +25,12 @@ INSTRUCTIONS = "Answer in one word."
 QUESTION = "Which creature hides in a shell?"
 
 
+def prompt_tokens(server, messages: list[dict], tools: list[dict] | None = None) -> int:
+    """The tokens of the chat prompt ``messages`` (and ``tools``) render to on ``server``."""
+    body = {"messages": messages, **({"tools": tools} if tools else {})}
+    return httpx.post(f"{server.http_url}/tokenize", timeout=60, json=body).json()["count"]
+
+
 def event_types(events: list[dict]) -> list[str]:
     return [e["type"] for e in events]
 
@@ -111,9 +117,7 @@ def test_function_calls_and_their_outputs_in_input_reach_the_prompt_as_chat_rend
     tools = [{"type": "function", **TOOLS[0]["function"]}]
     resp = client(tool_server).responses.create(model=tool_server.model_id, input=items, tools=tools,
                                                 max_output_tokens=1)
-    prompt = httpx.post(f"{tool_server.http_url}/tokenize", timeout=60,
-                        json={"messages": CONVERSATION, "tools": TOOLS}).json()
-    assert resp.usage.input_tokens == prompt["count"]
+    assert resp.usage.input_tokens == prompt_tokens(tool_server, CONVERSATION, TOOLS)
 
 
 @pytest.mark.ray
@@ -191,8 +195,7 @@ def test_previous_response_id_continues_the_chat_conversation_and_reuses_its_pre
     assert second.usage.input_tokens_details.cached_tokens > 0  # the first prompt's blocks
     # Instructions are not carried over: without its own, the continuation has no system message.
     bare = c.responses.create(**kwargs, input=follow_up, previous_response_id=first.id)
-    prompt = httpx.post(f"{live_server.http_url}/tokenize", timeout=60, json={"messages": conversation}).json()
-    assert bare.usage.input_tokens == prompt["count"]
+    assert bare.usage.input_tokens == prompt_tokens(live_server, conversation)
 
 
 @pytest.mark.ray
@@ -237,6 +240,4 @@ def test_a_function_call_answered_after_previous_response_id_reaches_the_prompt_
                         {"id": call.call_id, "type": "function",
                          "function": {"name": "set_unit", "arguments": call.arguments}}]},
                     {"role": "tool", "tool_call_id": call.call_id, "content": "set"}]
-    prompt = httpx.post(f"{tool_server.http_url}/tokenize", timeout=60,
-                        json={"messages": conversation, "tools": [SET_UNIT]}).json()
-    assert answered.usage.input_tokens == prompt["count"]
+    assert answered.usage.input_tokens == prompt_tokens(tool_server, conversation, [SET_UNIT])
