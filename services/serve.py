@@ -21,6 +21,7 @@ import uvicorn
 from services.cluster import Cluster
 from services.cluster_status import worker_rows
 from services.config import ClusterConfig, GatewayConfig
+from services.gateway.background_responses import BackgroundResponses
 from services.gateway.grpc import start_grpc_server
 from services.gateway.http import create_app
 from services.response_store import ResponseStore
@@ -51,6 +52,7 @@ class Server:
         self._grpc = None
         self.sessions: SessionStore | None = None
         self.responses: ResponseStore | None = None
+        self._background: BackgroundResponses | None = None  # the HTTP gateway's background responses
         self._stopping: asyncio.Task | None = None
         self._stop_requested = False
 
@@ -78,6 +80,7 @@ class Server:
             if self.gateway.response_ttl_s > 0:
                 self.responses = ResponseStore(self.cluster.redis_url, ttl_s=self.gateway.response_ttl_s)
             app = create_app(dispatcher, self.sessions, self.responses, self.gateway, self.cluster.scaler)
+            self._background = app.state.background_responses
             self._grpc = await start_grpc_server(dispatcher, self.sessions, self.gateway)
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,
                                     log_level="warning", lifespan="off",
@@ -125,6 +128,9 @@ class Server:
             if isinstance(result, Exception):
                 log.warning("a gateway stopped with an error: %r", result)
         self._http = self._grpc = None
+        if self._background is not None:  # the generations left are cancelled, and kept as such
+            await self._background.stop()
+            self._background = None
         for store in (self.sessions, self.responses):
             if store is not None:
                 await store.close()

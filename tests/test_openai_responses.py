@@ -12,14 +12,19 @@ import json
 import httpx
 import openai
 import pytest
+from live_helpers import wait_until
 from test_openai_features import client
 from test_openai_tools import CONVERSATION, SET_UNIT, TOOLS, token_events
 
+from services.errors import WorkerFailedError
+from services.gateway.background_responses import BackgroundResponses
 from services.gateway.errors import UnsupportedFieldError
 from services.gateway.generation import Generation
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest
 from services.gateway.tool_calls import PARSERS
+from services.messages import TokenEvent
+from services.response_store import ResponseStore
 
 INSTRUCTIONS = "Answer in one word."
 QUESTION = "Which creature hides in a shell?"
@@ -142,7 +147,6 @@ def test_a_forced_function_and_a_json_schema_format_keep_the_answer(tool_server)
 @pytest.mark.redis
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fields, param", [
-    ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
@@ -241,3 +245,83 @@ def test_a_function_call_answered_after_previous_response_id_reaches_the_prompt_
                          "function": {"name": "set_unit", "arguments": call.arguments}}]},
                     {"role": "tool", "tool_call_id": call.call_id, "content": "set"}]
     assert answered.usage.input_tokens == prompt_tokens(tool_server, conversation, [SET_UNIT])
+
+
+# ---- background responses -----------------------------------------------------------------------------------
+
+def run_in_background(redis_url: str, events, cancel: bool) -> tuple[dict, dict]:
+    """(the response a background request is answered with, the response kept at its end) for a generation
+    of ``events``; ``cancel``: cancel it once its first text is in."""
+    async def run() -> tuple[dict, dict]:
+        gen = Generation(f"chatcmpl-bg{id(events)}", events, 1)
+        await gen.start()
+        store = ResponseStore(redis_url, ttl_s=60)
+        background = BackgroundResponses(store)
+        output = ResponsesOutput(gen, {"model": "m", "background": True}, None, None)
+        answered = await background.start(output, [{"role": "user", "content": QUESTION}])
+        while not output.items:
+            await asyncio.sleep(0.01)
+        if cancel:
+            kept = await background.cancel(output.id)
+        else:
+            await asyncio.wait_for(asyncio.gather(*background._running.values()), 10)
+            kept = (await store.get(output.id)).response
+        await store.close()
+        return answered, kept
+
+    return asyncio.run(run())
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(20)
+def test_a_cancelled_background_response_is_kept_cancelled_and_its_generation_stopped(redis_url):
+    stopped = []
+
+    async def endless():
+        try:
+            yield TokenEvent(0, [1], None, 5, 0, "A crab")
+            await asyncio.Event().wait()  # never ends by itself
+        finally:
+            stopped.append(True)
+
+    answered, kept = run_in_background(redis_url, endless(), cancel=True)
+    assert answered["status"] == "in_progress" and answered["usage"] is None
+    assert kept["status"] == "cancelled" and kept["id"] == answered["id"] and stopped == [True]
+    assert kept["output"][0]["content"][0]["text"] == "A crab" and kept["output"][0]["status"] == "incomplete"
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(20)
+def test_a_background_response_whose_generation_fails_is_kept_failed_with_the_error(redis_url):
+    async def failing():
+        yield TokenEvent(0, [1], None, 5, 0, "A cr")
+        raise WorkerFailedError("the decode worker died")
+
+    _, kept = run_in_background(redis_url, failing(), cancel=False)
+    assert kept["status"] == "failed" and kept["error"]["code"] == "worker_failed"
+    assert "worker failed" in kept["error"]["message"]
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_a_background_response_finishes_after_its_answer_as_the_foreground_one_does(live_server):
+    c = client(live_server)
+    kwargs = dict(model=live_server.model_id, input=QUESTION, max_output_tokens=12, temperature=0.0)
+    foreground = c.responses.create(**kwargs)
+    started = c.responses.create(**kwargs, background=True)
+    assert started.background and started.status == "in_progress"
+    assert wait_until(lambda: c.responses.retrieve(started.id).status != "in_progress", 60)
+    done = c.responses.retrieve(started.id)
+    assert (done.status, done.output_text, done.usage.output_tokens) == (
+        foreground.status, foreground.output_text, foreground.usage.output_tokens)
+    assert c.responses.cancel(started.id).status == done.status  # ended already: returned as it ended
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.responses.cancel(foreground.id)
+    assert "only those can be cancelled" in exc.value.message
+    with pytest.raises(openai.NotFoundError):
+        c.responses.cancel("resp_unknown")
+    for fields in ({"store": False}, {"stream": True}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.responses.create(**kwargs, background=True, **fields)
+        assert exc.value.param == "background"

@@ -21,6 +21,7 @@ from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
+from services.gateway.background_responses import BackgroundResponses
 from services.gateway.cluster_api import cluster_routes
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Generation
@@ -106,6 +107,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
     ``scaler``: None, the cluster routes cannot resize the cluster)."""
     frontend = Frontend(dispatcher, sessions, config)
+    background = None if response_store is None else BackgroundResponses(response_store)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
     app.router.route_class = StrictJSONRoute  # NaN, Infinity and lone surrogates are malformed JSON
@@ -175,7 +177,10 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
                 raise
             raise named from None
         output = ResponsesOutput(gen, body.echoed(store), _tool_calls(options), config.reasoning_parser)
-        keep = (lambda: _keep(output, [*earlier, *body.input_items()])) if store else None
+        conversation = [*earlier, *body.input_items()]
+        if body.background:
+            return JSONResponse(await background.start(output, conversation))
+        keep = (lambda: _keep(output, conversation)) if store else None
         if body.stream:
             return response_stream(gen, output, keep)
         await run_to_end(gen, request, output.feed)
@@ -208,6 +213,14 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         if stored is None:
             raise errors.NotFoundError("response", response_id, None)
         return stored.response
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        """Stop a background response; it is kept (and returned) as cancelled, or as it ended."""
+        cancelled = None if background is None else await background.cancel(response_id)
+        if cancelled is None:
+            raise errors.NotFoundError("response", response_id, None)
+        return cancelled
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
@@ -275,6 +288,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         return Response(dispatcher.metrics.render(), media_type=dispatcher.metrics.content_type)
 
     app.include_router(cluster_routes(dispatcher, scaler))
+    app.state.background_responses = background  # stopped by the server before the store closes
     return app
 
 

@@ -45,20 +45,27 @@ class ResponsesOutput:
         self._sequence = 0
         self.reasoning_tokens = 0  # tokens of the deltas that carried thinking
         self.finish_reason: str | None = None
+        self.ended: str | None = None  # "cancelled" or "failed": ended before the answer did (`end`)
+        self.error: dict[str, Any] | None = None
 
     def response(self) -> dict[str, Any]:
         done = self.finish_reason is not None
         incomplete = self.finish_reason == "length"
         usage = self.gen.usage
-        return {"id": self.id, "object": "response", "created_at": self.created_at,
-                "status": ("incomplete" if incomplete else "completed") if done else "in_progress",
-                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+        status = self.ended or (("incomplete" if incomplete else "completed") if done else "in_progress")
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": self.error,
                 **self.request, "output": self.items,
                 "usage": {"input_tokens": usage.prompt_tokens,
                           "input_tokens_details": {"cached_tokens": usage.cached_tokens},
                           "output_tokens": usage.completion_tokens,
                           "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-                          "total_tokens": usage.total_tokens} if done else None}
+                          "total_tokens": usage.total_tokens} if done or self.ended else None}
+
+    def end(self, status: str, error: dict[str, Any] | None = None) -> None:
+        """End a response before its answer did: "cancelled", or "failed" with ``error`` ({code, message})."""
+        self._close("incomplete")
+        self.ended, self.error = status, error
 
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),

@@ -5,8 +5,8 @@ A request's ``instructions`` and its conversation (the items of the response it 
 ``function_call_output``) become chat messages, its ``tools``, ``tool_choice`` and ``text.format`` the chat
 request's tools, tool choice and response format, so every check, template and parser is the chat
 completions one (``protocol.ChatCompletionRequest``). Errors name the Responses field, not the chat one.
-Responses are stored (``services/response_store.py``) unless ``store`` is false or the server keeps none;
-``background`` is a 400.
+Responses are stored (``services/response_store.py``) unless ``store`` is false or the server keeps none; a
+stored one may run in the background (``background_responses.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class ResponsesRequest(Body):
     store: bool | None = Field(None, description="Keep the response to continue or read later (default: true, "
                                                  "unless the server keeps none).")
     previous_response_id: str | None = Field(None, description="Continue this stored response's conversation.")
-    background: bool | None = Field(None, description="Only false.")
+    background: bool | None = Field(None, description="Answer once the generation has started and finish it "
+                                                      "in the background (needs store; not streamed).")
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = Field(None, description="Only empty: a reasoning model thinks as it was trained.")
     truncation: Literal["disabled"] | None = None
@@ -66,9 +67,14 @@ class ResponsesRequest(Body):
     def stored(self, server_stores: bool) -> bool:
         """Whether the response is to be kept (``server_stores``: the server keeps responses); a 400 when it
         asks for a store the server does not keep."""
-        for name, value in (("store", self.store), ("previous_response_id", self.previous_response_id)):
+        for name, value in (("store", self.store), ("previous_response_id", self.previous_response_id),
+                            ("background", self.background)):
             if value and not server_stores:
                 raise refuse(name, _NOT_STORED)
+        if self.background and self.store is False:
+            raise InvalidRequestError("background", "a background response is read back later: it needs store")
+        if self.background and self.stream:
+            raise refuse("background", "a background response is not streamed here: poll GET /v1/responses/{id}")
         return server_stores and self.store is not False
 
     def input_items(self) -> list[dict[str, Any]]:
@@ -81,8 +87,6 @@ class ResponsesRequest(Body):
         """The chat completions request that serves this one, after the ``earlier`` items of the response it
         continues; 400s name this request's fields."""
         self.check_extra("", IGNORED_FIELDS)
-        if self.background:
-            raise refuse("background", "responses run in the foreground here: stream them to see progress")
         if self.include:
             raise refuse("include", "no extra output data (reasoning.encrypted_content, logprobs, ...) is available")
         if self.reasoning and any(v is not None for v in self.reasoning.values()):
@@ -111,7 +115,8 @@ class ResponsesRequest(Body):
 
     def echoed(self, stored: bool) -> dict[str, Any]:
         """The request's settings, as a response object repeats them (``stored``: whether it is kept)."""
-        return {"model": self.model, "store": stored, "previous_response_id": self.previous_response_id, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+        return {"model": self.model, "store": stored, "background": bool(self.background),
+                "previous_response_id": self.previous_response_id, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
                 "top_p": 1.0 if self.top_p is None else self.top_p,
                 "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or ()],
