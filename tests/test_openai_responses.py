@@ -165,6 +165,16 @@ def test_what_the_responses_api_here_cannot_do_is_a_400_naming_the_field(live_se
     assert exc.value.param == param, exc.value.message
 
 
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(60)
+def test_a_body_with_nan_is_malformed_json_here_too(live_server):
+    body = json.dumps({"model": live_server.model_id, "input": "hi", "temperature": float("nan")})  # NaN, bare
+    answer = httpx.post(f"{live_server.http_url}/v1/responses", content=body, timeout=30,
+                        headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400 and "not valid JSON" in answer.json()["error"]["message"]
+
+
 # ---- stored responses ---------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(10)

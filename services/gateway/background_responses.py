@@ -32,7 +32,11 @@ class BackgroundResponses:
 
     async def start(self, output: ResponsesOutput, conversation: list[dict[str, Any]]) -> dict[str, Any]:
         """Keep the started response as it is now and finish it in a task; the response now."""
-        await self.store.put(output.response(), conversation)
+        try:
+            await self.store.put(output.response(), conversation)
+        except BaseException:  # not kept, so nobody could read it: stop it (the request's error says why)
+            output.gen.close()
+            raise
         task = asyncio.create_task(self._finish(output, conversation))
         self._running[output.id] = task
         task.add_done_callback(lambda _: self._running.pop(output.id, None))

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from services.cluster_status import cluster_status, worker_rows
 from services.dispatcher import Dispatcher
 from services.errors import ScalingConflictError
+from services.gateway.json_body import StrictJSONRoute
 from services.gateway.request_body import Body
 from services.messages import Role
 from services.profile_samples import profile_samples
@@ -28,7 +29,7 @@ class AddWorkerRequest(Body):
 
 def cluster_routes(dispatcher: Dispatcher, scaler: Scaler | None) -> APIRouter:
     """``scaler``: None for a cluster that cannot be resized here (its workers were not started by it)."""
-    router = APIRouter()
+    router = APIRouter(route_class=StrictJSONRoute)  # NaN, Infinity and lone surrogates refused, as elsewhere
 
     @router.get("/v1/cluster/status")
     async def get_cluster_status() -> dict:

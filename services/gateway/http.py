@@ -14,18 +14,15 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
-from redis.exceptions import RedisError
 
-from engine.errors import InvalidRequestError
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
-from services.gateway.background_responses import BackgroundResponses
 from services.gateway.cluster_api import cluster_routes
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Generation
-from services.gateway.http_streams import chat_stream, response_stream, run_to_end, unless_client_leaves
+from services.gateway.http_streams import chat_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.logprobs import LogprobShapes
 from services.gateway.protocol import (
@@ -35,8 +32,7 @@ from services.gateway.protocol import (
     TokenizeRequest,
 )
 from services.gateway.responses import ResponseShape
-from services.gateway.responses_output import ResponsesOutput
-from services.gateway.responses_request import ResponsesRequest, renamed
+from services.gateway.responses_api import responses_routes
 from services.gateway.tool_calls import ToolCallParser, call_parser
 from services.response_store import ResponseStore
 from services.sessions import SessionStore
@@ -107,7 +103,6 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
     ``scaler``: None, the cluster routes cannot resize the cluster)."""
     frontend = Frontend(dispatcher, sessions, config)
-    background = None if response_store is None else BackgroundResponses(response_store)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
     app.router.route_class = StrictJSONRoute  # NaN, Infinity and lone surrogates are malformed JSON
@@ -161,73 +156,6 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         shape = ResponseShape(gen, body.model, chat=False,
                               logprobs=None if body.logprobs is None else _logprobs(gen, body))
         return await _answer(gen, shape, body, request)
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        """OpenAI's Responses API on the chat path (``responses_request.py``), kept in ``response_store``."""
-        try:
-            store = body.stored(response_store is not None)
-            earlier = await _conversation_of(body.previous_response_id)
-            chat = body.chat_request(earlier)
-            options = await asyncio.to_thread(chat.chat_options, config.tool_call_parser)  # as chat's
-            gen = await unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
-                                                                     options))
-        except (InvalidRequestError, errors.UnsupportedFieldError) as exc:
-            if (named := renamed(exc)) is exc:
-                raise
-            raise named from None
-        output = ResponsesOutput(gen, body.echoed(store), _tool_calls(options), config.reasoning_parser)
-        conversation = [*earlier, *body.input_items()]
-        if body.background:
-            return JSONResponse(await background.start(output, conversation))
-        keep = (lambda: _keep(output, conversation)) if store else None
-        if body.stream:
-            return response_stream(gen, output, keep)
-        await run_to_end(gen, request, output.feed)
-        if keep is not None:
-            await keep()
-        return JSONResponse(output.response())
-
-    async def _conversation_of(response_id: str | None) -> list[dict]:
-        """The items a response continuing ``response_id`` starts from ([] for None)."""
-        if response_id is None:
-            return []
-        stored = await response_store.get(response_id)
-        if stored is None:
-            raise errors.NotFoundError("response", response_id, "previous_response_id")
-        return stored.items
-
-    async def _keep(output: ResponsesOutput, conversation: list[dict]) -> None:
-        """Store a response that finished; when Redis fails, the answer still goes out, saying store: false."""
-        if output.finish_reason in (None, "abort"):
-            return
-        try:
-            await response_store.put(output.response(), conversation)
-        except RedisError as exc:
-            log.warning("response %s was not stored: %s", output.id, exc)
-            output.request["store"] = False
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
-        stored = None if response_store is None else await response_store.get(response_id)
-        if stored is None:
-            raise errors.NotFoundError("response", response_id, None)
-        return stored.response
-
-    @app.post("/v1/responses/{response_id}/cancel")
-    async def cancel_response(response_id: str) -> dict:
-        """Stop a background response; it is kept (and returned) as cancelled, or as it ended."""
-        cancelled = None if background is None else await background.cancel(response_id)
-        if cancelled is None:
-            raise errors.NotFoundError("response", response_id, None)
-        return cancelled
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
-        """Forget a stored response (those that continued it keep their own copy of the conversation)."""
-        if response_store is None or not await response_store.delete(response_id):
-            raise errors.NotFoundError("response", response_id, None)
-        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -287,8 +215,10 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     async def metrics() -> Response:
         return Response(dispatcher.metrics.render(), media_type=dispatcher.metrics.content_type)
 
-    app.include_router(cluster_routes(dispatcher, scaler))
+    responses, background = responses_routes(frontend, response_store, config, _tool_calls)
+    app.include_router(responses)
     app.state.background_responses = background  # stopped by the server before the store closes
+    app.include_router(cluster_routes(dispatcher, scaler))
     return app
 
 

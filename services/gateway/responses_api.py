@@ -1,0 +1,105 @@
+"""The Responses API's routes: ``POST /v1/responses`` on the chat path (``responses_request.py``), kept in the
+response store (``services/response_store.py``) unless ``store`` is false, streamed, whole or in the background
+(``background_responses.py``); and ``GET``, ``POST .../cancel`` and ``DELETE`` of a kept response."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
+
+from engine.errors import InvalidRequestError
+from services.config import GatewayConfig
+from services.gateway import errors
+from services.gateway.background_responses import BackgroundResponses
+from services.gateway.frontend import Frontend, Options
+from services.gateway.http_streams import response_stream, run_to_end, unless_client_leaves
+from services.gateway.json_body import StrictJSONRoute
+from services.gateway.responses_output import ResponsesOutput
+from services.gateway.responses_request import ResponsesRequest, renamed
+from services.gateway.tool_calls import ToolCallParser
+from services.response_store import ResponseStore
+
+log = logging.getLogger(__name__)
+
+
+def responses_routes(frontend: Frontend, response_store: ResponseStore | None, config: GatewayConfig,
+                     tool_calls: Callable[[Options], Callable[[], ToolCallParser] | None]
+                     ) -> tuple[APIRouter, BackgroundResponses | None]:
+    """The routes, and the background responses they start (None without a store: the server stops those
+    before the store closes). ``tool_calls``: how a request's answer is read for tool calls."""
+    router = APIRouter(route_class=StrictJSONRoute)  # NaN, Infinity and lone surrogates refused, as elsewhere
+    background = None if response_store is None else BackgroundResponses(response_store)
+
+    @router.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API on the chat path (``responses_request.py``), kept in ``response_store``."""
+        try:
+            store = body.stored(response_store is not None)
+            earlier = await _conversation_of(body.previous_response_id)
+            chat = body.chat_request(earlier)
+            options = await asyncio.to_thread(chat.chat_options, config.tool_call_parser)  # as chat's
+            gen = await unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
+                                                                     options))
+        except (InvalidRequestError, errors.UnsupportedFieldError) as exc:
+            if (named := renamed(exc)) is exc:
+                raise
+            raise named from None
+        output = ResponsesOutput(gen, body.echoed(store), tool_calls(options), config.reasoning_parser)
+        conversation = [*earlier, *body.input_items()]
+        if body.background:
+            return JSONResponse(await background.start(output, conversation))
+        keep = (lambda: _keep(output, conversation)) if store else None
+        if body.stream:
+            return response_stream(gen, output, keep)
+        await run_to_end(gen, request, output.feed)
+        if keep is not None:
+            await keep()
+        return JSONResponse(output.response())
+
+    async def _conversation_of(response_id: str | None) -> list[dict]:
+        """The items a response continuing ``response_id`` starts from ([] for None)."""
+        if response_id is None:
+            return []
+        stored = await response_store.get(response_id)
+        if stored is None:
+            raise errors.NotFoundError("response", response_id, "previous_response_id")
+        return stored.items
+
+    async def _keep(output: ResponsesOutput, conversation: list[dict]) -> None:
+        """Store a response that finished; when Redis fails, the answer still goes out, saying store: false."""
+        if output.finish_reason in (None, "abort"):
+            return
+        try:
+            await response_store.put(output.response(), conversation)
+        except RedisError as exc:
+            log.warning("response %s was not stored: %s", output.id, exc)
+            output.request["store"] = False
+
+    @router.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        stored = None if response_store is None else await response_store.get(response_id)
+        if stored is None:
+            raise errors.NotFoundError("response", response_id, None)
+        return stored.response
+
+    @router.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        """Stop a background response; it is kept (and returned) as cancelled, or as it ended."""
+        cancelled = None if background is None else await background.cancel(response_id)
+        if cancelled is None:
+            raise errors.NotFoundError("response", response_id, None)
+        return cancelled
+
+    @router.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        """Forget a stored response (those that continued it keep their own copy of the conversation)."""
+        if response_store is None or not await response_store.delete(response_id):
+            raise errors.NotFoundError("response", response_id, None)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    return router, background
