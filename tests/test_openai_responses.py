@@ -210,6 +210,17 @@ def test_previous_response_id_continues_the_chat_conversation_and_reuses_its_pre
     # Instructions are not carried over: without its own, the continuation has no system message.
     bare = c.responses.create(**kwargs, input=follow_up, previous_response_id=first.id)
     assert bare.usage.input_tokens == prompt_tokens(live_server, conversation)
+    # Its input items: the conversation it answered, newest first by default, a page at a time.
+    newest = c.responses.input_items.list(second.id)
+    assert [(i.role, i.content[0].text) for i in newest.data] == [(m["role"], m["content"]) for m in conversation[::-1]]
+    assert newest.data[1].id == first.output[0].id and not newest.has_more
+    page = c.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in newest.data[:0:-1]] and page.has_more
+    rest = c.responses.input_items.list(second.id, order="asc", after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [newest.data[0].id] and not rest.has_more
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.responses.input_items.list(second.id, after="msg_none")
+    assert exc.value.param == "after"
 
 
 @pytest.mark.ray

@@ -1,14 +1,16 @@
 """The Responses API's routes: ``POST /v1/responses`` on the chat path (``responses_request.py``), kept in the
 response store (``services/response_store.py``) unless ``store`` is false, streamed, whole or in the background
-(``background_responses.py``); and ``GET``, ``POST .../cancel`` and ``DELETE`` of a kept response."""
+(``background_responses.py``); and ``GET`` (the response, or its input items), ``POST .../cancel`` and
+``DELETE`` of a kept response."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 
@@ -50,7 +52,7 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
                 raise
             raise named from None
         output = ResponsesOutput(gen, body.echoed(store), tool_calls(options), config.reasoning_parser)
-        conversation = [*earlier, *body.input_items()]
+        conversation = [*earlier, *body.kept_items()]
         if body.background:
             return JSONResponse(await background.start(output, conversation))
         keep = (lambda: _keep(output, conversation)) if store else None
@@ -86,6 +88,24 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
         if stored is None:
             raise errors.NotFoundError("response", response_id, None)
         return stored.response
+
+    @router.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                               order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
+        """The items a stored response answered (those of the responses it continued first), a page at a time:
+        ``limit`` of them in ``order`` (desc: newest first), after the item ``after``."""
+        stored = None if response_store is None else await response_store.get(response_id)
+        if stored is None:
+            raise errors.NotFoundError("response", response_id, None)
+        items = stored.conversation if order == "asc" else stored.conversation[::-1]
+        if after is not None:
+            ids = [item.get("id") for item in items]
+            if after not in ids:
+                raise InvalidRequestError("after", f"response {response_id!r} has no input item {after!r}")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+                "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit}
 
     @router.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> dict:

@@ -22,7 +22,8 @@ from services.gateway.tagged_text import parsed
 from services.gateway.tool_calls import ToolCall, ToolCallParser
 
 
-def _item_id(prefix: str) -> str:
+def item_id(prefix: str) -> str:
+    """A new output or input item's id, OpenAI's shape (``msg_...``)."""
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
@@ -102,8 +103,8 @@ class ResponsesOutput:
         events = []
         if self._open is None or self._open["type"] != kind:
             events += self._close("completed")
-            item = ({"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": []} if kind == "reasoning"
-                    else {"type": "message", "id": _item_id("msg"), "status": "in_progress", "role": "assistant",
+            item = ({"type": "reasoning", "id": item_id("rs"), "summary": [], "content": []} if kind == "reasoning"
+                    else {"type": "message", "id": item_id("msg"), "status": "in_progress", "role": "assistant",
                           "content": []})
             events.append(self._event("response.output_item.added", output_index=len(self.items), item=_copy(item)))
             self.items.append(item)
@@ -135,7 +136,7 @@ class ResponsesOutput:
                 self._event("response.output_item.done", output_index=index, item=_copy(item))]
 
     def _call(self, call: ToolCall) -> list[dict[str, Any]]:
-        item = {"type": "function_call", "id": _item_id("fc"), "call_id": call.id, "name": call.name,
+        item = {"type": "function_call", "id": item_id("fc"), "call_id": call.id, "name": call.name,
                 "arguments": "", "status": "in_progress"}
         index = len(self.items)
         events = [self._event("response.output_item.added", output_index=index, item=dict(item))]

@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError
 from services.gateway.errors import UnsupportedFieldError
 from services.gateway.protocol import IGNORED_FIELDS, ChatCompletionRequest
 from services.gateway.request_body import Body, refuse
+from services.gateway.responses_output import item_id
 
 # The chat request's field -> the Responses field an error about it names.
 _FIELD_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
@@ -82,6 +83,11 @@ class ResponsesRequest(Body):
         if isinstance(self.input, str):
             return [{"type": "message", "role": "user", "content": self.input}]
         return self.input
+
+    def kept_items(self) -> list[dict[str, Any]]:
+        """The input items as a stored response keeps them (and lists them): each with an id, a message's
+        text as one part."""
+        return [_kept(item) for item in self.input_items()]
 
     def chat_request(self, earlier: list[dict[str, Any]] = ()) -> ChatCompletionRequest:
         """The chat completions request that serves this one, after the ``earlier`` items of the response it
@@ -193,6 +199,18 @@ def _message(item: dict[str, Any], path: str) -> dict[str, Any]:
     if unknown:
         raise UnsupportedFieldError("input", f"{path}.{unknown[0]}: not supported by this server")
     return {"role": role, "content": content}
+
+
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _kept(item: dict[str, Any]) -> dict[str, Any]:
+    kind = item.get("type", "message")
+    kept = {**item, "type": kind, "id": item.get("id") or item_id(_ID_PREFIXES.get(kind, "item"))}
+    if kind == "message" and isinstance(kept.get("content"), str):
+        part = "output_text" if kept.get("role") == "assistant" else "input_text"
+        kept["content"] = [{"type": part, "text": kept["content"]}]
+    return kept
 
 
 def _string(item: dict[str, Any], name: str, path: str) -> str:
