@@ -251,7 +251,9 @@ class Dispatcher:
                         self._mark_dead(failed)
                     if failed and (isinstance(exc, WorkerDiedError) or not self.missing_roles(excluded | {failed})):
                         excluded.add(failed)  # a stalled one only while another can take its place
-                    self.resumed += bool(progress.output_ids)
+                    if progress.output_ids:
+                        self.resumed += 1
+                        self.metrics.resumed.inc()
                     log.warning("request %s: %s; resuming after %d tokens", request_id, exc,
                                 len(progress.output_ids))
                 finally:

@@ -147,6 +147,13 @@ class Metrics:
                                   [*m, "reason"], registry=r)
         self.requests = Counter("tidepool_requests", "API requests answered, by route and status",
                                 [*m, "api", "status"], registry=r)
+        self.resumed = count("tidepool_requests_resumed",
+                             "Requests continued on another pair after streaming tokens (their worker died, "
+                             "stalled or was drained)")
+
+        # ---- the worker set: added and drained (tidepool scale), replaced after dying (the supervisor)
+        self.worker_changes = Counter("tidepool_worker_changes", "Workers added, drained or replaced, by role",
+                                      [*m, "role", "change"], registry=r)
 
         # ---- one series per worker
         w = [*m, "worker", "role"]
@@ -223,6 +230,10 @@ class Metrics:
 
     def inc_rejection(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason).inc()
+
+    def count_worker_change(self, role: str, change: str) -> None:
+        """``change``: "added", "drained" or "replaced"."""
+        self.worker_changes.labels(self.model_name, role, change).inc()
 
     def inc_request(self, api: str, status: str) -> None:
         self.requests.labels(self.model_name, api, status).inc()

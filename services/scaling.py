@@ -56,6 +56,7 @@ class Scaler:
         worker = await self.launcher.launch(worker_id, role)
         self.dispatcher.add_worker(worker)
         await self.dispatcher.refresh_loads()  # routed to at once, not at the next refresh
+        self.dispatcher.metrics.count_worker_change(str(role), "added")
         log.warning("worker %s added", worker_id)
         return worker
 
@@ -95,5 +96,6 @@ class Scaler:
             await asyncio.to_thread(self.dispatcher.index.pool.retire, worker_id)  # its blocks, out of the index
         finally:
             self.dispatcher.draining.discard(worker_id)
+        self.dispatcher.metrics.count_worker_change(str(worker.role), "drained")
         log.warning("worker %s drained after %.1f s (%d attempts resumed elsewhere)", worker_id, waited_s, resumed)
         return DrainResult(worker_id, str(worker.role), waited_s, resumed)

@@ -84,6 +84,7 @@ class Supervisor:
             self.dispatcher.add_worker(new)
             self.dispatcher.remove_worker(dead.worker_id)
             await self.dispatcher.refresh_loads()  # routed to at once, not at the next refresh
+            self.dispatcher.metrics.count_worker_change(str(dead.role), "replaced")
             log.warning("worker %s replaced by %s", dead.worker_id, new.worker_id)
         finally:
             self._replacing.pop(dead.worker_id, None)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 import ray
 from live_helpers import Streams, greedy_chat, idle, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli import main
 from services.in_flight import InFlight
@@ -67,6 +68,13 @@ def _workers(server, role: str) -> list[dict]:
     return [w for w in server.worker_stats() if w["role"] == role]
 
 
+def _counter(server, name: str, **labels: str) -> float:
+    """A counter's value on the server's /metrics (0 before its first increment)."""
+    text = httpx.get(f"{server.http_url}/metrics", timeout=30).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
 def _scale(server, *flags: str) -> int:
     return main(["scale", "--url", server.http_url, *flags])
 
@@ -78,6 +86,8 @@ def test_workers_added_while_serving_take_over_from_a_drained_one_and_scale_drai
     server = scaled_server
     text = "Scaling: which way does the tide turn?"
     expected = greedy_chat(server, text, 8)
+    changes = {change: _counter(server, "tidepool_worker_changes_total", role="decode", change=change)
+               for change in ("added", "drained")}
     assert _scale(server, "--decode", "3") == 0
     out = capsys.readouterr().out
     assert "added decode-1 (decode) on " in out and "added decode-2 (decode) on " in out
@@ -94,6 +104,8 @@ def test_workers_added_while_serving_take_over_from_a_drained_one_and_scale_drai
     assert [w["id"] for w in _workers(server, "decode")] == ["decode-1"]
     assert greedy_chat(server, text, 8) == expected
     assert _scale(server, "--decode", "1") == 0 and "nothing to change" in capsys.readouterr().out
+    assert {change: _counter(server, "tidepool_worker_changes_total", role="decode", change=change) - before
+            for change, before in changes.items()} == {"added": 2, "drained": 2}
 
 
 @pytest.mark.ray
@@ -105,6 +117,7 @@ def test_a_drain_waits_for_the_stream_on_its_worker_and_past_its_timeout_the_str
     server = scaled_server
     text = f"Drain {timeout_s:g}: how do the tides reach the pools at the edge of the shore?"
     expected = greedy_chat(server, text, 300)
+    resumed = _counter(server, "tidepool_requests_resumed_total")
     added = httpx.post(f"{server.http_url}/v1/cluster/workers", json={"role": "decode"}, timeout=300)
     assert added.status_code == 201 and added.json()["alive"], added.text
     streams = Streams(server, [text], 300)
@@ -115,6 +128,7 @@ def test_a_drain_waits_for_the_stream_on_its_worker_and_past_its_timeout_the_str
                            params={"timeout_s": timeout_s}, timeout=120).json()
     assert (drained["id"], drained["drained"], drained["resumed"]) == (busy.worker_id, True, 0 if timeout_s else 1)
     assert streams.join() == [expected]  # no token missing, none repeated, none different
+    assert _counter(server, "tidepool_requests_resumed_total") - resumed == (0 if timeout_s else 1)
     assert busy.worker_id not in {w["id"] for w in server.worker_stats()}
     assert len(_workers(server, "decode")) == 1 and wait_until(lambda: idle(server), 30)
 
