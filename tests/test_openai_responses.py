@@ -285,7 +285,8 @@ def run_in_background(redis_url: str, events, cancel: bool) -> tuple[dict, dict]
         if cancel:
             kept = await background.cancel(output.id)
         else:
-            await asyncio.wait_for(asyncio.gather(*background._running.values()), 10)
+            async for _ in await background.events(output.id):  # to its last event
+                pass
             kept = (await store.get(output.id)).response
         await store.close()
         return answered, kept
@@ -323,6 +324,44 @@ def test_a_background_response_whose_generation_fails_is_kept_failed_with_the_er
     assert "worker failed" in kept["error"]["message"]
 
 
+@pytest.mark.redis
+@pytest.mark.timeout(20)
+def test_a_background_stream_left_midway_runs_on_and_resumes_after_the_last_event_seen(redis_url):
+    gate = asyncio.Event()
+
+    async def gated():
+        yield TokenEvent(0, [1], None, 5, 0, "A crab")
+        await gate.wait()
+        yield TokenEvent(0, [2], "stop", 5, 0, " hides.")
+
+    async def run() -> tuple[list[dict], list[dict], list[dict], dict]:
+        gen = Generation("chatcmpl-bgstream", gated(), 1)
+        await gen.start()
+        store = ResponseStore(redis_url, ttl_s=60)
+        background = BackgroundResponses(store)
+        output = ResponsesOutput(gen, {"model": "m", "background": True}, None, None)
+        await background.start(output, [{"role": "user", "content": QUESTION}])
+        seen = []
+        async for event in await background.events(output.id):  # the first client, until its first text
+            seen.append(event)
+            if event["type"] == "response.output_text.delta":
+                break
+        gate.set()  # the answer goes on without it
+        resumed = [e async for e in await background.events(output.id, seen[-1]["sequence_number"])]
+        # Asked again of a gateway that no longer holds its log (restarted, say): its last event, kept.
+        after_end = [e async for e in await BackgroundResponses(store).events(output.id, 0)]
+        kept = (await store.get(output.id)).response
+        await store.close()
+        return seen, resumed, after_end, kept
+
+    seen, resumed, after_end, kept = asyncio.run(run())
+    assert [e["sequence_number"] for e in seen + resumed] == list(range(len(seen) + len(resumed)))
+    text = "".join(e["delta"] for e in seen + resumed if e["type"] == "response.output_text.delta")
+    assert text == "A crab hides." and resumed[-1]["type"] == "response.completed"
+    assert resumed[-1]["response"] == kept and kept["status"] == "completed"
+    assert event_types(after_end) == ["response.completed"] and after_end[0]["response"] == kept
+
+
 @pytest.mark.ray
 @pytest.mark.redis
 @pytest.mark.timeout(120)
@@ -342,7 +381,13 @@ def test_a_background_response_finishes_after_its_answer_as_the_foreground_one_d
     assert "only those can be cancelled" in exc.value.message
     with pytest.raises(openai.NotFoundError):
         c.responses.cancel("resp_unknown")
-    for fields in ({"store": False}, {"stream": True}):
-        with pytest.raises(openai.BadRequestError) as exc:
-            c.responses.create(**kwargs, background=True, **fields)
-        assert exc.value.param == "background"
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.responses.create(**kwargs, background=True, store=False)
+    assert exc.value.param == "background"
+    # Streamed: the same answer, and streamed again after its second event (by now it has ended).
+    events = list(c.responses.create(**kwargs, background=True, stream=True))
+    assert events[0].type == "response.created" and events[-1].type == f"response.{foreground.status}"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == foreground.output_text
+    again = list(c.responses.retrieve(events[-1].response.id, stream=True, starting_after=1))
+    assert again[-1].type == events[-1].type and again[-1].response.output_text == foreground.output_text
+    assert all(e.sequence_number > 1 for e in again[:-1])  # the log's rest, if the gateway still holds it

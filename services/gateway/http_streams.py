@@ -1,5 +1,6 @@
 """Running a `Generation` for an HTTP client: to its end, or as server-sent events (chat and completions
-chunks, or the Responses API's ``response.*`` events), stopping it whenever the client leaves."""
+chunks, or the Responses API's ``response.*`` events), stopping it whenever the client leaves; and a
+background response's events, which run on without it."""
 
 from __future__ import annotations
 
@@ -104,6 +105,16 @@ def response_stream(gen: Generation, output: ResponsesOutput,
                               "message": err["message"], "param": err["param"]})
 
     return GenerationStream(gen, events())
+
+
+def events_stream(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Responses API events already made (a background response's, which runs on whether or not the client
+    stays), as SSE."""
+    async def sse() -> AsyncIterator[str]:
+        async for event in events:
+            yield _sse_event(event)
+
+    return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _sse_event(event: dict) -> str:

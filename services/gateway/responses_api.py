@@ -19,7 +19,7 @@ from services.config import GatewayConfig
 from services.gateway import errors
 from services.gateway.background_responses import BackgroundResponses
 from services.gateway.frontend import Frontend, Options
-from services.gateway.http_streams import response_stream, run_to_end, unless_client_leaves
+from services.gateway.http_streams import events_stream, response_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
@@ -54,7 +54,10 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
         output = ResponsesOutput(gen, body.echoed(store), tool_calls(options), config.reasoning_parser)
         conversation = [*earlier, *body.kept_items()]
         if body.background:
-            return JSONResponse(await background.start(output, conversation))
+            started = await background.start(output, conversation)
+            if body.stream:
+                return events_stream(await background.events(output.id))
+            return JSONResponse(started)
         keep = (lambda: _keep(output, conversation)) if store else None
         if body.stream:
             return response_stream(gen, output, keep)
@@ -83,11 +86,18 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
             output.request["store"] = False
 
     @router.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str) -> dict:
+    async def get_response(response_id: str, stream: bool = False, starting_after: int = Query(-1, ge=-1)
+                           ) -> Response:
+        """A kept response; ``stream``: a background one's events after ``starting_after``, as they come."""
+        if stream:
+            events = None if background is None else await background.events(response_id, starting_after)
+            if events is None:
+                raise errors.NotFoundError("response", response_id, None)
+            return events_stream(events)
         stored = None if response_store is None else await response_store.get(response_id)
         if stored is None:
             raise errors.NotFoundError("response", response_id, None)
-        return stored.response
+        return JSONResponse(stored.response)
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),

@@ -63,10 +63,11 @@ class ResponsesOutput:
                           "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                           "total_tokens": usage.total_tokens} if done or self.ended else None}
 
-    def end(self, status: str, error: dict[str, Any] | None = None) -> None:
-        """End a response before its answer did: "cancelled", or "failed" with ``error`` ({code, message})."""
-        self._close("incomplete")
+    def end(self, status: str, error: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """End a response before its answer did: "cancelled", or "failed" with ``error`` ({code, message});
+        the events that close its open item."""
         self.ended, self.error = status, error
+        return self._close("incomplete")
 
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),
@@ -93,9 +94,12 @@ class ResponsesOutput:
         return events
 
     def finish(self) -> list[dict[str, Any]]:
+        """The last event: response.completed, .incomplete or .failed (none for a cancelled response: its stream
+        just ends)."""
         status = self.response()["status"]
-        return [self._event("response.incomplete" if status == "incomplete" else "response.completed",
-                            response=self.response())]
+        if status == "cancelled":
+            return []
+        return [self._event(f"response.{status}", response=self.response())]
 
     # -- items -----------------------------------------------------------------------------------------------
     def _append(self, kind: str, text: str) -> list[dict[str, Any]]:

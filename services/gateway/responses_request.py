@@ -59,7 +59,8 @@ class ResponsesRequest(Body):
                                                  "unless the server keeps none).")
     previous_response_id: str | None = Field(None, description="Continue this stored response's conversation.")
     background: bool | None = Field(None, description="Answer once the generation has started and finish it "
-                                                      "in the background (needs store; not streamed).")
+                                                      "in the background, whether or not the client stays "
+                                                      "(needs store).")
     include: list[str] | None = None
     reasoning: dict[str, Any] | None = Field(None, description="Only empty: a reasoning model thinks as it was trained.")
     truncation: Literal["disabled"] | None = None
@@ -74,8 +75,6 @@ class ResponsesRequest(Body):
                 raise refuse(name, _NOT_STORED)
         if self.background and self.store is False:
             raise InvalidRequestError("background", "a background response is read back later: it needs store")
-        if self.background and self.stream:
-            raise refuse("background", "a background response is not streamed here: poll GET /v1/responses/{id}")
         return server_stores and self.store is not False
 
     def input_items(self) -> list[dict[str, Any]]:
