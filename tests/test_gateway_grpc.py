@@ -1,10 +1,12 @@
 """The gRPC API (tidepool.v1.Serving) against a live `tidepool serve`: streaming, health, reflection, statuses.
 
-Fixtures as in test_gateway_http.py: `live_server`, `secured_server`, `overloaded_server`, `dead_server`.
+Fixtures as in test_gateway_http.py: `live_server`, `secured_server`, `overloaded_server`, `dead_server`, and
+`tool_server` for tool calling.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -15,7 +17,12 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from live_helpers import free_blocks, idle, wait_until
+from test_openai_tools import CONVERSATION, SET_UNIT, TOOLS, token_events
 
+from services.gateway.generation import Generation
+from services.gateway.grpc_chat import fill_chunk
+from services.gateway.responses import ResponseShape
+from services.gateway.tool_calls import PARSERS
 from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(240)]
@@ -205,7 +212,8 @@ def test_a_role_no_chat_template_renders_is_invalid_argument_and_leaves_the_sess
     request = serving_pb2.ChatRequest(model=live_server.model_id, session_id=sid, sampling=greedy(2),
                                       messages=[serving_pb2.ChatMessage(role=role, content="hi")])
     err = status_of(lambda: list(stub(live_server).Chat(request, timeout=60)))
-    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and f"messages.0.role: {role!r}" in err.details()
+    # The chat schema's own words (a tool message: "tool calling is off on this server").
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("messages.0")
     # The refused turn stored nothing: the session's first turn is the prompt a session-less chat sends.
     in_session = chat(live_server, greedy(2), session_id=sid)[-1].usage.prompt_tokens
     assert in_session == chat(live_server, greedy(2))[-1].usage.prompt_tokens
@@ -236,3 +244,71 @@ def test_no_live_worker_is_unavailable_and_not_serving(dead_server):
     health = health_pb2_grpc.HealthStub(grpc.insecure_channel(dead_server.grpc_target))
     resp = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
     assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+# ---- tool calling (the `tool_server`: hermes calls, qwen3 thinking) --------------------------------------------
+
+def _grpc_tool(spec: dict) -> serving_pb2.Tool:
+    function = spec["function"]
+    return serving_pb2.Tool(name=function["name"], description=function.get("description", ""),
+                            parameters=json.dumps(function["parameters"]), strict=bool(function.get("strict")))
+
+
+def test_tools_calls_and_tool_answers_reach_the_prompt_as_http_renders_them(tool_server):
+    call = CONVERSATION[1]["tool_calls"][0]
+    messages = [serving_pb2.ChatMessage(role="user", content=CONVERSATION[0]["content"]),
+                serving_pb2.ChatMessage(role="assistant", tool_calls=[serving_pb2.ToolCall(
+                    id=call["id"], name=call["function"]["name"], arguments=call["function"]["arguments"])]),
+                serving_pb2.ChatMessage(role="tool", tool_call_id=call["id"], content=CONVERSATION[2]["content"])]
+    request = serving_pb2.ChatRequest(model=tool_server.model_id, messages=messages, sampling=greedy(1),
+                                      tools=[_grpc_tool(TOOLS[0])])
+    chunks = list(stub(tool_server).Chat(request, timeout=120))
+    prompt = httpx.post(f"{tool_server.http_url}/tokenize", timeout=60,
+                        json={"messages": CONVERSATION, "tools": TOOLS}).json()
+    assert chunks[-1].usage.prompt_tokens == prompt["count"]
+
+
+def test_a_forced_call_arrives_as_a_tool_call_and_a_second_structured_output_is_refused(tool_server):
+    closed = [serving_pb2.ChatMessage(role="user", content="Which unit? <think></think>")]  # thinking closed
+    request = serving_pb2.ChatRequest(model=tool_server.model_id, messages=closed, tools=[_grpc_tool(SET_UNIT)],
+                                      sampling=serving_pb2.SamplingOptions(max_tokens=32, temperature=0.0),
+                                      tool_choice=serving_pb2.ToolChoice(function="set_unit"))
+    chunks = list(stub(tool_server).Chat(request, timeout=120))
+    (call,) = [c for chunk in chunks for c in chunk.tool_calls]
+    assert call.name == "set_unit" and json.loads(call.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    assert "".join(c.text for c in chunks) == "" and chunks[-1].finish_reason == "stop"  # a named call, as HTTP
+    request.sampling.structured_output.regex = "[0-9]+"
+    err = status_of(lambda: list(stub(tool_server).Chat(request, timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "only one structured output" in err.details()
+
+
+def test_tools_the_server_cannot_take_are_invalid_argument_naming_why(live_server, tool_server):
+    tool = serving_pb2.Tool(name="f", parameters="{not json")
+    request = serving_pb2.ChatRequest(model=tool_server.model_id, messages=MESSAGES, sampling=greedy(1), tools=[tool])
+    err = status_of(lambda: list(stub(tool_server).Chat(request, timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "tools.0.parameters: not valid JSON" in err.details()
+    request.tools[0].parameters = ""
+    request.model = live_server.model_id  # a server without --tool-call-parser
+    err = status_of(lambda: list(stub(live_server).Chat(request, timeout=60)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "tool-call-parser" in err.details()
+
+
+@pytest.mark.timeout(10)
+def test_a_chat_answer_becomes_chunks_of_thinking_text_and_calls_as_http_reads_it():
+    answer = '<think>Crabs.</think>A crab.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+
+    async def run() -> list[serving_pb2.GenerateChunk]:
+        gen = Generation("chatcmpl-grpc", token_events([answer[i:i + 4] for i in range(0, len(answer), 4)]), 1)
+        await gen.start()
+        shape = ResponseShape(gen, "m", chat=True, logprobs=None, tool_calls=PARSERS["hermes"], reasoning="qwen3")
+        chunks = []
+        async for d in gen:
+            chunks.append(serving_pb2.GenerateChunk(text=d.text, finish_reason=d.finish_reason or ""))
+            fill_chunk(chunks[-1], shape.delta(d))
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert "".join(c.reasoning for c in chunks) == "Crabs." and "".join(c.text for c in chunks) == "A crab."
+    (call,) = [c for chunk in chunks for c in chunk.tool_calls]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Oslo"})
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +28,7 @@ from services.gateway.errors import NotFoundError, PromptTextTooLongError
 from services.gateway.generation import Echo, Generation, merge_streams
 from services.gateway.reasoning import END_THINK, THINK, after_thinking
 from services.gateway.token_texts import TokenTexts
+from services.gateway.tool_calls import ToolCallParser, call_parser
 from services.messages import TokenEvent
 from services.sessions import SessionStore, SessionTurn
 
@@ -77,6 +78,12 @@ class Options:
     tool_choice: Literal["auto", "required", "named"] = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True  # False: an answer holds at most one call
+
+    def tool_call_reader(self, parser: str | None) -> Callable[[], ToolCallParser] | None:
+        """How the answers are read for tool calls with the server's ``parser`` (None: no tools asked)."""
+        if not self.tools:
+            return None
+        return call_parser(parser, self.tools, self.tool_choice, self.tool_name, self.parallel_tool_calls)
     structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:

@@ -23,6 +23,8 @@ from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Delta, Generation
+from services.gateway.grpc_chat import chat_request, fill_chunk, with_tools
+from services.gateway.responses import ResponseShape
 from services.gateway.structured_outputs import StructuredOutputsParams, requested_output
 from services.sessions import SessionStore
 from tidepool.v1 import serving_pb2, serving_pb2_grpc
@@ -48,7 +50,8 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
 
 async def _options_off_loop(s: serving_pb2.SamplingOptions) -> Options:
     """`_options` in a thread: a structured output's grammar compiles there (milliseconds for a large schema,
-    the first time), which would stall every stream this event loop serves."""
+    the first time), which would stall every stream this event loop serves. (Chat's, with its forced call's
+    grammar, too.)"""
     return await asyncio.to_thread(_options, s)
 
 
@@ -109,27 +112,34 @@ def _refuse_undecodable(request: Message | _Undecodable) -> None:
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    def __init__(self, frontend: Frontend, api_key: str | None, metrics) -> None:
-        self.frontend, self.api_key, self.metrics = frontend, api_key, metrics
+    def __init__(self, frontend: Frontend, config: GatewayConfig, metrics) -> None:
+        self.frontend, self.config, self.metrics = frontend, config, metrics
 
     async def Chat(self, request: serving_pb2.ChatRequest, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
-        async def start() -> Generation:
+        async def start() -> tuple[Generation, ResponseShape | None]:
             _refuse_undecodable(request)
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return await self.frontend.chat(request.model or self.frontend.model_id, messages,
-                                            await _options_off_loop(request.sampling), request.session_id or None)
+            chat = chat_request(request)
+            parser = self.config.tool_call_parser
+            options = await asyncio.to_thread(lambda: with_tools(_options(request.sampling), chat, parser))  # see below
+            gen = await self.frontend.chat(request.model or self.frontend.model_id,
+                                           [m.as_dict() for m in chat.messages], options, request.session_id or None)
+            reader, reasoning = options.tool_call_reader(parser), self.config.reasoning_parser
+            # Read as HTTP reads a chat answer when there is anything to split off it.
+            shape = ResponseShape(gen, chat.model, chat=True, logprobs=None, tool_calls=reader,
+                                  reasoning=reasoning) if reader or reasoning else None
+            return gen, shape
 
         async for chunk in self._serve("Chat", start, context):
             yield chunk
 
     async def Complete(self, request: serving_pb2.CompleteRequest,
                        context) -> AsyncIterator[serving_pb2.GenerateChunk]:
-        async def start() -> Generation:
+        async def start() -> tuple[Generation, None]:
             _refuse_undecodable(request)
             prompt = list(request.prompt_token_ids) or request.prompt
             options = await _options_off_loop(request.sampling)
             options.add_special_tokens = not request.HasField("add_special_tokens") or request.add_special_tokens
-            return await self.frontend.complete(request.model or self.frontend.model_id, [prompt], options)
+            return await self.frontend.complete(request.model or self.frontend.model_id, [prompt], options), None
 
         async for chunk in self._serve("Complete", start, context):
             yield chunk
@@ -137,13 +147,15 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
     async def _serve(self, method: str, start, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
         gen = None
         try:
-            check_bearer(dict(context.invocation_metadata()).get("authorization", ""), self.api_key)
-            gen = await start()
+            check_bearer(dict(context.invocation_metadata()).get("authorization", ""), self.config.api_key)
+            gen, shape = await start()
             # A cancel that lands while gRPC is sending abandons this generator without running its
             # `finally`, so the request is also stopped when the call ends, however it ends.
             context.add_done_callback(lambda _: gen.close())
             async for d in gen:
                 chunk = _chunk(d, gen.request_id)
+                if shape is not None:
+                    fill_chunk(chunk, shape.delta(d))
                 if gen.finished:  # the delta that ends the last open choice carries the usage
                     u = gen.usage
                     chunk.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=u.prompt_tokens,
@@ -204,7 +216,7 @@ async def start_grpc_server(dispatcher: Dispatcher, sessions: SessionStore | Non
     """Start the gRPC gateway on the configured host and port (``await server.stop(grace)`` ends it)."""
     server = grpc.aio.server()
     frontend = Frontend(dispatcher, sessions, config)
-    add_serving(ServingServicer(frontend, config.api_key, dispatcher.metrics), server)
+    add_serving(ServingServicer(frontend, config, dispatcher.metrics), server)
     health_pb2_grpc.add_HealthServicer_to_server(_Health(dispatcher), server)
     _enable_reflection(server, (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name))
     address = f"{config.host}:{config.grpc_port}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
@@ -20,7 +19,7 @@ from services.dispatcher import Dispatcher
 from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.cluster_api import cluster_routes
-from services.gateway.frontend import Frontend, Options
+from services.gateway.frontend import Frontend
 from services.gateway.generation import Generation
 from services.gateway.http_streams import chat_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
@@ -33,7 +32,6 @@ from services.gateway.protocol import (
 )
 from services.gateway.responses import ResponseShape
 from services.gateway.responses_api import responses_routes
-from services.gateway.tool_calls import ToolCallParser, call_parser
 from services.response_store import ResponseStore
 from services.sessions import SessionStore
 
@@ -121,13 +119,6 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     def _logprobs(gen: Generation, body: ChatCompletionRequest | CompletionRequest) -> LogprobShapes:
         return LogprobShapes(frontend.token_texts, body.return_tokens_as_token_ids, len(gen.texts))
 
-    def _tool_calls(options: Options) -> Callable[[], ToolCallParser] | None:
-        """How the answers are read for tool calls (None: the request has no tools)."""
-        if not options.tools:
-            return None
-        return call_parser(config.tool_call_parser, options.tools, options.tool_choice, options.tool_name,
-                           options.parallel_tool_calls)
-
     async def _answer(gen: Generation, shape: ResponseShape, body: ChatCompletionRequest | CompletionRequest,
                       request: Request) -> Response:
         """SSE chunks, or the whole response once the generation ends."""
@@ -146,7 +137,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         gen = await unless_client_leaves(request, frontend.chat(body.model, messages, options,
                                                                  body.session_id or x_session_id))
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
-                              tool_calls=_tool_calls(options), reasoning=config.reasoning_parser)
+                              tool_calls=options.tool_call_reader(config.tool_call_parser),
+                              reasoning=config.reasoning_parser)
         return await _answer(gen, shape, body, request)
 
     @app.post("/v1/completions")
@@ -215,7 +207,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     async def metrics() -> Response:
         return Response(dispatcher.metrics.render(), media_type=dispatcher.metrics.content_type)
 
-    responses, background = responses_routes(frontend, response_store, config, _tool_calls)
+    responses, background = responses_routes(frontend, response_store, config)
     app.include_router(responses)
     app.state.background_responses = background  # stopped by the server before the store closes
     app.include_router(cluster_routes(dispatcher, scaler))

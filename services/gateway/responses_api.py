@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from typing import Literal
 
 from fastapi import APIRouter, Query, Request
@@ -18,22 +17,20 @@ from engine.errors import InvalidRequestError
 from services.config import GatewayConfig
 from services.gateway import errors
 from services.gateway.background_responses import BackgroundResponses
-from services.gateway.frontend import Frontend, Options
+from services.gateway.frontend import Frontend
 from services.gateway.http_streams import events_stream, response_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
-from services.gateway.tool_calls import ToolCallParser
 from services.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
 
 
-def responses_routes(frontend: Frontend, response_store: ResponseStore | None, config: GatewayConfig,
-                     tool_calls: Callable[[Options], Callable[[], ToolCallParser] | None]
+def responses_routes(frontend: Frontend, response_store: ResponseStore | None, config: GatewayConfig
                      ) -> tuple[APIRouter, BackgroundResponses | None]:
     """The routes, and the background responses they start (None without a store: the server stops those
-    before the store closes). ``tool_calls``: how a request's answer is read for tool calls."""
+    before the store closes)."""
     router = APIRouter(route_class=StrictJSONRoute)  # NaN, Infinity and lone surrogates refused, as elsewhere
     background = None if response_store is None else BackgroundResponses(response_store)
 
@@ -51,7 +48,8 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
             if (named := renamed(exc)) is exc:
                 raise
             raise named from None
-        output = ResponsesOutput(gen, body.echoed(store), tool_calls(options), config.reasoning_parser)
+        output = ResponsesOutput(gen, body.echoed(store), options.tool_call_reader(config.tool_call_parser),
+                                 config.reasoning_parser)
         conversation = [*earlier, *body.kept_items()]
         if body.background:
             started = await background.start(output, conversation)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tidepool/v1/serving.proto\x12\x0btidepool.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa6\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.tidepool.v1.SamplingOptions.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.tidepool.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xb4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.tidepool.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x8c\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.tidepool.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.tidepool.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xb2\x01\n\x0f\x43ompleteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.tidepool.v1.SamplingOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.tidepool.v1.TopLogprob\"\xba\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.tidepool.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.tidepool.v1.TokenLogprob2\x91\x01\n\x07Serving\x12>\n\x04\x43hat\x12\x18.tidepool.v1.ChatRequest\x1a\x1a.tidepool.v1.GenerateChunk0\x01\x12\x46\n\x08\x43omplete\x12\x1c.tidepool.v1.CompleteRequest\x1a\x1a.tidepool.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tidepool/v1/serving.proto\x12\x0btidepool.v1\"m\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.tidepool.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"M\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\x12\x0e\n\x06strict\x18\x04 \x01(\x08\":\n\nToolChoice\x12\x0e\n\x04mode\x18\x01 \x01(\tH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"\xa6\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x0e\n\x01n\x18\x07 \x01(\rH\x05\x88\x01\x01\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\x0c \x03(\x0b\x32+.tidepool.v1.SamplingOptions.LogitBiasEntry\x12\x16\n\x0estop_token_ids\x18\r \x03(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\rH\n\x88\x01\x01\x12\x38\n\x11structured_output\x18\x10 \x01(\x0b\x32\x1d.tidepool.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x04\n\x02_nB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\r\n\x0b_min_tokens\"\xb4\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.tidepool.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x96\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.tidepool.v1.ChatMessage\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.tidepool.v1.SamplingOptions\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12 \n\x05tools\x18\x05 \x03(\x0b\x32\x11.tidepool.v1.Tool\x12,\n\x0btool_choice\x18\x06 \x01(\x0b\x32\x17.tidepool.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x07 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\xb2\x01\n\x0f\x43ompleteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.tidepool.v1.SamplingOptions\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.tidepool.v1.TopLogprob\"\xf8\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.tidepool.v1.Usage\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.tidepool.v1.TokenLogprob\x12)\n\ntool_calls\x18\x08 \x03(\x0b\x32\x15.tidepool.v1.ToolCall\x12\x11\n\treasoning\x18\t \x01(\t2\x91\x01\n\x07Serving\x12>\n\x04\x43hat\x12\x18.tidepool.v1.ChatRequest\x1a\x1a.tidepool.v1.GenerateChunk0\x01\x12\x46\n\x08\x43omplete\x12\x1c.tidepool.v1.CompleteRequest\x1a\x1a.tidepool.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_CHATMESSAGE']._serialized_start=42
-  _globals['_CHATMESSAGE']._serialized_end=86
-  _globals['_SAMPLINGOPTIONS']._serialized_start=89
-  _globals['_SAMPLINGOPTIONS']._serialized_end=767
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=559
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=607
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=770
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=950
-  _globals['_CHOICES']._serialized_start=952
-  _globals['_CHOICES']._serialized_end=977
-  _globals['_CHATREQUEST']._serialized_start=980
-  _globals['_CHATREQUEST']._serialized_end=1120
-  _globals['_COMPLETEREQUEST']._serialized_start=1123
-  _globals['_COMPLETEREQUEST']._serialized_end=1301
-  _globals['_USAGE']._serialized_start=1303
-  _globals['_USAGE']._serialized_end=1383
-  _globals['_TOPLOGPROB']._serialized_start=1385
-  _globals['_TOPLOGPROB']._serialized_end=1432
-  _globals['_TOKENLOGPROB']._serialized_start=1434
-  _globals['_TOKENLOGPROB']._serialized_end=1521
-  _globals['_GENERATECHUNK']._serialized_start=1524
-  _globals['_GENERATECHUNK']._serialized_end=1710
-  _globals['_SERVING']._serialized_start=1713
-  _globals['_SERVING']._serialized_end=1858
+  _globals['_CHATMESSAGE']._serialized_end=151
+  _globals['_TOOLCALL']._serialized_start=153
+  _globals['_TOOLCALL']._serialized_end=208
+  _globals['_TOOL']._serialized_start=210
+  _globals['_TOOL']._serialized_end=287
+  _globals['_TOOLCHOICE']._serialized_start=289
+  _globals['_TOOLCHOICE']._serialized_end=347
+  _globals['_SAMPLINGOPTIONS']._serialized_start=350
+  _globals['_SAMPLINGOPTIONS']._serialized_end=1028
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=820
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=868
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1031
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1211
+  _globals['_CHOICES']._serialized_start=1213
+  _globals['_CHOICES']._serialized_end=1238
+  _globals['_CHATREQUEST']._serialized_start=1241
+  _globals['_CHATREQUEST']._serialized_end=1519
+  _globals['_COMPLETEREQUEST']._serialized_start=1522
+  _globals['_COMPLETEREQUEST']._serialized_end=1700
+  _globals['_USAGE']._serialized_start=1702
+  _globals['_USAGE']._serialized_end=1782
+  _globals['_TOPLOGPROB']._serialized_start=1784
+  _globals['_TOPLOGPROB']._serialized_end=1831
+  _globals['_TOKENLOGPROB']._serialized_start=1833
+  _globals['_TOKENLOGPROB']._serialized_end=1920
+  _globals['_GENERATECHUNK']._serialized_start=1923
+  _globals['_GENERATECHUNK']._serialized_end=2171
+  _globals['_SERVING']._serialized_start=2174
+  _globals['_SERVING']._serialized_end=2319
 # @@protoc_insertion_point(module_scope)
