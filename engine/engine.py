@@ -30,7 +30,7 @@ from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import make_generator, sample, top_logprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.streaming_window import DEFAULT_MAX_LEN, StreamingWindow
 from engine.structured_output import GrammarMasks
@@ -87,10 +87,10 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, output_ids: tuple[int, ...] | list[int] = (),
-                    priority: int | None = None) -> None:
+                    priority: Priority | None = None) -> None:
         """Queue a request; raises InvalidRequestError (before taking any block) when it can't run.
         ``output_ids``: tokens it already produced elsewhere (resumed: they are recomputed, not output).
-        ``priority``: its place among waiting requests, lower first (the router's order); None: last."""
+        ``priority``: its place among waiting requests, lower first (``scheduler.Priority``); None: last."""
         self._check(request_id, prompt_ids, params, prefill_only)
         seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids)
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority

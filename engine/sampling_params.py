@@ -19,6 +19,10 @@ MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token
 
 
+# A waiting request's place among an engine's waiting prompts, lower first: (the request's own priority, as
+# vLLM's request priority, then the order the router sent requests in, whose TTFT estimates assume it).
+Priority = tuple[int, int]
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16

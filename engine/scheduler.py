@@ -19,7 +19,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.output import FinishReason, OutputText, TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Priority, SamplingParams
 from engine.structured_output import GrammarMatcher
 
 
@@ -45,7 +45,7 @@ class Sequence:
     index: int = 0  # which of the request's n samples
     fanout: int = 1  # samples this sequence forks into when its prompt is done (n > 1)
     prefill_only: bool = False
-    priority: int | None = None  # lower is earlier in the waiting queue (the router's order); None: last
+    priority: Priority | None = None  # lower is earlier in the waiting queue; None: last
     generator: torch.Generator | None = None
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
@@ -68,7 +68,7 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-def _later(waiting: Sequence, priority: int) -> bool:
+def _later(waiting: Sequence, priority: Priority) -> bool:
     return waiting.priority is not None and waiting.priority > priority and not waiting.admitted
 
 

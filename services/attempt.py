@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from engine.errors import OutOfBlocksError
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Priority, SamplingParams
 from kvstore.transfer import TransferError, TransferTimeout
 from services.errors import WorkerDiedError, WorkerLostError, WorkerStalledError
 from services.messages import PrefillResult, PrefixFetch, TokenEvent
@@ -73,7 +73,7 @@ class Attempt:
     index: int  # which of the request's n choices
     output_ids: tuple[int, ...]  # streamed by earlier attempts: this one continues after them
     fetch: PrefixFetch | None  # the prefix copy the router chose, if any
-    priority: int  # the router's order: the worker's engine queues it among its waiting prompts by it
+    priority: Priority  # (the request's priority, the router's order): the engine queues its prompt by it
     # How long the decode reservation may wait for running sequences to free room (Dispatcher._reserve_wait_s).
     reserve_wait_s: float = 0.0
 

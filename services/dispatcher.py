@@ -49,6 +49,7 @@ class GenerateRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    priority: int = 0  # lower is served first among the prompts waiting on a worker (vLLM's request priority)
 
 
 class Dispatcher:
@@ -192,7 +193,7 @@ class Dispatcher:
         self._active.add(task)
         try:
             if req.params.n == 1:
-                async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0):
+                async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0, req.priority):
                     yield event
                 return
             async for event in self._generate_fanout(req):
@@ -207,12 +208,12 @@ class Dispatcher:
         for i in range(req.params.n):
             seed = None if req.params.seed is None else req.params.seed + i
             params = dataclasses.replace(req.params, n=1, seed=seed)
-            streams.append(self._generate_one(f"{req.request_id}-{i}", req.prompt_ids, params, i))
+            streams.append(self._generate_one(f"{req.request_id}-{i}", req.prompt_ids, params, i, req.priority))
         async for event in interleave(streams):
             yield event
 
     async def _generate_one(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int, priority: int = 0
     ) -> AsyncIterator[TokenEvent]:
         track = RequestTracker(self.metrics, on_ttft=self.conductor.observe_ttft)
         progress = Progress()
@@ -234,7 +235,7 @@ class Dispatcher:
                 self.copies.replicate(decision, tokens)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), self.copies.fetch_for(decision), next(self._routed),
+                    tuple(progress.output_ids), self.copies.fetch_for(decision), (priority, next(self._routed)),
                     self._reserve_wait_s(track.arrived, decision)))
                 try:
                     async for event in stream:

@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from engine.output import FinishReason, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Priority, SamplingParams
 from kvstore.transfer.channel_pool import ChannelUse
 from services.errors import PrefillTimeoutError
 from services.kv_sender import HandoffSender, PendingLease
@@ -27,7 +27,7 @@ class PrefillWorker(Worker):
     async def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
         fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-        priority: int | None = None, lease_pending: bool = False,
+        priority: Priority | None = None, lease_pending: bool = False,
     ) -> PrefillResult:
         """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
         and the result's token is the one after them. ``lease_pending``: the decode worker's lease still

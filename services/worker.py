@@ -20,7 +20,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats
 from engine.output import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Priority, SamplingParams
 from router.estimator import PrefillModel
 from router.loads import WorkerLoad, step_samples
 from services.background import BackgroundTasks
@@ -221,10 +221,10 @@ class ColocatedWorker(Worker):
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
-        fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (), priority: int | None = None,
+        fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (), priority: Priority | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them.
-        ``priority``: the router's order, which the engine's waiting queue keeps."""
+        ``priority``: the request's place among waiting prompts (its own priority, then the router's order)."""
         tokens = [*prompt_ids, *output_ids]
         fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S)
 

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Priority, SamplingParams
 from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledError
 from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
@@ -61,7 +61,7 @@ class WorkerClient:
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
                       fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-                      priority: int | None = None, lease_pending: bool = False) -> PrefillResult:
+                      priority: Priority | None = None, lease_pending: bool = False) -> PrefillResult:
         """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease
         (``lease_pending``: a lease still waiting for room, which the push waits for)."""
         ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch, deadline_s,
@@ -86,7 +86,7 @@ class WorkerClient:
     # ---- streams ------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
                  fetch: PrefixFetch | None, output_ids: tuple[int, ...] = (), first_timeout_s: float = 120.0,
-                 token_timeout_s: float = 60.0, priority: int | None = None) -> AsyncIterator[TokenEvent]:
+                 token_timeout_s: float = 60.0, priority: Priority | None = None) -> AsyncIterator[TokenEvent]:
         """A colocated worker computes the prompt and decodes it; the first event may take
         ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
         gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids, priority)

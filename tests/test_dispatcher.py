@@ -48,6 +48,7 @@ class FakeWorker:
         self.refuse_after_s = 0.0
         self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
         self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
+        self.priorities: list = []  # the priority each prefill was queued with
 
     @property
     def worker_id(self) -> str:
@@ -78,6 +79,7 @@ class FakeWorker:
     async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s,
                       output_ids=(), priority=None, lease_pending=False) -> PrefillResult:
         self.calls.append(("prefill", request_id))
+        self.priorities.append(priority)
         self.fetches.append(fetch)
         assert kv_target is not None and kv_target.worker_id.startswith("d")
         if self.die_on_prefill:
@@ -131,10 +133,10 @@ def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin") -> Dispat
                       kv_transport="grpc")
 
 
-async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1) -> list[TokenEvent]:
+async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1, priority: int = 0) -> list[TokenEvent]:
     await dispatcher.refresh_loads()
     params = SamplingParams(max_tokens=4, temperature=0.0, n=n)
-    return [e async for e in dispatcher.generate(GenerateRequest(request_id, PROMPT, params))]
+    return [e async for e in dispatcher.generate(GenerateRequest(request_id, PROMPT, params, priority))]
 
 
 def test_disaggregated_request_reserves_then_prefills_then_streams_decode():
@@ -236,6 +238,15 @@ def test_consumer_leaving_after_the_first_token_aborts_the_decode_request():
 
     assert asyncio.run(first_only()).token_ids == [7]
     assert ("abort", "r1") in d.calls
+
+
+def test_a_requests_priority_comes_before_the_routers_order_on_the_worker():
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p, d)
+    for request_id, priority in (("r1", 5), ("r2", -2)):
+        asyncio.run(collect(dispatcher, request_id, priority=priority))
+    (first, routed_first), (second, routed_second) = p.priorities
+    assert (first, second) == (5, -2) and routed_first < routed_second
 
 
 def test_fanout_runs_n_choices_as_sub_requests():

@@ -80,6 +80,7 @@ def test_no_op_values_and_identifying_fields_are_accepted(live_server):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
+    ({"extra_body": {"priority": 2**31}}, "priority"),
 ])
 def test_values_out_of_range_are_400_naming_the_field(live_server, kwargs, param):
     with pytest.raises(openai.BadRequestError) as exc:
@@ -129,6 +130,19 @@ def test_huge_prompts_are_refused_unread_while_health_answers(live_server):
 
 
 # ---- gRPC ---------------------------------------------------------------------------------------------------
+
+def test_a_priority_is_taken_on_either_api_and_changes_no_answer(live_server):
+    def http(**extra) -> str:
+        return client(live_server).chat.completions.create(
+            model=live_server.model_id, messages=CHAT, max_tokens=4, temperature=0.0, extra_body=extra
+        ).choices[0].message.content
+
+    request = serving_pb2.ChatRequest(model=live_server.model_id, messages=[serving_pb2.ChatMessage(**CHAT[0])],
+                                      sampling=serving_pb2.SamplingOptions(max_tokens=4, temperature=0.0, priority=-3))
+    with grpc.insecure_channel(live_server.grpc_target) as channel:
+        chunks = list(serving_pb2_grpc.ServingStub(channel).Chat(request, timeout=60))
+    assert http(priority=-5) == http() == "".join(c.text for c in chunks)
+
 
 def grpc_status(server, call) -> grpc.RpcError:
     """The status a call ends with; ``call(channel)`` makes it."""

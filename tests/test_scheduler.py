@@ -128,23 +128,24 @@ def test_prefill_batch_tokens_starts_no_new_prompt_past_the_saturation_length():
     assert [s.seq_id for s, _ in advance(unlimited, bm3)] == [8, 9]
 
 
-def test_waiting_prompts_keep_the_routers_order_not_their_arrival_order():
+def test_waiting_prompts_keep_their_priority_then_the_routers_order_not_their_arrival_order():
     """Requests reach the engine in another order than the router sent them: the waiting queue sorts them
-    by priority (the router's order), never ahead of a preempted sequence, and unprioritized ones go last."""
+    by priority (their own, then the router's order), never ahead of a preempted sequence, and unprioritized
+    ones go last."""
     sch, bm = make(budget=64)
     sch.prefill_batch_tokens = 1  # one new prompt a step: the order shows
-    late, early, plain = seq(1, 8), seq(2, 8), seq(3, 8)
-    late.priority, early.priority = 7, 3
-    for s in (plain, late, early):
+    late, early, plain, urgent = seq(1, 8), seq(2, 8), seq(3, 8), seq(7, 8)
+    late.priority, early.priority, urgent.priority = (0, 7), (0, 3), (-1, 9)
+    for s in (plain, late, early, urgent):
         sch.add(s)
-    assert [s.seq_id for s in sch.waiting] == [3, 2, 1]  # none before the unprioritized one ahead of them
+    assert [s.seq_id for s in sch.waiting] == [3, 7, 2, 1]  # none before the unprioritized one ahead of them
     sch2, bm2 = make(budget=64)
     sch2.prefill_batch_tokens = 1
     preempted = seq(4, 8)
-    preempted.priority, preempted.admitted = 9, True  # put back at the front after preemption
+    preempted.priority, preempted.admitted = (0, 9), True  # put back at the front after preemption
     sch2.waiting.appendleft(preempted)
     for s in (seq(5, 8), seq(6, 8)):
-        s.priority = 10 - s.seq_id  # 5 -> 5, 6 -> 4: the second arrival was routed first
+        s.priority = (0, 10 - s.seq_id)  # 5 -> 5, 6 -> 4: the second arrival was routed first
         sch2.add(s)
     assert [s.seq_id for s in sch2.waiting] == [4, 6, 5]
     assert [s.seq_id for s, _ in advance(sch2, bm2)] == [4]

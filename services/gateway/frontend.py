@@ -45,6 +45,8 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequ
              "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
 
+PRIORITY_LIMIT = 2**31 - 1  # a request's priority: an int32, as vLLM's and the gRPC field's
+
 @dataclass
 class Options:
     """A request's sampling fields and prompt options, as the APIs name them; None means the engine's default."""
@@ -78,6 +80,7 @@ class Options:
     tool_choice: Literal["auto", "required", "named"] = "auto"
     tool_name: str | None = None
     parallel_tool_calls: bool = True  # False: an answer holds at most one call
+    priority: int = 0  # lower is served first among waiting prompts (vLLM's)
 
     def tool_call_reader(self, parser: str | None) -> Callable[[], ToolCallParser] | None:
         """How the answers are read for tool calls with the server's ``parser`` (None: no tools asked)."""
@@ -233,6 +236,9 @@ class Frontend:
                      ) -> Generation:
         if options.n > self.max_n:
             raise InvalidRequestError("n", f"must be at most {self.max_n} on this server, got {options.n}")
+        if not -PRIORITY_LIMIT <= options.priority <= PRIORITY_LIMIT:
+            raise InvalidRequestError("priority", f"must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got "
+                                                  f"{options.priority}")
         vocab = self.dispatcher.tokenizer.vocab_size
         for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
             if any(not 0 <= token < vocab for token in ids):
@@ -241,10 +247,11 @@ class Frontend:
         params = [self._sampling_params(ids, options, prompt_field, default_max_tokens) for ids in prompts]
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         if len(prompts) == 1:
-            events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0]))
+            events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0], options.priority))
         else:
             events = merge_streams([
-                _shifted(self.dispatcher.generate(GenerateRequest(f"{request_id}-p{i}", ids, p)), i * options.n)
+                _shifted(self.dispatcher.generate(GenerateRequest(f"{request_id}-p{i}", ids, p, options.priority)),
+                         i * options.n)
                 for i, (ids, p) in enumerate(zip(prompts, params, strict=True))])
         if turn is not None:
             events = turn.run(events, options.n)

@@ -45,6 +45,7 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),
                    logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"),
+                   priority=s.priority,
                    structured_output=_structured_output(s.structured_output) if s.HasField("structured_output") else None)
 
 

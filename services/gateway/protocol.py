@@ -20,7 +20,7 @@ from engine.sampling_params import MAX_LOGPROBS
 from engine.structured_output import StructuredOutput
 from engine.tokenizer import Tokenizer
 from services.gateway.errors import UnsupportedFieldError
-from services.gateway.frontend import Options
+from services.gateway.frontend import PRIORITY_LIMIT, Options
 from services.gateway.request_body import Body as _Body
 from services.gateway.request_body import refuse as _refuse
 from services.gateway.structured_outputs import (
@@ -156,6 +156,9 @@ class _SamplingBody(_Body):
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens. Extension.")
     min_tokens: int | None = Field(None, description="Tokens generated before a stop token or string may end a "
                                                      "choice (vLLM). Extension.")
+    priority: int = Field(0, description="Lower is served first among the prompts waiting on a worker, the "
+                                         f"router's order breaking ties; in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT}] "
+                                         "(vLLM). Extension.")
     return_tokens_as_token_ids: bool = Field(False, description="Logprobs name tokens 'token_id:<id>' (as "
                                                                 "vLLM). Extension.")
     stream: bool = False
@@ -182,7 +185,7 @@ class _SamplingBody(_Body):
                        seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
                        ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                       logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens,
+                       logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens, priority=self.priority,
                        structured_output=requested_output(self.response_format, self.structured_outputs, forced_call))
 
     @property
