@@ -44,7 +44,7 @@ class Scaler:
         self.dispatcher = dispatcher
         self.launcher = launcher
         self.roles = (Role.COLOCATED,) if colocated else (Role.PREFILL, Role.DECODE)
-        self._issued: set[str] = set(dispatcher.workers)  # every id the cluster has used
+        self._issued: set[str] = set(dispatcher.workers)  # every slot's first id: the start's, and added
 
     async def add(self, role: Role) -> WorkerClient:
         """Start a worker of ``role`` and route to it once it serves (PlacementError when Ray cannot place it
@@ -62,11 +62,10 @@ class Scaler:
 
     def _next_id(self, role: Role) -> str:
         """The role's next slot, never one used before in this cluster: a stopped actor's Ray name may still
-        be taken for a moment, and metrics and logs keep one id for one worker."""
-        used = [*self.dispatcher.workers, *self.launcher.placements, *self._issued]  # replacements: decode-0.1
-        slots = [int(slot) for worker_id in used
-                 if (slot := worker_id.partition(".")[0].removeprefix(f"{role}-")).isdigit()
-                 and worker_id.startswith(f"{role}-")]
+        be taken for a moment, and metrics and logs keep one id for one worker. (A replacement, decode-0.1,
+        keeps its slot.)"""
+        slots = [int(worker_id.removeprefix(f"{role}-")) for worker_id in self._issued
+                 if worker_id.startswith(f"{role}-")]
         worker_id = f"{role}-{max(slots, default=-1) + 1}"
         self._issued.add(worker_id)
         return worker_id
@@ -78,7 +77,8 @@ class Scaler:
             raise UnknownWorkerError(worker_id)
         if worker_id in self.dispatcher.draining:
             raise ScalingConflictError(f"worker {worker_id!r} is already draining")
-        serves = [kind for kind, roles in (("prefill", PREFILL_ROLES), ("decode", DECODE_ROLES)) if worker.role in roles]
+        serves = [kind for kind, roles in (("prefill", PREFILL_ROLES), ("decode", DECODE_ROLES))
+                  if worker.role in roles]
         missing = [kind for kind in self.dispatcher.missing_roles(self.dispatcher.draining | {worker_id})
                    if kind in serves]
         if missing:
