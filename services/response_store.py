@@ -12,11 +12,13 @@ pool still holds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from services.messages import SessionSequence
 from services.sessions import gateway_redis
 
 _KEY_PREFIX = "tidepool:response:"
@@ -27,6 +29,11 @@ _VALID_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")  # ids land in Redis keys
 class StoredResponse:
     response: dict[str, Any]  # the response object, as it was returned
     conversation: list[dict[str, Any]]  # the items before its output, oldest first
+    turn: dict[str, Any] | None = None  # its prompt's and answer's token ids (a SessionSequence's fields)
+
+    @property
+    def sequence(self) -> SessionSequence | None:
+        return None if self.turn is None else SessionSequence(**self.turn)
 
     @property
     def items(self) -> list[dict[str, Any]]:
@@ -43,9 +50,12 @@ class ResponseStore:
         self.ttl_s = ttl_s
         self._redis = gateway_redis(redis_url)
 
-    async def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        """Keep ``response`` (finished) and the items that led to it."""
-        value = json.dumps({"response": response, "conversation": conversation}, ensure_ascii=False)
+    async def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+                  sequence: SessionSequence | None = None) -> None:
+        """Keep ``response`` and the items that led to it (``sequence``: the turn as token ids, so a response
+        continuing it finds its KV: ``chat_prompt.encode_chat``)."""
+        turn = None if sequence is None else dataclasses.asdict(sequence)
+        value = json.dumps({"response": response, "conversation": conversation, "turn": turn}, ensure_ascii=False)
         await self._redis.set(_KEY_PREFIX + response["id"], value, px=int(self.ttl_s * 1000))
 
     async def get(self, response_id: str) -> StoredResponse | None:

@@ -193,21 +193,28 @@ def test_store_follows_the_request_and_a_server_keeping_none_refuses_to_store_or
 @pytest.mark.ray
 @pytest.mark.redis
 @pytest.mark.timeout(120)
-def test_previous_response_id_continues_the_chat_conversation_and_reuses_its_prefix(live_server):
+def test_previous_response_id_continues_the_conversation_as_a_session_does_from_its_token_ids(live_server):
+    """A continuation's prompt keeps the earlier turn's token ids (its answer's text, encoded again, could give
+    other tokens: this random model writes invalid UTF-8), as a chat session's next turn does: the same
+    prompt, the same answer. With other instructions its prompt is the conversation's text."""
     c = client(live_server)
     kwargs = dict(model=live_server.model_id, max_output_tokens=8, temperature=0.0)
     first = c.responses.create(**kwargs, instructions=INSTRUCTIONS, input=QUESTION)
     follow_up = "And which one sings?"
     second = c.responses.create(**kwargs, instructions=INSTRUCTIONS, input=follow_up, previous_response_id=first.id)
+    session = {"session_id": f"responses-{first.id}"}
+    for messages in ([{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}],
+                     [{"role": "user", "content": follow_up}]):
+        turn = c.chat.completions.create(model=live_server.model_id, max_tokens=8, temperature=0.0,
+                                         messages=messages, extra_body=session)
+    assert (first.store, second.previous_response_id) == (True, first.id)
+    assert (second.output_text, second.usage.input_tokens) == (turn.choices[0].message.content,
+                                                                turn.usage.prompt_tokens)
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16
+    # Instructions are not carried over: without its own, the continuation has no system message, and its
+    # prompt is the conversation through the template.
     conversation = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": first.output_text},
                     {"role": "user", "content": follow_up}]
-    chat = c.chat.completions.create(model=live_server.model_id, max_tokens=8, temperature=0.0,
-                                     messages=[{"role": "system", "content": INSTRUCTIONS}, *conversation])
-    assert (first.store, second.previous_response_id) == (True, first.id)
-    assert second.output_text == chat.choices[0].message.content
-    assert second.usage.input_tokens == chat.usage.prompt_tokens
-    assert second.usage.input_tokens_details.cached_tokens > 0  # the first prompt's blocks
-    # Instructions are not carried over: without its own, the continuation has no system message.
     bare = c.responses.create(**kwargs, input=follow_up, previous_response_id=first.id)
     assert bare.usage.input_tokens == prompt_tokens(live_server, conversation)
     # Its input items: the conversation it answered, newest first by default, a page at a time.

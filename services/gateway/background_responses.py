@@ -70,7 +70,7 @@ class BackgroundResponses:
         run = _Run(output)
         run.add(output.start())
         try:
-            await self.store.put(output.response(), conversation)
+            await self.store.put(output.response(), conversation)  # its answer's ids come at its end
         except BaseException:  # not kept, so nobody could read it: stop it (the request's error says why)
             output.gen.close()
             raise
@@ -95,7 +95,7 @@ class BackgroundResponses:
         finally:
             output.gen.close()
         try:  # kept before the last event goes out: a client that saw it reads the response as it ended
-            await self.store.put(output.response(), conversation)
+            await self.store.put(output.response(), conversation, output.sequence())
         except RedisError as exc:
             log.warning("background response %s ended %s but was not stored: %s", output.id,
                         output.response()["status"], exc)

@@ -29,7 +29,7 @@ from services.gateway.generation import Echo, Generation, merge_streams
 from services.gateway.reasoning import END_THINK, THINK, after_thinking
 from services.gateway.token_texts import TokenTexts
 from services.gateway.tool_calls import ToolCallParser, call_parser
-from services.messages import TokenEvent
+from services.messages import SessionSequence, TokenEvent
 from services.sessions import SessionStore, SessionTurn
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,11 @@ class Frontend:
         if model != self.model_id:
             raise NotFoundError("model", model, "model")
 
-    async def chat(self, model: str, messages: list[dict], options: Options,
-                   session_id: str | None = None) -> Generation:
-        """Start a chat turn; with a session, ``messages`` are appended to the stored history.
+    async def chat(self, model: str, messages: list[dict], options: Options, session_id: str | None = None,
+                   continued: SessionSequence | None = None) -> Generation:
+        """Start a chat turn; with a session, ``messages`` are appended to the stored history. ``continued``
+        (without a session): the earlier turn whose reply is the last assistant message of ``messages``, as
+        token ids, kept where they still fit (``encode_chat``). The generation's ``prompt_ids`` are the turn's.
 
         A session's turns run one at a time (SessionBusyError while another runs): the turn holds the
         session from before its history is read until the reply is stored, or the turn fails or is cancelled.
@@ -145,7 +147,7 @@ class Frontend:
                 raise InvalidRequestError("session_id", "sessions are not enabled on this server")
             turn = await self.sessions.begin_turn(session_id, messages)
         try:
-            previous = None
+            previous = continued
             if turn is not None:
                 history, previous = await asyncio.gather(self.sessions.history(session_id),
                                                          self.sessions.last_sequence(session_id))
@@ -159,7 +161,9 @@ class Frontend:
             if options.structured_output is not None and self.thinking_tags is not None:
                 options = dataclasses.replace(options, structured_output=after_thinking(
                     options.structured_output, prompt_ids, *self.thinking_tags))
-            return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
+            gen = await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
+            gen.prompt_ids = prompt_ids
+            return gen
         except BaseException:
             if turn is not None:  # once the turn's events run, they release it themselves; twice is harmless
                 await turn.release()

@@ -65,6 +65,7 @@ class Generation:
         self.echo = echo
         self._echo_sent: set[int] = set()  # choices whose prompt was echoed
         self.request_id = request_id
+        self.prompt_ids: list[int] | None = None  # a chat's prompt (set by the frontend), for stored turns
         self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # each choice's, when asked
         self.finish_reasons: list[str | None] = [None] * n

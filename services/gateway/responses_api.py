@@ -22,6 +22,7 @@ from services.gateway.http_streams import events_stream, response_stream, run_to
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
+from services.messages import SessionSequence
 from services.response_store import ResponseStore
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,11 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
         """OpenAI's Responses API on the chat path (``responses_request.py``), kept in ``response_store``."""
         try:
             store = body.stored(response_store is not None)
-            earlier = await _conversation_of(body.previous_response_id)
+            earlier, continued = await _continued(body)
             chat = body.chat_request(earlier)
             options = await asyncio.to_thread(chat.chat_options, config.tool_call_parser)  # as chat's
-            gen = await unless_client_leaves(request, frontend.chat(chat.model, [m.as_dict() for m in chat.messages],
-                                                                     options))
+            gen = await unless_client_leaves(request, frontend.chat(
+                chat.model, [m.as_dict() for m in chat.messages], options, continued=continued))
         except (InvalidRequestError, errors.UnsupportedFieldError) as exc:
             if (named := renamed(exc)) is exc:
                 raise
@@ -64,21 +65,24 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
             await keep()
         return JSONResponse(output.response())
 
-    async def _conversation_of(response_id: str | None) -> list[dict]:
-        """The items a response continuing ``response_id`` starts from ([] for None)."""
-        if response_id is None:
-            return []
-        stored = await response_store.get(response_id)
+    async def _continued(body: ResponsesRequest) -> tuple[list[dict], SessionSequence | None]:
+        """(the items a response continuing ``previous_response_id`` starts from, and that response's turn as
+        token ids when its prompt was rendered as this one's will be: the same instructions and tools)."""
+        if body.previous_response_id is None:
+            return [], None
+        stored = await response_store.get(body.previous_response_id)
         if stored is None:
-            raise errors.NotFoundError("response", response_id, "previous_response_id")
-        return stored.items
+            raise errors.NotFoundError("response", body.previous_response_id, "previous_response_id")
+        same = {k: stored.response.get(k) for k in ("instructions", "tools")} == \
+            {k: v for k, v in body.echoed(True).items() if k in ("instructions", "tools")}
+        return stored.items, stored.sequence if same else None
 
     async def _keep(output: ResponsesOutput, conversation: list[dict]) -> None:
         """Store a response that finished; when Redis fails, the answer still goes out, saying store: false."""
         if output.finish_reason in (None, "abort"):
             return
         try:
-            await response_store.put(output.response(), conversation)
+            await response_store.put(output.response(), conversation, output.sequence())
         except RedisError as exc:
             log.warning("response %s was not stored: %s", output.id, exc)
             output.request["store"] = False

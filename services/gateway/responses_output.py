@@ -20,6 +20,7 @@ from services.gateway.generation import Delta, Generation
 from services.gateway.reasoning import ReasoningParser
 from services.gateway.tagged_text import parsed
 from services.gateway.tool_calls import ToolCall, ToolCallParser
+from services.messages import SessionSequence
 
 
 def item_id(prefix: str) -> str:
@@ -46,6 +47,7 @@ class ResponsesOutput:
         self._sequence = 0
         self.reasoning_tokens = 0  # tokens of the deltas that carried thinking
         self.finish_reason: str | None = None
+        self.token_ids: list[int] = []  # the answer's, for the next turn's prompt (`sequence`)
         self.ended: str | None = None  # "cancelled" or "failed": ended before the answer did (`end`)
         self.error: dict[str, Any] | None = None
 
@@ -69,12 +71,20 @@ class ResponsesOutput:
         self.ended, self.error = status, error
         return self._close("incomplete")
 
+    def sequence(self) -> SessionSequence | None:
+        """The turn as the model saw and wrote it (its prompt's ids, then its answer's), which a response
+        continuing this one starts from; None when the prompt is not known."""
+        if self.gen.prompt_ids is None:
+            return None
+        return SessionSequence(len(self.gen.prompt_ids), [*self.gen.prompt_ids, *self.token_ids])
+
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
 
     def feed(self, d: Delta) -> list[dict[str, Any]]:
         final = d.finish_reason is not None
+        self.token_ids += d.token_ids
         reasoning, text, calls = "", d.text, []
         if self.reasoning_parser is not None:
             reasoning, text = parsed(self.reasoning_parser, text, final)
