@@ -210,7 +210,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
         replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
-        threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus, pool_max_bytes=args.pool_max_bytes,
+        threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,
+        pool_max_bytes=args.pool_max_bytes,
         kv_disk_dir=args.kv_disk_dir and os.path.abspath(args.kv_disk_dir),  # workers run in other directories
         kv_disk_bytes=args.kv_disk_bytes,
         ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000, gpus_per_worker=args.gpus_per_worker,
@@ -221,9 +222,12 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         api_key=args.api_key or os.environ.get("TIDEPOOL_API_KEY"), max_body_bytes=args.max_body_bytes,
         max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
         shutdown_timeout_s=args.shutdown_timeout_s, tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser, session_ttl_s=args.session_ttl_s, response_ttl_s=args.response_ttl_s,
+        reasoning_parser=args.reasoning_parser, session_ttl_s=args.session_ttl_s,
+        response_ttl_s=args.response_ttl_s,
     )
-    if gateway.session_ttl_s <= 0 or gateway.response_ttl_s < 0:
-        raise ValueError("--session-ttl must be positive and --response-ttl at least 0")
+    if gateway.session_ttl_s <= 0:
+        raise ValueError(f"--session-ttl must be positive, got {gateway.session_ttl_s:g}")
+    if gateway.response_ttl_s < 0:
+        raise ValueError(f"--response-ttl must be at least 0 (0: keep no responses), got {gateway.response_ttl_s:g}")
     cluster.policy_options()  # refuses an option the chosen policy does not have
     return cluster, gateway

@@ -213,7 +213,7 @@ class Dispatcher:
             yield event
 
     async def _generate_one(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int, priority: int = 0
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int, priority: int
     ) -> AsyncIterator[TokenEvent]:
         track = RequestTracker(self.metrics, on_ttft=self.conductor.observe_ttft)
         progress = Progress()

@@ -90,8 +90,9 @@ def test_ttls_and_ray_cpus_reach_the_configs_and_a_negative_ttl_is_refused():
     cluster, gateway = configs_from_args(parser.parse_args(["serve", "--session-ttl", "60", "--response-ttl", "0",
                                                             "--ray-num-cpus", "8"]))
     assert (gateway.session_ttl_s, gateway.response_ttl_s, cluster.ray_num_cpus) == (60, 0, 8)
-    for flags in (["--session-ttl", "0"], ["--response-ttl", "-1"]):
-        with pytest.raises(ValueError, match="--session-ttl must be positive and --response-ttl at least 0"):
+    for flags, says in ((["--session-ttl", "0"], "--session-ttl must be positive, got 0"),
+                        (["--response-ttl", "-1"], "--response-ttl must be at least 0")):
+        with pytest.raises(ValueError, match=says):
             configs_from_args(parser.parse_args(["serve", *flags]))
 
 

@@ -47,6 +47,7 @@ _OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequ
 
 PRIORITY_LIMIT = 2**31 - 1  # a request's priority: an int32, as vLLM's and the gRPC field's
 
+
 @dataclass
 class Options:
     """A request's sampling fields and prompt options, as the APIs name them; None means the engine's default."""
@@ -81,13 +82,13 @@ class Options:
     tool_name: str | None = None
     parallel_tool_calls: bool = True  # False: an answer holds at most one call
     priority: int = 0  # lower is served first among waiting prompts (vLLM's)
+    structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
 
     def tool_call_reader(self, parser: str | None) -> Callable[[], ToolCallParser] | None:
         """How the answers are read for tool calls with the server's ``parser`` (None: no tools asked)."""
         if not self.tools:
             return None
         return call_parser(parser, self.tools, self.tool_choice, self.tool_name, self.parallel_tool_calls)
-    structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}

@@ -24,6 +24,7 @@ from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Delta, Generation
 from services.gateway.grpc_chat import chat_request, fill_chunk, with_tools
+from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.responses import ResponseShape
 from services.gateway.structured_outputs import StructuredOutputsParams, requested_output
 from services.sessions import SessionStore
@@ -49,11 +50,16 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    structured_output=_structured_output(s.structured_output) if s.HasField("structured_output") else None)
 
 
-async def _options_off_loop(s: serving_pb2.SamplingOptions) -> Options:
-    """`_options` in a thread: a structured output's grammar compiles there (milliseconds for a large schema,
-    the first time), which would stall every stream this event loop serves. (Chat's, with its forced call's
-    grammar, too.)"""
-    return await asyncio.to_thread(_options, s)
+async def _options_off_loop(s: serving_pb2.SamplingOptions, chat: ChatCompletionRequest | None = None,
+                            tool_call_parser: str | None = None) -> Options:
+    """`_options` (with a chat's tools: `grpc_chat.with_tools`) in a thread: a structured output's grammar, a
+    forced call's too, compiles there (milliseconds for a large schema, the first time), which would stall
+    every stream this event loop serves."""
+    def build() -> Options:
+        options = _options(s)
+        return options if chat is None else with_tools(options, chat, tool_call_parser)
+
+    return await asyncio.to_thread(build)
 
 
 def _structured_output(spec: serving_pb2.StructuredOutput) -> StructuredOutput:
@@ -121,7 +127,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             _refuse_undecodable(request)
             chat = chat_request(request)
             parser = self.config.tool_call_parser
-            options = await asyncio.to_thread(lambda: with_tools(_options(request.sampling), chat, parser))  # see below
+            options = await _options_off_loop(request.sampling, chat, parser)
             gen = await self.frontend.chat(request.model or self.frontend.model_id,
                                            [m.as_dict() for m in chat.messages], options, request.session_id or None)
             reader, reasoning = options.tool_call_reader(parser), self.config.reasoning_parser

@@ -8,7 +8,6 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
@@ -37,8 +36,6 @@ from services.sessions import SessionStore
 
 if TYPE_CHECKING:  # the scaler's module imports the workers' actor classes, and with them torch
     from services.scaling import Scaler
-
-log = logging.getLogger(__name__)
 
 _OPEN_PATHS = ("/health",)
 _SCRAPE_PATHS = ("/metrics", "/docs", "/openapi.json", "/redoc")  # open too, unless --metrics-require-key

@@ -23,7 +23,7 @@ from services.gateway.json_body import StrictJSONRoute
 from services.gateway.responses_output import ResponsesOutput
 from services.gateway.responses_request import ResponsesRequest, renamed
 from services.messages import SessionSequence
-from services.response_store import ResponseStore
+from services.response_store import ResponseStore, StoredResponse
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +70,15 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
         token ids when its prompt was rendered as this one's will be: the same instructions and tools)."""
         if body.previous_response_id is None:
             return [], None
-        stored = await response_store.get(body.previous_response_id)
+        stored = await _stored(body.previous_response_id, "previous_response_id")
+        return stored.items, stored.sequence if body.renders_as(stored.response) else None
+
+    async def _stored(response_id: str, param: str | None = None) -> StoredResponse:
+        """The kept response; a 404 (naming ``param``) for one never kept, expired or deleted."""
+        stored = None if response_store is None else await response_store.get(response_id)
         if stored is None:
-            raise errors.NotFoundError("response", body.previous_response_id, "previous_response_id")
-        same = {k: stored.response.get(k) for k in ("instructions", "tools")} == \
-            {k: v for k, v in body.echoed(True).items() if k in ("instructions", "tools")}
-        return stored.items, stored.sequence if same else None
+            raise errors.NotFoundError("response", response_id, param)
+        return stored
 
     async def _keep(output: ResponsesOutput, conversation: list[dict]) -> None:
         """Store a response that finished; when Redis fails, the answer still goes out, saying store: false."""
@@ -96,19 +99,14 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
             if events is None:
                 raise errors.NotFoundError("response", response_id, None)
             return events_stream(events)
-        stored = None if response_store is None else await response_store.get(response_id)
-        if stored is None:
-            raise errors.NotFoundError("response", response_id, None)
-        return JSONResponse(stored.response)
+        return JSONResponse((await _stored(response_id)).response)
 
     @router.get("/v1/responses/{response_id}/input_items")
     async def list_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
                                order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict:
         """The items a stored response answered (those of the responses it continued first), a page at a time:
         ``limit`` of them in ``order`` (desc: newest first), after the item ``after``."""
-        stored = None if response_store is None else await response_store.get(response_id)
-        if stored is None:
-            raise errors.NotFoundError("response", response_id, None)
+        stored = await _stored(response_id)
         items = stored.conversation if order == "asc" else stored.conversation[::-1]
         if after is not None:
             ids = [item.get("id") for item in items]

@@ -122,13 +122,21 @@ class ResponsesRequest(Body):
     def echoed(self, stored: bool) -> dict[str, Any]:
         """The request's settings, as a response object repeats them (``stored``: whether it is kept)."""
         return {"model": self.model, "store": stored, "background": bool(self.background),
-                "previous_response_id": self.previous_response_id, "instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
+                "previous_response_id": self.previous_response_id, "instructions": self.instructions,
+                "max_output_tokens": self.max_output_tokens,
                 "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
-                "tools": [tool.model_dump(exclude_none=True) for tool in self.tools or ()],
+                "top_p": 1.0 if self.top_p is None else self.top_p, "tools": self._tools_echoed(),
                 "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "text": {"format": self.text.format if self.text and self.text.format else {"type": "text"}},
                 "truncation": "disabled", "metadata": (self.model_extra or {}).get("metadata") or {}}
+
+    def renders_as(self, response: dict[str, Any]) -> bool:
+        """Whether ``response``'s prompt was rendered with this request's instructions and tools (so this
+        request's prompt may start with its token ids)."""
+        return response.get("instructions") == self.instructions and response.get("tools") == self._tools_echoed()
+
+    def _tools_echoed(self) -> list[dict[str, Any]]:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or ()]
 
     def _messages(self, earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = []
