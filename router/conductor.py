@@ -20,6 +20,7 @@ from router.heat import PrefixHeat
 from router.inflight import InflightPrefixes
 from router.loads import LoadTable, WorkerLoad
 from router.measurements import Measurements
+from router.planner import Demand
 from router.policies import make_policy
 from router.view import SLO, ClusterView, Decision, Reject, RouteRequest
 
@@ -42,12 +43,13 @@ class PrefixIndex(Protocol):
 class Conductor:
     def __init__(self, policy_name: str, estimator: Estimator, slo: SLO,
                  *, block_size: int = 16, seed: int = 0, pending_ttl_s: float = 30.0, copy_inflight: bool = False,
-                 **policy_options):
+                 demand: Demand | None = None, **policy_options):
         self.policy_name, self.estimator, self.slo, self.block_size = policy_name, estimator, slo, block_size
         # The live cluster's choice (any policy copies a prefix another worker is computing); the simulator
         # leaves it off to compare the policies as published.
         self.copy_inflight = copy_inflight
         self.policy = make_policy(policy_name, seed=seed, **policy_options)
+        self.demand = demand  # the load an autoscaler plans from (router.planner): recorded only when asked
         self.pending_ttl_s = pending_ttl_s
         self.mean_output_tokens = 256.0  # running mean of max_tokens: the expected decode length
         self.measurements = Measurements()
@@ -79,6 +81,8 @@ class Conductor:
         self.mean_output_tokens += 0.01 * (req.max_tokens - self.mean_output_tokens)
         if self._heat is not None:
             self._heat.add(hashes, now)
+        if isinstance(out, Reject) and self.demand is not None:
+            self.demand.add_rejection(now, out.reason)
         if isinstance(out, Decision):
             self._remember(out, req, view, now)
             if hashes:
@@ -135,6 +139,8 @@ class Conductor:
         """Count this request on its workers until their reports include it."""
         cached = float(view.cached_tokens(dec.cached_blocks))
         new = req.prompt_len - cached
+        if self.demand is not None:
+            self.demand.add_prompt(now, new, cached)
         blocks = float(view.decode_need()[self._table.d_pos[self._table.row[dec.decode]]])
         prefill = np.array([*prefill_features(new, cached), 1.0, 0.0, 0.0, 0.0])  # features, 1 prefill
         decode = np.array([0.0, 0.0, 0.0, 0.0, blocks, 1.0, req.prompt_len])

@@ -21,7 +21,9 @@ from engine.tokenizer import Tokenizer
 from kvstore.events import PoolMirror
 from router.conductor import SLO, Conductor
 from router.estimator import Estimator
+from router.planner import Demand
 from services.attempt import Deadlines
+from services.autoscaler import Autoscaler
 from services.config import ClusterConfig
 from services.dispatcher import Dispatcher
 from services.local_redis import LocalRedis
@@ -46,6 +48,7 @@ class Cluster:
         self.launcher: WorkerLauncher | None = None
         self.supervisor: Supervisor | None = None
         self.scaler: Scaler | None = None
+        self.autoscaler: Autoscaler | None = None
         self.mirror: PoolMirror | None = None
         self.dispatcher: Dispatcher | None = None
         self.cluster_id = uuid.uuid4().hex[:8]  # actor names stay unique when clusters share one Ray
@@ -109,8 +112,11 @@ class Cluster:
             kv_bytes_per_token=first.kv_bytes_per_token,
             layers=first.num_layers if self.config.layerwise else 1,  # layer-wise KV leaves as layers finish
         )
+        autoscale = self.config.autoscale
         conductor = Conductor(self.config.policy, estimator, SLO(self.config.ttft_slo_s, self.config.tbt_slo_s),
-                              block_size=first.block_size, copy_inflight=True, **self.config.policy_options())
+                              block_size=first.block_size, copy_inflight=True,
+                              demand=Demand(autoscale.window_s) if autoscale.bounds else None,
+                              **self.config.policy_options())
         self.mirror = PoolMirror(self.redis_url, first.model_id, first.block_size)
         self.mirror.start()
         # Without replacements, a request whose workers died has nothing to wait for.
@@ -123,6 +129,10 @@ class Cluster:
             self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)
             self.supervisor.start()
         self.scaler = Scaler(self.dispatcher, self.launcher, colocated=bool(self.config.colocated))
+        if autoscale.bounds:
+            self.autoscaler = Autoscaler(self.dispatcher, self.scaler, autoscale, self.config.engine.max_num_seqs,
+                                         replacing=self.config.replace_workers)
+            self.autoscaler.start()
         return self.dispatcher
 
     def describe_placement(self) -> str:
@@ -132,6 +142,8 @@ class Cluster:
     async def stop(self) -> None:
         # Everything that calls workers stops before the workers, and they before Ray: a Ray call after
         # ray.shutdown() would start a new local Ray.
+        if self.autoscaler is not None:
+            await self.autoscaler.stop()
         if self.supervisor is not None:
             await self.supervisor.stop()
         if self.dispatcher is not None:

@@ -3,9 +3,13 @@ Redis and the router, read from the dispatcher's latest load reports."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
 from services.dispatcher import Dispatcher
+
+if TYPE_CHECKING:  # the autoscaler's module imports the workers' actor classes, and with them torch
+    from services.autoscaler import Autoscaler
 
 
 def worker_rows(dispatcher: Dispatcher) -> list[dict]:
@@ -25,8 +29,17 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
     return out
 
 
-def cluster_status(dispatcher: Dispatcher) -> dict:
-    """The workers, the pool's Redis (its password masked) and the router."""
+def drain_order(row: dict) -> tuple:
+    """Sort key of the rows a drain takes first: the dead, then the least busy, then the newest (``decode-3``
+    before ``decode-1``, a replacement ``decode-1.2`` before ``decode-1``)."""
+    slot, _, incarnation = row["id"].rpartition("-")[2].partition(".")
+    age = (-int(slot) if slot.isdigit() else 0), -int(incarnation or 0)
+    return row["alive"], row["running"] + row["waiting"], age
+
+
+def cluster_status(dispatcher: Dispatcher, autoscaler: Autoscaler | None = None) -> dict:
+    """The workers, the pool's Redis (its password masked), the router and the autoscaler's plan, if one
+    runs."""
     url = urlsplit(dispatcher.redis_url)
     shown = url._replace(netloc=f"***@{url.hostname}:{url.port}") if url.password else url
     index = dispatcher.index
@@ -37,4 +50,5 @@ def cluster_status(dispatcher: Dispatcher) -> dict:
         "router": {"policy": dispatcher.conductor.policy_name, "rejections": dispatcher.rejections,
                    "resumed": dispatcher.resumed},
         "workers": worker_rows(dispatcher),
+        **({"autoscaler": autoscaler.status()} if autoscaler is not None else {}),
     }

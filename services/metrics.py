@@ -154,6 +154,12 @@ class Metrics:
         # ---- the worker set: added and drained (tidepool scale), replaced after dying (the supervisor)
         self.worker_changes = Counter("tidepool_worker_changes", "Workers added, drained or replaced, by role",
                                       [*m, "role", "change"], registry=r)
+        self.autoscaler_load = Gauge("tidepool_autoscaler_load",
+                                     "A role's measured load, in workers kept fully busy (the autoscaler's)",
+                                     [*m, "role"], registry=r)
+        self.autoscaler_wanted = Gauge("tidepool_autoscaler_wanted_workers",
+                                       "Workers of a role the autoscaler wants for its measured load",
+                                       [*m, "role"], registry=r)
 
         # ---- one series per worker
         w = [*m, "worker", "role"]
@@ -234,6 +240,10 @@ class Metrics:
     def count_worker_change(self, role: str, change: str) -> None:
         """``change``: "added", "drained" or "replaced"."""
         self.worker_changes.labels(self.model_name, role, change).inc()
+
+    def set_autoscaler_plan(self, role: str, load: float, wanted: int) -> None:
+        self.autoscaler_load.labels(self.model_name, role).set(load)
+        self.autoscaler_wanted.labels(self.model_name, role).set(wanted)
 
     def inc_request(self, api: str, status: str) -> None:
         self.requests.labels(self.model_name, api, status).inc()

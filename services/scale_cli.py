@@ -10,6 +10,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from services.cluster_status import drain_order
 from services.status import StatusError, call_gateway, fetch_status
 
 WORKERS_PATH = "/v1/cluster/workers"
@@ -24,15 +25,9 @@ def plan(workers: list[dict], wanted: dict[str, int]) -> tuple[list[str], list[s
     for role, count in wanted.items():
         kept = [w for w in workers if w["role"] == role and not w.get("draining")]
         add += [role] * max(0, count - len(kept))
-        kept.sort(key=lambda w: (w["alive"], w["running"] + w["waiting"], _age(w["id"])))
+        kept.sort(key=drain_order)
         drain += [w["id"] for w in kept[:max(0, len(kept) - count)]]
     return add, drain
-
-
-def _age(worker_id: str) -> tuple[int, int]:
-    """Newest first: ``decode-3`` before ``decode-1``, ``decode-1.2`` (a replacement) before ``decode-1``."""
-    slot, _, incarnation = worker_id.rpartition("-")[2].partition(".")
-    return (-int(slot) if slot.isdigit() else 0), -int(incarnation or 0)
 
 
 def run_scale(args: argparse.Namespace) -> int:

@@ -70,7 +70,8 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def render_status(status: dict) -> str:
-    """The human view: a header, Redis and router lines, then one row per worker (dead ones say DEAD)."""
+    """The human view: a header, Redis, router and autoscaler lines, then one row per worker (dead ones say
+    DEAD)."""
     redis, router = status.get("redis", {}), status.get("router", {})
     workers = status.get("workers", [])
     lines = [
@@ -79,6 +80,8 @@ def render_status(status: dict) -> str:
         f"redis   {redis.get('url', '?')}   {'up' if redis.get('up') else 'DOWN'}   "
         f"{_num(redis.get('indexed_blocks'))} indexed blocks",
         f"router  policy {router.get('policy', '?')}   {_num(router.get('rejections'))} rejections",
+        *(f"autoscaler  {role} {plan.get('min')}..{plan.get('max')}   load {_num(plan.get('load'))} workers busy   "
+          f"wants {_num(plan.get('wanted'))}" for role, plan in status.get("autoscaler", {}).items()),
         "",
     ]
     rows = [

@@ -172,8 +172,10 @@ def start_server(ray_session, redis_url, serving_model_dir):
     base = redis_url.rsplit("/", 1)[0]
 
     def start(api_key: str | None = None, model_dir=None, tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None, **cluster_kwargs) -> ThreadedServer:
-        """``model_dir``: the checkpoint to serve (default: ``serving_model_dir``)."""
+              reasoning_parser: str | None = None, engine_options: dict | None = None,
+              **cluster_kwargs) -> ThreadedServer:
+        """``model_dir``: the checkpoint to serve (default: ``serving_model_dir``); ``engine_options``: more
+        `EngineConfig` fields."""
         for stopped in [s for s in databases if not s.running]:
             free = databases.pop(stopped)
             with redis.Redis.from_url(f"{base}/{free}") as client:
@@ -181,7 +183,7 @@ def start_server(ray_session, redis_url, serving_model_dir):
             _redis_dbs.append(free)
         db = _redis_dbs.pop(0)
         cluster_kwargs.setdefault("threads_per_worker", 1)
-        engine = EngineConfig(model=str(model_dir or serving_model_dir), num_blocks=512)
+        engine = EngineConfig(model=str(model_dir or serving_model_dir), num_blocks=512, **(engine_options or {}))
         config = ClusterConfig(engine=engine, redis_url=f"{base}/{db}", **cluster_kwargs)
         try:
             server = _start_on_free_ports(ThreadedServer, config, lambda: GatewayConfig(

@@ -18,6 +18,7 @@ from services.messages import Role
 from services.profile_samples import profile_samples
 
 if TYPE_CHECKING:  # the scaler's module imports the workers' actor classes, and with them torch
+    from services.autoscaler import Autoscaler
     from services.scaling import Scaler
 
 DRAIN_TIMEOUT_S = 60.0
@@ -27,13 +28,14 @@ class AddWorkerRequest(Body):
     role: Literal["prefill", "decode", "colocated"]
 
 
-def cluster_routes(dispatcher: Dispatcher, scaler: Scaler | None) -> APIRouter:
-    """``scaler``: None for a cluster that cannot be resized here (its workers were not started by it)."""
+def cluster_routes(dispatcher: Dispatcher, scaler: Scaler | None, autoscaler: Autoscaler | None = None) -> APIRouter:
+    """``scaler``: None for a cluster that cannot be resized here (its workers were not started by it);
+    ``autoscaler``: the one resizing it, if any (its plan is part of the status)."""
     router = APIRouter(route_class=StrictJSONRoute)  # NaN, Infinity and lone surrogates refused, as elsewhere
 
     @router.get("/v1/cluster/status")
     async def get_cluster_status() -> dict:
-        return cluster_status(dispatcher)
+        return cluster_status(dispatcher, autoscaler)
 
     @router.get("/v1/cluster/profile")
     async def cluster_profile() -> dict:

@@ -35,6 +35,7 @@ from services.response_store import ResponseStore
 from services.sessions import SessionStore
 
 if TYPE_CHECKING:  # the scaler's module imports the workers' actor classes, and with them torch
+    from services.autoscaler import Autoscaler
     from services.scaling import Scaler
 
 _OPEN_PATHS = ("/health",)
@@ -94,9 +95,9 @@ class _Guard:
 
 
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_store: ResponseStore | None,
-               config: GatewayConfig, scaler: Scaler | None = None) -> FastAPI:
+               config: GatewayConfig, scaler: Scaler | None = None, autoscaler: Autoscaler | None = None) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
-    ``scaler``: None, the cluster routes cannot resize the cluster)."""
+    ``scaler``: None, the cluster routes cannot resize the cluster; ``autoscaler``: shown in the status)."""
     frontend = Frontend(dispatcher, sessions, config)
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
@@ -207,7 +208,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     responses, background = responses_routes(frontend, response_store, config)
     app.include_router(responses)
     app.state.background_responses = background  # stopped by the server before the store closes
-    app.include_router(cluster_routes(dispatcher, scaler))
+    app.include_router(cluster_routes(dispatcher, scaler, autoscaler))
     return app
 
 
