@@ -110,7 +110,8 @@ class RoleLoad:
 class Planner:
     """Worker counts per role from a `LoadWindow`, within each role's (min, max)."""
 
-    def __init__(self, bounds: dict[str, tuple[int, int]], utilization: float, slo: SLO, max_num_seqs: int) -> None:
+    def __init__(self, bounds: dict[str, tuple[int, int]], utilization: float, slo: SLO,
+                 max_num_seqs: int) -> None:
         self.bounds = bounds
         self.utilization = utilization
         self.slo = slo

@@ -78,12 +78,15 @@ class Autoscaler:
         if not decoding:
             return  # nothing measured to plan from: the dispatcher answers for a cluster without workers
         running = sum(ld.num_running for ld in decoding)
+        held = sum(ld.running_context_tokens for ld in decoding)
         demand.add_decode_sample(now, sum(ld.num_running + ld.num_waiting + ld.waiting_leases for ld in decoding),
-                                 sum(ld.running_context_tokens for ld in decoding) / running if running else 0.0)
-        rows = [r for r in worker_rows(self.dispatcher) if not r["draining"] and (r["alive"] or self.replacing)]
+                                 held / running if running else 0.0)
+        rows = [r for r in worker_rows(self.dispatcher)
+                if not r["draining"] and (r["alive"] or self.replacing)]  # a dead one counts while it is replaced
         current = {role: sum(1 for r in rows if r["role"] == role) for role in self.config.bounds}
         kv_tokens = min(ld.total_blocks * ld.block_size for ld in decoding)
-        self.plan = self.planner.plan(demand.window(now), self.dispatcher.conductor.estimator, current, kv_tokens)
+        estimator = self.dispatcher.conductor.estimator
+        self.plan = self.planner.plan(demand.window(now), estimator, current, kv_tokens)
         for role, planned in self.plan.items():
             self.dispatcher.metrics.set_autoscaler_plan(role, planned.load, planned.wanted)
             change = self._changes.get(role)
@@ -92,10 +95,11 @@ class Autoscaler:
             kept = [r for r in rows if r["role"] == role]
             if not all(r["alive"] for r in kept):
                 continue  # a replacement is on its way: plan again once it serves
-            if planned.wanted > current[role]:
+            missing = planned.wanted - current[role]
+            if missing > 0:
                 self._low_since.pop(role, None)
-                self._changes[role] = asyncio.create_task(self._add(Role(role), planned.wanted - current[role]))
-            elif planned.wanted < current[role]:
+                self._changes[role] = asyncio.create_task(self._add(Role(role), missing))
+            elif missing < 0:
                 since = self._low_since.setdefault(role, now)
                 if now - since >= self.config.scale_down_delay_s:
                     del self._low_since[role]
@@ -108,16 +112,18 @@ class Autoscaler:
         results = await asyncio.gather(*(self.scaler.add(role) for _ in range(count)), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
-            log.warning("autoscaler: %d of %d %s worker(s) did not start (%s); trying again in %g s", len(failed),
-                        count, role, failed[0], self.config.window_s)
+            log.warning("autoscaler: %d of %d %s worker(s) did not start (%s); trying again in %g s",
+                        len(failed), count, role, failed[0], self.config.window_s)
             await asyncio.sleep(self.config.window_s)  # the role changes nothing more meanwhile
 
     async def _drain(self, worker_id: str) -> None:
         log.warning("autoscaler: draining %s", worker_id)
         try:
             await self.scaler.drain(worker_id, self.config.drain_timeout_s)
-        except (ScalingConflictError, UnknownWorkerError) as exc:  # an operator drained it, or another, meanwhile
+        except (ScalingConflictError, UnknownWorkerError) as exc:  # an operator drained it, or another, first
             log.warning("autoscaler: %s", exc)
+        except Exception:  # the role plans again next tick
+            log.exception("autoscaler: draining %s failed", worker_id)
 
     def status(self) -> dict:
         """Each role's bounds, measured load and wanted count (``GET /v1/cluster/status``)."""

@@ -30,7 +30,7 @@ class AutoscaleConfig:
     bounds: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (min, max) workers
     window_s: float = 30.0  # the load is measured over this much of the past
     utilization: float = 0.7  # the share of a worker's time the load may take before another is added
-    scale_down_delay_s: float = 120.0  # a role's count must stay below its workers this long before one is drained
+    scale_down_delay_s: float = 120.0  # a role must want fewer workers this long before one is drained
     drain_timeout_s: float = 60.0  # what runs on a drained worker gets this long, then resumes elsewhere
 
     def check(self, start: dict[str, int]) -> None:

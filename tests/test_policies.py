@@ -377,3 +377,19 @@ def test_an_attention_window_bounds_the_kv_a_request_needs_on_the_decode_side():
     assert isinstance(plain, Reject) and "KV memory" in plain.reason
     windowed = RouteRequest("r-long", 16_000, HASHES[:31], max_tokens=100_000, max_kv_tokens=8_256)
     assert isinstance(conductor("tidepool").route(windowed, loads, index(), now=NOW), Decision)
+
+
+@pytest.mark.timeout(30)
+def test_a_conductor_asked_to_records_the_prompt_work_it_routes_and_the_sides_it_rejects_for():
+    from router.planner import Demand
+
+    c = conductor("tidepool", demand=Demand(window_s=60.0))
+    dec = c.route(REQ, [prefill("p0"), prefill("p1"), decode("d0")], index(p0=31), now=NOW)
+    other = RouteRequest("r2", REQ.prompt_len, [h + 100 for h in HASHES], REQ.max_tokens)  # no prefix in flight
+    assert isinstance(c.route(other, OVERLOADED, index(), now=NOW + 1), Reject)
+    window = c.demand.window(NOW + 2)
+    cached = dec.cached_blocks * BS
+    new = REQ.prompt_len - cached
+    assert window.prompt_features == pytest.approx((new * cached + new * (new + 1) / 2, new, 1.0))  # routed one
+    assert window.rejected == {"prefill"}  # the TTFT rejection: more prefill workers would have taken it
+    assert conductor("tidepool").demand is None  # recorded only for an autoscaler

@@ -28,7 +28,8 @@ class AddWorkerRequest(Body):
     role: Literal["prefill", "decode", "colocated"]
 
 
-def cluster_routes(dispatcher: Dispatcher, scaler: Scaler | None, autoscaler: Autoscaler | None = None) -> APIRouter:
+def cluster_routes(dispatcher: Dispatcher, scaler: Scaler | None,
+                   autoscaler: Autoscaler | None = None) -> APIRouter:
     """``scaler``: None for a cluster that cannot be resized here (its workers were not started by it);
     ``autoscaler``: the one resizing it, if any (its plan is part of the status)."""
     router = APIRouter(route_class=StrictJSONRoute)  # NaN, Infinity and lone surrogates refused, as elsewhere

@@ -95,7 +95,8 @@ class _Guard:
 
 
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_store: ResponseStore | None,
-               config: GatewayConfig, scaler: Scaler | None = None, autoscaler: Autoscaler | None = None) -> FastAPI:
+               config: GatewayConfig, scaler: Scaler | None = None,
+               autoscaler: Autoscaler | None = None) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
     ``scaler``: None, the cluster routes cannot resize the cluster; ``autoscaler``: shown in the status)."""
     frontend = Frontend(dispatcher, sessions, config)
