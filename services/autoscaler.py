@@ -15,12 +15,12 @@ a worker that fits no running node has a node launched for it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
 from router.loads import DECODE_ROLES
 from router.planner import Planner, RoleLoad
+from services.background import cancel_and_wait
 from services.cluster_status import drain_order, worker_rows
 from services.config import AutoscaleConfig
 from services.dispatcher import Dispatcher
@@ -55,12 +55,7 @@ class Autoscaler:
     async def stop(self) -> None:
         """Stop planning and abandon the changes under way (a worker being started is the launcher's to kill;
         a drain cut short leaves its worker serving)."""
-        tasks = [t for t in (self._task, *self._changes.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait([self._task, *self._changes.values()])
         self._changes.clear()
 
     async def _run(self) -> None:

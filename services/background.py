@@ -5,10 +5,22 @@ wait for or cancel what is still running."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 
 log = logging.getLogger(__name__)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task | None]) -> None:
+    """Cancel ``tasks`` (None: never started) and wait until each has ended, whatever it ended with: a loop
+    that owns them is stopping."""
+    started = [task for task in tasks if task is not None]
+    for task in started:
+        task.cancel()
+    for task in started:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 class BackgroundTasks:

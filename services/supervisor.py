@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 
 import ray
 
+from services.background import cancel_and_wait
 from services.dispatcher import Dispatcher
 from services.messages import Role
 from services.worker_client import WorkerClient
@@ -50,12 +51,7 @@ class Supervisor:
 
     async def stop(self) -> None:
         """Stop watching and abandon replacements under way (their actors are the launcher's to kill)."""
-        tasks = [t for t in (self._task, *self._replacing.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait([self._task, *self._replacing.values()])
         self._replacing.clear()
 
     async def _watch(self) -> None:
