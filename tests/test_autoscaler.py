@@ -143,8 +143,9 @@ def _gauge(server, name: str, **labels: str) -> list[float]:
             if sample.name == name and labels.items() <= sample.labels.items()]
 
 
-def _decode_ids(server) -> list[str]:
-    return [w["id"] for w in server.worker_stats() if w["role"] == "decode"]
+def _decode_ids(server, alive: bool = False) -> list[str]:
+    """The decode workers listed (``alive``: only those routed to, from their first load report on)."""
+    return [w["id"] for w in server.worker_stats() if w["role"] == "decode" and (w["alive"] or not alive)]
 
 
 @pytest.mark.ray
@@ -163,7 +164,7 @@ def test_a_decode_worker_is_added_while_sequences_wait_for_room_and_drained_once
     assert status["autoscaler"]["decode"]["min"] == 1 and status["autoscaler"]["decode"]["max"] == 2
     assert "autoscaler  decode 1..2   load " in render_status(status)  # as `tidepool status` prints it
     first = Streams(server, [text] * 6, 300)
-    assert wait_until(lambda: "decode-1" in _decode_ids(server), 120)
+    assert wait_until(lambda: "decode-1" in _decode_ids(server, alive=True), 120)
     second = Streams(server, [text] * 4, 300)  # routed while both serve: the added worker takes a share
     assert wait_until(lambda: server.dispatcher.in_flight.count("decode-1") > 0, 60)
     assert first.join() == [expected] * 6 and second.join() == [expected] * 4  # served right as the cluster grew
