@@ -1,6 +1,7 @@
 """The autoscaler (router/planner.py, services/autoscaler.py): worker counts from the measured load, priced by
 the conductor's estimator, within the operator's bounds; a live cluster adds a decode worker when its decode
-workers hold more sequences than they run at once, and drains it once the load has stayed low."""
+workers hold more sequences than they run at once, drains one once the load has stayed low, and adds none
+for a dead worker the supervisor is replacing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 
 import httpx
 import pytest
+import ray
 from live_helpers import Streams, greedy_chat, idle, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -148,30 +150,55 @@ def _decode_ids(server, alive: bool = False) -> list[str]:
     return [w["id"] for w in server.worker_stats() if w["role"] == "decode" and (w["alive"] or not alive)]
 
 
+@pytest.fixture(scope="module")
+def autoscaled(start_server):
+    # Two sequences a decode worker: six streams ask for five workers at 70 %, three at most.
+    server = start_server(prefill=1, decode=2, kv_transport="grpc", engine_options={"max_num_seqs": 2},
+                          autoscale=AutoscaleConfig(bounds={"decode": (2, 3)}, window_s=3.0, scale_down_delay_s=5.0,
+                                                    drain_timeout_s=30.0))
+    yield server
+    server.stop()
+
+
+def _changes(server, role: str) -> dict[str, float]:
+    return {change: sum(_gauge(server, "tidepool_worker_changes_total", role=role, change=change))
+            for change in ("added", "drained", "replaced")}
+
+
 @pytest.mark.ray
 @pytest.mark.redis
 @pytest.mark.timeout(300)
 def test_a_decode_worker_is_added_while_sequences_wait_for_room_and_drained_once_the_load_has_stayed_low(
-        start_server):
-    # Two sequences a decode worker: six streams ask for three workers at 70 %, two at most.
-    server = start_server(prefill=1, decode=1, kv_transport="grpc", engine_options={"max_num_seqs": 2},
-                          autoscale=AutoscaleConfig(bounds={"decode": (1, 2)}, window_s=3.0, scale_down_delay_s=5.0,
-                                                    drain_timeout_s=30.0))
+        autoscaled):
+    server = autoscaled
     text = "Autoscaling: how many pools does the tide fill tonight?"
     expected = greedy_chat(server, text, 300)  # one sequence at a time: no worker more
-    assert _decode_ids(server) == ["decode-0"]
+    assert _decode_ids(server) == ["decode-0", "decode-1"]
     status = httpx.get(f"{server.http_url}/v1/cluster/status", timeout=30).json()
-    assert status["autoscaler"]["decode"]["min"] == 1 and status["autoscaler"]["decode"]["max"] == 2
-    assert "autoscaler  decode 1..2   load " in render_status(status)  # as `tidepool status` prints it
+    assert status["autoscaler"]["decode"]["min"] == 2 and status["autoscaler"]["decode"]["max"] == 3
+    assert "autoscaler  decode 2..3   load " in render_status(status)  # as `tidepool status` prints it
     first = Streams(server, [text] * 6, 300)
-    assert wait_until(lambda: "decode-1" in _decode_ids(server, alive=True), 120)
-    second = Streams(server, [text] * 4, 300)  # routed while both serve: the added worker takes a share
-    assert wait_until(lambda: server.dispatcher.in_flight.count("decode-1") > 0, 60)
+    assert wait_until(lambda: "decode-2" in _decode_ids(server, alive=True), 120)
+    second = Streams(server, [text] * 4, 300)  # routed while all three serve: the added worker takes a share
+    assert wait_until(lambda: server.dispatcher.in_flight.count("decode-2") > 0, 60)
     assert first.join() == [expected] * 6 and second.join() == [expected] * 4  # served right as the cluster grew
     assert _gauge(server, "tidepool_autoscaler_wanted_workers", role="decode")
-    assert wait_until(lambda: len(_decode_ids(server)) == 1, 120)  # the load gone, one worker is drained
+    assert wait_until(lambda: len(_decode_ids(server)) == 2, 120)  # the load gone, one worker is drained
     assert greedy_chat(server, text, 300) == expected and wait_until(lambda: idle(server), 30)
-    changes = {change: sum(_gauge(server, "tidepool_worker_changes_total", role="decode", change=change))
-               for change in ("added", "drained")}
-    assert changes == {"added": 1, "drained": 1}
-    server.stop()
+    assert _changes(server, "decode") == {"added": 1, "drained": 1, "replaced": 0}
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(300)
+def test_a_dead_worker_counts_while_it_is_replaced_so_the_autoscaler_adds_none_in_its_place(autoscaled):
+    server = autoscaled
+    before = _changes(server, "decode")
+    dead, kept = [w.worker_id for w in server.dispatcher.workers.values() if w.role == "decode"]
+    ray.kill(server.dispatcher.workers[dead].actor, no_restart=True)  # the other alone is below the minimum
+    assert wait_until(lambda: sorted(_decode_ids(server, alive=True)) == sorted([kept, f"{dead}.1"]), 120)
+    assert wait_until(lambda: idle(server), 30)
+    after = _changes(server, "decode")
+    assert {change: after[change] - before[change] for change in after} == {"added": 0, "drained": 0,
+                                                                            "replaced": 1}
+    assert len(_decode_ids(server)) == 2
