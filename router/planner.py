@@ -77,13 +77,13 @@ class Demand:
         for records in (self._rejections, self._decode):
             while records and records[0][0] < start:
                 records.popleft()
-        sequences = [s for _, s, _ in self._decode]
+        sequences = sum(s for _, s, _ in self._decode)
         held = sum(s * c for _, s, c in self._decode)
         return LoadWindow(
             seconds=self.window_s,
             prompt_features=tuple(map(float, self._prompt_sum)),
-            decode_sequences=float(np.mean(sequences)) if sequences else 0.0,
-            context_tokens=held / sum(sequences) if sum(sequences) else 0.0,
+            decode_sequences=sequences / len(self._decode) if self._decode else 0.0,
+            context_tokens=held / sequences if sequences else 0.0,
             rejected=frozenset(kind for _, kind in self._rejections),
         )
 

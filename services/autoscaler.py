@@ -78,7 +78,8 @@ class Autoscaler:
                                  held / running if running else 0.0)
         rows = [r for r in worker_rows(self.dispatcher)
                 if not r["draining"] and (r["alive"] or self.replacing)]  # a dead one counts while it is replaced
-        current = {role: sum(1 for r in rows if r["role"] == role) for role in self.config.bounds}
+        kept = {role: [r for r in rows if r["role"] == role] for role in self.config.bounds}
+        current = {role: len(workers) for role, workers in kept.items()}
         kv_tokens = min(ld.total_blocks * ld.block_size for ld in decoding)
         estimator = self.dispatcher.conductor.estimator
         self.plan = self.planner.plan(demand.window(now), estimator, current, kv_tokens)
@@ -87,8 +88,7 @@ class Autoscaler:
             change = self._changes.get(role)
             if change is not None and not change.done():
                 continue
-            kept = [r for r in rows if r["role"] == role]
-            if not all(r["alive"] for r in kept):
+            if not all(r["alive"] for r in kept[role]):
                 continue  # a replacement is on its way: plan again once it serves
             missing = planned.wanted - current[role]
             if missing > 0:
@@ -98,7 +98,7 @@ class Autoscaler:
                 since = self._low_since.setdefault(role, now)
                 if now - since >= self.config.scale_down_delay_s:
                     del self._low_since[role]
-                    self._changes[role] = asyncio.create_task(self._drain(min(kept, key=drain_order)["id"]))
+                    self._changes[role] = asyncio.create_task(self._drain(min(kept[role], key=drain_order)["id"]))
             else:
                 self._low_since.pop(role, None)
 
