@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.errors import CheckpointError
 from engine.kv_format import residual_blocks
+from engine.speculative import SpeculativeConfig
 
 # architecture -> (q/k/v projections carry a bias, q/k RMSNorm per head)
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -225,6 +226,12 @@ class EngineConfig:
     # preemptions, each of which recomputes a prompt on a decode worker, and fewer sequences admitted
     # (SGLang's num_reserved_decode_tokens).
     num_reserved_decode_tokens: int = 16
+    # Speculative decoding by n-gram prompt lookup (engine/speculative.py): the most draft tokens a decoding
+    # sequence proposes per step (0: off), from an earlier occurrence of its last prompt_lookup_max ..
+    # prompt_lookup_min tokens.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -242,6 +249,16 @@ class EngineConfig:
         residual_blocks(self.kv_cache_dtype, self.kv_residual_blocks)  # refuses an unknown dtype or a bad count
         if self.num_reserved_decode_tokens < 0:
             raise ValueError(f"num_reserved_decode_tokens must be >= 0, got {self.num_reserved_decode_tokens}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0 (0: off), got {self.num_speculative_tokens}")
+        _ = self.speculative  # refuses prompt lookup lengths that contradict each other
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The speculative decoding settings; None when it is off."""
+        if not self.num_speculative_tokens:
+            return None
+        return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
 
     @property
     def residual_blocks(self) -> int:

@@ -25,13 +25,15 @@ from engine.device_memory import engine_num_blocks
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
+from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
-from engine.sampler import make_generator, sample, top_logprobs
+from engine.sampler import make_generator, sample, skip_draws, top_logprobs
 from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
+from engine.speculative import NgramProposer, SpeculationStats
 from engine.streaming_window import DEFAULT_MAX_LEN, StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.tokenizer import Tokenizer
@@ -77,6 +79,9 @@ class Engine:
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.grammars = GrammarMasks(model_dir / "tokenizer.json" if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
+        speculative = config.speculative
+        self.proposer = None if speculative is None else NgramProposer(speculative)
+        self.speculation = SpeculationStats()
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
@@ -106,6 +111,8 @@ class Engine:
         self.scheduler.remove(seqs)
         for s in seqs:
             self.block_manager.free(s.seq_id)
+            if self.proposer is not None:
+                self.proposer.forget(s.seq_id)
             self._pending.append(RequestOutput(request_id, s.index, [], True, FinishReason.ABORT,
                                                s.num_prompt_tokens, s.num_cached_tokens))
         self.release(request_id)
@@ -118,6 +125,8 @@ class Engine:
         ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``)."""
         outputs, self._pending = self._pending, []
         self.last_step = None
+        if self.proposer is not None:
+            self._propose_drafts()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
@@ -131,9 +140,11 @@ class Engine:
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             pos = seq.num_computed_tokens
             table = bm.block_table(seq.seq_id)
-            # A sequence collecting prompt logprobs needs every row whose next token is in the prompt.
-            chunks.append(SeqChunk(seq.token_ids[pos:pos + n], pos, table,
-                                   seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens))
+            # A sequence collecting prompt logprobs needs every row whose next token is in the prompt; a
+            # draft needs every row (each position is sampled).
+            tokens = [seq.token_ids[pos], *seq.draft_ids] if seq.draft_ids else seq.token_ids[pos:pos + n]
+            chunks.append(SeqChunk(tokens, pos, table, bool(seq.draft_ids) or (
+                seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens)))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
             if pos >= seq.num_prompt_tokens and n == 1:  # a decode row
@@ -149,18 +160,19 @@ class Engine:
         rows: list[int] = []  # the logits row each sampled sequence draws from
         mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
         sampled: list[Sequence] = []
+        drafted: list[tuple[Sequence, int]] = []  # sequences whose draft is verified, and their first row
         last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
         for i, (seq, n, chunk) in enumerate(zip(batch.seqs, batch.num_new_tokens, chunks, strict=True)):
             pos, first = seq.num_computed_tokens, last + 1
             last += n if chunk.all_logits else 1
+            if seq.draft_ids:
+                drafted.append((seq, first))
+                continue
             if chunk.all_logits:
                 self._collect_prompt_logprobs(seq, pos, logits[first:last + 1])
             if pos < seq.num_prompt_tokens:
                 self.prompt_tokens_computed += min(n, seq.num_prompt_tokens - pos)
-            seq.num_computed_tokens = pos + n
-            bm.commit(seq.seq_id, seq.token_ids, pos + n)
-            if self.window is not None:  # free the blocks the window has passed (registered ones stay cached)
-                bm.drop(seq.seq_id, self.window.droppable(pos + n))
+            self._computed(seq, pos + n)
             if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
                 for s in self._fork(seq) if seq.fanout > 1 else (seq,):  # forks start where their prompt's grammar is
                     rows.append(last)
@@ -170,6 +182,8 @@ class Engine:
             every_row_once = rows == list(range(logits.shape[0]))
             outputs += self._sample(logits if every_row_once else logits[rows], sampled,
                                     None if bitmask is None else bitmask[mask_rows])
+        if drafted:
+            outputs += self._verify(logits, drafted)
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs
@@ -194,18 +208,95 @@ class Engine:
                            [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], banned)
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
-        finished = [seq for seq, out in zip(seqs, outputs, strict=True) if out.finished]
-        if finished:
-            self.scheduler.remove(finished)
-            for seq in finished:
-                live = self.requests[seq.request_id]
-                live.remove(seq)
-                if not live:
-                    del self.requests[seq.request_id]
-                if seq.finish_reason is FinishReason.PREFILLED:
-                    self.held[seq.request_id] = seq.seq_id
-                else:
-                    self.block_manager.free(seq.seq_id)
+        self._retire([seq for seq, out in zip(seqs, outputs, strict=True) if out.finished])
+        return outputs
+
+    def _computed(self, seq: Sequence, num_computed: int) -> None:
+        """``seq``'s K/V now holds its first ``num_computed`` tokens: full blocks go to the prefix cache."""
+        seq.num_computed_tokens = num_computed
+        self.block_manager.commit(seq.seq_id, seq.token_ids, num_computed)
+        if self.window is not None:  # free the blocks the window has passed (registered ones stay cached)
+            self.block_manager.drop(seq.seq_id, self.window.droppable(num_computed))
+
+    def _retire(self, finished: list[Sequence]) -> None:
+        """Take finished samples out; a prefilled one keeps its blocks for the hand-off."""
+        if not finished:
+            return
+        self.scheduler.remove(finished)
+        for seq in finished:
+            live = self.requests[seq.request_id]
+            live.remove(seq)
+            if not live:
+                del self.requests[seq.request_id]
+            if self.proposer is not None:
+                self.proposer.forget(seq.seq_id)
+            if seq.finish_reason is FinishReason.PREFILLED:
+                self.held[seq.request_id] = seq.seq_id
+            else:
+                self.block_manager.free(seq.seq_id)
+
+    # -- speculative decoding (engine/speculative.py) ----------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Give every decoding sequence this step's draft (maybe none)."""
+        for seq in self.scheduler.running:
+            room = self._draft_room(seq)
+            seq.draft_ids = self.proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """The most draft tokens ``seq`` may verify now: none unless it is decoding (past its prompt, only its
+        last token's K/V missing); one token of its max_tokens is always the sampled one; none under a
+        structured output (its grammar would have to mask every position ahead), and in a windowed quantized
+        cache never a block's last slot, since such a block is quantized once, when that slot is written,
+        and a rejected token's K/V would stay in it."""
+        decoding = seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
+        if not decoding or seq.grammar is not None:
+            return 0
+        room = seq.params.max_tokens - seq.num_output_tokens - 1
+        if self.kv_cache.kv_format in WINDOWED:
+            room = min(room, self.block_size - 1 - seq.num_tokens % self.block_size)
+        return room
+
+    def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """Sample every position of each drafted chunk (``logits`` rows from its first row on) as if its draft
+        were the output so far, and keep the draft up to the first token sampled otherwise, plus that
+        token; each kept token passes the stop checks plain decoding applies."""
+        rows, params, generators, histories, prompt_lens, banned = [], [], [], [], [], []
+        seeded: dict[int, torch.Tensor] = {}  # seq_id -> its random stream's state before these draws
+        for seq, first in drafted:
+            draft, p = seq.draft_ids, seq.params
+            if seq.generator is not None and not p.greedy:
+                seeded[seq.seq_id] = seq.generator.get_state()
+            for j in range(len(draft) + 1):
+                rows.append(first + j)
+                params.append(p)
+                generators.append(seq.generator)
+                histories.append([*seq.token_ids, *draft[:j]] if p.has_penalties else seq.token_ids)
+                prompt_lens.append(seq.num_prompt_tokens)
+                banned.append(self._stop_tokens(seq) if seq.num_output_tokens + j < p.min_tokens else [])
+        chosen = logits[rows]
+        token_ids = sample(chosen, params, generators, histories, prompt_lens, banned)
+        logprobs = top_logprobs(chosen, token_ids, [p.logprobs for p in params])
+        outputs: list[RequestOutput] = []
+        finished: list[Sequence] = []
+        row = 0
+        for seq, _ in drafted:
+            draft, seq.draft_ids = seq.draft_ids, []
+            kept = 0
+            for j in range(len(draft) + 1):
+                outputs.append(self._append(seq, token_ids[row + j], logprobs[row + j]))
+                kept += 1
+                if outputs[-1].finished or j == len(draft) or token_ids[row + j] != draft[j]:
+                    break
+            new = token_ids[row:row + kept]
+            row += len(draft) + 1
+            self.speculation.record(len(draft), sum(1 for t, d in zip(new, draft, strict=False) if t == d))
+            if seq.seq_id in seeded and kept <= len(draft):  # give back the draws of the positions not kept
+                seq.generator.set_state(seeded[seq.seq_id])
+                skip_draws(seq.generator, kept, self.model_config.vocab_size)
+            self._computed(seq, seq.num_tokens - 1)  # the last token and the kept draft tokens
+            if outputs[-1].finished:
+                finished.append(seq)
+        self._retire(finished)
         return outputs
 
     def _stop_tokens(self, seq: Sequence) -> list[int]:
@@ -329,7 +420,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """Load figures for the router (cheap: called after every step)."""
-        return engine_stats(self.scheduler, self.block_manager, self._step_times, self.prompt_tokens_computed)
+        return engine_stats(self.scheduler, self.block_manager, self._step_times, self.prompt_tokens_computed,
+                            self.speculation)
 
     def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
                reserved: bool = False) -> None:
@@ -354,8 +446,8 @@ class Engine:
         for token in output_ids:
             if text is not None:
                 text.push(token)
-            if seq.generator is not None and not params.greedy:
-                torch.empty(self.model_config.vocab_size, device=self.device).exponential_(generator=seq.generator)
+        if seq.generator is not None and not params.greedy:
+            skip_draws(seq.generator, len(output_ids), self.model_config.vocab_size)
         if text is not None:
             text.emit(final=False)
         return seq

@@ -4,10 +4,11 @@ its latest step computed (``StepComposition``, for the router's cost fits)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
+from engine.speculative import SpeculationStats
 
 
 @dataclass
@@ -24,13 +25,15 @@ class EngineStats:
     prompt_tokens_cached: int
     prefix_cache_queries: int  # prompt tokens looked up at first admission (prompt_tokens_cached: the hits)
     num_preemptions: int
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)  # cumulative; all 0 when off
 
 
 @dataclass
 class StepComposition:
     """What one step computed, for the router's cost fits: each prompt chunk as (request id, tokens
     computed, tokens before it in the sequence), and the decode rows (one token each) with the tokens
-    their sequences hold."""
+    their sequences hold. A speculating sequence's chunk (its last token and its draft) counts as a prompt
+    chunk: it costs what a chunk of that length after that context costs."""
 
     prefill_chunks: list[tuple[str, int, int]]
     decode_seqs: int
@@ -38,7 +41,7 @@ class StepComposition:
 
 
 def engine_stats(scheduler: Scheduler, block_manager: BlockManager, step_times_s: Iterable[float],
-                 prompt_tokens_computed: int) -> EngineStats:
+                 prompt_tokens_computed: int, speculation: SpeculationStats) -> EngineStats:
     """Load figures for the router (cheap: taken after every step)."""
     sch = scheduler
     queued = [(s.num_tokens - s.num_cached_tokens, s.num_cached_tokens) for s in sch.waiting]
@@ -52,4 +55,5 @@ def engine_stats(scheduler: Scheduler, block_manager: BlockManager, step_times_s
         recent_step_times_s=list(step_times_s), prompt_tokens_computed=prompt_tokens_computed,
         prompt_tokens_cached=sch.prompt_tokens_cached, prefix_cache_queries=sch.prefix_cache_queries,
         num_preemptions=sch.num_preemptions,
+        speculation=replace(speculation, accepted_per_position=list(speculation.accepted_per_position)),
     )

@@ -75,6 +75,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     kept.add_argument("--choice", action="append", help="each sample is one of these strings (repeatable)")
     kept.add_argument("--grammar", metavar="GRAMMAR", help="keep each sample to this Lark or GBNF grammar (its "
                                                            "text, or @FILE)")
+    p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding by n-gram prompt lookup, up to K draft tokens a step (0: off)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=run_generate)
@@ -85,7 +87,7 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                      kv_cache_dtype=args.kv_cache_dtype,
                                      kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window,
-                                     kv_sinks=args.kv_sinks))
+                                     kv_sinks=args.kv_sinks, num_speculative_tokens=args.num_speculative_tokens))
     except ValueError as err:  # options that contradict each other or the model
         print(f"tidepool generate: {err}", file=sys.stderr)
         return 2

@@ -26,6 +26,13 @@ def make_generator(seed: int | None, index: int, device: torch.device | str) -> 
     return g
 
 
+def skip_draws(generator: torch.Generator, count: int, vocab_size: int) -> None:
+    """Advance a sample's random stream past ``count`` tokens' draws (``sample`` takes one vocabulary-wide
+    draw per token): tokens sampled elsewhere, or a draft's positions after its first rejected token."""
+    for _ in range(count):
+        torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     vocab = logits.shape[-1]

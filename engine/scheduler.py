@@ -1,7 +1,7 @@
 """Continuous batching: which sequences run this step and how many of their tokens.
 
 Each step spends a token budget (``max_num_batched_tokens``): first one token for every running
-sequence that is decoding, then the rest of any partly prefilled prompt, then new prompts from the
+sequence that is decoding (and its draft, when it speculates: ``engine/speculative.py``), then the rest of any partly prefilled prompt, then new prompts from the
 waiting queue (after their prefix-cache hits), a long prompt being cut into chunks (chunked prefill) of at
 most ``max_chunk`` tokens (an attention window's length, which bounds the blocks a windowed step holds).
 When a running sequence needs a block and none is free, the most recently admitted running sequence
@@ -12,7 +12,7 @@ with every token it has, to be prefilled again later (its prefix blocks are then
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -58,6 +58,9 @@ class Sequence:
     # handed out with the first token; None otherwise and from then on.
     prompt_logprobs: list[TokenLogprobs] | None = None
     grammar: GrammarMatcher | None = None  # where the sample is in its structured output, if it has one
+    # Tokens proposed to follow its last one (speculative decoding), computed with it in this step's chunk and
+    # kept as far as the sampler agrees; [] outside a decoding step that speculates.
+    draft_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -137,8 +140,13 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self._chunk(seq))
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_ids), budget, self._chunk(seq))
+            del seq.draft_ids[n - 1:]  # a draft is cut to the budget
             while not self.bm.allocate(seq.seq_id, seq.num_computed_tokens, n):
+                if seq.draft_ids:  # speculation gives way before any sequence is preempted
+                    seq.draft_ids.clear()
+                    n = 1
+                    continue
                 victim = order.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -190,5 +198,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
+        seq.draft_ids.clear()
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)

@@ -1,5 +1,5 @@
 """Scheduler without a model: token budget, decode rows first, chunked prefill, max_num_seqs,
-preemption by recompute when blocks run out, and removal at any point."""
+preemption by recompute when blocks run out (a draft gives way first), and removal at any point."""
 
 from __future__ import annotations
 
@@ -149,3 +149,29 @@ def test_waiting_prompts_keep_their_priority_then_the_routers_order_not_their_ar
         sch2.add(s)
     assert [s.seq_id for s in sch2.waiting] == [4, 6, 5]
     assert [s.seq_id for s, _ in advance(sch2, bm2)] == [4]
+
+
+def test_a_draft_gives_way_before_a_sequence_is_preempted():
+    """Two decoding sequences fill every block; a draft reaching into a third block is dropped (the sequence
+    decodes one token) and nobody is preempted."""
+    sch, bm = make(num_blocks=4)
+    seqs = [seq(i, 7) for i in range(2)]
+    for s in seqs:
+        assert bm.allocate(s.seq_id, 0, 7)
+        s.num_computed_tokens = 6  # decoding: its last token's K/V is computed next
+        sch.add_running(s)
+    seqs[0].draft_ids = [8, 9, 10]  # positions 7..9, past the sequence's two blocks
+    batch = sch.schedule()
+    assert batch.num_new_tokens == [1, 1] and not batch.preempted
+    assert seqs[0].draft_ids == []
+
+
+def test_a_draft_is_cut_to_the_token_budget():
+    sch, bm = make(budget=3)
+    s = seq(1, 7)
+    assert bm.allocate(s.seq_id, 0, 7)
+    s.num_computed_tokens = 6
+    sch.add_running(s)
+    s.draft_ids = [8, 9, 10, 11]
+    assert sch.schedule().num_new_tokens == [3]
+    assert s.draft_ids == [8, 9]

@@ -1,6 +1,7 @@
 """The Triton attention backend wired into the engine (engine/triton_attention.py), run on CPU by the
 Triton interpreter: greedy tokens equal the torch path's token for token through the whole engine
-(mixed decode and prefill rows in one step, chunked prefill, prefix-cache hits, GQA), the runner's logits
+(mixed decode and prefill rows in one step, chunked prefill, prefix-cache hits, GQA, speculative decoding's
+drafts), the runner's logits
 equal the torch path's on one mixed step, how "auto" resolves, and which configurations are refused.
 Also the KV-cache sizing arithmetic of engine/device_memory.py (plain numbers; the CUDA profiling pass
 is in test_gpu)."""
@@ -131,6 +132,21 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
     # (to float32 rounding: a padded batch's matmuls round differently; a padded row's write would not)
     torch.testing.assert_close(graphed.kv_cache.data, eager.kv_cache.data, atol=1e-5, rtol=0)
     assert graph_batch_sizes(8) == [1, 2, 4, 8] and graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+@needs_interpreter
+def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir):
+    """Drafts (n-gram prompt lookup) verified through the prefill kernel over cached context, beside decode
+    steps replayed through the graph buffers: the greedy tokens equal the torch path's without drafts."""
+    looped = prompt(6, 1) * 4
+    arrivals = {0: [("a", looped), ("b", prompt(9, 2) * 3)], 2: [("c", looped + prompt(3, 3))]}
+    want = drive(Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
+                                     attention_backend="torch")), arrivals, max_tokens=24)[0]
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64, attention_backend="triton",
+                                 num_speculative_tokens=3))
+    engine.runner.enable_decode_graphs(8, 512 // 8, capture=False)
+    assert drive(engine, arrivals, max_tokens=24)[0] == want
+    assert engine.stats().speculation.accepted_tokens > 0
 
 
 def test_triton_with_a_window_and_graphs_of_a_windowed_format_are_refused(model_dir):

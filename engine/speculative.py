@@ -1,0 +1,96 @@
+"""Speculative decoding by n-gram prompt lookup (vLLM's "ngram" method): no draft model.
+
+A decoding sequence whose last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``) occurred
+earlier in its prompt or output proposes the tokens that followed that occurrence (the latest one) as its
+draft: up to ``num_speculative_tokens``. The engine then computes the sequence's last token and the draft in
+one chunk, samples every position as if the draft were its output, and keeps the draft up to the first
+token the sampler disagrees with, plus that sampled token (or one more after a wholly accepted draft). So a
+step yields 1..k+1 tokens for the price of one pass over the weights, which is what bounds a memory-bound
+decode step; code edits, quoting, retrieval answers and multi-turn chats repeat enough to gain.
+
+Each position is sampled with the random draw plain decoding would give it (the sequence's next draws, in
+order; the draws after the first rejection are given back), so the output equals plain decoding's token for
+token, seeded sampling included (up to floating-point differences between a chunk's and a decode row's
+logits), and the sampled distribution is the model's: this is rejection sampling of a point-mass draft,
+whose acceptance probability p(draft) is the optimal one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+_ITEM = array("i").itemsize  # token ids live in C ints, searched as bytes
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int  # the most draft tokens a sequence proposes per step (>= 1)
+    prompt_lookup_min: int = 2  # the shortest suffix matched
+    prompt_lookup_max: int = 4  # the longest suffix matched (tried first)
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+
+@dataclass
+class SpeculationStats:
+    """Cumulative counts since the engine started (vLLM's spec_decode metrics)."""
+
+    drafts: int = 0  # verification chunks run (a sequence's step with a draft)
+    draft_tokens: int = 0  # draft tokens proposed and computed
+    accepted_tokens: int = 0  # draft tokens the sampler agreed with
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: drafts whose token i was accepted
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += proposed
+        self.accepted_tokens += accepted
+        self.accepted_per_position += [0] * (proposed - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+
+class NgramProposer:
+    """Drafts from each sequence's own history. The history is kept per sequence as a C int array that only
+    grows (a sequence's tokens are never taken back), so a step appends its new tokens and searches with
+    ``bytes.rfind``: linear in the history, at C speed."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self._history: dict[int, array] = {}  # seq_id -> its tokens so far
+
+    def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest suffix of
+        ``token_ids`` (between the configured lengths); [] when none recurs."""
+        limit = min(max_tokens, self.config.num_speculative_tokens)
+        if limit <= 0:
+            return []
+        history = self._history.setdefault(seq_id, array("i"))
+        history.extend(token_ids[len(history):])
+        data = history.tobytes()
+        total = len(history)
+        for n in range(min(self.config.prompt_lookup_max, total - 1), self.config.prompt_lookup_min - 1, -1):
+            start = _latest_occurrence(data, data[(total - n) * _ITEM:], (total - 1) * _ITEM)
+            if start is not None:
+                follow = start + n
+                return history[follow:follow + limit].tolist()
+        return []
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished or aborted sequence's history."""
+        self._history.pop(seq_id, None)
+
+
+def _latest_occurrence(data: bytes, needle: bytes, end: int) -> int | None:
+    """The token index of the latest occurrence of ``needle`` ending at or before byte ``end`` (so not the
+    suffix itself), aligned to whole tokens; None when there is none."""
+    while (at := data.rfind(needle, 0, end)) >= 0:
+        if at % _ITEM == 0:
+            return at // _ITEM
+        end = at + len(needle) - 1  # a match straddling tokens: look further back
+    return None
