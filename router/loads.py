@@ -64,13 +64,19 @@ class WorkerLoad:
     waiting_lease_blocks: int = 0
     # For the metrics only (the router ignores them): the engine's waiting queue, and cumulative counts
     # since the worker started: prompt tokens looked up in / found in the prefix cache (the hits include
-    # blocks placed from the pool), computed, placed from each pool tier ("host", "disk", "redis"); preemptions.
+    # blocks placed from the pool), computed, placed from each pool tier ("host", "disk", "redis"); preemptions;
+    # speculative decoding's counts.
     num_waiting: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prompt_tokens_computed: int = 0
     pool_hit_tokens: dict[str, int] = field(default_factory=dict)
     num_preemptions: int = 0
+    # speculative decoding: verification chunks, draft tokens proposed, accepted, and accepted per position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     def row(self) -> tuple:
         """The report as one LoadTable row (see the column constants below)."""

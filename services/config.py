@@ -219,6 +219,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="a decode worker admits a new request only while each running sequence keeps room to "
                         "grow N more tokens: more means fewer preemptions (each recomputes a prompt) and fewer "
                         "sequences decoding at once")
+    p.add_argument("--num-speculative-tokens", type=int, default=e.num_speculative_tokens, metavar="K",
+                   help="speculative decoding by n-gram prompt lookup: each decoding sequence proposes up to K "
+                        "tokens that followed an earlier occurrence of its last tokens and verifies them in one "
+                        "pass; the output is unchanged (default: 0, off)")
+    p.add_argument("--prompt-lookup-max", type=int, default=e.prompt_lookup_max, metavar="N",
+                   help="with --num-speculative-tokens: the longest suffix looked up (tried first)")
+    p.add_argument("--prompt-lookup-min", type=int, default=e.prompt_lookup_min, metavar="N",
+                   help="with --num-speculative-tokens: the shortest suffix looked up")
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="tokens in one engine step (chunked prefill splits longer prompts)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -264,6 +272,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
+        num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+        prompt_lookup_max=args.prompt_lookup_max,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

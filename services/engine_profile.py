@@ -23,7 +23,16 @@ _DECODE_SHAPES = ((1, 32), (4, 32), (8, 32), (1, 512), (2, 512))
 
 
 def profile_engine(engine: Engine) -> WorkerProfile:
-    """Time prefills of several lengths and decode steps of several batch sizes and contexts."""
+    """Time prefills of several lengths and decode steps of several batch sizes and contexts: plain ones,
+    without speculation (the measured steps price a draft's chunk as a prompt chunk)."""
+    proposer, engine.proposer = engine.proposer, None
+    try:
+        return _profile(engine)
+    finally:
+        engine.proposer = proposer
+
+
+def _profile(engine: Engine) -> WorkerProfile:
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     greedy_one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

@@ -92,6 +92,14 @@ class Metrics:
         self.prefix_cache_hits = count("tidepool_prefix_cache_hits",
                                        "Prefix cache hits, in prompt tokens found (pool placements included)")
         self.preemptions = count("tidepool_num_preemptions", "Requests preempted by the workers' schedulers")
+        # speculative decoding (--num-speculative-tokens): acceptance rate = accepted / draft tokens
+        self.spec_drafts = count("tidepool_spec_decode_num_drafts", "Draft verifications (a sequence's step with "
+                                                                    "a draft)")
+        self.spec_draft_tokens = count("tidepool_spec_decode_num_draft_tokens", "Draft tokens proposed and verified")
+        self.spec_accepted_tokens = count("tidepool_spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_per_pos = Counter("tidepool_spec_decode_num_accepted_tokens_per_pos",
+                                             "Drafts whose token at this position was accepted",
+                                             [*m, "position"], registry=r)
         self.tokens_by_source = Counter(
             "tidepool_prompt_tokens_by_source",
             "Prompt tokens by where their KV came from: computed, local prefix cache, or a pool tier",
@@ -213,6 +221,14 @@ class Metrics:
             "local_cache_hit": (self.tokens_by_source.labels(self.model_name, "local_cache_hit"),
                                 max(load.prefix_cache_hits - pooled, 0)),
         }
+        totals.update({
+            "spec_drafts": (self.spec_drafts, load.spec_drafts),
+            "spec_draft_tokens": (self.spec_draft_tokens, load.spec_draft_tokens),
+            "spec_accepted_tokens": (self.spec_accepted_tokens, load.spec_accepted_tokens),
+        })
+        for position, accepted in enumerate(load.spec_accepted_per_position):
+            totals[f"spec_accepted_{position}"] = (
+                self.spec_accepted_per_pos.labels(self.model_name, str(position)), accepted)
         for tier, tokens in load.pool_hit_tokens.items():
             totals[f"pool_{tier}"] = (self.tokens_by_source.labels(self.model_name, f"pool_{tier}"), tokens)
         # A worker's first report is the baseline: what came before it is its start-up profiling.

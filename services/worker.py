@@ -112,7 +112,9 @@ class Worker:
             num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens_computed,
             pool_hit_tokens=dict(self.hit_tokens),
-            num_preemptions=stats.num_preemptions,
+            num_preemptions=stats.num_preemptions, spec_drafts=stats.speculation.drafts,
+            spec_draft_tokens=stats.speculation.draft_tokens, spec_accepted_tokens=stats.speculation.accepted_tokens,
+            spec_accepted_per_position=tuple(stats.speculation.accepted_per_position),
         )
 
     async def stats(self) -> EngineStats:

@@ -222,8 +222,10 @@ def tool_server(start_server, serving_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def live_server(start_server):
-    """The default server the API tests talk to: one prefill and one decode worker over gRPC transfer."""
-    return start_server(prefill=1, decode=1, kv_transport="grpc")
+    """The default server the API tests talk to: one prefill and one decode worker over gRPC transfer, the
+    decode worker speculating (n-gram drafts of up to 4 tokens), so every API test also checks that drafts
+    change no output."""
+    return start_server(prefill=1, decode=1, kv_transport="grpc", engine_options={"num_speculative_tokens": 4})
 
 
 @pytest.fixture(scope="module")

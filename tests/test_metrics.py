@@ -107,8 +107,15 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
     # First reports: the baseline (start-up profiling), nothing counted yet.
     report("p0", "prefill", free_blocks=100, prefix_cache_queries=50, prefix_cache_hits=16, num_preemptions=1,
            prompt_tokens_computed=34)
-    report("d0", "decode", free_blocks=60, num_running=3, num_waiting=2, waiting_leases=2, waiting_lease_blocks=70)
+    report("d0", "decode", free_blocks=60, num_running=3, num_waiting=2, waiting_leases=2, waiting_lease_blocks=70,
+           spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=9, spec_accepted_per_position=(5, 3, 1, 0))
     assert sample(m, "tidepool_prefix_cache_queries_total") == 0
+    report("d0", "decode", free_blocks=60, num_running=3, num_waiting=2, waiting_leases=2, waiting_lease_blocks=70,
+           spec_drafts=8, spec_draft_tokens=32, spec_accepted_tokens=16, spec_accepted_per_position=(8, 5, 2, 1))
+    assert [sample(m, f"tidepool_spec_decode_num_{name}_total") for name in ("drafts", "draft_tokens",
+                                                                            "accepted_tokens")] == [3, 12, 7]
+    assert [sample(m, "tidepool_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(4)] == [3, 2, 1, 1]
     report("p0", "prefill", free_blocks=90, num_running=1, num_waiting=4, prefix_cache_queries=150,
            prefix_cache_hits=96, num_preemptions=3, prompt_tokens_computed=88,
            pool_hit_tokens={"host": 32, "redis": 16})
@@ -220,6 +227,33 @@ def test_live_metrics_pass_promtool_and_match_what_the_client_saw(live_server):
                            timeout=60)
     assert check.returncode == 0 and not check.stdout.strip() and not check.stderr.strip(), \
         check.stdout + check.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+def test_speculative_decoding_counters_follow_the_decode_workers_drafts(live_server):
+    """The live server's decode worker drafts (conftest): a long greedy answer that repeats itself shows up
+    as drafts, draft tokens and accepted tokens, the accepted ones also counted by draft position."""
+    assert wait_until(lambda: idle(live_server), 60)
+    _, before = scrape(live_server)
+    c = openai.OpenAI(base_url=f"{live_server.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+    c.chat.completions.create(model=live_server.model_id, messages=[{"role": "user", "content": "abc " * 20}],
+                              max_tokens=64, temperature=0.0, extra_body={"ignore_eos": True})
+    names = ("tidepool_spec_decode_num_drafts_total", "tidepool_spec_decode_num_draft_tokens_total",
+             "tidepool_spec_decode_num_accepted_tokens_total")
+
+    def deltas() -> list[float]:
+        after = scrape(live_server)[1]
+        return [total(after, name) - total(before, name) for name in (*names,
+                "tidepool_spec_decode_num_accepted_tokens_per_pos_total")]
+
+    assert wait_until(lambda: deltas()[2] > 0, 10)  # the counts come with the worker's next load report
+    drafts, draft_tokens, accepted, per_position = deltas()
+    assert 0 < drafts <= draft_tokens <= 4 * drafts and accepted <= draft_tokens
+    assert per_position == accepted
+    after = scrape(live_server)[1]
+    assert total(after, "tidepool_spec_decode_num_accepted_tokens_per_pos_total", position="0") >= \
+        total(after, "tidepool_spec_decode_num_accepted_tokens_per_pos_total", position="1")
 
 
 @pytest.mark.ray

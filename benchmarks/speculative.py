@@ -1,0 +1,149 @@
+"""Speculative decoding by n-gram prompt lookup on a pretrained model: decode speed with drafts against the
+same engine without them, in the same run.
+
+SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers three kinds of request, greedily, alone and in
+batches of 4: repeating a passage it was given (the case prompt lookup is made for), rewriting a piece of
+code with one name changed (most of the answer quotes the prompt), and writing a poem (little to look up,
+so the cost of drafts that fail). For each it reports output tokens per second with ``--num-speculative-
+tokens`` against without, the draft tokens accepted, the tokens a sequence gains per step, the mean step
+time (a draft's chunk costs more than a decode row), and whether both runs gave the same tokens.
+
+    python benchmarks/speculative.py [--tokens 128] [--k 4] [--json speculative.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.pretrained import ensure_pretrained  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.sampling_params import SamplingParams  # noqa: E402
+
+PASSAGES = [
+    "The tide pool is a small world left behind when the sea goes out. Crabs hide under the rocks, anemones "
+    "close up to keep their water in, and limpets hold fast until the waves come back. Twice a day the pool "
+    "is cut off and joined again, and everything in it has learned to wait.",
+    "Rock pools warm quickly in the sun, and their salt grows stronger as the water evaporates. The animals "
+    "that live there must bear heat, cold, fresh rain and the pounding of the surf, which is why so few kinds "
+    "can make a home between the high and the low water marks.",
+    "At night the pool changes: periwinkles climb out of the water, prawns leave their cracks to feed, and the "
+    "starfish move slowly across the rocks looking for mussels. By morning most of them are back where they "
+    "were, as if nothing had happened in the dark.",
+    "Children love to look into tide pools, but every stone they turn over is somebody's roof. The rule on the "
+    "shore is simple: look closely, touch gently, and put each rock back the way you found it, the right way up.",
+]
+CODE = '''def {name}(values):
+    """Add up the numbers in a list, skipping anything that is not a number."""
+    total = 0
+    for value in values:
+        if isinstance(value, (int, float)):
+            total += value
+    return total
+
+
+def average(values):
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    if not numbers:
+        return 0.0
+    return {name}(numbers) / len(numbers)
+'''
+NAMES = ["add_all", "total_of", "sum_numbers", "running_sum"]
+TOPICS = ["the sea", "a lighthouse", "the wind", "a small boat"]
+
+
+def workloads(engine: Engine) -> dict[str, list[list[int]]]:
+    """Four chat prompts of each kind, rendered with the model's chat template."""
+    def chat(system: str, user: str) -> list[int]:
+        return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+            [{"role": "system", "content": system}, {"role": "user", "content": user}]))
+
+    return {
+        "repeat a passage": [chat("Repeat the user's text exactly, word for word.", text) for text in PASSAGES],
+        "rename in code": [chat("You are a careful programmer. Answer with the whole code and nothing else.",
+                                f"Rename the function `{name}` to `{name}_v2` everywhere in this code:\n\n"
+                                + CODE.format(name=name)) for name in NAMES],
+        "write a poem": [chat("You are a poet.", f"Write a short poem about {topic}.") for topic in TOPICS],
+    }
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Every prompt at once, to the end: the tokens, and how long the decode took (from the first token on,
+    so the prompts' compute, the same with or without drafts, is left out)."""
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    tokens: dict[str, list[int]] = {}
+    steps, started, step_times = 0, None, []
+    while engine.has_unfinished():
+        before = time.perf_counter()
+        outputs = engine.step()
+        if started is not None:
+            steps += 1
+            step_times.append(time.perf_counter() - before)
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if started is None and len(tokens) == len(prompts):
+            started = time.perf_counter()  # every prompt has its first token
+    seconds = time.perf_counter() - started
+    decoded = sum(len(t) - 1 for t in tokens.values())
+    return {"tokens": [tokens[str(i)] for i in range(len(prompts))], "decoded_tokens": decoded,
+            "decode_s": seconds, "steps": steps, "tokens_per_s": decoded / seconds,
+            "mean_step_ms": 1000 * sum(step_times) / max(len(step_times), 1)}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=128, help="max_tokens of each answer")
+    p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    p.add_argument("--batches", default="1,4", help="batch sizes, comma-separated")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args()
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+
+    model_dir = ensure_pretrained()
+    engines = {k: Engine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=1024,
+                                      num_speculative_tokens=k)) for k in (0, args.k)}
+    params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
+    prompts = workloads(engines[0])
+    for engine in engines.values():  # warm up
+        run(engine, prompts["write a poem"][:1], SamplingParams(max_tokens=8, temperature=0.0))
+    results = []
+    for name, batch_prompts in prompts.items():
+        for batch in (int(b) for b in args.batches.split(",")):
+            plain = run(engines[0], batch_prompts[:batch], params)
+            engine = engines[args.k]
+            before = engine.stats().speculation
+            drafted = run(engine, batch_prompts[:batch], params)
+            after = engine.stats().speculation
+            draft_tokens = after.draft_tokens - before.draft_tokens
+            accepted = after.accepted_tokens - before.accepted_tokens
+            row = {
+                "workload": name, "batch": batch, "k": args.k,
+                "plain_tokens_per_s": round(plain["tokens_per_s"], 1),
+                "spec_tokens_per_s": round(drafted["tokens_per_s"], 1),
+                "speedup": round(drafted["tokens_per_s"] / plain["tokens_per_s"], 2),
+                "draft_tokens": draft_tokens, "accepted_tokens": accepted,
+                "acceptance": round(accepted / draft_tokens, 3) if draft_tokens else None,
+                "steps_plain": plain["steps"], "steps_spec": drafted["steps"],
+                "step_ms_plain": round(plain["mean_step_ms"], 1), "step_ms_spec": round(drafted["mean_step_ms"], 1),
+                "same_tokens": plain["tokens"] == drafted["tokens"],
+                "decoded_tokens": plain["decoded_tokens"],
+            }
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": str(model_dir.name), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
