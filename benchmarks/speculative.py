@@ -1,12 +1,13 @@
 """Speculative decoding by n-gram prompt lookup on a pretrained model: decode speed with drafts against the
 same engine without them, in the same run.
 
-SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers three kinds of request, greedily, alone and in
-batches of 4: repeating a passage it was given (the case prompt lookup is made for), rewriting a piece of
-code with one name changed (most of the answer quotes the prompt), and writing a poem (little to look up,
-so the cost of drafts that fail). For each it reports output tokens per second with ``--num-speculative-
-tokens`` against without, the draft tokens accepted, the tokens a sequence gains per step, the mean step
-time (a draft's chunk costs more than a decode row), and whether both runs gave the same tokens.
+SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers three kinds of request, alone and in batches
+of 4: repeating a passage it was given, greedily (the case prompt lookup is made for); rewriting a piece of
+code with a function renamed, greedily, its answer started with a code fence (much of it quotes the
+prompt); and writing a poem, sampled (temperature 0.8, top-p 0.95, seeded: little to look up, so mostly the
+cost of drafts that fail). For each it reports decode tokens per second with ``--num-speculative-tokens``
+against without, the draft tokens accepted, the steps taken, the mean step time (a draft's chunk costs more
+than a decode row), and whether both runs gave the same tokens (they must: seeded sampling included).
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--json speculative.json]
 """
@@ -14,6 +15,7 @@ time (a draft's chunk costs more than a decode row), and whether both runs gave 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -58,18 +60,23 @@ NAMES = ["add_all", "total_of", "sum_numbers", "running_sum"]
 TOPICS = ["the sea", "a lighthouse", "the wind", "a small boat"]
 
 
-def workloads(engine: Engine) -> dict[str, list[list[int]]]:
-    """Four chat prompts of each kind, rendered with the model's chat template."""
-    def chat(system: str, user: str) -> list[int]:
+def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams]]:
+    """Four chat prompts of each kind, rendered with the model's chat template, and how each is sampled."""
+    def chat(system: str, user: str, answer_start: str = "") -> list[int]:
         return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-            [{"role": "system", "content": system}, {"role": "user", "content": user}]))
+            [{"role": "system", "content": system}, {"role": "user", "content": user}]) + answer_start)
 
+    greedy = SamplingParams(max_tokens=0, temperature=0.0)
+    sampled = SamplingParams(max_tokens=0, temperature=0.8, top_p=0.95, seed=1)
     return {
-        "repeat a passage": [chat("Repeat the user's text exactly, word for word.", text) for text in PASSAGES],
-        "rename in code": [chat("You are a careful programmer. Answer with the whole code and nothing else.",
-                                f"Rename the function `{name}` to `{name}_v2` everywhere in this code:\n\n"
-                                + CODE.format(name=name)) for name in NAMES],
-        "write a poem": [chat("You are a poet.", f"Write a short poem about {topic}.") for topic in TOPICS],
+        "repeat a passage": ([chat("Repeat the user's text exactly, word for word.", text) for text in PASSAGES],
+                             greedy),
+        "rewrite code": ([chat("You are a careful programmer.",
+                               f"Here is some Python code:\n\n{CODE.format(name=name)}\nRewrite this code with the "
+                               f"function `{name}` renamed to `{name}_v2`.", "```python\n") for name in NAMES],
+                         greedy),
+        "write a poem (sampled)": ([chat("You are a poet.", f"Write a short poem about {topic}.")
+                                    for topic in TOPICS], sampled),
     }
 
 
@@ -112,12 +119,12 @@ def main() -> int:
     model_dir = ensure_pretrained()
     engines = {k: Engine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=1024,
                                       num_speculative_tokens=k)) for k in (0, args.k)}
-    params = SamplingParams(max_tokens=args.tokens, temperature=0.0)
     prompts = workloads(engines[0])
     for engine in engines.values():  # warm up
-        run(engine, prompts["write a poem"][:1], SamplingParams(max_tokens=8, temperature=0.0))
+        run(engine, prompts["repeat a passage"][0][:1], SamplingParams(max_tokens=8, temperature=0.0))
     results = []
-    for name, batch_prompts in prompts.items():
+    for name, (batch_prompts, params) in prompts.items():
+        params = dataclasses.replace(params, max_tokens=args.tokens)
         for batch in (int(b) for b in args.batches.split(",")):
             plain = run(engines[0], batch_prompts[:batch], params)
             engine = engines[args.k]
