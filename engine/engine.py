@@ -156,6 +156,9 @@ class Engine:
         # Structured outputs: the tokens each completing sequence may sample, found while the forward pass runs
         bitmask = self.grammars.fill([seq.grammar if seq.num_computed_tokens + n == seq.num_tokens else None
                                       for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
+        # ... and a drafting one's, at each position of its draft
+        draft_masks = {seq.seq_id: self.grammars.draft_masks(seq.grammar, seq.draft_ids) for seq in batch.seqs
+                       if seq.draft_ids and seq.grammar is not None}
         logits = self.runner.run(chunks, layer_done)
         rows: list[int] = []  # the logits row each sampled sequence draws from
         mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
@@ -183,7 +186,7 @@ class Engine:
             outputs += self._sample(logits if every_row_once else logits[rows], sampled,
                                     None if bitmask is None else bitmask[mask_rows])
         if drafted:
-            outputs += self._verify(logits, drafted)
+            outputs += self._verify(logits, drafted, draft_masks)
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs
@@ -237,33 +240,44 @@ class Engine:
 
     # -- speculative decoding (engine/speculative.py) ----------------------------------------------
     def _propose_drafts(self) -> None:
-        """Give every decoding sequence this step's draft (maybe none)."""
+        """Give every decoding sequence this step's draft (maybe none). Under a structured output the draft is
+        what the grammar forces, else the n-gram one, cut where the grammar would refuse a token."""
         for seq in self.scheduler.running:
-            room = self._draft_room(seq)
-            seq.draft_ids = self.proposer.propose(seq.seq_id, seq.token_ids, room) if room > 0 else []
+            room, draft = self._draft_room(seq), []
+            if room > 0:
+                grammar = seq.grammar
+                draft = (grammar.forced_tokens()[:room] if grammar is not None else []) or self.proposer.propose(
+                    seq.seq_id, seq.token_ids, room)
+                if grammar is not None and draft:
+                    draft = draft[:grammar.draft_prefix(draft)]
+            seq.draft_ids = draft
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most draft tokens ``seq`` may verify now: none unless it is decoding (past its prompt, only its
-        last token's K/V missing); one token of its max_tokens is always the sampled one; none under a
-        structured output (its grammar would have to mask every position ahead), and in a windowed quantized
-        cache never a block's last slot, since such a block is quantized once, when that slot is written,
-        and a rejected token's K/V would stay in it."""
-        decoding = seq.num_output_tokens > 0 and seq.num_computed_tokens == seq.num_tokens - 1
-        if not decoding or seq.grammar is not None:
+        last token's K/V missing); one token of its max_tokens is always the sampled one; and in a windowed
+        quantized cache never a block's last slot, since such a block is quantized once, when that slot is
+        written, and a rejected token's K/V would stay in it."""
+        if seq.num_output_tokens == 0 or seq.num_computed_tokens != seq.num_tokens - 1:
             return 0
         room = seq.params.max_tokens - seq.num_output_tokens - 1
         if self.kv_cache.kv_format in WINDOWED:
             room = min(room, self.block_size - 1 - seq.num_tokens % self.block_size)
         return room
 
-    def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+    def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]],
+                masks: dict[int, tuple[torch.Tensor | None, list[bool]]]) -> list[RequestOutput]:
         """Sample every position of each drafted chunk (``logits`` rows from its first row on) as if its draft
         were the output so far, and keep the draft up to the first token sampled otherwise, plus that
-        token; each kept token passes the stop checks plain decoding applies."""
+        token; each kept token passes the stop checks plain decoding applies. ``masks``: a structured
+        output's bitmask and completeness at each position (``GrammarMasks.draft_masks``), by seq_id."""
         rows, params, generators, histories, prompt_lens, banned = [], [], [], [], [], []
+        bitmasks: list[torch.Tensor] = []  # each row's allowed tokens, when some row is constrained
         seeded: dict[int, torch.Tensor] = {}  # seq_id -> its random stream's state before these draws
         for seq, first in drafted:
             draft, p = seq.draft_ids, seq.params
+            bitmask, complete = masks.get(seq.seq_id, (None, [False] * (len(draft) + 1)))
+            if masks:
+                bitmasks.append(self.grammars.allowed_rows(bitmask, len(draft) + 1))
             if seq.generator is not None and not p.greedy:
                 seeded[seq.seq_id] = seq.generator.get_state()
             for j in range(len(draft) + 1):
@@ -272,9 +286,12 @@ class Engine:
                 generators.append(seq.generator)
                 histories.append([*seq.token_ids, *draft[:j]] if p.has_penalties else seq.token_ids)
                 prompt_lens.append(seq.num_prompt_tokens)
-                banned.append(self._stop_tokens(seq) if seq.num_output_tokens + j < p.min_tokens else [])
+                # (as in _sample: a complete grammar allows only stop tokens, which min_tokens no longer holds back)
+                holds = seq.num_output_tokens + j < p.min_tokens and not complete[j]
+                banned.append(self._stop_tokens(seq) if holds else [])
         chosen = logits[rows]
-        token_ids = sample(chosen, params, generators, histories, prompt_lens, banned)
+        allowed = self.grammars.apply(chosen, torch.cat(bitmasks)) if masks else chosen
+        token_ids = sample(allowed, params, generators, histories, prompt_lens, banned)
         logprobs = top_logprobs(chosen, token_ids, [p.logprobs for p in params])
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []

@@ -6,7 +6,10 @@ draft: up to ``num_speculative_tokens``. The engine then computes the sequence's
 one chunk, samples every position as if the draft were its output, and keeps the draft up to the first
 token the sampler disagrees with, plus that sampled token (or one more after a wholly accepted draft). So a
 step yields 1..k+1 tokens for the price of one pass over the weights, which is what bounds a memory-bound
-decode step; code edits, quoting, retrieval answers and multi-turn chats repeat enough to gain.
+decode step; code edits, quoting, retrieval answers and multi-turn chats repeat enough to gain. Under a
+structured output the draft is what the grammar forces, if anything (SGLang's jump-forward), else the
+n-gram one cut where the grammar would refuse a token, and each position is masked as the grammar stands
+there (``Engine._propose_drafts``, ``GrammarMasks.draft_masks``).
 
 Each position is sampled with the random draw plain decoding would give it (the sequence's next draws, in
 order; the draws after the first rejection are given back), so the output equals plain decoding's token for

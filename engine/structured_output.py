@@ -120,6 +120,23 @@ class GrammarMatcher:
         """Whether the grammar can take nothing more than an end-of-sequence token."""
         return self.matcher is not None and self.matcher.is_stopped()
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows next and nothing else (a draft that cannot miss, as SGLang's
+        jump-forward); [] when the next token is a choice, or the grammar has not started."""
+        return [] if self.matcher is None else self.matcher.compute_ff_tokens()
+
+    def draft_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` a draft may keep: those the grammar accepts in a row; before it starts,
+        those ahead of the token that would start it (the position after that one needs its first mask)."""
+        if self.matcher is not None:
+            return self.matcher.validate_tokens(tokens)
+        recent = list(self._recent)
+        for i, token in enumerate(tokens):
+            recent = [*recent, token][-len(self._start_after):]
+            if tuple(recent) == self._start_after:
+                return i
+        return len(tokens)
+
 
 class GrammarMasks:
     """One engine's side of structured outputs: the vocabulary as llguidance sees it, a matcher per
@@ -168,26 +185,55 @@ class GrammarMasks:
     def fill(self, matchers: list[GrammarMatcher | None]) -> torch.Tensor | None:
         """The tokens each row may take next, as an int32 bitmask ``[rows, ceil(vocab / 32)]`` on the CPU (all
         ones for a row without a matcher); None when no row has one. The engine calls it before the forward
-        pass, so on a GPU this CPU work overlaps the kernels. A matcher that fails here (a grammar past
-        llguidance's per-step limits) allows only end-of-sequence tokens, ending its sample."""
-        import torch
-
+        pass, so on a GPU this CPU work overlaps the kernels."""
         rows = [r for r, m in enumerate(matchers) if m is not None and m.matcher is not None]
         if not rows:
             return None
-        words = -(-self.vocab_size // 32)
-        bitmask = torch.full((len(matchers), words), -1, dtype=torch.int32)
+        bitmask = self._all_allowed(len(matchers))
         # llguidance fills the rows in parallel, straight into the tensor's memory (its torch helper's way,
         # without importing that helper's torch.compile).
         self._executor.unsafe_compute_mask_ptr([(matchers[r].matcher, r) for r in rows], bitmask.data_ptr(),
-                                               words * 4, len(matchers))
+                                               bitmask.shape[1] * 4, len(matchers))
         for r in rows:
-            if matchers[r].matcher.is_error():
-                log.warning("structured output: ended early: %s", matchers[r].matcher.get_error())
-                bitmask[r] = 0
-                for eos in self._eos:
-                    bitmask[r, eos // 32] |= _bit(eos % 32)
+            self._end_on_error(matchers[r].matcher, bitmask[r])
         return bitmask
+
+    def draft_masks(self, grammar: GrammarMatcher, draft: list[int]) -> tuple[torch.Tensor | None, list[bool]]:
+        """The bitmask of each position of a draft's chunk (``len(draft) + 1`` rows: before each draft token,
+        then after the last; ``draft`` is one ``draft_prefix`` allowed), and whether the grammar is complete
+        at each; (None, all False) before the grammar starts (the draft stops short of its start). The
+        matcher takes the draft and gives it back: the kept tokens advance it as sampled ones do."""
+        m = grammar.matcher
+        if m is None:
+            return None, [False] * (len(draft) + 1)
+        bitmask, complete = self._all_allowed(len(draft) + 1), []
+        for j in range(len(draft) + 1):
+            m.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), bitmask.shape[1] * 4)
+            self._end_on_error(m, bitmask[j])
+            complete.append(m.is_stopped())
+            if j < len(draft):
+                m.consume_token(draft[j])
+        m.rollback(len(draft))
+        return bitmask, complete
+
+    def allowed_rows(self, bitmask: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """``bitmask``, or ``rows`` rows allowing every token when it is None (an unconstrained sample beside
+        constrained ones)."""
+        return self._all_allowed(rows) if bitmask is None else bitmask
+
+    def _all_allowed(self, rows: int) -> torch.Tensor:
+        import torch
+
+        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+
+    def _end_on_error(self, matcher: Any, row: torch.Tensor) -> None:
+        """A matcher that failed (a grammar past llguidance's per-step limits) allows only end-of-sequence
+        tokens, ending its sample."""
+        if matcher.is_error():
+            log.warning("structured output: ended early: %s", matcher.get_error())
+            row.zero_()
+            for eos in self._eos:
+                row[eos // 32] |= _bit(eos % 32)
 
     @staticmethod
     def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:

@@ -2,10 +2,13 @@
 reference search, and the engine with drafts against the engine without them: the same tokens, texts,
 logprobs and finish reasons (greedy and seeded sampling, penalties, n > 1, min_tokens, stop strings) in
 every KV cache format and under an attention window, with drafts proposed and accepted; against
-transformers; the prefix cache holding only accepted tokens' K/V; blocks freed; no drafts under a structured output; and the settings refused when they contradict."""
+transformers; the prefix cache holding only accepted tokens' K/V; blocks freed; drafts under a structured output
+kept to its grammar (forced tokens, n-gram drafts cut where it refuses, a grammar starting mid-output);
+and the settings refused when they contradict."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -208,16 +211,58 @@ def test_max_tokens_and_aborts_with_drafts(tiny):
     assert all_blocks_free(engine)
 
 
-def test_structured_outputs_do_not_draft(tiny):
-    """A regex output repeating itself would draft well; its grammar would have to mask each position ahead,
-    so such a sample decodes a token a step, and its output is the plain engine's."""
+STRUCTURED = {
+    # forced all the way: every draft is what the grammar forces (jump-forward), all accepted
+    "regex": StructuredOutput("regex", "(ab){12}"),
+    # free choices between forced stretches: n-gram drafts cut where the grammar would refuse a token
+    "json": StructuredOutput("json", json.dumps({
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer"},
+                                         "tags": {"type": "array", "items": {"enum": ["ab", "abc"]}}},
+        "required": ["name", "legs", "tags"], "additionalProperties": False})),
+    # free until the output holds "mm" (a reasoning model's end of thinking; the tiny model writes it after
+    # the second prompt), then the regex, forced
+    "start_after": StructuredOutput("regex", "x(yz){6}", start_after=(109, 109)),
+}
+
+
+@pytest.mark.parametrize("kind", list(STRUCTURED))
+def test_structured_outputs_draft_within_their_grammar(tiny, kind):
+    """Drafts under a structured output: each position is masked by the grammar as it stands after the draft
+    tokens before it; the samples equal the plain engine's (greedy, and seeded with min_tokens, which a
+    complete grammar lifts)."""
     pytest.importorskip("llguidance")
-    params = SamplingParams(max_tokens=24, temperature=0.0, structured_output=StructuredOutput("regex", "(ab){12}"))
-    plain = generate(Engine(EngineConfig(model="tiny")), params, PROMPTS[:1])
-    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4))
-    assert_same(generate(engine, params, PROMPTS[:1]), plain)
-    assert plain[("0", 0)]["text"] == "ab" * 12
-    assert engine.stats().speculation.drafts == 0
+    prompts = [PROMPTS[0], [33, 35, 36] * 12 + [33]]
+    for params in (SamplingParams(max_tokens=40, temperature=0.0, structured_output=STRUCTURED[kind]),
+                   SamplingParams(max_tokens=40, temperature=0.6, top_k=3, seed=4, min_tokens=30, n=2,
+                                  structured_output=STRUCTURED[kind])):
+        plain = generate(Engine(EngineConfig(model="tiny")), params, prompts)
+        engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4))
+        assert_same(generate(engine, params, prompts), plain)
+        stats = engine.stats().speculation
+        assert stats.accepted_tokens > 0
+        if kind == "regex":
+            assert plain[("0", 0)]["text"] == "ab" * 12 and stats.accepted_tokens == stats.draft_tokens
+        if kind == "start_after":
+            assert plain[("1", 0)]["text"].endswith("mm" + "x" + "yz" * 6)
+        assert all_blocks_free(engine)
+
+
+def test_a_draft_stops_short_of_the_token_that_starts_the_grammar(tiny):
+    """The position after that token needs the grammar's first mask, which a draft cannot know before its
+    tokens are sampled; once started, a draft keeps the tokens the grammar accepts in a row."""
+    pytest.importorskip("llguidance")
+    masks = Engine(EngineConfig(model="tiny")).grammars
+    grammar = masks.matcher(STRUCTURED["start_after"])
+    assert grammar.draft_prefix([5, 109, 109, 120]) == 2
+    grammar.advance(109)
+    assert grammar.draft_prefix([109, 120]) == 0 and grammar.draft_prefix([5, 6]) == 2
+    grammar.advance(109)
+    assert grammar.forced_tokens()[:1] == [ord("x")]
+    assert grammar.draft_prefix([ord(c) for c in "xyzyq"]) == 4
+    bitmask, complete = masks.draft_masks(grammar, [ord(c) for c in "xyz"])
+    allowed = masks.apply(torch.zeros(4, masks.vocab_size), bitmask).isfinite()
+    assert [allowed[j].nonzero().flatten().tolist() for j in range(4)] == [[ord(c)] for c in "xyzy"]
+    assert complete == [False] * 4 and grammar.draft_prefix([ord("x")]) == 1  # the draft was given back
 
 
 def test_a_decode_worker_imported_sequence_drafts(tiny):
