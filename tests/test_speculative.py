@@ -130,17 +130,17 @@ def all_blocks_free(engine: Engine) -> bool:
 
 
 SAMPLINGS = {
-    "greedy": SamplingParams(max_tokens=48, temperature=0.0),
+    "greedy": SamplingParams(max_tokens=40, temperature=0.0),
     # seeded sampling, two samples each, penalties, logprobs, min_tokens and a stop string
-    "seeded": SamplingParams(max_tokens=48, temperature=0.5, top_k=3, seed=11, n=2, logprobs=2,
+    "seeded": SamplingParams(max_tokens=40, temperature=0.5, top_k=3, seed=11, n=2, logprobs=2,
                              repetition_penalty=1.05, presence_penalty=0.1, min_tokens=5, stop=["xy"]),
 }
 CACHES = {"auto": {}, "int8": dict(kv_cache_dtype="int8"), "fp8": dict(kv_cache_dtype="fp8"),
           "kivi2": dict(kv_cache_dtype="kivi2"), "window": dict(kv_window=32, kv_sinks=4)}
 
 
-@pytest.mark.parametrize("cache", list(CACHES))
-@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+@pytest.mark.parametrize("sampling, cache", [("greedy", cache) for cache in CACHES] + [
+    ("seeded", cache) for cache in ("auto", "kivi2", "window")])  # sampling and the cache format meet little
 def test_drafts_change_nothing_but_the_number_of_steps(tiny, cache, sampling):
     params = SAMPLINGS[sampling]
     plain = generate(Engine(EngineConfig(model="tiny", **CACHES[cache])), params)
