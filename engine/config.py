@@ -232,6 +232,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences run; None: always
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -258,7 +259,8 @@ class EngineConfig:
         """The speculative decoding settings; None when it is off."""
         if not self.num_speculative_tokens:
             return None
-        return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max)
+        return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
+                                 self.speculative_disable_by_batch_size)
 
     @property
     def residual_blocks(self) -> int:

@@ -126,7 +126,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         self.last_step = None
         if self.proposer is not None:
-            self._propose_drafts()
+            self._propose_drafts(self.proposer.drafting(len(self.scheduler.running)))
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
@@ -239,11 +239,11 @@ class Engine:
                 self.block_manager.free(seq.seq_id)
 
     # -- speculative decoding (engine/speculative.py) ----------------------------------------------
-    def _propose_drafts(self) -> None:
-        """Give every decoding sequence this step's draft (maybe none). Under a structured output the draft is
-        what the grammar forces, else the n-gram one, cut where the grammar would refuse a token."""
+    def _propose_drafts(self, drafting: bool) -> None:
+        """Give every decoding sequence this step's draft (none unless ``drafting``). Under a structured output
+        the draft is what the grammar forces, else the n-gram one, cut where the grammar would refuse a token."""
         for seq in self.scheduler.running:
-            room, draft = self._draft_room(seq), []
+            room, draft = self._draft_room(seq) if drafting else 0, []
             if room > 0:
                 grammar = seq.grammar
                 draft = (grammar.forced_tokens()[:room] if grammar is not None else []) or self.proposer.propose(

@@ -31,10 +31,15 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # the most draft tokens a sequence proposes per step (>= 1)
     prompt_lookup_min: int = 2  # the shortest suffix matched
     prompt_lookup_max: int = 4  # the longest suffix matched (tried first)
+    # No drafts in a step while more sequences than this are running: a large batch is compute-bound, so a
+    # draft's extra rows cost about what they would save (vLLM's speculative_disable_by_batch_size). None: always.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
@@ -66,6 +71,11 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._history: dict[int, array] = {}  # seq_id -> its tokens so far
+
+    def drafting(self, batch_size: int) -> bool:
+        """Whether a step with ``batch_size`` running sequences drafts at all."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or batch_size <= limit
 
     def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest suffix of

@@ -227,6 +227,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --num-speculative-tokens: the longest suffix looked up (tried first)")
     p.add_argument("--prompt-lookup-min", type=int, default=e.prompt_lookup_min, metavar="N",
                    help="with --num-speculative-tokens: the shortest suffix looked up")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=e.speculative_disable_by_batch_size,
+                   metavar="N", help="with --num-speculative-tokens: no drafts in a step while more than N "
+                                     "sequences run (a large batch is compute-bound; default: always draft)")
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="tokens in one engine step (chunked prefill splits longer prompts)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -274,6 +277,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
         num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
+        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

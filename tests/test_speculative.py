@@ -8,6 +8,7 @@ and the settings refused when they contradict."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -94,6 +95,12 @@ def test_the_flags_reach_the_engine_config():
     cluster, _ = configs_from_args(parser.parse_args(
         ["serve", "--num-speculative-tokens", "5", "--prompt-lookup-max", "6", "--prompt-lookup-min", "3"]))
     assert cluster.engine.speculative == SpeculativeConfig(5, 3, 6)
+    cluster, _ = configs_from_args(parser.parse_args(
+        ["serve", "--num-speculative-tokens", "2", "--speculative-disable-by-batch-size", "8"]))
+    assert cluster.engine.speculative == SpeculativeConfig(2, disable_by_batch_size=8)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be >= 1"):
+        configs_from_args(parser.parse_args(["serve", "--num-speculative-tokens", "2",
+                                             "--speculative-disable-by-batch-size", "0"]))
     with pytest.raises(ValueError, match="prompt_lookup_min <= prompt_lookup_max"):
         configs_from_args(parser.parse_args(["serve", "--num-speculative-tokens", "2", "--prompt-lookup-min", "9"]))
 
@@ -176,6 +183,22 @@ def test_greedy_drafts_match_transformers(tmp_path):
                                    do_sample=False)[0, len(ids):]
             assert got[(str(i), 0)]["tokens"] == expected.tolist()
     assert engine.stats().speculation.accepted_tokens > 0
+
+
+def test_no_drafts_while_the_batch_is_larger_than_the_limit(tiny):
+    """Three sequences over a limit of two: no step drafts until one has finished."""
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_disable_by_batch_size=2))
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, greedy if i else dataclasses.replace(greedy, max_tokens=10))
+    drafted_at: list[int] = []
+    while engine.has_unfinished():
+        before = engine.speculation.drafts
+        running = len(engine.scheduler.running)
+        engine.step()
+        if engine.speculation.drafts > before:
+            drafted_at.append(running)
+    assert drafted_at and max(drafted_at) <= 2
 
 
 def test_the_prefix_cache_holds_only_accepted_tokens(tiny):
