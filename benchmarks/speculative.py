@@ -1,11 +1,12 @@
 """Speculative decoding by n-gram prompt lookup on a pretrained model: decode speed with drafts against the
 same engine without them, in the same run.
 
-SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers four kinds of request, alone and in batches
+SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers five kinds of request, alone and in batches
 of 4: repeating a passage it was given, greedily (the case prompt lookup is made for); rewriting a piece of
 code with a function renamed, greedily, its answer started with a code fence (much of it quotes the
 prompt); a rock-pool creature as JSON kept to a schema (``benchmarks/structured_output.py``'s), greedily:
-drafts are the grammar's forced tokens or n-gram ones it allows; and writing a poem, sampled (temperature
+drafts are the grammar's forced tokens or n-gram ones it allows, with JSON's free whitespace and without it
+(``disable_any_whitespace``: keys and separators forced); and writing a poem, sampled (temperature
 0.8, top-p 0.95, seeded: little to look up, so mostly the cost of drafts that fail). For each it reports decode tokens per second with ``--num-speculative-tokens``
 against without, the draft tokens accepted, the steps taken, the mean step time (a draft's chunk costs more
 than a decode row), and whether both runs gave the same tokens (they must: seeded sampling included).
@@ -31,6 +32,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.structured_output import StructuredOutput  # noqa: E402
+from services.gateway.structured_outputs import json_spec  # noqa: E402
 
 PASSAGES = [
     "The tide pool is a small world left behind when the sea goes out. Crabs hide under the rocks, anemones "
@@ -71,6 +73,8 @@ def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams
             [{"role": "system", "content": system}, {"role": "user", "content": user}]) + answer_start)
 
     greedy = SamplingParams(max_tokens=0, temperature=0.0)
+    json_prompts = [chat("You answer with one JSON object and nothing else. Its JSON Schema: " + json.dumps(SCHEMA),
+                         f"Describe the {creature} as that JSON object.") for creature in CREATURES[:4]]
     sampled = SamplingParams(max_tokens=0, temperature=0.8, top_p=0.95, seed=1)
     return {
         "repeat a passage": ([chat("Repeat the user's text exactly, word for word.", text) for text in PASSAGES],
@@ -79,10 +83,11 @@ def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams
                                f"Here is some Python code:\n\n{CODE.format(name=name)}\nRewrite this code with the "
                                f"function `{name}` renamed to `{name}_v2`.", "```python\n") for name in NAMES],
                          greedy),
-        "JSON to a schema": ([chat("You answer with one JSON object and nothing else. Its JSON Schema: "
-                                   + json.dumps(SCHEMA), f"Describe the {creature} as that JSON object.")
-                              for creature in CREATURES[:4]],
-                             dataclasses.replace(greedy, structured_output=StructuredOutput("json", json.dumps(SCHEMA)))),
+        "JSON to a schema": (json_prompts, dataclasses.replace(greedy, structured_output=StructuredOutput(
+            "json", json_spec(SCHEMA)))),
+        # vLLM's disable_any_whitespace: the keys and separators are forced, drafts that cannot miss
+        "JSON, no whitespace": (json_prompts, dataclasses.replace(greedy, structured_output=StructuredOutput(
+            "json", json_spec(SCHEMA, compact=True)))),
         "write a poem (sampled)": ([chat("You are a poet.", f"Write a short poem about {topic}.")
                                     for topic in TOPICS], sampled),
     }
