@@ -22,7 +22,7 @@ from router.loads import LoadTable, WorkerLoad
 from router.measurements import Measurements
 from router.planner import Demand
 from router.policies import make_policy
-from router.view import SLO, ClusterView, Decision, Reject, RouteRequest
+from router.view import SLO, ClusterView, Decision, Reject, RouteRequest, reusable_tokens
 
 __all__ = ["SLO", "Conductor", "Decision", "PrefixIndex", "Reject", "RouteRequest", "WorkerLoad"]
 
@@ -82,12 +82,28 @@ class Conductor:
         if self._heat is not None:
             self._heat.add(hashes, now)
         if isinstance(out, Reject) and self.demand is not None:
-            self.demand.add_rejection(now, out.reason)
+            self._record_rejection(out, req, matches, now)
         if isinstance(out, Decision):
             self._remember(out, req, view, now)
             if hashes:
                 self._inflight.add(out.prefill, hashes, now + out.est_ttft_s - out.est_handoff_s)
         return out
+
+    def _record_rejection(self, out: Reject, req: RouteRequest, matches: dict[str, int], now: float) -> None:
+        """Tell the demand a request was rejected, unless no number of workers would have taken it: it misses
+        the SLO alone on an idle worker (its prompt, after the longest prefix any holder has, computes longer
+        than the TTFT SLO; one decode step of it alone is longer than the TBT SLO). A prompt rejected for TTFT
+        also counts as prompt work: the load to plan for is what arrives, not only what the workers took."""
+        if out.reason == "ttft":
+            cached = min(max(matches.values(), default=0) * self.block_size,
+                         reusable_tokens(req.prompt_len, self.block_size))
+            new = req.prompt_len - cached
+            if float(self.estimator.prefill.predict(new, cached)) >= self.slo.ttft_s:
+                return
+            self.demand.add_prompt(now, new, cached)
+        elif out.reason == "tbt" and float(self.estimator.decode.predict(1, req.prompt_len)) >= self.slo.tbt_s:
+            return
+        self.demand.add_rejection(now, out.reason)
 
     def copy_wait_s(self, dec: Decision) -> float:
         """How long a prefix copy from ``dec.fetch_from`` may wait for blocks still being computed there:

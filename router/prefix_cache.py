@@ -82,6 +82,11 @@ class BlockCache:
             if h in self._lru:
                 self._lru.move_to_end(h)
 
+    def clear(self) -> None:
+        """Forget every block (the holder is gone)."""
+        self.index.remove(self.holder, list(self._lru))
+        self._lru.clear()
+
     def insert(self, hashes: Sequence[int]) -> None:
         if self.capacity <= 0:
             return

@@ -11,6 +11,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
+from router.autoscale_rules import add_autoscale_arguments, autoscale_from_args
 from router.conductor import SLO
 from router.policies import POLICIES
 from router.profile import PRESETS, Profile, resolve_profile
@@ -43,15 +44,25 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the jitter and of random policies")
     p.add_argument("--noise", type=float, default=d.noise, help="sigma of log-normal jitter on true prefill times")
     p.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel processes")
+    add_autoscale_arguments(p, ("prefill", "decode"))
+    p.add_argument("--worker-start-s", type=float, default=d.worker_start_s,
+                   help="with --autoscale-ROLE: seconds an added worker takes to serve (loading, profiling)")
     p.add_argument("--json", dest="json_path", help="write the results here")
     p.set_defaults(func=run_simulate)
     return p
 
 
 def simulate(trace: list[TraceRequest], profile: Profile, cfg: SimConfig) -> dict:
-    """One run's metrics (`sim_report.summarize`)."""
+    """One run's metrics (`sim_report.summarize`), and the worker-seconds it took from the first arrival to the
+    last request's end: each role's count times that, or what the autoscaler counted (its report with them)."""
     sim = Simulation(trace, profile, cfg)
-    return summarize(sim.run(), cfg, sim.fetched_tokens, sim.replicated_tokens)
+    res = summarize(sim.run(), cfg, sim.fetched_tokens, sim.replicated_tokens)
+    if sim.autoscaler is None:
+        res["worker_seconds"] = {"prefill": cfg.prefill * res["duration_s"], "decode": cfg.decode * res["duration_s"]}
+    else:
+        res["autoscale"] = sim.autoscaler.report()
+        res["worker_seconds"] = res["autoscale"]["worker_seconds"]
+    return res
 
 
 def sweep(trace: list[TraceRequest], profile: Profile, cfg: SimConfig, iterations: int = 5) -> dict:
@@ -133,7 +144,8 @@ def format_table(results: list[dict]) -> str:
 def run_simulate(args: argparse.Namespace) -> int:
     try:
         cfg = SimConfig(prefill=args.prefill, decode=args.decode, speed=args.speed,
-                        slo=SLO(args.ttft_slo_s, args.tbt_slo_ms / 1000), seed=args.seed, noise=args.noise)
+                        slo=SLO(args.ttft_slo_s, args.tbt_slo_ms / 1000), seed=args.seed, noise=args.noise,
+                        autoscale=autoscale_from_args(args, ("prefill", "decode")), worker_start_s=args.worker_start_s)
         profile = resolve_profile(args.preset, args.profile)
         trace = load_trace(args.trace, args.max_requests)
     except (TraceError, ValueError, OSError) as e:
@@ -145,10 +157,16 @@ def run_simulate(args: argparse.Namespace) -> int:
           f"SLO TTFT {args.ttft_slo_s:g} s / TBT {args.tbt_slo_ms:g} ms"
           + ("" if args.sweep else f", speed {args.speed:g}x"))
     print(format_table(results))
+    for r in results:
+        print(f"{r['policy']}: worker-seconds " + ", ".join(f"{role} {s:.0f}" for role, s in r["worker_seconds"].items())
+              + "".join(f"; {role} {b[0]}..{b[1]} workers, most {r['autoscale']['most_workers'][role]}, added "
+                        f"{r['autoscale']['added'][role]}, drained {r['autoscale']['drained'][role]}"
+                        for role, b in r.get("autoscale", {}).get("bounds", {}).items()))
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"profile": profile.to_dict(), "config": {
                 "prefill": args.prefill, "decode": args.decode, "speed": args.speed, "requests": len(trace),
                 "ttft_slo_s": args.ttft_slo_s, "tbt_slo_ms": args.tbt_slo_ms, "seed": args.seed,
-                "noise": args.noise, "sweep": args.sweep}, "results": results}, f, indent=2)
+                "noise": args.noise, "sweep": args.sweep, "autoscale": {
+                    role: list(b) for role, b in cfg.autoscale.bounds.items()}}, "results": results}, f, indent=2)
     return 0

@@ -50,4 +50,5 @@ def summarize(reqs: list[SimRequest], cfg: SimConfig, fetched_tokens: int = 0, r
         "cache_hit_rate": sum(r.cached for r in served) / max(prompt_tokens, 1),
         "fetched_token_share": fetched_tokens / max(prompt_tokens, 1),
         "replicated_token_share": replicated_tokens / max(prompt_tokens, 1),
+        "duration_s": end - first,  # from the first arrival to the last request's end
     }

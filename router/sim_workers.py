@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from router.autoscale_rules import AutoscaleConfig
 from router.conductor import SLO, WorkerLoad
 from router.prefix_cache import BlockCache
 from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
@@ -25,6 +26,8 @@ class SimConfig:
     noise: float = 0.05  # sigma of the log-normal jitter on each true prefill time (unknown to the router)
     block_tokens: int = TRACE_BLOCK_TOKENS  # tokens per trace hash id
     policy_options: dict = field(default_factory=dict)  # passed to the policy (e.g. ablation switches)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # off while it has no bounds
+    worker_start_s: float = 60.0  # an added worker serves this long after it was asked for
 
     def __post_init__(self) -> None:
         """ValueError naming the first setting that cannot describe a cluster or a replay."""
@@ -35,6 +38,10 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not self.noise >= 0:
             raise ValueError(f"noise must be at least 0, got {self.noise}")
+        if self.autoscale.bounds:
+            self.autoscale.check({"prefill": self.prefill, "decode": self.decode})
+            if not self.worker_start_s >= 0:
+                raise ValueError(f"--worker-start-s must be at least 0, got {self.worker_start_s}")
 
 
 class SimRequest:

@@ -21,30 +21,37 @@ import numpy as np
 from kvstore.names import POOL_HOLDER
 from router.conductor import Conductor, Decision, RouteRequest, WorkerLoad
 from router.estimator import exposed_handoff_s, prefill_features
+from router.planner import Demand
 from router.prefix_cache import BlockCache, PrefixIndex
 from router.profile import Profile
+from router.sim_autoscaler import TICK_S, SimAutoscaler
 from router.sim_workers import SimConfig, SimDecode, SimJob, SimPrefill, SimRequest
 from router.trace import TraceRequest
 from router.view import Replication, reusable_tokens
 
 __all__ = ["SimConfig", "SimRequest", "Simulation"]
 
-_PREFILL_DONE, _DECODE_ARRIVE, _DECODE_EPOCH, _REPLICA_DONE = 0, 1, 2, 3
+_PREFILL_DONE, _DECODE_ARRIVE, _DECODE_EPOCH, _REPLICA_DONE, _TICK, _WORKER_READY = 0, 1, 2, 3, 4, 5
 
 
 class Simulation:
     def __init__(self, trace: list[TraceRequest], profile: Profile, cfg: SimConfig):
         self.cfg, self.profile = cfg, profile
         self.reqs = [SimRequest(t, cfg.speed) for t in trace]
+        self.unfinished = len(self.reqs)  # neither served to the end nor rejected yet
+        self.demand = Demand(cfg.autoscale.window_s) if cfg.autoscale.bounds else None
         self.conductor = Conductor(cfg.policy, profile.estimator(), cfg.slo, block_size=cfg.block_tokens,
-                                   seed=cfg.seed, **cfg.policy_options)
+                                   seed=cfg.seed, demand=self.demand, **cfg.policy_options)
         self.rng = np.random.default_rng(cfg.seed)
         self.index = PrefixIndex()
-        cache_blocks = profile.prefill_cache_tokens // cfg.block_tokens
-        self.prefill = {f"p{i}": SimPrefill(f"p{i}", BlockCache(f"p{i}", cache_blocks, self.index))
-                        for i in range(cfg.prefill)}
-        self.decode = {f"d{i}": SimDecode(f"d{i}", profile.decode_kv_tokens // profile.decode_block_size,
-                                        profile.decode_block_size, profile.max_batch) for i in range(cfg.decode)}
+        self.prefill: dict[str, SimPrefill] = {}
+        self.decode: dict[str, SimDecode] = {}
+        self._numbers = {"prefill": 0, "decode": 0}  # the next worker id's number, per role
+        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for _ in range(count):
+                self._add_worker(role)
+        self.draining: set[str] = set()  # workers taking no new request, leaving once idle
+        self.autoscaler = SimAutoscaler(self, cfg.autoscale, cfg.worker_start_s) if self.demand else None
         self.pool = BlockCache(POOL_HOLDER, profile.pool_tokens // cfg.block_tokens, self.index)
         self.events: list = []
         self.seq = 0
@@ -57,7 +64,10 @@ class Simulation:
         heapq.heappush(self.events, (t, self.seq, kind, obj))
 
     def run(self) -> list[SimRequest]:
-        handlers = (self._prefill_done, self._decode_arrive, self._decode_epoch, self._replica_done)
+        handlers = (self._prefill_done, self._decode_arrive, self._decode_epoch, self._replica_done, self._tick,
+                    self._worker_ready)
+        if self.autoscaler is not None and self.reqs:
+            self._push(self.reqs[0].arrival, _TICK, None)
         for r in self.reqs:
             while self.events and self.events[0][0] <= r.arrival:
                 self.now, _, kind, obj = heapq.heappop(self.events)
@@ -68,6 +78,56 @@ class Simulation:
             self.now, _, kind, obj = heapq.heappop(self.events)
             handlers[kind](obj)
         return self.reqs
+
+    # ----- workers coming and going (the autoscaler's) -----
+    def workers(self, role: str) -> dict[str, SimPrefill] | dict[str, SimDecode]:
+        return self.prefill if role == "prefill" else self.decode
+
+    def _add_worker(self, role: str) -> str:
+        wid = f"{role[0]}{self._numbers[role]}"
+        self._numbers[role] += 1
+        if role == "prefill":
+            cache = BlockCache(wid, self.profile.prefill_cache_tokens // self.cfg.block_tokens, self.index)
+            self.prefill[wid] = SimPrefill(wid, cache)
+        else:
+            prof = self.profile
+            self.decode[wid] = SimDecode(wid, prof.decode_kv_tokens // prof.decode_block_size, prof.decode_block_size,
+                                         prof.max_batch)
+        return wid
+
+    def start_worker(self, role: str, ready_at: float) -> None:
+        self._push(ready_at, _WORKER_READY, role)
+
+    def _worker_ready(self, role: str) -> None:
+        self._add_worker(role)
+        self.autoscaler.worker_ready(role, self.now)
+
+    def busyness(self, wid: str) -> tuple[int, int]:
+        """What a worker has to finish before it can leave: the least busy is drained first."""
+        if wid in self.prefill:
+            p = self.prefill[wid]
+            return len(p.pairs), 0
+        d = self.decode[wid]
+        return d.batch + len(d.waiting), d.reserved
+
+    def drain(self, wid: str) -> None:
+        self.draining.add(wid)
+
+    def retire_drained(self) -> None:
+        """Workers drained whose work is done leave (a prefill worker's cache leaves the prefix index)."""
+        for wid in [w for w in self.draining if self.busyness(w) == (0, 0)]:
+            self.draining.discard(wid)
+            role = "prefill" if wid in self.prefill else "decode"
+            if role == "prefill":
+                self.prefill.pop(wid).cache.clear()
+            else:
+                del self.decode[wid]
+            self.autoscaler.record(role, self.now)
+
+    def _tick(self, _) -> None:
+        self.autoscaler.tick(self.now)
+        if self.unfinished:
+            self._push(self.now + TICK_S, _TICK, None)
 
     # ----- routing -----
     def _loads(self) -> list[WorkerLoad]:
@@ -89,13 +149,14 @@ class Simulation:
             if d.load is None:
                 d.load = WorkerLoad(d.id, "decode", True, (), d.batch, d.ctx, d.free - d.reserved, d.total,
                                     d.bs, now)
-        return [p.load for p in self.prefill.values()] + [d.load for d in self.decode.values()]
+        return [w.load for w in (*self.prefill.values(), *self.decode.values()) if w.id not in self.draining]
 
     def _arrive(self, r: SimRequest) -> None:
         dec = self.conductor.route(RouteRequest(str(id(r)), r.prompt, r.hashes, r.out), self._loads(),
                                    self.index, self.now)
         if not isinstance(dec, Decision):
             r.reject = dec.reason
+            self.unfinished -= 1
             return
         p, d = self.prefill[dec.prefill], self.decode[dec.decode]
         r.decode = d
@@ -197,6 +258,7 @@ class Simulation:
             d.reserved -= r.need
             d.load = None
             r.first_t, r.tbt, r.done, r.end = self.now, 0.0, True, self.now
+            self.unfinished -= 1
         else:  # KV streamed layer by layer while computing: the first token waits for the exposed rest
             link, prof = self.profile.peer_link, self.profile
             moving = r.prompt * prof.kv_bytes_per_token / link.bandwidth_Bps
@@ -282,3 +344,4 @@ class Simulation:
             k = math.ceil(0.1 * n)  # Mooncake's TBT: mean of the slowest 10% of token gaps
             r.tbt = float(np.partition(gaps, n - k)[n - k:].mean())
             r.done, r.end = True, d.t
+            self.unfinished -= 1

@@ -18,11 +18,11 @@ import asyncio
 import logging
 import time
 
+from router.autoscale_rules import AutoscaleConfig, ScaleRule
 from router.loads import DECODE_ROLES
 from router.planner import Planner, RoleLoad
 from services.background import cancel_and_wait
 from services.cluster_status import drain_order, worker_rows
-from services.config import AutoscaleConfig
 from services.dispatcher import Dispatcher
 from services.errors import ScalingConflictError, UnknownWorkerError
 from services.messages import Role
@@ -45,7 +45,7 @@ class Autoscaler:
         self.replacing = replacing
         self.planner = Planner(config.bounds, config.utilization, dispatcher.conductor.slo, max_num_seqs)
         self.plan: dict[str, RoleLoad] = {}  # the latest, for the status
-        self._low_since: dict[str, float] = {}  # role -> when its count first wanted fewer workers
+        self.rule = ScaleRule(config.scale_down_delay_s)
         self._changes: dict[str, asyncio.Task] = {}  # role -> its add or drain under way
         self._task: asyncio.Task | None = None
 
@@ -90,17 +90,11 @@ class Autoscaler:
                 continue
             if not all(r["alive"] for r in kept[role]):
                 continue  # a replacement is on its way: plan again once it serves
-            missing = planned.wanted - current[role]
-            if missing > 0:
-                self._low_since.pop(role, None)
-                self._changes[role] = asyncio.create_task(self._add(Role(role), missing))
-            elif missing < 0:
-                since = self._low_since.setdefault(role, now)
-                if now - since >= self.config.scale_down_delay_s:
-                    del self._low_since[role]
-                    self._changes[role] = asyncio.create_task(self._drain(min(kept[role], key=drain_order)["id"]))
-            else:
-                self._low_since.pop(role, None)
+            change = self.rule.change(role, planned.wanted, current[role], now)
+            if change > 0:
+                self._changes[role] = asyncio.create_task(self._add(Role(role), change))
+            elif change < 0:
+                self._changes[role] = asyncio.create_task(self._drain(min(kept[role], key=drain_order)["id"]))
 
     async def _add(self, role: Role, count: int) -> None:
         log.warning("autoscaler: adding %d %s worker(s)", count, role)

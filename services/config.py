@@ -15,42 +15,14 @@ from engine.config import ATTENTION_BACKENDS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
 from kvstore.transfer.transports import TRANSPORTS as KV_TRANSPORTS
+from router.autoscale_rules import AutoscaleConfig, add_autoscale_arguments, autoscale_from_args
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
 from services.gateway.tool_calls import PARSERS as TOOL_CALL_PARSERS
 from services.messages import Role
 
 POLICIES = ("round_robin", "least_loaded", "cache_aware", "mooncake", "tidepool")
 DTYPES = ("float32", "bfloat16", "float16")
-
-
-@dataclass
-class AutoscaleConfig:
-    """The autoscaler (``services/autoscaler.py``): off while ``bounds`` is empty."""
-
-    bounds: dict[str, tuple[int, int]] = field(default_factory=dict)  # role -> (min, max) workers
-    window_s: float = 30.0  # the load is measured over this much of the past
-    utilization: float = 0.7  # the share of a worker's time the load may take before another is added
-    scale_down_delay_s: float = 120.0  # a role must want fewer workers this long before one is drained
-    drain_timeout_s: float = 60.0  # what runs on a drained worker gets this long, then resumes elsewhere
-
-    def check(self, start: dict[str, int]) -> None:
-        """ValueError naming the flag when the settings contradict each other or the workers started
-        (``start``: role -> count)."""
-        for role, (low, high) in self.bounds.items():
-            if role not in start:
-                raise ValueError(f"--autoscale-{role}: this cluster serves {' and '.join(start)} workers")
-            if not 1 <= low <= high:
-                raise ValueError(f"--autoscale-{role} {low}:{high}: give MIN:MAX with 1 <= MIN <= MAX")
-            if not low <= start[role] <= high:
-                raise ValueError(f"--{role} {start[role]} is outside --autoscale-{role} {low}:{high}")
-        if not 0 < self.utilization <= 1:
-            raise ValueError(f"--autoscale-utilization must be in (0, 1], got {self.utilization:g}")
-        if self.window_s <= 0:
-            raise ValueError(f"--autoscale-window-s must be positive, got {self.window_s:g}")
-        for flag, value in (("--scale-down-delay-s", self.scale_down_delay_s),
-                            ("--autoscale-drain-timeout-s", self.drain_timeout_s)):
-            if value < 0:
-                raise ValueError(f"{flag} must be at least 0, got {value:g}")
+AUTOSCALED_ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass
@@ -116,17 +88,6 @@ class GatewayConfig:
     reasoning_parser: str | None = None
 
 
-def _bounds(text: str) -> tuple[int, int]:
-    """``MIN:MAX`` as two ints (argparse's ``type``)."""
-    low, sep, high = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        return int(low), int(high)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX (two whole numbers), got {text!r}") from None
-
-
 class _MarkSet(argparse.Action):
     """Store the value and remember the flag was given (to refuse mixing colocated and P/D flags)."""
 
@@ -170,18 +131,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "naming what is missing (a local Ray that can never fit them fails at once)")
     p.add_argument("--no-replace-workers", dest="replace_workers", action="store_false", default=c.replace_workers,
                    help="leave a dead or unhealthy worker dead instead of starting a replacement")
-    a = c.autoscale
-    for role in ("prefill", "decode", "colocated"):
-        p.add_argument(f"--autoscale-{role}", type=_bounds, default=None, metavar="MIN:MAX",
-                       help=f"let the autoscaler keep between MIN and MAX {role} workers, as the measured load "
-                            "needs (default: a fixed count)")
-    p.add_argument("--autoscale-window-s", type=float, default=a.window_s,
-                   help="seconds of load the autoscaler plans from")
-    p.add_argument("--autoscale-utilization", type=float, default=a.utilization,
-                   help="share of a worker's time the load may take before the autoscaler adds one")
-    p.add_argument("--scale-down-delay-s", type=float, default=a.scale_down_delay_s,
-                   help="seconds the load must stay low before the autoscaler drains a worker")
-    p.add_argument("--autoscale-drain-timeout-s", type=float, default=a.drain_timeout_s,
+    add_autoscale_arguments(p, AUTOSCALED_ROLES)
+    p.add_argument("--autoscale-drain-timeout-s", type=float, default=c.autoscale.drain_timeout_s,
                    help="seconds a worker the autoscaler drains gives its requests (the rest resume elsewhere)")
     p.add_argument("--pool-max-bytes", type=int, default=c.pool_max_bytes, help="cap of the Redis KV payload tier")
     p.add_argument("--kv-disk-dir", default=c.kv_disk_dir,
@@ -289,11 +240,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         kv_disk_bytes=args.kv_disk_bytes,
         ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000, gpus_per_worker=args.gpus_per_worker,
         placement_timeout_s=args.placement_timeout_s, replace_workers=args.replace_workers,
-        autoscale=AutoscaleConfig(
-            bounds={role: bounds for role in ("prefill", "decode", "colocated")
-                    if (bounds := getattr(args, f"autoscale_{role}")) is not None},
-            window_s=args.autoscale_window_s, utilization=args.autoscale_utilization,
-            scale_down_delay_s=args.scale_down_delay_s, drain_timeout_s=args.autoscale_drain_timeout_s),
+        autoscale=autoscale_from_args(args, AUTOSCALED_ROLES, drain_timeout_s=args.autoscale_drain_timeout_s),
     )
     gateway = GatewayConfig(
         host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,

@@ -13,6 +13,7 @@ import ray
 from live_helpers import Streams, greedy_chat, idle, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.autoscale_rules import AutoscaleConfig
 from router.estimator import (
     DEFAULT_PEER_LINK,
     DEFAULT_POOL_LINK,
@@ -24,7 +25,7 @@ from router.estimator import (
 from router.planner import SHRINK_MARGIN, Demand, LoadWindow, Planner, sequences_per_worker
 from router.view import SLO
 from services.cli import build_parser
-from services.config import AutoscaleConfig, configs_from_args
+from services.config import configs_from_args
 from services.status import render_status
 
 DECODE = DecodeModel(fixed_s=0.01, per_seq_s=0.001, per_context_token_s=1e-6)

@@ -7,7 +7,7 @@ import pytest
 
 from kvstore.names import POOL_HOLDER
 from router.conductor import SLO, Conductor, Decision, Reject, RouteRequest, WorkerLoad
-from router.estimator import Link
+from router.estimator import Link, prefill_features
 from router.policies import POLICIES
 from router.prefix_cache import PrefixIndex
 from router.profile import llama3_70b_a800
@@ -390,6 +390,27 @@ def test_a_conductor_asked_to_records_the_prompt_work_it_routes_and_the_sides_it
     window = c.demand.window(NOW + 2)
     cached = dec.cached_blocks * BS
     new = REQ.prompt_len - cached
-    assert window.prompt_features == pytest.approx((new * cached + new * (new + 1) / 2, new, 1.0))  # routed one
+    routed = (new * cached + new * (new + 1) / 2, new, 1.0)
+    rejected = prefill_features(other.prompt_len, 0)  # offered load too (nothing of it cached)
+    assert window.prompt_features == pytest.approx(tuple(a + b for a, b in zip(routed, rejected, strict=True)))
     assert window.rejected == {"prefill"}  # the TTFT rejection: more prefill workers would have taken it
     assert conductor("tidepool").demand is None  # recorded only for an autoscaler
+
+
+def test_a_rejection_no_number_of_workers_avoids_asks_the_autoscaler_for_none():
+    """A prompt whose compute alone, on an idle worker with every cached block, outlasts the TTFT SLO is
+    rejected on an idle cluster too: it is no sign of too few prefill workers (a planner reading it as one
+    grew a simulated cluster to its maximum on the Mooncake trace's longest prompts). One rejected for its
+    queue is, and its prompt counts as load."""
+    from router.planner import Demand
+
+    c = conductor("tidepool", demand=Demand(window_s=60.0))
+    huge = RouteRequest("huge", 64 * 32 * BS, list(range(500, 500 + 64 * 32)), 256)  # ~2 M tokens
+    assert c.route(huge, [prefill("p0"), prefill("p1"), decode("d0", free=10**9)], index(), now=NOW).reason == "ttft"
+    assert c.demand.window(NOW + 1).rejected == frozenset()
+    other = RouteRequest("r2", REQ.prompt_len, [h + 100 for h in HASHES], REQ.max_tokens)
+    assert c.route(other, OVERLOADED, index(), now=NOW).reason == "ttft"  # queued too long: more would help
+    window = c.demand.window(NOW + 1)
+    assert window.rejected == {"prefill"}
+    # ... and its prompt is load the cluster should have carried
+    assert window.prompt_features == pytest.approx(prefill_features(REQ.prompt_len, 0))

@@ -1,5 +1,6 @@
 """The trace-driven simulator: accounts for every request, is deterministic for a seed, times decode
-correctly without per-token events, and refuses malformed traces before running."""
+correctly without per-token events, refuses malformed traces before running, and grows and shrinks the
+cluster as the live autoscaler would (the rule both share)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from router.autoscale_rules import AutoscaleConfig, ScaleRule
 from router.policies import POLICIES
 from router.profile import llama3_70b_a800
 from router.sim_cli import add_simulate_parser, simulate, sweep
@@ -255,3 +257,81 @@ def test_hot_prefix_replication_copies_the_prefix_to_an_idle_worker(tmp_path):
         holders[replicate] = (set(sim.index.longest_prefix(list(range(31)))), res["replicated_token_share"])
     assert holders[False][1] == 0 and holders[True][1] > 0
     assert holders[True][0] > holders[False][0]  # the copy's destination holds the prefix too
+
+
+# ---- the autoscaler in the simulator (router/sim_autoscaler.py) ----------------------------------------------
+
+def step_trace(path: Path) -> Path:
+    """20 s of one request every 2 s, 30 s of one every 100 ms, then 60 s of one every 2 s."""
+    times = [*range(0, 20_000, 2000), *range(20_000, 50_000, 100), *range(50_000, 110_000, 2000)]
+    lines = [json.dumps({"timestamp": t, "input_length": 3000, "output_length": 200,
+                         "hash_ids": list(range(10 * i, 10 * i + 6))}) for i, t in enumerate(times)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+AUTOSCALE = AutoscaleConfig(bounds={"prefill": (1, 6), "decode": (1, 4)}, window_s=5.0, scale_down_delay_s=10.0)
+
+
+@pytest.mark.timeout(60)
+def test_the_simulated_autoscaler_grows_the_cluster_for_a_burst_and_shrinks_it_after(tmp_path):
+    trace = load_trace(step_trace(tmp_path / "step.jsonl"))
+    cfg = SimConfig(prefill=1, decode=1, policy="tidepool", autoscale=AUTOSCALE, worker_start_s=5.0)
+    res = simulate(trace, llama3_70b_a800(), cfg)
+    assert res["served"] + res["rejected"] == len(trace)
+    scaled = res["autoscale"]
+    assert scaled["added"]["prefill"] > 0 and scaled["drained"]["prefill"] > 0
+    assert 1 < scaled["most_workers"]["prefill"] <= 6
+    timeline = [(t, n) for t, role, n in scaled["timeline"] if role == "prefill"]
+    assert timeline[0] == (0.0, 1) and all(1 <= n <= 6 for _, n in timeline)
+    # the first worker added serves worker_start_s after the burst began, at the earliest
+    assert timeline[1][0] >= 20.0 + 5.0 and timeline[1][1] == 2
+    assert timeline[-1][1] < scaled["most_workers"]["prefill"]  # shrunk again in the quiet tail
+    # the same trace on the most workers it used, held the whole run, takes more worker-seconds
+    fixed = simulate(trace, llama3_70b_a800(), SimConfig(prefill=scaled["most_workers"]["prefill"],
+                                                          decode=scaled["most_workers"]["decode"], policy="tidepool"))
+    assert sum(res["worker_seconds"].values()) < sum(fixed["worker_seconds"].values())
+    assert simulate(trace, llama3_70b_a800(), cfg) == res  # deterministic
+
+
+@pytest.mark.timeout(60)
+def test_a_cluster_held_at_its_minimum_rejects_what_the_autoscaled_one_serves(tmp_path):
+    trace = load_trace(step_trace(tmp_path / "step.jsonl"))
+    fixed = simulate(trace, llama3_70b_a800(), SimConfig(prefill=1, decode=1, policy="tidepool"))
+    scaled = simulate(trace, llama3_70b_a800(), SimConfig(prefill=1, decode=1, policy="tidepool", autoscale=AUTOSCALE,
+                                                          worker_start_s=5.0))
+    assert scaled["slo_attainment"] > fixed["slo_attainment"]
+
+
+def test_the_scale_rule_adds_at_once_and_drains_one_after_the_delay():
+    rule = ScaleRule(scale_down_delay_s=10.0)
+    assert rule.change("decode", 3, 1, now=0.0) == 2
+    assert rule.change("decode", 1, 3, now=1.0) == 0  # the wait starts
+    assert rule.change("decode", 1, 3, now=10.0) == 0
+    assert rule.change("decode", 1, 3, now=11.0) == -1  # ... and starts again
+    assert rule.change("decode", 1, 2, now=12.0) == 0
+    assert rule.change("decode", 2, 2, now=15.0) == 0  # wanted again: the wait is over
+    assert rule.change("decode", 1, 2, now=21.0) == 0 and rule.change("decode", 1, 2, now=31.0) == -1
+
+
+@pytest.mark.timeout(60)
+def test_simulate_command_autoscales_and_refuses_contradicting_bounds(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_simulate_parser(parser.add_subparsers())
+    trace = str(step_trace(tmp_path / "step.jsonl"))
+    out = tmp_path / "r.json"
+    args = parser.parse_args(["simulate", "--trace", trace, "--preset", "llama3-70b-a800", "--prefill", "1",
+                              "--decode", "1", "--autoscale-prefill", "1:6", "--autoscale-window-s", "5",
+                              "--scale-down-delay-s", "10", "--worker-start-s", "5", "--json", str(out)])
+    assert args.func(args) == 0
+    printed = capsys.readouterr().out
+    assert "worker-seconds prefill" in printed and "prefill 1..6 workers" in printed
+    data = json.loads(out.read_text())
+    assert data["config"]["autoscale"] == {"prefill": [1, 6]} and data["results"][0]["autoscale"]["added"]["prefill"]
+    for option, named in ((["--autoscale-decode", "3:2"], "give MIN:MAX with 1 <= MIN <= MAX"),
+                          (["--autoscale-decode", "2:3"], "--decode 1 is outside --autoscale-decode 2:3"),
+                          (["--autoscale-decode", "1:3", "--worker-start-s", "-1"], "--worker-start-s must be at least 0")):
+        args = parser.parse_args(["simulate", "--trace", trace, "--preset", "llama3-70b-a800", "--prefill", "1",
+                                  "--decode", "1", *option])
+        assert args.func(args) == 2
+        assert named in capsys.readouterr().err
