@@ -64,13 +64,13 @@ class SpeculationStats:
 
 
 class NgramProposer:
-    """Drafts from each sequence's own history. The history is kept per sequence as a C int array that only
-    grows (a sequence's tokens are never taken back), so a step appends its new tokens and searches with
-    ``bytes.rfind``: linear in the history, at C speed."""
+    """Drafts from each sequence's own history. The history is kept per sequence as the bytes of C ints and
+    only grows (a sequence's tokens are never taken back), so a step appends its new tokens and searches in
+    place with ``bytearray.rfind``: linear in the history, at C speed."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
-        self._history: dict[int, array] = {}  # seq_id -> its tokens so far
+        self._history: dict[int, bytearray] = {}  # seq_id -> its tokens so far, as C ints
 
     def drafting(self, batch_size: int) -> bool:
         """Whether a step with ``batch_size`` running sequences drafts at all."""
@@ -83,23 +83,32 @@ class NgramProposer:
         limit = min(max_tokens, self.config.num_speculative_tokens)
         if limit <= 0:
             return []
-        history = self._history.setdefault(seq_id, array("i"))
-        history.extend(token_ids[len(history):])
-        data = history.tobytes()
-        total = len(history)
-        for n in range(min(self.config.prompt_lookup_max, total - 1), self.config.prompt_lookup_min - 1, -1):
-            start = _latest_occurrence(data, data[(total - n) * _ITEM:], (total - 1) * _ITEM)
-            if start is not None:
-                follow = start + n
-                return history[follow:follow + limit].tolist()
-        return []
+        history = self._history.setdefault(seq_id, bytearray())
+        history += array("i", token_ids[len(history) // _ITEM:]).tobytes()  # the tokens since the last step
+        total, lo, hi = len(token_ids), self.config.prompt_lookup_min, self.config.prompt_lookup_max
+
+        def latest(n: int) -> int | None:  # the start of the latest earlier occurrence of the last n tokens
+            if n > total - 1:
+                return None
+            return _latest_occurrence(history, history[(total - n) * _ITEM:], (total - 1) * _ITEM)
+
+        def following(start: int) -> list[int]:
+            return array("i", history[start * _ITEM:(start + limit) * _ITEM]).tolist()
+
+        shortest = latest(lo)
+        if shortest is None:  # then no longer suffix recurs either: one scan for most steps of most sequences
+            return []
+        for n in range(min(hi, total - 1), lo, -1):
+            if (start := latest(n)) is not None:
+                return following(start + n)
+        return following(shortest + lo)
 
     def forget(self, seq_id: int) -> None:
         """Drop a finished or aborted sequence's history."""
         self._history.pop(seq_id, None)
 
 
-def _latest_occurrence(data: bytes, needle: bytes, end: int) -> int | None:
+def _latest_occurrence(data: bytearray, needle: bytearray, end: int) -> int | None:
     """The token index of the latest occurrence of ``needle`` ending at or before byte ``end`` (so not the
     suffix itself), aligned to whole tokens; None when there is none."""
     while (at := data.rfind(needle, 0, end)) >= 0:
