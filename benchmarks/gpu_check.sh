@@ -14,12 +14,13 @@
 #   transfer-gpu      benchmarks/transfer_gpu.py (issue 13: CUDA IPC, gloo and gRPC from device memory)
 #   gpu-tests         the `gpu` tests (fp32 parity, compiled kernels, CUDA graphs, device-memory sizing)
 #   engine-gpu-long   2,048-token prompts, the int8 cache against the bf16 one (decode reads mostly KV)
+#   speculative-gpu   benchmarks/speculative_gpu.py: a drafted step's cost against a graph-replayed decode step
 #   sinks-train       benchmarks/train_tiny.py on the GPU with a 65,536-token batch (issue 16)
 #   sinks-attention   benchmarks/attention_mass.py on that model: the weight its first tokens get
 #   sinks-quality     benchmarks/kv_quality.py on that model: KV formats, window-only vs sinks + window
 set -u
 if [ $# -lt 2 ]; then
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^set -u/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'
   exit 2
 fi
 out=$1
@@ -62,6 +63,7 @@ for name in "$@"; do
         step "$name-$kv" 180 "$py" benchmarks/engine_gpu.py --shapes tinyllama-1.1b --batches 64,256 \
           --prompt-len 2048 --new-tokens 64 --skip-hf --kv-cache-dtype "$kv" --json "$out/engine_gpu_long_$kv.json"
       done ;;
+    speculative-gpu) step "$name" 180 "$py" benchmarks/speculative_gpu.py --json "$out/speculative_gpu.json" ;;
     sinks-train) step "$name" $((sinks_minutes * 60 + 120)) "$py" benchmarks/train_tiny.py --device cuda \
       --minutes "$sinks_minutes" --tokens-per-step 65536 --lr 0.004 --threads 8 --force \
       --out "$out/trained-stdlib" --json "$out/train_tiny.json" ;;

@@ -1,6 +1,7 @@
 """benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
 sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s; with
-``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes."""
+``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes; and benchmarks/speculative_gpu.py
+the same way (plain and drafted engines, the same tokens in float32)."""
 
 from __future__ import annotations
 
@@ -53,3 +54,27 @@ def test_a_quantized_cache_counts_its_own_bytes_in_the_roofline(tmp_path):
     # head, each field 16-byte aligned; 2 layers
     assert shape["kv_bytes_per_token"] == 2 * 2 * (16 * 2 * 16 + 16 * 2 * 2) / 16
     assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
+
+
+@pytest.mark.timeout(120)
+def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path):
+    """benchmarks/speculative_gpu.py: plain and drafted engines on the same prompts; in float32 the tokens
+    agree, the drafts happened, and every figure is there."""
+    import torch
+
+    from benchmarks import speculative_gpu
+
+    torch.manual_seed(0)  # the random checkpoint: its greedy outputs repeat within the run
+    out = tmp_path / "speculative_gpu.json"
+    result = speculative_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "1,4", "--prompt-len",
+                                   "32", "--new-tokens", "24", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    rows = result["shapes"]["tiny-test"]["batches"]
+    assert set(rows) == {"1", "4"}
+    for row in rows.values():
+        assert row["same_tokens"] == 1.0
+        assert positive(row["plain_tokens_per_s"]) and positive(row["spec_tokens_per_s"]) and positive(row["speedup"])
+        assert positive(row["plain_decode_step_ms"])
+        assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
+    drafted = [row for row in rows.values() if row["draft_tokens"]]
+    assert drafted and all(positive(r["drafted_step_ms"]) and r["tokens_per_drafted_step"] >= 1 for r in drafted)
