@@ -269,12 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "kivi2"))
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     start = time.perf_counter()
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    device, dtype, name = run_device(args.device, args.dtype)
     bandwidth, peak = copy_bandwidth(device), matmul_rate(device, dtype)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name}: copy bandwidth {bandwidth / 1e9:.0f} GB/s, {str(dtype).removeprefix('torch.')} matmul "
           f"{peak / 1e12:.1f} TFLOP/s", flush=True)
     try:
@@ -290,9 +287,23 @@ def main(argv: list[str] | None = None) -> dict:
         "shapes": {shape: bench_shape(shape, args, device, dtype, bandwidth, peak)
                    for shape in args.shapes.split(",")},
     }
+    return write_result(result, start, args.json)
+
+
+def run_device(device_name: str, dtype_name: str | None) -> tuple[torch.device, torch.dtype, str]:
+    """(device, dtype: bfloat16 on CUDA unless named, float32 on CPU, the device's name) of a GPU benchmark run;
+    transformers' warnings silenced."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    device = torch.device(device_name)
+    dtype = getattr(torch, dtype_name or ("bfloat16" if device.type == "cuda" else "float32"))
+    return device, dtype, torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def write_result(result: dict, start: float, path: Path) -> dict:
+    """``result`` with the run's wall time, written to ``path`` as JSON (the GPU benchmarks' last step)."""
     result["wall_s"] = time.perf_counter() - start
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"done in {result['wall_s']:.0f}s; figures in {args.json}", flush=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(f"done in {result['wall_s']:.0f}s; figures in {path}", flush=True)
     return result
 
 

@@ -122,13 +122,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128, help="max_tokens of each answer")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     p.add_argument("--batches", default="1,4", help="batch sizes, comma-separated")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    if args.threads:
-        import torch
-        torch.set_num_threads(args.threads)
-
     model_dir = ensure_pretrained()
     engines = {k: Engine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=1024,
                                       num_speculative_tokens=k)) for k in (0, args.k)}

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import logging
 import statistics
 import sys
 import tempfile
@@ -39,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.engine_gpu import make_prompts, sync, write_checkpoint  # noqa: E402
+from benchmarks.engine_gpu import make_prompts, run_device, sync, write_checkpoint, write_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
@@ -136,18 +134,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--json", type=Path, default=Path("speculative_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     start = time.perf_counter()
-    device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device, dtype, name = run_device(args.device, args.dtype)
     result = {"device": name, "dtype": str(dtype).removeprefix("torch."), "k": args.k,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "shapes": {shape: bench_shape(shape, args, device, dtype) for shape in args.shapes.split(",")}}
-    result["wall_s"] = time.perf_counter() - start
-    args.json.write_text(json.dumps(result, indent=2))
-    print(f"done in {result['wall_s']:.0f}s; figures in {args.json}", flush=True)
-    return result
+    return write_result(result, start, args.json)
 
 
 if __name__ == "__main__":
