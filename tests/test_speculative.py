@@ -216,6 +216,18 @@ def test_the_prefix_cache_holds_only_accepted_tokens(tiny):
     assert again[("turn2", 0)]["tokens"] == fresh[("0", 0)]["tokens"]
 
 
+def test_a_seeded_request_resumed_elsewhere_continues_as_it_would_have(tiny):
+    """A failed worker's streamed tokens are resumed on another (``output_ids``): its random stream is advanced
+    one row of draws per token, which is what a drafting worker took for each token it kept."""
+    params = dataclasses.replace(SAMPLINGS["seeded"], n=1)
+    whole = generate(Engine(EngineConfig(model="tiny", num_speculative_tokens=4)), params, PROMPTS[:1])
+    tokens = whole[("0", 0)]["tokens"]
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4))
+    engine.add_request("0", PROMPTS[0], params, output_ids=tokens[:12])
+    rest = generate(engine, params, [])[("0", 0)]["tokens"]
+    assert rest == tokens[12:] and engine.stats().speculation.accepted_tokens > 0
+
+
 def test_max_tokens_and_aborts_with_drafts(tiny):
     engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4))
     for i, ids in enumerate(PROMPTS):
