@@ -1,16 +1,19 @@
 """Continuous batching: which sequences run this step and how many of their tokens.
 
 Each step spends a token budget (``max_num_batched_tokens``): first one token for every running
-sequence that is decoding (and its draft, when it speculates: ``engine/speculative.py``), then the rest of any partly prefilled prompt, then new prompts from the
-waiting queue (after their prefix-cache hits), a long prompt being cut into chunks (chunked prefill) of at
-most ``max_chunk`` tokens (an attention window's length, which bounds the blocks a windowed step holds).
-When a running sequence needs a block and none is free, the most recently admitted running sequence
-is preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
-with every token it has, to be prefilled again later (its prefix blocks are then usually still cached).
+sequence that is decoding (and its draft, when it speculates: ``engine/speculative.py``), then the rest of
+any partly prefilled prompt, then new prompts from the waiting queue (after their prefix-cache hits), a
+long prompt being cut into chunks (chunked prefill) of at most ``max_chunk`` tokens (an attention window's
+length, which bounds the blocks a windowed step holds). When a running sequence needs a block and none is
+free, the running sequence of the lowest priority (the request's own, vLLM's; then the most recently
+admitted) is preempted by recompute: its blocks are freed and it goes back to the waiting queue, ahead of
+every waiting sequence of its priority or a lower one, with every token it has, to be prefilled again
+later (its prefix blocks are then usually still cached).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -71,8 +74,17 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+def _own_priority(seq: Sequence) -> float:
+    """The request's own priority (vLLM's), lower first; none: last."""
+    return math.inf if seq.priority is None else seq.priority[0]
+
+
 def _later(waiting: Sequence, priority: Priority) -> bool:
-    return waiting.priority is not None and waiting.priority > priority and not waiting.admitted
+    """Whether a sequence of ``priority`` goes ahead of ``waiting``: one of a lower own priority, preempted or
+    not, and one of the same own priority routed later that has not run yet."""
+    if waiting.priority is None:
+        return False
+    return waiting.priority[0] > priority[0] or (waiting.priority > priority and not waiting.admitted)
 
 
 @dataclass
@@ -134,9 +146,10 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
-        # decode rows first, then the remainder of partly prefilled prompts; preempt from the back
-        order = [s for s in self.running if s.num_computed_tokens == s.num_tokens - 1]
-        order += [s for s in self.running if s.num_computed_tokens < s.num_tokens - 1]
+        # decode rows first, then the remainder of partly prefilled prompts, each by the request's own priority
+        # (then admission order); preempt from the back: the lowest priority, the latest admitted
+        order = sorted((s for s in self.running if s.num_computed_tokens == s.num_tokens - 1), key=_own_priority)
+        order += sorted((s for s in self.running if s.num_computed_tokens < s.num_tokens - 1), key=_own_priority)
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
@@ -200,4 +213,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.draft_ids.clear()
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        i = 0  # behind the waiting sequences of a higher own priority only
+        while i < len(self.waiting) and _own_priority(self.waiting[i]) < _own_priority(seq):
+            i += 1
+        self.waiting.insert(i, seq)

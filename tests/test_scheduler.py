@@ -1,5 +1,6 @@
 """Scheduler without a model: token budget, decode rows first, chunked prefill, max_num_seqs,
-preemption by recompute when blocks run out (a draft gives way first), and removal at any point."""
+preemption by recompute when blocks run out (the lowest priority first; a draft gives way before anyone),
+and removal at any point."""
 
 from __future__ import annotations
 
@@ -149,6 +150,32 @@ def test_waiting_prompts_keep_their_priority_then_the_routers_order_not_their_ar
         sch2.add(s)
     assert [s.seq_id for s in sch2.waiting] == [4, 6, 5]
     assert [s.seq_id for s, _ in advance(sch2, bm2)] == [4]
+
+
+def test_the_lowest_priority_is_preempted_and_waits_behind_higher_ones():
+    """Blocks run out for three decoding sequences: the one of the lowest own priority goes, though it was
+    admitted first (without priorities the latest admitted would); it waits behind a waiting request of a
+    higher priority, and a later arrival of a higher priority goes ahead of it too, one of its own priority
+    not."""
+    sch, bm = make(num_blocks=6)
+    low, high, mid = seq(1, 8), seq(2, 8), seq(3, 8)
+    for s, own in ((low, 5), (high, 0), (mid, 2)):
+        assert bm.allocate(s.seq_id, 0, 8)
+        s.num_computed_tokens, s.priority = 7, (own, s.seq_id)
+        s.token_ids.append(99)  # decoding: a token sampled, its K/V computed next (a third block each)
+        s.num_computed_tokens = 8
+        sch.add_running(s)
+    waiting = seq(4, 8)
+    waiting.priority = (1, 4)
+    sch.add(waiting)
+    batch = sch.schedule()
+    assert batch.preempted == [low] and [s.seq_id for s in batch.seqs] == [2, 3]
+    assert [s.seq_id for s in sch.waiting] == [4, 1]
+    urgent, same = seq(5, 8), seq(6, 8)
+    urgent.priority, same.priority = (3, 5), (5, 6)
+    for s in (urgent, same):
+        sch.add(s)
+    assert [s.seq_id for s in sch.waiting] == [4, 5, 1, 6]
 
 
 def test_a_draft_gives_way_before_a_sequence_is_preempted():
