@@ -220,12 +220,10 @@ class Metrics:
             # pool placements become prefix-cache entries, so the engine's hits include them
             "local_cache_hit": (self.tokens_by_source.labels(self.model_name, "local_cache_hit"),
                                 max(load.prefix_cache_hits - pooled, 0)),
-        }
-        totals.update({
             "spec_drafts": (self.spec_drafts, load.spec_drafts),
             "spec_draft_tokens": (self.spec_draft_tokens, load.spec_draft_tokens),
             "spec_accepted_tokens": (self.spec_accepted_tokens, load.spec_accepted_tokens),
-        })
+        }
         for position, accepted in enumerate(load.spec_accepted_per_position):
             totals[f"spec_accepted_{position}"] = (
                 self.spec_accepted_per_pos.labels(self.model_name, str(position)), accepted)
