@@ -243,14 +243,15 @@ class Engine:
         """Give every decoding sequence this step's draft (none unless ``drafting``). Under a structured output
         the draft is what the grammar forces, else the n-gram one, cut where the grammar would refuse a token."""
         for seq in self.scheduler.running:
-            room, draft = self._draft_room(seq) if drafting else 0, []
-            if room > 0:
-                grammar = seq.grammar
-                draft = (grammar.forced_tokens()[:room] if grammar is not None else []) or self.proposer.propose(
-                    seq.seq_id, seq.token_ids, room)
-                if grammar is not None and draft:
-                    draft = draft[:grammar.draft_prefix(draft)]
-            seq.draft_ids = draft
+            room = self._draft_room(seq) if drafting else 0
+            seq.draft_ids = self._draft(seq, room) if room > 0 else []
+
+    def _draft(self, seq: Sequence, room: int) -> list[int]:
+        grammar = seq.grammar
+        if grammar is None:
+            return self.proposer.propose(seq.seq_id, seq.token_ids, room)
+        draft = grammar.forced_tokens()[:room] or self.proposer.propose(seq.seq_id, seq.token_ids, room)
+        return draft[:grammar.draft_prefix(draft)]
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most draft tokens ``seq`` may verify now: none unless it is decoding (past its prompt, only its
