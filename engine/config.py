@@ -20,9 +20,13 @@ from engine.speculative import SpeculativeConfig
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
+    "MixtralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
+    "Qwen2MoeForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Qwen3MoeForCausalLM": (False, True),
 }
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 # KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
@@ -102,6 +106,45 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     return theta, scaling
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts in place of the MLP (``engine/moe.py``): each token goes to its ``top_k`` experts
+    of ``num_experts``, chosen by a linear router, and sums their SwiGLU outputs scaled by its softmaxed
+    router scores."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each expert
+    layers: tuple[int, ...]  # the layers that have experts; the others have the dense MLP
+    renormalize: bool  # top-k scores divided by their sum (Mixtral always; Qwen's norm_topk_prob)
+    # Mixtral scales expert outputs by the float32 scores; Qwen casts the scores to the activations' dtype
+    # first. The same in float32, a rounding apart in bf16: kept for token parity with transformers.
+    float32_scores: bool
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an expert every token also takes, sigmoid-gated
+
+
+def _moe(arch: str, raw: dict, num_layers: int) -> MoEConfig | None:
+    """The experts of a mixture-of-experts checkpoint (transformers' keys and defaults), else None."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    experts = int(raw["num_local_experts"] if "num_local_experts" in raw else raw["num_experts"])
+    top_k = int(raw["num_experts_per_tok"])
+    if not 0 < top_k <= experts:
+        raise UnsupportedModelError("num_experts_per_tok", f"{top_k}: must be in [1, {experts}] (the experts)")
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(experts, top_k, int(raw["intermediate_size"]), tuple(range(num_layers)),
+                         renormalize=True, float32_scores=True)
+    step = int(raw.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise UnsupportedModelError("decoder_sparse_step", f"{step}: must be at least 1")
+    dense = set(raw.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    shared = int(raw.get("shared_expert_intermediate_size") or 0) if arch == "Qwen2MoeForCausalLM" else 0
+    return MoEConfig(experts, top_k, int(raw["moe_intermediate_size"]), layers,
+                     renormalize=bool(raw.get("norm_topk_prob", False)), float32_scores=False,
+                     shared_expert_intermediate_size=shared)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -121,6 +164,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoEConfig | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE; None: every layer has the dense MLP
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
@@ -134,11 +178,11 @@ class ModelConfig:
             raise UnsupportedModelError("hidden_act", f"{raw['hidden_act']!r}; only 'silu' is supported")
         if raw.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias", "MLP biases are not supported")
-        if arch != "Qwen2ForCausalLM" and raw.get("attention_bias"):
+        if not arch.startswith("Qwen2") and raw.get("attention_bias"):
             raise UnsupportedModelError("attention_bias", f"attention biases are not supported for {arch}")
         max_pos = int(raw.get("max_position_embeddings", 4096))
         window = raw.get("sliding_window")
-        uses_window = raw.get("use_sliding_window", arch == "MistralForCausalLM")
+        uses_window = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
         if uses_window and window is not None and int(window) < max_pos:
             raise UnsupportedModelError(
                 "sliding_window", f"{window} < max_position_embeddings {max_pos}: sliding-window "
@@ -150,14 +194,15 @@ class ModelConfig:
             raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
         theta, scaling = _rope(raw)
         bos, eos = special_token_ids(raw, generation)
+        num_layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]), num_layers=int(raw["num_hidden_layers"]),
+            intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=int(raw.get("head_dim") or hidden // heads),
             rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
-            bos_token_id=bos, eos_token_ids=eos,
+            bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers),
         )
 
     @classmethod
@@ -186,9 +231,14 @@ class ModelConfig:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        layer = attn + 3 * h * self.intermediate_size + norms
+        dense_mlp = 3 * h * self.intermediate_size
+        mlps = self.num_layers * dense_mlp
+        if (moe := self.moe) is not None:  # every expert's weights are held, whichever ones a token takes
+            shared = 3 * h * moe.shared_expert_intermediate_size + h if moe.shared_expert_intermediate_size else 0
+            sparse = moe.num_experts * (3 * h * moe.intermediate_size + h) + shared  # + h: the router's row
+            mlps += len(moe.layers) * (sparse - dense_mlp)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * (attn + norms) + mlps + embed + h
 
 
 @dataclass

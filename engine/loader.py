@@ -2,7 +2,8 @@
 
 Every tensor is checked against the shape the config implies before it is copied in, and every
 expected tensor must be present, so a bad checkpoint fails with the file or tensor named instead of
-producing garbage. q/k/v and gate/up are packed into the model's fused matrices here.
+producing garbage. q/k/v and gate/up are packed into the model's fused matrices here, and so are the
+experts of a mixture of experts (one checkpoint tensor per expert and matrix, as published).
 """
 
 from __future__ import annotations
@@ -60,17 +61,49 @@ def _weight_files(model_dir: Path) -> list[Path]:
     return [single]
 
 
+# Mixtral names a layer's experts block_sparse_moe and their gate, up and down matrices w1, w3 and w2
+MIXTRAL_EXPERT_NAMES = {"mlp.": "block_sparse_moe.", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint names of each expert's matrices packed in ``param`` (``...mlp.experts.gate_up_proj``
+    ``[E, 2I, H]`` or ``...mlp.experts.down_proj`` ``[E, H, I]``) -> its view for them."""
+    prefix, packed = name.rsplit(".", 1)
+    inter = param.shape[1] // 2
+    views = {}
+    for e in range(param.shape[0]):
+        if packed == "gate_up_proj":
+            views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :inter]
+            views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, inter:]
+        else:
+            views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
+    if cfg.architecture != "MixtralForCausalLM":
+        return views
+    renamed = {}
+    for key, view in views.items():
+        for ours, theirs in MIXTRAL_EXPERT_NAMES.items():
+            key = key.replace(ours, theirs)
+        renamed[key] = view
+    return renamed
+
+
 def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
     """Checkpoint tensor name -> (destination view in the model, expected shape)."""
-    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
     for name, param in model.named_parameters():
-        if ".qkv_proj." in name:  # split the fused matrix back into the checkpoint's three tensors
+        if ".experts." in name:
+            for key, view in _expert_targets(name, param, cfg).items():
+                targets[key] = (view, tuple(view.shape))
+        elif ".mlp.gate." in name and cfg.architecture == "MixtralForCausalLM":  # the router
+            targets[name.replace(".mlp.", ".block_sparse_moe.")] = (param.data, tuple(param.shape))
+        elif ".qkv_proj." in name:  # split the fused matrix back into the checkpoint's three tensors
             for part, (lo, hi) in zip(("q_proj", "k_proj", "v_proj"),
                                       ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
                 view = param.data[lo:hi]
                 targets[name.replace("qkv_proj", part)] = (view, tuple(view.shape))
-        elif ".gate_up_proj." in name:
+        elif ".gate_up_proj." in name:  # the dense MLP's, or a shared expert's
+            inter = param.shape[0] // 2
             for part, (lo, hi) in zip(("gate_proj", "up_proj"), ((0, inter), (inter, 2 * inter)), strict=True):
                 view = param.data[lo:hi]
                 targets[name.replace("gate_up_proj", part)] = (view, tuple(view.shape))

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE: ``engine/moe.py``) over a paged KV cache.
 
 Tokens of every sequence in a batch are flattened into one ``[T, hidden]`` row set, so the linear layers
 run once for the whole batch with no padding. Only attention looks at sequence boundaries: each prefill
@@ -24,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.config import ModelConfig
+from engine.config import ModelConfig, MoEConfig
+from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
 from engine.triton_attention import PagedAttentionMeta, paged_attention
 
@@ -192,23 +194,54 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, False, dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, False, dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
+class SparseMoE(nn.Module):
+    """A layer's experts (``engine/moe.py``), with Qwen2-MoE's gated shared expert when configured. Names
+    follow transformers 5: ``gate`` is the router, ``experts.gate_up_proj`` ``[E, 2I, H]`` and
+    ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config = moe
+        e, i = moe.num_experts, moe.intermediate_size
+        self.gate = Linear(hidden_size, e, False, dtype)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
+        self.experts.down_proj = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype)
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores, ids = route(self.gate(x), self.config.top_k, self.config.renormalize)
+        if not self.config.float32_scores:
+            scores = scores.to(x.dtype)
+        out = routed_experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        if cfg.moe is not None and index in cfg.moe.layers:
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv: PagedKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -234,7 +267,7 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)  # used as a lookup table
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
 

@@ -1,5 +1,6 @@
-"""Engine model vs transformers: greedy tokens and float32 logits for every supported architecture,
-batch independence, chunked prefill over cached context, block waste, and the built-in tiny model."""
+"""Engine model vs transformers: greedy tokens and float32 logits for every supported architecture (the
+mixtures of experts too, also through the whole engine), parameter counts, batch independence, chunked
+prefill over cached context, block waste, and the built-in tiny model."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ import pytest
 import torch
 import transformers
 
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
+from engine.sampling_params import SamplingParams
 
 BLOCK = 16
 PROMPT_LENS = (5, 17, 40, 33)
@@ -27,6 +30,14 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied lm_head
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),  # q/k norm
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, num_key_value_heads=1)),  # MQA
+    # Mixtures of experts (engine/moe.py): 4 experts, 2 per token, so the routing decides every output.
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+    # The first layer dense, the second sparse; a gated shared expert; top-k scores not renormalized.
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                    shared_expert_intermediate_size=96, decoder_sparse_step=2,
+                                                    norm_topk_prob=False)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                    norm_topk_prob=True, mlp_only_layers=[1], head_dim=32)),
 }
 
 
@@ -107,6 +118,42 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, arch):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_parameter_count_matches_transformers(tmp_path, arch):
+    """What the capacity planner counts as weights: every expert's, whichever ones a token takes."""
+    hf = build_hf_checkpoint(tmp_path, arch)
+    assert ModelConfig.from_dir(tmp_path).num_parameters() == sum(p.numel() for p in hf.parameters())
+
+
+@pytest.mark.timeout(120)
+def test_engine_serves_a_mixture_of_experts_as_transformers_generates(tmp_path):
+    """Qwen3-MoE through the whole engine (scheduler, chunked prefill, a prefix-cache hit, speculative
+    decoding's drafts verified several tokens a step): every request's greedy tokens equal transformers'."""
+    hf = build_hf_checkpoint(tmp_path, "qwen3_moe")
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=32,
+                                 num_speculative_tokens=3))
+    looped = prompts((9,))[0] * 4  # repeats itself, so n-gram lookup has drafts to propose
+    requests = {"a": prompts((40,))[0], "b": looped, "c": looped[:20] + prompts((5,))[0]}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    for rid in ("a", "b"):
+        engine.add_request(rid, requests[rid], params)
+    steps = 0
+    while engine.has_unfinished():
+        if (steps := steps + 1) == 4:  # b's prompt is in the prefix cache by now
+            engine.add_request("c", requests["c"], params)
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+    with torch.no_grad():
+        for rid, ids in requests.items():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+            assert got[rid] == want, rid
+    assert cached["c"] == BLOCK and engine.stats().speculation.drafts > 0
+
+
+@pytest.mark.timeout(60)
 def test_mixed_batch_logits_equal_each_sequence_alone(tmp_path):
     build_hf_checkpoint(tmp_path, "qwen3")
     runner, _ = make_runner(tmp_path)
@@ -173,10 +220,11 @@ def test_tiny_model_loads_in_transformers_and_matches(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("arch", ["qwen2", "mixtral", "qwen3_moe"])  # router scores kept in float32, or cast
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_bfloat16_model_and_cache_track_float32(tmp_path, device):
-    build_hf_checkpoint(tmp_path, "qwen2")
+def test_bfloat16_model_and_cache_track_float32(tmp_path, device, arch):
+    build_hf_checkpoint(tmp_path, arch)
     batch = prompts((7, 26))
     ref_runner, _ = make_runner(tmp_path)
     model, cfg = load_model(tmp_path, "bfloat16", device)

@@ -1,4 +1,5 @@
-"""Config parsing (both RoPE config forms, refusals) and checkpoint loading (sharded, bad checkpoints)."""
+"""Config parsing (both RoPE config forms, mixtures of experts, refusals) and checkpoint loading (sharded,
+bad checkpoints)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from engine.config import ModelConfig, UnsupportedModelError
+from engine.config import ModelConfig, MoEConfig, UnsupportedModelError
 from engine.errors import CheckpointError
 from engine.loader import load_model, model_id_for, resolve_model_dir
 
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 256}
+QWEN_MOE = {**BASE, "architectures": ["Qwen2MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32}
 LLAMA3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 
@@ -52,11 +55,45 @@ def test_eos_ids_prefer_generation_config(tmp_path):
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, "sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({**QWEN_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok"),
+    ({**QWEN_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step"),
 ])
 def test_unsupported_config_is_refused_naming_the_field(overrides, field):
     with pytest.raises(UnsupportedModelError) as err:
         ModelConfig.from_dict({**BASE, **overrides})
     assert err.value.field == field and field in str(err.value)
+
+
+def test_experts_are_read_with_transformers_keys_and_defaults():
+    """Which layers are sparse (Qwen's decoder_sparse_step and mlp_only_layers; every layer of Mixtral's),
+    how scores are normalized, and the shared expert (Qwen2-MoE's only); dense models have none."""
+    qwen2 = ModelConfig.from_dict({**QWEN_MOE, "num_hidden_layers": 6, "decoder_sparse_step": 2,
+                                   "mlp_only_layers": [3], "shared_expert_intermediate_size": 48})
+    assert qwen2.moe == MoEConfig(4, 2, 32, (1, 5), renormalize=False, float32_scores=False,
+                                  shared_expert_intermediate_size=48)
+    qwen3 = ModelConfig.from_dict({**QWEN_MOE, "architectures": ["Qwen3MoeForCausalLM"], "num_local_experts": 8,
+                                   "norm_topk_prob": True, "shared_expert_intermediate_size": 48})
+    assert qwen3.moe == MoEConfig(8, 2, 32, (0, 1), renormalize=True, float32_scores=False) and qwen3.qk_norm
+    mixtral = ModelConfig.from_dict({**BASE, "architectures": ["MixtralForCausalLM"], "num_local_experts": 8,
+                                     "num_experts_per_tok": 2, "sliding_window": None})
+    assert mixtral.moe == MoEConfig(8, 2, 128, (0, 1), renormalize=True, float32_scores=True)
+    assert ModelConfig.from_dict(BASE).moe is None
+
+
+def test_missing_expert_tensor_names_it_as_the_checkpoint_does(tmp_path):
+    """Mixtral's per-expert tensors (block_sparse_moe.experts.E.w1/w2/w3) are packed into the model's
+    expert matrices; one missing is named."""
+    config = transformers.MixtralConfig(**{k: v for k, v in BASE.items() if k != "architectures"},
+                                        num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).save_pretrained(tmp_path)
+    load_model(tmp_path, "float32", "cpu")  # whole, it loads
+    name = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors[name]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=name):
+        load_model(tmp_path, "float32", "cpu")
 
 
 def test_sliding_window_covering_the_context_or_disabled_is_accepted():

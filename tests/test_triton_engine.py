@@ -1,7 +1,7 @@
 """The Triton attention backend wired into the engine (engine/triton_attention.py), run on CPU by the
 Triton interpreter: greedy tokens equal the torch path's token for token through the whole engine
 (mixed decode and prefill rows in one step, chunked prefill, prefix-cache hits, GQA, speculative decoding's
-drafts), the runner's logits
+drafts, a mixture of experts), the runner's logits
 equal the torch path's on one mixed step, how "auto" resolves, and which configurations are refused.
 Also the KV-cache sizing arithmetic of engine/device_memory.py (plain numbers; the CUDA profiling pass
 is in test_gpu)."""
@@ -20,6 +20,7 @@ if "triton" not in sys.modules:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
+from test_engine_model import build_hf_checkpoint, prompts  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
@@ -147,6 +148,23 @@ def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir):
     engine.runner.enable_decode_graphs(8, 512 // 8, capture=False)
     assert drive(engine, arrivals, max_tokens=24)[0] == want
     assert engine.stats().speculation.accepted_tokens > 0
+
+
+@needs_interpreter
+def test_mixture_of_experts_on_triton_equals_torch_and_is_not_graphed(tmp_path):
+    """Mixtral's experts between the Triton kernels' fused residual norms: the greedy tokens equal the
+    torch path's; its decode steps are never captured (the routing reads counts back), and asking says why."""
+    build_hf_checkpoint(tmp_path, "mixtral")
+    a, b, c = prompts((7, 20, 9))  # in its vocabulary of 128
+    arrivals = {0: [("a", a), ("b", b)], 2: [("c", c)]}
+    runs = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=32, attention_backend=backend))
+        runs[backend] = drive(engine, arrivals, max_tokens=5)[0]
+    assert runs["triton"] == runs["torch"] and all(len(t) == 5 for t in runs["triton"].values())
+    assert not engine.runner.supports_decode_graphs
+    with pytest.raises(ValueError, match="without experts"):
+        engine.runner.enable_decode_graphs(4, 8, capture=False)
 
 
 def test_triton_with_a_window_and_graphs_of_a_windowed_format_are_refused(model_dir):

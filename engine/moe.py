@@ -1,0 +1,52 @@
+"""Mixture of experts in place of the MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A linear router scores every expert for each token; the token goes to its top-k experts and sums their
+SwiGLU outputs scaled by the softmaxed scores (renormalized over the k for Mixtral and for Qwen with
+``norm_topk_prob``). Qwen2-MoE adds a shared expert every token takes, scaled by a sigmoid gate.
+
+Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and the down matrices into
+``[E, H, I]`` (transformers 5's and vLLM's layout; the loader packs the checkpoint's per-expert tensors);
+the module holding them is ``engine.model.SparseMoE``.
+The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
+exactly its rows, and adds them up in ascending expert order as transformers does.
+That reads the expert count back to the host once a layer, so decode steps of MoE models are not captured
+in CUDA graphs (``ModelRunner.supports_decode_graphs``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores ``[T, k]`` in float32, expert ids ``[T, k]``): the top-k of the softmax over experts."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    scores, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        scores = scores / scores.sum(dim=-1, keepdim=True)
+    return scores, ids
+
+
+def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """Sum over each row's experts of ``score * down(silu(gate(x)) * up(x))``: ``x`` ``[T, H]``, ``scores``
+    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``. Scores in float32 scale the
+    outputs in float32 (then cast); scores in ``x.dtype`` scale them in that dtype."""
+    k = ids.shape[1]
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    flat_scores = scores.flatten()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        pairs = order[start:start + n]
+        start += n
+        rows = pairs // k
+        gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * flat_scores[pairs, None]
+        out.index_add_(0, rows, y.to(x.dtype))
+    return out
