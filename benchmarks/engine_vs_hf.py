@@ -1,6 +1,7 @@
 """Engine throughput against transformers on the same checkpoint, and against the memory roofline.
 
-One run, float32, CPU, the built-in ``tiny`` checkpoint (or ``--model DIR``):
+One run, float32, CPU, the built-in ``tiny`` checkpoint (or ``--model DIR``, or ``--random-shape NAME``: a
+random-weight mixture of experts written by transformers, ``RANDOM_SHAPES``):
 
 - (a) 8 prompts x 256 tokens, 64 new tokens, greedy;
 - (b) 32 prompts with lengths spread evenly over 32..512 tokens, 128 new tokens, greedy.
@@ -14,7 +15,8 @@ steps, the forward pass's share under cProfile, the heaviest torch ops) shows wh
 roofline goes. Torch runs one thread by default: on a shared machine that keeps the figures stable,
 and every system gets the same threads; each figure is the best of ``--repeats`` runs.
 
-    python benchmarks/engine_vs_hf.py [--model tiny] [--threads N] [--repeats N] [--json PATH] [--quick]
+    python benchmarks/engine_vs_hf.py [--model tiny | --random-shape qwen3-moe|mixtral] [--threads N]
+        [--repeats N] [--json PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import json
 import logging
 import pstats
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,6 +45,28 @@ WORKLOADS = {  # name -> (prompt lengths, new tokens)
     "a": ([256] * 8, 64),
     "b": ([32 + round(i * (512 - 32) / 31) for i in range(32)], 128),
 }
+
+
+# Mixture-of-experts shapes at the tiny model's scale (hidden 512, 4 layers, 8 query / 4 KV heads, vocab
+# 1024): Qwen3-MoE's many small experts (16 of 384, 4 a token) and Mixtral's few large ones (8 of 1024, 2).
+RANDOM_SHAPES = {
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=384,
+                                         norm_topk_prob=True, head_dim=64)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2)),  # of intermediate_size
+}
+
+
+def write_random_checkpoint(shape: str, path: Path) -> Path:
+    """A seeded random-weight checkpoint of ``RANDOM_SHAPES[shape]`` saved to ``path`` by transformers."""
+    import transformers
+
+    config_name, extra = RANDOM_SHAPES[shape]
+    config = getattr(transformers, config_name)(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path
 
 
 def make_prompts(lengths: list[int], vocab: int, seed: int) -> list[list[int]]:
@@ -134,6 +159,8 @@ def profile_engine(engine: Engine, prompts: list[list[int]], new_tokens: int, st
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--random-shape", choices=list(RANDOM_SHAPES), default=None,
+                        help="benchmark a random-weight checkpoint of this shape instead of --model")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: on a shared machine one core gives stable figures)")
     parser.add_argument("--repeats", type=int, default=2, help="best of N runs per system and workload")
@@ -145,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    if args.random_shape is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = str(write_random_checkpoint(args.random_shape, Path(tmp)))
+            return run(args)
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
 
     engine = Engine(EngineConfig(model=args.model, dtype="float32", device="cpu", max_num_seqs=64,
                                  max_num_batched_tokens=2048, enable_prefix_caching=False))
@@ -158,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model), dtype=torch.float32).eval()
     vocab = min(256, engine.model_config.vocab_size)
     run_engine(engine, make_prompts([64, 16], vocab, 99), 4)  # warm-up (allocator, first-call costs)
-    print(f"model {args.model}: {weight_bytes / 1e6:.1f} MB float32 weights; torch threads {args.threads}; "
+    label = f"random {args.random_shape}" if args.random_shape else args.model
+    print(f"model {label}: {weight_bytes / 1e6:.1f} MB float32 weights; torch threads {args.threads}; "
           f"copy bandwidth {bandwidth / 1e9:.2f} GB/s -> roofline decode step {1e3 * step_s:.1f} ms; "
           f"best of {args.repeats} runs each", flush=True)
 

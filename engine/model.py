@@ -222,11 +222,14 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused``: the Triton kernels (``engine/kernels/moe_experts.py``: two launches, no host sync)
+        instead of the torch loop over experts."""
         scores, ids = route(self.gate(x), self.config.top_k, self.config.renormalize)
         if not self.config.float32_scores:
             scores = scores.to(x.dtype)
-        out = routed_experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        experts = kernels.fused_moe if fused else routed_experts
+        out = experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -260,7 +263,7 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(x, cos, sin, kv, meta)
         x = kernels.fused_add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
-        return self.mlp(x), residual
+        return (self.mlp(x, fused=True) if isinstance(self.mlp, SparseMoE) else self.mlp(x)), residual
 
 
 class Backbone(nn.Module):

@@ -9,8 +9,9 @@ Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and
 the module holding them is ``engine.model.SparseMoE``.
 The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
 exactly its rows, and adds them up in ascending expert order as transformers does.
-That reads the expert count back to the host once a layer, so decode steps of MoE models are not captured
-in CUDA graphs (``ModelRunner.supports_decode_graphs``).
+That is the torch path (CPU, and the reference): it reads the expert counts back to the host once a layer.
+The Triton backend runs ``engine/kernels/moe_experts.py`` instead: two launches a layer whatever the
+expert count, and no host sync, so decode steps of MoE models are captured in CUDA graphs as others are.
 """
 
 from __future__ import annotations

@@ -57,15 +57,15 @@ class ModelRunner:
         """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (Triton backend):
         captured on CUDA; ``capture=False`` runs the same static-buffer pass uncaptured (tests on CPU)."""
         if not self.supports_decode_graphs:
-            raise ValueError(f"decode graphs need the triton attention backend, a "
-                             f"{' or '.join(GRAPH_KV_FORMATS)} cache and a model without experts")
+            raise ValueError(f"decode graphs need the triton attention backend and a "
+                             f"{' or '.join(GRAPH_KV_FORMATS)} cache")
         self.graphs = DecodeGraphs(self, max_batch, max_blocks, capture)
 
     @property
     def supports_decode_graphs(self) -> bool:
         """Whether a decode step can be captured: Triton attention over a cache whose writes never wait for
-        the host, in a model without experts (their routing reads counts back: ``engine/moe.py``)."""
-        return self.paged and self.kv_cache.kv_format in GRAPH_KV_FORMATS and self.config.moe is None
+        the host."""
+        return self.paged and self.kv_cache.kv_format in GRAPH_KV_FORMATS
 
     def _check(self, c: SeqChunk) -> int:
         n = len(c.token_ids)

@@ -42,6 +42,7 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.kernels import common  # noqa: E402
 from engine.kernels.paged_decode import paged_decode_attention  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
+from engine.moe import route  # noqa: E402
 from engine.triton_attention import paged_attention, paged_metadata, quantized_layer  # noqa: E402
 
 # sharedMemPerBlockOptin (bytes) of each compute capability: what Triton's loader compares a kernel with.
@@ -72,7 +73,7 @@ def recorded_launches() -> Iterator[list[tuple[JITFunction, tuple, dict]]]:
 def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> None:
     """One layer of one engine step on the Triton backend: two decode rows at ``context`` tokens and a
     prefill chunk of 24 after a cached prefix of 40, through the backend's own entry points (RoPE, the
-    K/V write, decode and prefill attention, the fused residual add + RMSNorm)."""
+    K/V write, decode and prefill attention, the fused residual add + RMSNorm, a mixture of experts)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=heads * head_dim,
                       intermediate_size=4 * heads * head_dim, num_layers=1, num_heads=heads,
@@ -95,6 +96,13 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
     paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5)
     hidden = torch.randn(tokens, cfg.hidden_size).to(dtype)
     kernels.fused_add_rms_norm(hidden, hidden.clone(), torch.ones(cfg.hidden_size).to(dtype), 1e-6)
+    if kv_format == "auto":  # a mixture of experts' two launches at a decode batch (16-row blocks) and a prefill (64)
+        hidden, experts, inter = cfg.hidden_size, 8, 768  # the values are never read: nothing is run
+        for tokens in (4, 512):
+            scores, ids = route(torch.randn(tokens, experts), 2, renormalize=True)
+            kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
+                              torch.empty(experts, 2 * inter, hidden, dtype=dtype),
+                              torch.empty(experts, hidden, inter, dtype=dtype))
     if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
         k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
         paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,

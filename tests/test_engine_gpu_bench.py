@@ -1,12 +1,17 @@
 """benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
 sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s; with
 ``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes; and benchmarks/speculative_gpu.py
-the same way (plain and drafted engines, the same tokens in float32)."""
+the same way (plain and drafted engines, the same tokens in float32); benchmarks/moe_gpu.py too, its fused
+kernels interpreted."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +83,21 @@ def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp
         assert 0 <= row["accepted_tokens"] <= row["draft_tokens"]
     drafted = [row for row in rows.values() if row["draft_tokens"]]
     assert drafted and all(positive(r["drafted_step_ms"]) and r["tokens_per_drafted_step"] >= 1 for r in drafted)
+
+
+@pytest.mark.timeout(120)
+def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path):
+    """benchmarks/moe_gpu.py in a process of its own (its fused kernels under TRITON_INTERPRET=1): both paths
+    agree in float32, every figure is there, and the experts touched are those the routing can reach."""
+    out = tmp_path / "moe_gpu.json"
+    run = subprocess.run([sys.executable, "benchmarks/moe_gpu.py", "--device", "cpu", "--shapes", "tiny-test",
+                          "--tokens", "1,40", "--json", str(out)], cwd=Path(__file__).parents[1],
+                         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=110)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shape = json.loads(out.read_text())["shapes"]["tiny-test"]
+    assert set(shape["tokens"]) == {"1", "40"}
+    for t, row in shape["tokens"].items():
+        assert row["max_rel_diff"] < 1e-5 and row["graph_replay_ms"] is None  # no CUDA graph on CPU
+        assert all(positive(row[k]) for k in ("fused_ms", "torch_loop_ms", "speedup_vs_torch_loop",
+                                              "roofline_ms", "roofline_fraction", "tflops", "mfu"))
+        assert row["experts_touched"] == (2 if t == "1" else 8)  # one token's top 2; 40 tokens reach all 8

@@ -1,5 +1,6 @@
 """On CUDA (skipped without it): KV leaving GPU memory over gRPC, the KV cache sized from device memory, and
-the Triton attention backend compiled for the device (the bf16 engine on CUDA is in test_engine_model)."""
+the Triton attention backend and fused MoE kernels compiled for the device (the bf16 engine on CUDA is in
+test_engine_model)."""
 
 from __future__ import annotations
 
@@ -70,24 +71,30 @@ def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
         Engine(_engine_config(model_dir, gpu_memory_utilization=1e-4))
 
 
-@pytest.mark.timeout(600)
-def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
-    """Compiled kernels (not the interpreter): float32 greedy tokens equal the torch path's for mixed
-    lengths, chunked prefill and a prefix-cache hit, eagerly and with decode steps replayed from CUDA
-    graphs (the default), and on int8 (graphs too), fp8 and kivi2 caches; auto picks triton on CUDA."""
+def ran_in_a_compiling_process(test: str) -> bool:
+    """Skips without triton. If another test module put this process's triton in interpreter mode, runs
+    ``test`` (of this file) in a fresh process, asserts it passed and returns True; else False."""
     from engine.kernels import triton_available
 
     if not triton_available():
         pytest.skip("triton is not importable")
     from engine.kernels.common import interpreting
 
-    if interpreting():  # another test module put this process's triton in interpreter mode: use a fresh one
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                 f"{__file__}::test_triton_backend_on_cuda_matches_torch_backend"],
-                                cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True,
-                                timeout=580)
-        assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
+    if not interpreting():
+        return False
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::{test}"],
+                            cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=580)
+    assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout + result.stderr
+    return True
+
+
+@pytest.mark.timeout(600)
+def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
+    """Compiled kernels (not the interpreter): float32 greedy tokens equal the torch path's for mixed
+    lengths, chunked prefill and a prefix-cache hit, eagerly and with decode steps replayed from CUDA
+    graphs (the default), and on int8 (graphs too), fp8 and kivi2 caches; auto picks triton on CUDA."""
+    if ran_in_a_compiling_process("test_triton_backend_on_cuda_matches_torch_backend"):
         return
     from test_engine_loop import GREEDY, prompt, run, write_model
 
@@ -119,6 +126,34 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
             assert (graphs is not None and sum(graphs.replays.values()) > 0) == (
                 engine.attention_backend == "triton" and kv_cache_dtype == "int8")
         assert got["triton"] == got["torch"], kv_cache_dtype
+
+
+@pytest.mark.timeout(600)
+def test_mixture_of_experts_on_cuda_graphs_matches_torch_backend(tmp_path):
+    """Qwen3-MoE in float32 through the compiled fused MoE kernels, decode steps replayed from CUDA graphs
+    (captured: nothing in the kernels reads back to the host), gives the torch path's greedy tokens."""
+    if ran_in_a_compiling_process("test_mixture_of_experts_on_cuda_graphs_matches_torch_backend"):
+        return
+    from test_engine_loop import GREEDY
+    from test_engine_model import build_hf_checkpoint, prompts
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    build_hf_checkpoint(tmp_path, "qwen3_moe")
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    runs = {}
+    for backend in ("torch", "auto"):
+        engine = Engine(_engine_config(tmp_path, num_blocks=128, max_num_batched_tokens=32, attention_backend=backend))
+        for i, ids in enumerate(prompts((5, 19, 45))):
+            engine.add_request(str(i), ids, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        runs[engine.attention_backend] = tokens
+    assert runs["triton"] == runs["torch"] and all(len(t) == 8 for t in runs["torch"].values())
+    assert sum(engine.runner.graphs.replays.values()) > 0
 
 
 @pytest.mark.timeout(60)

@@ -1,6 +1,7 @@
 """Triton paged-attention and KV-write kernels, run on CPU by the Triton interpreter, against the torch
 references in engine.kernels.reference (which are themselves checked against dense causal SDPA); the fused
-residual add + RMSNorm against the model's own add and RMSNorm."""
+residual add + RMSNorm against the model's own add and RMSNorm; the fused mixture-of-experts matmuls against
+the torch path's expert loop (engine.moe)."""
 
 from __future__ import annotations
 
@@ -526,3 +527,79 @@ def test_quantized_operands_are_checked():
         paged_decode_attention(q, codes, codes, tables, lens, 0.1, quant=QuantizedKV(scale, scale, scale, scale))
     with pytest.raises(ValueError, match="dtype"):  # codes without their scales
         paged_decode_attention(q, codes, codes, tables, lens, 0.1)
+
+
+def route_randomly(tokens: int, hidden: int, experts: int, top_k: int, skip: int = 0):
+    """Router inputs and its top-k, with the last ``skip`` experts never chosen (runs of length 0)."""
+    from engine.moe import route
+
+    x = torch.randn(tokens, hidden)
+    logits = torch.randn(tokens, experts)
+    logits[:, experts - skip:] = -1e9
+    scores, ids = route(logits, top_k, renormalize=True)
+    return x, scores, ids
+
+
+@pytest.mark.parametrize("tokens, top_k, block_m", [(1, 2, 16), (37, 3, 16), (200, 2, 64)])
+def test_align_by_expert_groups_each_pair_once_in_padded_runs(tokens: int, top_k: int, block_m: int):
+    from engine.kernels.moe_experts import align_by_expert
+
+    experts = 8
+    _, _, ids = route_randomly(tokens, 4, experts, top_k, skip=2)
+    pairs, block_experts = align_by_expert(ids, experts, block_m)
+    num_pairs = tokens * top_k
+    real = pairs[pairs < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair once, the rest padding
+    assert pairs.numel() == block_experts.numel() * block_m  # sized from the token count alone
+    for block, expert in enumerate(block_experts.tolist()):
+        members = pairs[block * block_m:(block + 1) * block_m]
+        members = members[members < num_pairs]
+        if expert < 0:
+            assert members.numel() == 0
+        else:  # each block holds one expert's pairs, in token order
+            assert members.numel() > 0 and (ids.flatten()[members] == expert).all()
+            assert members.tolist() == sorted(members.tolist())
+    used = block_experts[block_experts >= 0]
+    assert used.tolist() == sorted(used.tolist()) and (used < experts - 2).all()
+
+
+@pytest.mark.parametrize("tokens, experts, top_k", [(1, 4, 2), (5, 8, 3), (70, 4, 1), (40, 16, 4)])
+@pytest.mark.parametrize("float32_scores", [True, False])
+def test_fused_moe_matches_the_expert_loop(tokens: int, experts: int, top_k: int, float32_scores: bool):
+    """Hidden and intermediate sizes that are not multiples of the tiles, experts with no tokens, and scores
+    in float32 (Mixtral) or the activations' dtype (Qwen)."""
+    from engine.kernels.moe_experts import fused_moe
+    from engine.moe import routed_experts
+
+    hidden, inter = 48, 40
+    x, scores, ids = route_randomly(tokens, hidden, experts, top_k, skip=1)
+    if not float32_scores:
+        scores = scores.to(x.dtype)
+    gate_up, down = torch.randn(experts, 2 * inter, hidden) / 8, torch.randn(experts, hidden, inter) / 8
+    assert_close(fused_moe(x, scores, ids, gate_up, down), routed_experts(x, scores, ids, gate_up, down))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_moe_half_precision_within_tolerance(dtype: torch.dtype):
+    from engine.kernels.moe_experts import fused_moe
+    from engine.moe import routed_experts
+
+    x, scores, ids = route_randomly(9, 64, 8, 2)
+    gate_up, down = torch.randn(8, 2 * 32, 64) / 8, torch.randn(8, 64, 32) / 8
+    want = routed_experts(x, scores, ids, gate_up, down)
+    got = fused_moe(x.to(dtype), scores, ids, gate_up.to(dtype), down.to(dtype))
+    assert got.dtype == dtype
+    assert_close(got, want.to(dtype))
+
+
+def test_fused_moe_rejects_mismatched_operands():
+    from engine.kernels.moe_experts import fused_moe
+
+    x, scores, ids = route_randomly(3, 16, 4, 2)
+    gate_up, down = torch.randn(4, 2 * 8, 16), torch.randn(4, 16, 8)
+    with pytest.raises(ValueError, match="top_k"):
+        fused_moe(x, scores[:, :1], ids, gate_up, down)
+    with pytest.raises(ValueError, match=r"\[E, 16, I\]"):
+        fused_moe(x, scores, ids, gate_up, down[:, :, :4])
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x, scores, ids, gate_up.half(), down.half())

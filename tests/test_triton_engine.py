@@ -151,20 +151,22 @@ def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir):
 
 
 @needs_interpreter
-def test_mixture_of_experts_on_triton_equals_torch_and_is_not_graphed(tmp_path):
-    """Mixtral's experts between the Triton kernels' fused residual norms: the greedy tokens equal the
-    torch path's; its decode steps are never captured (the routing reads counts back), and asking says why."""
+def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
+    """Mixtral's experts through the fused MoE kernels, between the fused residual norms: the greedy tokens
+    equal the torch path's (its loop over experts), with decode steps run eagerly and through the static
+    graph buffers (the kernels never read back to the host, so such steps can be captured)."""
     build_hf_checkpoint(tmp_path, "mixtral")
     a, b, c = prompts((7, 20, 9))  # in its vocabulary of 128
     arrivals = {0: [("a", a), ("b", b)], 2: [("c", c)]}
     runs = {}
-    for backend in ("torch", "triton"):
-        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=32, attention_backend=backend))
-        runs[backend] = drive(engine, arrivals, max_tokens=5)[0]
-    assert runs["triton"] == runs["torch"] and all(len(t) == 5 for t in runs["triton"].values())
-    assert not engine.runner.supports_decode_graphs
-    with pytest.raises(ValueError, match="without experts"):
-        engine.runner.enable_decode_graphs(4, 8, capture=False)
+    for mode in ("torch", "triton", "graphs"):
+        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=32,
+                                     attention_backend="torch" if mode == "torch" else "triton"))
+        if mode == "graphs":
+            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
+        runs[mode] = drive(engine, arrivals, max_tokens=5)[0]
+    assert runs["triton"] == runs["graphs"] == runs["torch"]
+    assert all(len(t) == 5 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
 
 
 def test_triton_with_a_window_and_graphs_of_a_windowed_format_are_refused(model_dir):

@@ -1,0 +1,128 @@
+"""A mixture of experts' matmuls in two Triton launches (vLLM's ``fused_moe``), for the GPU engine.
+
+The torch path (``engine.moe.routed_experts``) runs two matmuls per expert that has rows and reads the
+expert counts back to the host to slice them: 2 x 128 launches a layer for Qwen3-30B-A3B, and no CUDA
+graph. Here the (token, expert) pairs are sorted by expert on the device and each expert's run is padded
+to a whole number of ``BLOCK_M`` rows (``align_by_expert``, torch ops that never sync), so one launch
+covers every expert: a program takes ``BLOCK_M`` pairs of one expert and a ``BLOCK_N`` slice of its
+output, and multiplies the rows it gathers by that expert's matrix. The first launch gives each pair its
+``[2I]`` gate and up rows, the activation runs in torch, the second launch multiplies by the down matrix
+and the pair's router score, and the k pairs of a token are summed. Every shape depends only on the
+token count, so a decode step holding it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from engine.kernels.common import dtype_flags, next_power_of_2
+
+
+@triton.jit
+def _expert_matmul_kernel(
+    A, B, C, SortedPairs, BlockExperts, Scores, num_pairs, N, K,
+    stride_am, stride_be, stride_bn, stride_cm,
+    PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert].T (times the pair's score with SCALE) for the
+    BLOCK_M pairs of this program's block, all routed to the one expert BlockExperts names (-1: a block
+    past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding."""
+    expert = tl.load(BlockExperts + tl.program_id(0)).to(tl.int64)
+    if expert >= 0:
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(SortedPairs + offs_m)
+        valid = pairs < num_pairs
+        rows = (pairs // PAIRS_PER_ROW).to(tl.int64)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            in_k = offs_k + k0 < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0)
+            if UPCAST:
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if SCALE:
+            acc = acc * tl.load(Scores + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
+        c_ptrs = C + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs (``token * k + slot`` of ``ids`` ``[T, k]``) grouped by expert, each expert's run padded to a
+    multiple of ``block_m`` with the sentinel ``T * k``; and each block's expert, -1 past the last run.
+    Sized for the most blocks any routing of ``T * k`` pairs can take, so shapes depend on T alone."""
+    flat = ids.flatten()
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would read its size back to the host
+    padded = (counts + block_m - 1) // block_m * block_m
+    run_ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(num_pairs, device=ids.device) - (torch.cumsum(counts, 0) - counts)[sorted_experts]
+    max_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
+    sorted_pairs = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.int32, device=ids.device)
+    sorted_pairs[(run_ends - padded)[sorted_experts] + rank] = order.to(torch.int32)
+    blocks = torch.arange(max_blocks, device=ids.device)
+    block_experts = torch.searchsorted(run_ends // block_m, blocks, right=True)
+    return sorted_pairs, torch.where(block_experts < num_experts, block_experts, -1).to(torch.int32)
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows of one program: about the pairs an expert gets (16 at decode batch sizes, 64 at most)."""
+    return min(64, max(16, next_power_of_2(-(-num_pairs // num_experts))))
+
+
+def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
+                   block_experts: torch.Tensor, scores: torch.Tensor | None, pairs_per_row: int,
+                   block_m: int) -> None:
+    n, k = b.shape[1], b.shape[2]
+    block_n = 64
+    block_k = 32 if a.dtype == torch.float32 else 64  # fp32 tiles: half the K slice, the same shared memory
+    grid = (block_experts.numel(), triton.cdiv(n, block_n))
+    _expert_matmul_kernel[grid](
+        a, b, out, sorted_pairs, block_experts, a if scores is None else scores, out.shape[0], n, k,
+        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dtype_flags(a.dtype),
+    )
+
+
+def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
+              down: torch.Tensor) -> torch.Tensor:
+    """What ``engine.moe.routed_experts`` computes, in two launches: ``x`` ``[T, H]``, ``scores`` and ``ids``
+    ``[T, k]`` (scores in float32 or x's dtype; each output row is scaled in float32), ``gate_up``
+    ``[E, 2I, H]`` and ``down`` ``[E, H, I]``, all contiguous on one device. Returns ``[T, H]``."""
+    t, h = x.shape
+    e, two_i, _ = gate_up.shape
+    if ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
+        raise ValueError(f"scores {tuple(scores.shape)} and ids {tuple(ids.shape)} must both be [{t}, top_k]")
+    if gate_up.shape[2] != h or down.shape != (e, h, two_i // 2):
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be [E, 2I, {h}] "
+                         f"and [E, {h}, I]")
+    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
+        raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be in x's dtype {x.dtype}")
+    if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("x and the expert weights must be contiguous")
+    k = ids.shape[1]
+    if t == 0:
+        return torch.empty_like(x)
+    block_m = _block_m(t * k, e)
+    sorted_pairs, block_experts = align_by_expert(ids, e, block_m)
+    gate_and_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
+    _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m)
+    gate, up = gate_and_up.chunk(2, dim=-1)
+    hidden = F.silu(gate) * up
+    per_pair = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
+    _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m)
+    return per_pair.view(t, k, h).sum(dim=1)
