@@ -4,7 +4,8 @@
 the simulator's own index), adds what it routed since each report (so a burst between two reports does
 not pile onto one worker) and the prompts whose prefill is still under way (`router.inflight`), and asks
 the configured policy. Measured prefill steps, decode steps and KV transfers refit the estimator online
-and are kept (`router.measurements`) for `tidepool profile`.
+and are kept (`router.measurements`) for `tidepool profile`; each worker's steps against the refit model
+give its speed factor (`router.worker_speed`), so a slower worker's queue and prompts are priced as slower.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from router.measurements import Measurements
 from router.planner import Demand
 from router.policies import make_policy
 from router.view import SLO, ClusterView, Decision, Reject, RouteRequest, reusable_tokens
+from router.worker_speed import WorkerSpeeds
 
 __all__ = ["SLO", "Conductor", "Decision", "PrefixIndex", "Reject", "RouteRequest", "WorkerLoad"]
 
@@ -43,7 +45,7 @@ class PrefixIndex(Protocol):
 class Conductor:
     def __init__(self, policy_name: str, estimator: Estimator, slo: SLO,
                  *, block_size: int = 16, seed: int = 0, pending_ttl_s: float = 30.0, copy_inflight: bool = False,
-                 demand: Demand | None = None, **policy_options):
+                 demand: Demand | None = None, learn_worker_speeds: bool = True, **policy_options):
         self.policy_name, self.estimator, self.slo, self.block_size = policy_name, estimator, slo, block_size
         # The live cluster's choice (any policy copies a prefix another worker is computing); the simulator
         # leaves it off to compare the policies as published.
@@ -53,6 +55,10 @@ class Conductor:
         self.pending_ttl_s = pending_ttl_s
         self.mean_output_tokens = 256.0  # running mean of max_tokens: the expected decode length
         self.measurements = Measurements()
+        # Each worker's step times against the shared models (router.worker_speed); off: every worker is
+        # priced as the shared model says (the simulator's comparison).
+        self.learn_worker_speeds = learn_worker_speeds
+        self.prefill_speeds, self.decode_speeds = WorkerSpeeds(), WorkerSpeeds()
         self._table = LoadTable()
         self._stride = stride = max(1, _INFLIGHT_STRIDE_TOKENS // block_size)
         self._inflight = InflightPrefixes(stride=stride)
@@ -74,7 +80,8 @@ class Conductor:
         inflight = self._inflight.longest_prefix(hashes) if hashes else {}
         heat = None if self._heat is None else self._heat.profile(hashes, now)
         view = ClusterView(req, self.estimator, self.slo, self.block_size, now, self.mean_output_tokens, table,
-                           matches, pool, inflight, heat, self._stride)
+                           matches, pool, inflight, heat, self._stride,
+                           self.prefill_speeds.factors(table.p_ids), self.decode_speeds.factors(table.d_ids))
         out = self.policy(view)
         if self.copy_inflight and isinstance(out, Decision) and out.fetch_from is None:
             out = self._copy_inflight(out, view)
@@ -82,42 +89,49 @@ class Conductor:
         if self._heat is not None:
             self._heat.add(hashes, now)
         if isinstance(out, Reject) and self.demand is not None:
-            self._record_rejection(out, req, matches, now)
+            self._record_rejection(out, view, matches)
         if isinstance(out, Decision):
             self._remember(out, req, view, now)
             if hashes:
                 self._inflight.add(out.prefill, hashes, now + out.est_ttft_s - out.est_handoff_s)
         return out
 
-    def _record_rejection(self, out: Reject, req: RouteRequest, matches: dict[str, int], now: float) -> None:
+    def _record_rejection(self, out: Reject, view: ClusterView, matches: dict[str, int]) -> None:
         """Tell the demand a request was rejected, unless no number of workers would have taken it: it misses
-        the SLO alone on an idle worker (its prompt, after the longest prefix any holder has, computes longer
-        than the TTFT SLO; one decode step of it alone is longer than the TBT SLO). A prompt rejected for TTFT
-        also counts as prompt work: the load to plan for is what arrives, not only what the workers took."""
+        the SLO alone on the fastest idle worker (its prompt, after the longest prefix any holder has, computes
+        longer than the TTFT SLO; one decode step of it alone is longer than the TBT SLO). A prompt rejected
+        for TTFT also counts as prompt work: the load to plan for is what arrives, not only what the workers
+        took."""
+        req, now = view.req, view.now
         if out.reason == "ttft":
             cached = min(max(matches.values(), default=0) * self.block_size,
                          reusable_tokens(req.prompt_len, self.block_size))
             new = req.prompt_len - cached
-            if float(self.estimator.prefill.predict(new, cached)) >= self.slo.ttft_s:
+            if float(self.estimator.prefill.predict(new, cached)) * view.p_speed.min() >= self.slo.ttft_s:
                 return
             self.demand.add_prompt(now, new, cached)
-        elif out.reason == "tbt" and float(self.estimator.decode.predict(1, req.prompt_len)) >= self.slo.tbt_s:
+        elif out.reason == "tbt" and (float(self.estimator.decode.predict(1, req.prompt_len)) * view.d_speed.min()
+                                      >= self.slo.tbt_s):
             return
         self.demand.add_rejection(now, out.reason)
 
     def copy_wait_s(self, dec: Decision) -> float:
         """How long a prefix copy from ``dec.fetch_from`` may wait for blocks still being computed there:
         past the time to compute them on the chosen worker, waiting cannot win."""
-        return max(_MIN_COPY_WAIT_S, float(self.estimator.prefill.predict(dec.cached_blocks * self.block_size, 0)))
+        compute_s = float(self.estimator.prefill.predict(dec.cached_blocks * self.block_size, 0))
+        return max(_MIN_COPY_WAIT_S, compute_s * self.prefill_speeds.factor(dec.prefill))
 
     def observe_prefill(self, worker: str, new_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """A measured prefill of one prompt alone (all workers share one model: they run the same model
-        on the same kind of device; `worker` is kept for the record)."""
+        """A measured prefill of one prompt alone."""
         self.observe_prefill_step(worker, prefill_features(new_tokens, cached_tokens), seconds)
 
     def observe_prefill_step(self, worker: str, features, seconds: float) -> None:
-        """A measured engine step that computed prompt tokens: ``features`` sums its chunks'
-        `prefill_features` (a step's time is the sum of its chunks' costs)."""
+        """A measured engine step of ``worker`` that computed prompt tokens: ``features`` sums its chunks'
+        `prefill_features` (a step's time is the sum of its chunks' costs). It refits the shared model, and
+        first sets the worker's speed against that model's prediction."""
+        if self.learn_worker_speeds:
+            self.prefill_speeds.observe(worker, float(self.estimator.queue_time(np.asarray(features, float))),
+                                        seconds)
         self.estimator.observe_prefill_step(features, seconds)
         self.measurements.add_prefill_step(features, seconds)
 
@@ -126,8 +140,17 @@ class Conductor:
         self.estimator.observe_ttft(measured_s, dec.est_ttft_s - dec.est_overhead_s)
 
     def observe_decode_step(self, worker: str, batch_size: int, context_tokens: int, seconds: float) -> None:
+        """A measured decode-only engine step of ``worker``, as observe_prefill_step's for the decode model."""
+        if self.learn_worker_speeds:
+            self.decode_speeds.observe(worker, float(self.estimator.decode.predict(batch_size, context_tokens)),
+                                       seconds)
         self.estimator.observe_decode_step(batch_size, context_tokens, seconds)
         self.measurements.add_decode_step(batch_size, context_tokens, seconds)
+
+    def forget_worker(self, worker: str) -> None:
+        """A worker that left: its speeds go (a replacement may take its id on other hardware)."""
+        self.prefill_speeds.forget(worker)
+        self.decode_speeds.forget(worker)
 
     def observe_transfer(self, src: str, dst: str, nbytes: int, seconds: float) -> None:
         """A measured KV transfer from ``src`` to ``dst`` (the prefill -> decode hand-off, or a fetch)."""

@@ -19,9 +19,8 @@ Outcome = Decision | Reject
 
 def _local(view: ClusterView, p: int, d: int) -> Decision:
     """Prefill on p with whatever prefix p already holds."""
-    local = view.p_local[p]
-    ttft = view.p_queue_s[p] + view.prefill_s(local)
-    return view.decision(p, d, None, 0, local, ttft)
+    ttft = view.p_queue_s[p] + view.prefill_s(view.p_local)[p]
+    return view.decision(p, d, None, 0, view.p_local[p], ttft)
 
 
 def _least_loaded_decode(view: ClusterView) -> int:
@@ -207,7 +206,7 @@ class Tidepool:
         free = view.d_free[d] + done * ctx / view.d_bs[d]
         left = 1.0 - done
         tbt = view.est.decode.predict(running * left + 1,
-                                      (ctx + running * horizon / tbt_now) * left + view.req.prompt_len)
+                                      (ctx + running * horizon / tbt_now) * left + view.req.prompt_len) * view.d_speed[d]
         return (free >= view.decode_need()[d]) & (tbt <= view.slo.tbt_s), tbt, free
 
     @staticmethod

@@ -11,7 +11,8 @@ from router.simulator import SimConfig, SimRequest
 
 
 def policy_label(cfg: SimConfig) -> str:
-    opts = ",".join(f"{k}={v}" for k, v in sorted(cfg.policy_options.items()))
+    options = dict(cfg.policy_options, **({} if cfg.learn_worker_speeds else {"worker_speeds": "off"}))
+    opts = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
     return f"{cfg.policy}[{opts}]" if opts else cfg.policy
 
 

@@ -28,6 +28,10 @@ class SimConfig:
     policy_options: dict = field(default_factory=dict)  # passed to the policy (e.g. ablation switches)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # off while it has no bounds
     worker_start_s: float = 60.0  # an added worker serves this long after it was asked for
+    # A mixed fleet: prefill worker n computes in prefill_slowdown[n % len] times the profile's time (its
+    # true speed, which the router learns from its steps unless learn_worker_speeds is off); (): all alike.
+    prefill_slowdown: tuple[float, ...] = ()
+    learn_worker_speeds: bool = True
 
     def __post_init__(self) -> None:
         """ValueError naming the first setting that cannot describe a cluster or a replay."""
@@ -38,6 +42,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not self.noise >= 0:
             raise ValueError(f"noise must be at least 0, got {self.noise}")
+        if not all(f > 0 for f in self.prefill_slowdown):
+            raise ValueError(f"--prefill-slowdown factors must be positive, got {list(self.prefill_slowdown)}")
         if self.autoscale.bounds:
             self.autoscale.check({"prefill": self.prefill, "decode": self.decode})
             if not self.worker_start_s >= 0:
@@ -66,8 +72,8 @@ class SimJob:
 
 
 class SimPrefill:
-    def __init__(self, wid: str, cache: BlockCache):
-        self.id, self.cache = wid, cache
+    def __init__(self, wid: str, cache: BlockCache, slowdown: float = 1.0):
+        self.id, self.cache, self.slowdown = wid, cache, slowdown  # its prefills take slowdown x the profile's
         self.queue: deque[SimJob] = deque()  # waiting to start, in order
         self.pairs: deque[tuple[int, int]] = deque()  # (new, cached) of every unfinished prefill
         self.waiting = [0.0, 0.0, 0.0]  # summed features of the queue

@@ -41,7 +41,8 @@ class Simulation:
         self.unfinished = len(self.reqs)  # neither served to the end nor rejected yet
         self.demand = Demand(cfg.autoscale.window_s) if cfg.autoscale.bounds else None
         self.conductor = Conductor(cfg.policy, profile.estimator(), cfg.slo, block_size=cfg.block_tokens,
-                                   seed=cfg.seed, demand=self.demand, **cfg.policy_options)
+                                   seed=cfg.seed, demand=self.demand, learn_worker_speeds=cfg.learn_worker_speeds,
+                                   **cfg.policy_options)
         self.rng = np.random.default_rng(cfg.seed)
         self.index = PrefixIndex()
         self.prefill: dict[str, SimPrefill] = {}
@@ -84,11 +85,13 @@ class Simulation:
         return self.prefill if role == "prefill" else self.decode
 
     def _add_worker(self, role: str) -> str:
-        wid = f"{role[0]}{self._numbers[role]}"
+        number = self._numbers[role]
+        wid = f"{role[0]}{number}"
         self._numbers[role] += 1
         if role == "prefill":
             cache = BlockCache(wid, self.profile.prefill_cache_tokens // self.cfg.block_tokens, self.index)
-            self.prefill[wid] = SimPrefill(wid, cache)
+            slowdown = self.cfg.prefill_slowdown
+            self.prefill[wid] = SimPrefill(wid, cache, slowdown[number % len(slowdown)] if slowdown else 1.0)
         else:
             prof = self.profile
             self.decode[wid] = SimDecode(wid, prof.decode_kv_tokens // prof.decode_block_size, prof.decode_block_size,
@@ -237,7 +240,7 @@ class Simulation:
                          reusable_tokens(r.prompt, self.cfg.block_tokens)), job.fetched)
         new = r.prompt - cached
         start = max(self.now, job.ready)
-        dur = float(self.profile.prefill.predict(new, cached))
+        dur = float(self.profile.prefill.predict(new, cached)) * p.slowdown
         if self.cfg.noise > 0:
             dur *= float(self.rng.lognormal(0.0, self.cfg.noise))
         p.running = (r, new, cached, start, start + dur)

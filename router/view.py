@@ -109,8 +109,11 @@ class ClusterView:
     def __init__(self, req: RouteRequest, est: Estimator, slo: SLO, block_size: int, now: float,
                  mean_output_tokens: float, table: LoadTable, matches: dict[str, int], pool_blocks: int,
                  inflight: dict[str, tuple[int, float]] | None = None, heat: np.ndarray | None = None,
-                 heat_stride: int = 1):
+                 heat_stride: int = 1, p_speed: np.ndarray | None = None, d_speed: np.ndarray | None = None):
         self.req, self.est, self.slo, self.block_size, self.now = req, est, slo, block_size, now
+        # each worker's step times against the shared models (router.worker_speed); 1: as modelled
+        self.p_speed = np.ones(len(table.p_ids)) if p_speed is None else p_speed
+        self.d_speed = np.ones(len(table.d_ids)) if d_speed is None else d_speed
         # requests a second that carried each heat_stride blocks of this prompt's prefix (router.heat)
         self.heat, self.heat_stride = np.zeros(0) if heat is None else heat, heat_stride
         self.mean_output_tokens = mean_output_tokens
@@ -120,8 +123,8 @@ class ClusterView:
         self.p_ids, self.d_ids = table.p_ids, table.d_ids
         rp, rd, pp, pd = table.data[p], table.data[d], table.pending[p], table.pending[d]
         # Reported queues drain in real time until the next report; what was routed since is added.
-        drained = np.maximum(est.queue_time(rp[:, QF]) - (now - rp[:, UPDATED]), 0.0)
-        self.p_queue_s = drained + est.queue_time(pp[:, P_QF])
+        drained = np.maximum(est.queue_time(rp[:, QF]) * self.p_speed - (now - rp[:, UPDATED]), 0.0)
+        self.p_queue_s = drained + est.queue_time(pp[:, P_QF]) * self.p_speed
         self.p_nqueued = rp[:, NQUEUED] + pp[:, P_PREFILLS]
         self.p_cache_free = rp[:, FREE]
         self.p_to_d = table.d_pos[p]  # colocated prefill workers decode the request themselves
@@ -176,20 +179,22 @@ class ClusterView:
         return np.minimum(blocks * self.block_size, self._cap)
 
     def prefill_s(self, blocks):
+        """Seconds each prefill worker computes the prompt in after a prefix of ``blocks`` (one count, or
+        one per worker)."""
         cached = self.cached_tokens(blocks)
-        return self.est.prefill.predict(self.req.prompt_len - cached, cached)
+        return self.est.prefill.predict(self.req.prompt_len - cached, cached) * self.p_speed
 
     def _prefill_one_s(self, blocks: float) -> float:
-        cached = min(blocks * self.block_size, self._cap)  # plain floats: one worker
+        cached = min(blocks * self.block_size, self._cap)  # plain floats: one source
         return self.est.prefill.predict(self.req.prompt_len - cached, cached)
 
     def peer_prefill_s(self):
-        """prefill_s(p_peer), evaluated once per source rather than once per worker."""
-        return self._per_source(self._peers, self._prefill_one_s)
+        """prefill_s(p_peer), the model evaluated once per source rather than once per worker."""
+        return self._per_source(self._peers, self._prefill_one_s) * self.p_speed
 
     def future_prefill_s(self):
         """prefill_s(p_future), likewise."""
-        return self._per_source(self._future, self._prefill_one_s)
+        return self._per_source(self._future, self._prefill_one_s) * self.p_speed
 
     def peer_source(self, p: int) -> str | None:
         """The worker p would fetch a longer prefix from."""
@@ -233,7 +238,7 @@ class ClusterView:
     def tbt_now(self):
         """Step time on each decode worker with this request added to today's batch."""
         if self._tbt_now is None:
-            self._tbt_now = self.est.decode.predict(self.d_running + 1, self.d_ctx + self.req.prompt_len)
+            self._tbt_now = self.est.decode.predict(self.d_running + 1, self.d_ctx + self.req.prompt_len) * self.d_speed
         return self._tbt_now
 
     def decode_for(self, p: int, d: int) -> int:

@@ -125,7 +125,8 @@ class Dispatcher:
                     if step > seen:
                         self.conductor.observe_decode_step(worker.worker_id, batch, context, seconds)
                 self._loads[worker.worker_id] = result
-                self.metrics.set_worker_load(result)
+                self.metrics.set_worker_load(result, self.conductor.prefill_speeds.factor(worker.worker_id),
+                                             self.conductor.decode_speeds.factor(worker.worker_id))
             elif isinstance(result, WorkerDiedError):
                 self._mark_dead(worker.worker_id)
             else:
@@ -167,6 +168,7 @@ class Dispatcher:
         """Forget a dead or drained worker (requests that were on it resume on their own) and its series."""
         self.workers.pop(worker_id, None)
         self._deaths.pop(worker_id, None)
+        self.conductor.forget_worker(worker_id)
         if (load := self._loads.pop(worker_id, None)) is not None and load.alive:
             self.metrics.set_worker_load(dataclasses.replace(load, alive=False))
 

@@ -182,14 +182,21 @@ class Metrics:
                            "Fraction of a worker's KV blocks in use (0-1)", w, registry=r),
             "leases": Gauge("tidepool_worker_waiting_leases",
                             "Decode reservations waiting for KV blocks on a worker", w, registry=r),
+            "prefill_ratio": Gauge("tidepool_worker_prefill_time_ratio",
+                                   "A worker's measured prefill steps over the router's shared model's prediction "
+                                   "(1: as modelled; its prompts are priced by it)", w, registry=r),
+            "decode_ratio": Gauge("tidepool_worker_decode_time_ratio",
+                                  "A worker's measured decode steps over the router's shared model's prediction",
+                                  w, registry=r),
         }
         # which worker preempts matters: on a decode worker each preemption computes a prompt again
         self.worker_preemptions = Counter("tidepool_worker_preemptions",
                                           "Requests preempted by a worker's scheduler", w, registry=r)
 
     # ---- worker reports ---------------------------------------------------------------------------------
-    def set_worker_load(self, load: WorkerLoad) -> None:
-        """Take a worker's latest report; a dead worker's series are dropped."""
+    def set_worker_load(self, load: WorkerLoad, prefill_ratio: float = 1.0, decode_ratio: float = 1.0) -> None:
+        """Take a worker's latest report, and its step times over the router's models (``router.worker_speed``);
+        a dead worker's series are dropped."""
         labels = (self.model_name, load.worker_id, load.role)
         if not load.alive:
             self._loads.pop(load.worker_id, None)
@@ -201,7 +208,8 @@ class Metrics:
         used = load.total_blocks - load.free_blocks
         usage = used / load.total_blocks if load.total_blocks else 0.0
         values = {"waiting": load.num_waiting, "running": load.num_running, "used": used,
-                  "capacity": load.total_blocks, "usage": usage, "leases": load.waiting_leases}
+                  "capacity": load.total_blocks, "usage": usage, "leases": load.waiting_leases,
+                  "prefill_ratio": prefill_ratio, "decode_ratio": decode_ratio}
         for key, value in values.items():
             self.worker_gauges[key].labels(*labels).set(value)
         self._count(load)

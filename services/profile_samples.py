@@ -8,7 +8,7 @@ from services.dispatcher import Dispatcher
 
 def profile_samples(dispatcher: Dispatcher) -> dict:
     """The workers' start-up profiles, their measured engine steps and KV transfers (the conductor keeps
-    the latest of each), and the sizes a profile needs."""
+    the latest of each), each worker's speed against the shared models, and the sizes a profile needs."""
     workers = list(dispatcher.workers.values())
     return {
         "model": dispatcher.model_id,
@@ -19,4 +19,7 @@ def profile_samples(dispatcher: Dispatcher) -> dict:
         "startup": {"prefill": [list(s) for w in workers for s in w.info.profile.prefill],
                     "decode": [list(s) for w in workers for s in w.info.profile.decode]},
         **dispatcher.conductor.measurements.to_dict(),
+        # each measured worker's step times over the shared models' (router.worker_speed)
+        "worker_speeds": {"prefill": dispatcher.conductor.prefill_speeds.to_dict(),
+                          "decode": dispatcher.conductor.decode_speeds.to_dict()},
     }

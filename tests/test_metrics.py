@@ -134,6 +134,10 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
     # Blocks that waiting leases are owed are not in use yet: the usage stays the engine's.
     assert sample(m, "tidepool_worker_kv_cache_usage_perc", worker="d0", role="decode") == pytest.approx(0.4)
     assert sample(m, "tidepool_worker_waiting_leases", worker="d0", role="decode") == 2
+    assert sample(m, "tidepool_worker_decode_time_ratio", worker="d0", role="decode") == 1.0  # none given: as modelled
+    m.set_worker_load(WorkerLoad("d0", "decode", free_blocks=60), prefill_ratio=1.5, decode_ratio=2.0)
+    assert sample(m, "tidepool_worker_prefill_time_ratio", worker="d0", role="decode") == 1.5
+    assert sample(m, "tidepool_worker_decode_time_ratio", worker="d0", role="decode") == 2.0
     # A report with lower counts (never from a live worker) takes nothing back.
     report("p0", "prefill", free_blocks=90, prefix_cache_queries=10)
     assert sample(m, "tidepool_prefix_cache_queries_total") == 100

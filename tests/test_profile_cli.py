@@ -60,6 +60,11 @@ def test_profile_of_a_live_server_feeds_the_simulator_and_predicts_live_prefills
     assert len(steps) and (steps[:, 0] > steps[:, 1] * (steps[:, 1] + 1) / 2).any()  # chunks on a cached prefix
     assert any(batch > 1 for batch, _, _ in samples["decode_steps"])
     assert any(src.startswith("prefill") and dst.startswith("decode") for src, dst, _, _ in samples["transfers"])
+    # each worker's steps against the refit models: the prefill worker's prefills, the decode worker's decode steps
+    speeds = samples["worker_speeds"]
+    assert any(w.startswith("prefill") for w in speeds["prefill"])
+    assert [w.split("-")[0] for w in speeds["decode"]] == ["decode"]
+    assert all(0 < f < 20 for kind in speeds.values() for f in kind.values())
     profile = Profile.load(out)
     assert profile.kv_bytes_per_token == samples["kv_bytes_per_token"] and profile.decode_kv_tokens > 0
     assert "prefill steps" in capsys.readouterr().out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,22 @@ def test_every_request_is_served_or_rejected(trace, policy):
     assert res["served"] + res["rejected"] == res["arrived"]
     assert sum(res["rejected_by_reason"].values()) == res["rejected"]
     assert 0 <= res["slo_attainment"] <= 1 and 0 <= res["cache_hit_rate"] < 1
+
+
+@pytest.mark.timeout(120)
+def test_a_mixed_fleet_is_served_better_when_the_router_learns_each_workers_speed(trace):
+    """Every other prefill worker computes 4x slower than the profile says: the router that prices each
+    worker by its measured steps (router/worker_speed.py) keeps the slow ones' queues short, the one
+    pricing them all by the shared model piles prompts on them; equal workers' factors stay near 1."""
+    mixed = SimConfig(prefill=4, decode=2, policy="tidepool", speed=0.25, prefill_slowdown=(1, 4))
+    learned = simulate(trace, small_profile(), mixed)
+    blind = simulate(trace, small_profile(), replace(mixed, learn_worker_speeds=False))
+    assert blind["policy"] == "tidepool[worker_speeds=off]"
+    assert learned["slo_attainment"] > blind["slo_attainment"] + 0.2
+    assert learned["ttft_s"]["mean"] < blind["ttft_s"]["mean"] / 2
+    sim = Simulation(trace, small_profile(), replace(mixed, prefill_slowdown=()))
+    sim.run()
+    assert all(0.8 < f < 1.25 for f in sim.conductor.prefill_speeds.to_dict().values())
 
 
 @pytest.mark.timeout(120)
@@ -149,6 +166,7 @@ def test_simulate_command_stops_before_running_on_a_bad_trace(tmp_path, capsys):
     (["--speed", "0"], "speed must be positive"), (["--ttft-slo-s", "0"], "ttft_slo_s must be positive"),
     (["--tbt-slo-ms", "nan"], "tbt_slo_s must be positive"), (["--noise", "-1"], "noise must be at least 0"),
     (["--max-requests", "0"], "max_requests must be at least 1"),
+    (["--prefill-slowdown", "1,0"], "--prefill-slowdown factors must be positive"),
 ])
 def test_simulate_command_refuses_a_setting_that_describes_no_cluster(tmp_path, capsys, option, named):
     """Each of these ran into a ZeroDivisionError or an empty min(), or simulated a cluster that rejected
