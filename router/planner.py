@@ -8,7 +8,10 @@ load over the target. Decode: the sequences running or waiting on decode workers
 window, over what one worker holds at once within the TBT SLO (the decode model's step at that batch and the
 mean context) and within its KV cache, at the target utilization. Colocated workers do both: their shares
 add up. Requests the router rejected in the window for a role's SLO (TTFT: prefill; TBT or decode room:
-decode) ask for one worker more than runs, whatever the load says: the estimate missed something.
+decode) ask for one worker more than runs, whatever the load says: the estimate missed something. In a mixed
+fleet each worker's speed against the shared models (`router.worker_speed`) sets what it carries: the
+prompt work is over the mean prefill capacity of the role's workers, the sequences over the mean each holds
+at its own step time; a worker to add is taken to be like the average of those serving.
 
 A count grows as soon as the load asks for it and shrinks only when the workers left would run below
 ``SHRINK_MARGIN`` of the target, so a load near a boundary does not add and drain a worker in turn (the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,12 +93,12 @@ class Demand:
 
 
 def sequences_per_worker(decode: DecodeModel, tbt_slo_s: float, context_tokens: float, max_num_seqs: int,
-                         kv_tokens: int) -> int:
+                         kv_tokens: int, speed: float = 1.0) -> int:
     """Sequences one decode worker runs at once: within the TBT SLO (a step of batch B holds B times the mean
-    context), its KV cache and ``max_num_seqs``; at least 1 (a step slower than the SLO alone is not helped
-    by more workers)."""
-    per_seq_s = decode.per_seq_s + decode.per_context_token_s * context_tokens
-    by_tbt = (tbt_slo_s - decode.fixed_s) / per_seq_s if per_seq_s > 0 else math.inf
+    context; ``speed``: the worker's steps over the model's), its KV cache and ``max_num_seqs``; at least 1
+    (a step slower than the SLO alone is not helped by more workers)."""
+    per_seq_s = (decode.per_seq_s + decode.per_context_token_s * context_tokens) * speed
+    by_tbt = (tbt_slo_s - decode.fixed_s * speed) / per_seq_s if per_seq_s > 0 else math.inf
     by_kv = kv_tokens / context_tokens if context_tokens > 0 else math.inf
     return max(1, math.floor(min(max_num_seqs, by_tbt, by_kv)))
 
@@ -117,13 +121,16 @@ class Planner:
         self.slo = slo
         self.max_num_seqs = max_num_seqs
 
-    def plan(self, window: LoadWindow, estimator: Estimator, current: dict[str, int],
-             kv_tokens: int) -> dict[str, RoleLoad]:
+    def plan(self, window: LoadWindow, estimator: Estimator, current: dict[str, int], kv_tokens: int,
+             prefill_speeds: Sequence[float] = (), decode_speeds: Sequence[float] = ()) -> dict[str, RoleLoad]:
         """``current``: workers serving (or being replaced) per role; ``kv_tokens``: one decode worker's KV
-        cache in tokens."""
-        prefill = float(np.dot(window.prompt_features, estimator.prefill.coef)) / window.seconds
-        per_worker = sequences_per_worker(estimator.decode, self.slo.tbt_s, window.context_tokens,
-                                          self.max_num_seqs, kv_tokens)
+        cache in tokens; ``prefill_speeds`` / ``decode_speeds``: the speed factors of the workers serving
+        prompts / decoding (none: all as the models say)."""
+        capacity = float(np.mean([1.0 / f for f in prefill_speeds])) if len(prefill_speeds) else 1.0
+        prefill = float(np.dot(window.prompt_features, estimator.prefill.coef)) / window.seconds / capacity
+        per_worker = float(np.mean([sequences_per_worker(estimator.decode, self.slo.tbt_s, window.context_tokens,
+                                                         self.max_num_seqs, kv_tokens, f)
+                                    for f in (decode_speeds if len(decode_speeds) else (1.0,))]))
         decode = window.decode_sequences / per_worker
         loads = {"prefill": prefill, "decode": decode, "colocated": prefill + decode}
         out = {}

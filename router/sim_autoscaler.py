@@ -50,8 +50,10 @@ class SimAutoscaler:
         sim.demand.add_decode_sample(now, running + sum(len(d.waiting) for d in serving),
                                      sum(d.ctx for d in serving) / running if running else 0.0)
         current = {role: self._current(role) for role in self.config.bounds}
-        plan = self.planner.plan(sim.demand.window(now), sim.conductor.estimator, current,
-                                 sim.profile.decode_kv_tokens)
+        conductor = sim.conductor
+        plan = self.planner.plan(sim.demand.window(now), conductor.estimator, current, sim.profile.decode_kv_tokens,
+                                 conductor.prefill_speeds.factors(self._serving("prefill")),
+                                 conductor.decode_speeds.factors([d.id for d in serving]))
         for role, planned in plan.items():
             if self.starting[role] or any(w in sim.draining for w in sim.workers(role)):
                 continue  # a change under way: plan again once it is done

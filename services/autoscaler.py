@@ -19,7 +19,7 @@ import logging
 import time
 
 from router.autoscale_rules import AutoscaleConfig, ScaleRule
-from router.loads import DECODE_ROLES
+from router.loads import DECODE_ROLES, PREFILL_ROLES
 from router.planner import Planner, RoleLoad
 from services.background import cancel_and_wait
 from services.cluster_status import drain_order, worker_rows
@@ -81,8 +81,12 @@ class Autoscaler:
         kept = {role: [r for r in rows if r["role"] == role] for role in self.config.bounds}
         current = {role: len(workers) for role, workers in kept.items()}
         kv_tokens = min(ld.total_blocks * ld.block_size for ld in decoding)
-        estimator = self.dispatcher.conductor.estimator
-        self.plan = self.planner.plan(demand.window(now), estimator, current, kv_tokens)
+        conductor = self.dispatcher.conductor
+        serving = [ld for ld in self.dispatcher.loads.values() if ld.alive]
+        self.plan = self.planner.plan(
+            demand.window(now), conductor.estimator, current, kv_tokens,
+            conductor.prefill_speeds.factors([ld.worker_id for ld in serving if ld.role in PREFILL_ROLES]),
+            conductor.decode_speeds.factors([ld.worker_id for ld in decoding]))
         for role, planned in self.plan.items():
             self.dispatcher.metrics.set_autoscaler_plan(role, planned.load, planned.wanted)
             change = self._changes.get(role)

@@ -14,7 +14,8 @@ if TYPE_CHECKING:  # the autoscaler's module imports the workers' actor classes,
 
 def worker_rows(dispatcher: Dispatcher) -> list[dict]:
     """One JSON row per worker. ``waiting`` counts what waits for the worker: prefills queued on it, and
-    decode reservations waiting for free blocks (also apart, as ``waiting_leases``)."""
+    decode reservations waiting for free blocks (also apart, as ``waiting_leases``); the time ratios are its
+    measured steps over what the router's shared models predict (``router.worker_speed``)."""
     out = []
     for worker in dispatcher.workers.values():
         load = dispatcher.loads.get(worker.worker_id)
@@ -25,6 +26,9 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
             "waiting": len(load.queued_prefills) + load.waiting_leases if load else 0,
             "waiting_leases": load.waiting_leases if load else 0, "running": load.num_running if load else 0,
             "draining": worker.worker_id in dispatcher.draining,
+            # its measured steps over the router's shared models (router.worker_speed): 1 as modelled
+            "prefill_time_ratio": dispatcher.conductor.prefill_speeds.factor(worker.worker_id),
+            "decode_time_ratio": dispatcher.conductor.decode_speeds.factor(worker.worker_id),
         })
     return out
 

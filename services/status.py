@@ -69,6 +69,12 @@ def _table(headers: list[str], rows: list[list[str]]) -> list[str]:
             for row in (headers, *rows)]
 
 
+def _time_ratios(worker: dict) -> str:
+    """Its measured steps over the router's models, as "1.00/1.00" ("-" from a gateway without them)."""
+    ratios = (worker.get("prefill_time_ratio"), worker.get("decode_time_ratio"))
+    return "-" if None in ratios else "/".join(f"{r:.2f}" for r in ratios)
+
+
 def render_status(status: dict) -> str:
     """The human view: a header, Redis, router and autoscaler lines, then one row per worker (dead ones say
     DEAD)."""
@@ -86,11 +92,12 @@ def render_status(status: dict) -> str:
     ]
     rows = [
         [str(w.get("id", "?")), str(w.get("role", "?")), _num(w.get("node")), _num(w.get("device")),
-         f"{_num(w.get('waiting'))}/{_num(w.get('running'))}", _kv_blocks(w),
+         f"{_num(w.get('waiting'))}/{_num(w.get('running'))}", _kv_blocks(w), _time_ratios(w),
          "draining" if w.get("draining") else "alive" if w.get("alive") else "DEAD"]
         for w in workers
     ]
-    lines += _table(["WORKER", "ROLE", "NODE", "DEVICE", "QUEUE wait/run", "KV BLOCKS used/total", "STATE"], rows)
+    lines += _table(["WORKER", "ROLE", "NODE", "DEVICE", "QUEUE wait/run", "KV BLOCKS used/total",
+                     "STEP TIME prefill/decode", "STATE"], rows)
     dead = sum(1 for w in workers if not w.get("alive"))
     lines += ["", f"{len(workers)} workers: {len(workers) - dead} alive, {dead} dead"]
     return "\n".join(lines)
@@ -107,7 +114,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 DESCRIPTION = (
-    "Show every worker of a running cluster (role, node, device, queue, KV blocks, alive or dead) and the "
+    "Show every worker of a running cluster (role, node, device, queue, KV blocks, step times against the "
+    "router's models, alive or dead) and the "
     "Redis and router state, as the gateway reports them at GET /v1/cluster/status."
 )
 

@@ -69,6 +69,22 @@ def test_a_decode_worker_holds_what_the_tbt_slo_its_kv_cache_and_max_num_seqs_al
 
 
 @pytest.mark.timeout(10)
+def test_a_mixed_fleet_is_planned_by_each_workers_speed():
+    """Prompt work priced by the shared model, carried by workers of factors 1 and 3: each does 1/1 and 1/3 of
+    a model-second a second, 2/3 on average, so the load is 1.5x what the model alone says. A decode worker
+    twice as slow holds (50 - 20) / 4 = 7 sequences of 1,000 tokens within 50 ms, the fast one 20."""
+    planner = Planner({"prefill": (1, 20), "decode": (1, 20)}, utilization=1.0, slo=SLO_, max_num_seqs=64)
+    window = _window(prompts=(0.0, 400_000.0, 0.0), sequences=27.0, context=1000.0)  # 4 model-seconds a second
+    alike = planner.plan(window, ESTIMATOR, {"prefill": 2, "decode": 2}, kv_tokens=1_000_000)
+    mixed = planner.plan(window, ESTIMATOR, {"prefill": 2, "decode": 2}, kv_tokens=1_000_000,
+                         prefill_speeds=[1.0, 3.0], decode_speeds=[1.0, 2.0])
+    assert alike["prefill"].load == pytest.approx(4.0) and mixed["prefill"].load == pytest.approx(6.0)
+    assert sequences_per_worker(DECODE, 0.05, 1000, max_num_seqs=64, kv_tokens=1_000_000, speed=2.0) == 7
+    assert alike["decode"].load == pytest.approx(27 / 20) and mixed["decode"].load == pytest.approx(27 / 13.5)
+    assert (alike["prefill"].wanted, mixed["prefill"].wanted) == (4, 6)
+
+
+@pytest.mark.timeout(10)
 def test_a_count_grows_with_the_load_shrinks_only_well_below_the_target_and_stays_within_its_bounds():
     planner = Planner({"decode": (1, 4)}, utilization=0.5, slo=SLO_, max_num_seqs=10)  # 10 a worker, 5 at 50 %
 
