@@ -23,6 +23,10 @@ class WorkerSpeeds:
     def __init__(self, decay: float = 0.95, warmup: int = 4):
         self.decay, self.warmup = decay, warmup
         self._sums: dict[str, list[float]] = {}  # worker -> [decayed measured s, decayed predicted s, steps]
+        # factors() of the last worker list asked for, until a step is observed: the router asks on every
+        # decision, with the same list (``LoadTable.p_ids``) until the workers change
+        self._version = 0
+        self._cached: tuple[Sequence[str], int, np.ndarray] | None = None
 
     def observe(self, worker: str, predicted_s: float, measured_s: float) -> None:
         """One measured step of ``worker`` and what the shared model predicted for it (before refitting
@@ -33,6 +37,7 @@ class WorkerSpeeds:
         sums[0] = self.decay * sums[0] + measured_s
         sums[1] = self.decay * sums[1] + predicted_s
         sums[2] += 1
+        self._version += 1
 
     def factor(self, worker: str) -> float:
         sums = self._sums.get(worker)
@@ -41,11 +46,19 @@ class WorkerSpeeds:
         return min(max(sums[0] / sums[1], FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
 
     def factors(self, workers: Sequence[str]) -> np.ndarray:
-        return np.array([self.factor(w) for w in workers], dtype=float)
+        """``factor`` of each of ``workers``; the array is shared with the next call for the same list object
+        until a step is observed: read it, never write it."""
+        cached = self._cached
+        if cached is not None and cached[0] is workers and cached[1] == self._version:
+            return cached[2]
+        out = np.array([self.factor(w) for w in workers], dtype=float)
+        self._cached = (workers, self._version, out)
+        return out
 
     def forget(self, worker: str) -> None:
         """A worker that left (its id may come back on other hardware)."""
         self._sums.pop(worker, None)
+        self._version += 1
 
     def to_dict(self) -> dict[str, float]:
         """Every measured worker's factor (``GET /v1/cluster/profile``, the metrics)."""

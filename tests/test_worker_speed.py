@@ -30,6 +30,17 @@ def test_a_factor_is_decayed_measured_over_predicted_once_warmed_up():
     assert speeds.to_dict() == {}
 
 
+def test_factors_of_the_same_worker_list_follow_every_new_step():
+    """The router asks on every decision with the same list object: the answer is kept until a step comes."""
+    speeds, workers = WorkerSpeeds(decay=1.0, warmup=1), ["a", "b"]
+    assert list(speeds.factors(workers)) == [1.0, 1.0]
+    speeds.observe("b", predicted_s=1.0, measured_s=2.0)
+    assert list(speeds.factors(workers)) == [1.0, 2.0]
+    assert speeds.factors(workers) is speeds.factors(workers)  # nothing new: the same array
+    speeds.forget("b")
+    assert list(speeds.factors(workers)) == [1.0, 1.0]
+
+
 def slow_first_prefill_worker(policy: str, learn: bool, slowdown: float = 3.0):
     """A conductor whose workers p0 and p1 each ran 8 prefill steps, p0's taking ``slowdown`` times what
     p1's took for the same work."""
