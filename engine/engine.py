@@ -152,6 +152,9 @@ class Engine:
                 step.decode_context_tokens += pos + 1
             else:
                 step.prefill_chunks.append((seq.request_id, n, pos))
+                if seq.draft_ids:
+                    step.drafted_seqs += 1
+                    step.drafted_context_tokens += pos + 1
         layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
         # Structured outputs: the tokens each completing sequence may sample, found while the forward pass runs
         bitmask = self.grammars.fill([seq.grammar if seq.num_computed_tokens + n == seq.num_tokens else None
@@ -185,8 +188,9 @@ class Engine:
             every_row_once = rows == list(range(logits.shape[0]))
             outputs += self._sample(logits if every_row_once else logits[rows], sampled,
                                     None if bitmask is None else bitmask[mask_rows])
-        if drafted:
-            outputs += self._verify(logits, drafted, draft_masks)
+        verified = self._verify(logits, drafted, draft_masks) if drafted else []
+        outputs += verified
+        step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs

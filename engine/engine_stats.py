@@ -33,11 +33,16 @@ class StepComposition:
     """What one step computed, for the router's cost fits: each prompt chunk as (request id, tokens
     computed, tokens before it in the sequence), and the decode rows (one token each) with the tokens
     their sequences hold. A speculating sequence's chunk (its last token and its draft) counts as a prompt
-    chunk: it costs what a chunk of that length after that context costs."""
+    chunk: it costs what a chunk of that length after that context costs; such chunks are also counted
+    apart, with their sequences' tokens, and ``decoded_tokens`` is what the decoding sequences (decode rows
+    and drafted chunks) produced: more than one a sequence where drafts were accepted."""
 
     prefill_chunks: list[tuple[str, int, int]]
     decode_seqs: int
     decode_context_tokens: int
+    drafted_seqs: int = 0
+    drafted_context_tokens: int = 0
+    decoded_tokens: int = 0
 
 
 def engine_stats(scheduler: Scheduler, block_manager: BlockManager, step_times_s: Iterable[float],

@@ -147,6 +147,15 @@ class Conductor:
         self.estimator.observe_decode_step(batch_size, context_tokens, seconds)
         self.measurements.add_decode_step(batch_size, context_tokens, seconds)
 
+    def observe_drafted_step(self, worker: str, batch_size: int, context_tokens: int, seconds: float,
+                             tokens: int) -> None:
+        """A measured step of ``worker`` whose sequences all decoded, some verifying drafts (speculative
+        decoding), producing ``tokens`` in all: the worker's decode speed is its time per token against a
+        plain step's, so accepted drafts price its TBT lower. Not a plain step: the model is not refit."""
+        if self.learn_worker_speeds and tokens > 0:
+            self.decode_speeds.observe(worker, float(self.estimator.decode.predict(batch_size, context_tokens)),
+                                       seconds * batch_size / tokens)
+
     def forget_worker(self, worker: str) -> None:
         """A worker that left: its speeds go (a replacement may take its id on other hardware)."""
         self.prefill_speeds.forget(worker)

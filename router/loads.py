@@ -60,6 +60,9 @@ class WorkerLoad:
     last_step_s: float = 0.0
     prefill_steps: tuple[tuple[int, float, float, float, float], ...] = ()  # step, pairs, new, chunks, s
     decode_steps: tuple[tuple[int, int, int, float], ...] = ()  # step, batch, context tokens, s
+    # steps that only decoded, some sequences verifying drafts: step, sequences, context tokens, s, the tokens
+    # they produced (their time per token, against a plain step's, is the worker's decode speed)
+    drafted_steps: tuple[tuple[int, int, int, float, int], ...] = ()
     waiting_leases: int = 0
     waiting_lease_blocks: int = 0
     # For the metrics only (the router ignores them): the engine's waiting queue, and cumulative counts
@@ -93,26 +96,30 @@ class WorkerLoad:
                 self.updated_at)
 
 
-def step_samples(steps) -> tuple[tuple, tuple]:
-    """A worker's latest engine steps as a load report's (prefill_steps, decode_steps).
+def step_samples(steps) -> tuple[tuple, tuple, tuple]:
+    """A worker's latest engine steps as a load report's (prefill_steps, decode_steps, drafted_steps).
 
-    ``steps``: (step number, composition, seconds), the composition having ``prefill_chunks`` [(request,
-    tokens computed, tokens before them)], ``decode_seqs`` and ``decode_context_tokens`` (the engine's
-    StepComposition). A step with prompt chunks is a prefill row, its decode rows counted as one-token
-    chunks on their context; a decode-only step is a decode row.
+    ``steps``: (step number, composition, seconds), the composition being the engine's StepComposition. A
+    step with prompt chunks is a prefill row, its decode rows counted as one-token chunks on their context;
+    a decode-only step is a decode row. A step whose only chunks are drafts being verified is a prefill
+    row too (its chunks cost what such chunks cost) and a drafted row: its decoding sequences, their
+    context, and the tokens they produced.
     """
-    prefill, decode = [], []
+    prefill, decode, drafted = [], [], []
     for number, comp, seconds in steps:
         if not comp.prefill_chunks:
             decode.append((number, comp.decode_seqs, comp.decode_context_tokens, seconds))
             continue
+        if comp.drafted_seqs == len(comp.prefill_chunks):
+            drafted.append((number, comp.decode_seqs + comp.drafted_seqs,
+                            comp.decode_context_tokens + comp.drafted_context_tokens, seconds, comp.decoded_tokens))
         # a decode row is prefill_features(1, context - 1) = (context, 1, 1)
         pairs, new, count = comp.decode_context_tokens, comp.decode_seqs, comp.decode_seqs
         for _, n, before in comp.prefill_chunks:
             p, t, one = prefill_features(n, before)
             pairs, new, count = pairs + p, new + t, count + one
         prefill.append((number, float(pairs), float(new), float(count), seconds))
-    return tuple(prefill), tuple(decode)
+    return tuple(prefill), tuple(decode), tuple(drafted)
 
 
 # LoadTable.data columns

@@ -7,7 +7,9 @@ measured step seconds against what the shared model predicted for the same steps
 exponential decay, and their ratio is its factor (2: its steps take twice what the model predicts). In
 a fleet of equal workers the factors stay near 1 (the shared model fits them all); in a mixed one they
 settle at each worker's ratio to the fleet's mix, so a queue or a prompt on a slow worker is priced as
-slow. Until a worker has ``warmup`` steps, and for a worker never measured, the factor is 1.
+slow. A decoding step where drafts were accepted (speculative decoding) counts per token: its time over the
+tokens each sequence gained, so the TBT expected on a drafting worker is its time per token. Until a worker
+has ``warmup`` steps, and for a worker never measured, the factor is 1.
 """
 
 from __future__ import annotations

@@ -124,6 +124,9 @@ class Dispatcher:
                 for step, batch, context, seconds in result.decode_steps:
                     if step > seen:
                         self.conductor.observe_decode_step(worker.worker_id, batch, context, seconds)
+                for step, batch, context, seconds, tokens in result.drafted_steps:
+                    if step > seen:
+                        self.conductor.observe_drafted_step(worker.worker_id, batch, context, seconds, tokens)
                 self._loads[worker.worker_id] = result
                 self.metrics.set_worker_load(result, self.conductor.prefill_speeds.factor(worker.worker_id),
                                              self.conductor.decode_speeds.factor(worker.worker_id))

@@ -101,14 +101,14 @@ class Worker:
 
     async def load(self) -> WorkerLoad:
         stats = self.loop.stats
-        prefill_steps, decode_steps = step_samples(tuple(self.loop.step_log))
+        prefill_steps, decode_steps, drafted_steps = step_samples(tuple(self.loop.step_log))
         return WorkerLoad(
             worker_id=self.spec.worker_id, role=self.spec.role, alive=self.loop.failure is None,
             queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
             running_context_tokens=stats.running_context_tokens, free_blocks=stats.free_blocks,
             total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=self.loop.stats_at,
             steps=self.loop.steps, last_step_s=self.loop.step_times_s[-1] if self.loop.step_times_s else 0.0,
-            prefill_steps=prefill_steps, decode_steps=decode_steps,
+            prefill_steps=prefill_steps, decode_steps=decode_steps, drafted_steps=drafted_steps,
             num_waiting=stats.num_waiting, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prompt_tokens_cached, prompt_tokens_computed=stats.prompt_tokens_computed,
             pool_hit_tokens=dict(self.hit_tokens),

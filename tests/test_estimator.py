@@ -164,21 +164,29 @@ def test_engine_steps_of_several_chunks_fit_as_one_row_each():
 
 
 @pytest.mark.timeout(30)
-def test_step_samples_split_prefill_steps_from_decode_steps():
+def test_step_samples_split_prefill_steps_from_decode_steps_and_drafted_steps():
+    from engine.engine_stats import StepComposition
     from router.loads import step_samples
 
-    class Step:  # the engine's StepComposition, by its attributes
-        def __init__(self, chunks, decode_seqs=0, decode_ctx=0):
-            self.prefill_chunks, self.decode_seqs, self.decode_context_tokens = chunks, decode_seqs, decode_ctx
-
-    prefill, decode = step_samples([(7, Step([("a", 100, 0), ("b", 50, 200)]), 0.5),
-                                    (8, Step([("c", 10, 0)], decode_seqs=2, decode_ctx=300), 0.2),
-                                    (9, Step([], decode_seqs=3, decode_ctx=900), 0.05)])
+    prefill, decode, drafted = step_samples([
+        (7, StepComposition([("a", 100, 0), ("b", 50, 200)], 0, 0), 0.5),
+        (8, StepComposition([("c", 10, 0)], decode_seqs=2, decode_context_tokens=300), 0.2),
+        (9, StepComposition([], decode_seqs=3, decode_context_tokens=900, decoded_tokens=3), 0.05),
+        # two sequences verify drafts of 3 beside one decode row: 7 tokens come out of the step
+        (10, StepComposition([("d", 4, 99), ("e", 4, 199)], decode_seqs=1, decode_context_tokens=50,
+                             drafted_seqs=2, drafted_context_tokens=300, decoded_tokens=7), 0.08),
+        # a draft verified beside a prompt chunk: prompt work in it, so no per-token decode sample
+        (11, StepComposition([("f", 4, 99), ("g", 64, 0)], 0, 0, drafted_seqs=1, drafted_context_tokens=100,
+                             decoded_tokens=2), 0.3),
+    ])
     a, b, c = PrefillModel.features([100, 50, 10], [0, 200, 0])
     assert prefill[0] == pytest.approx((7, *(a + b), 0.5))
     # decode rows in a mixed step count as one-token chunks on their context: (context, 1, 1) each
     assert prefill[1] == pytest.approx((8, c[0] + 300, c[1] + 2, c[2] + 2, 0.2))
     assert decode == ((9, 3, 900, 0.05),)
+    # a drafted step is priced as chunks (the prefill model) and counted per token (the decode speed)
+    assert [row[0] for row in prefill] == [7, 8, 10, 11]
+    assert drafted == ((10, 3, 350, 0.08, 7),)
 
 
 @pytest.mark.timeout(30)

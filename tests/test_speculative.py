@@ -159,6 +159,24 @@ def test_drafts_change_nothing_but_the_number_of_steps(tiny, cache, sampling):
     assert all_blocks_free(engine)
 
 
+def test_a_drafted_step_counts_the_tokens_its_decoding_sequences_produced(tiny):
+    """What the router's per-token decode speed reads (StepComposition): the drafting sequences apart from
+    the prompt chunks, and every token a step's decoding sequences produced, accepted drafts included."""
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4))
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, SAMPLINGS["greedy"])
+    gained = 0
+    while engine.has_unfinished():
+        produced = sum(len(out.new_token_ids) for out in engine.step())
+        step = engine.last_step
+        if step is None or step.drafted_seqs < len(step.prefill_chunks):
+            continue  # prompt work in the step (its first tokens are no decoding)
+        assert step.decoded_tokens == produced
+        assert step.drafted_context_tokens >= step.drafted_seqs
+        gained = max(gained, step.decoded_tokens - step.decode_seqs - step.drafted_seqs)
+    assert gained > 0  # some step kept accepted draft tokens
+
+
 def test_a_prompts_last_token_computed_alone_is_no_draft(tiny):
     """A 33-token prompt that repeats itself, under a 32-token budget: its last token is computed alone, a
     decode row to the scheduler but still the prompt (whose n = 2 samples fork after it); both samples equal

@@ -96,3 +96,20 @@ def test_a_slower_decode_worker_is_expected_at_its_own_step_time(policy):
     assert ratio == pytest.approx(2.5, rel=0.05)
     c.forget_worker("d0")
     assert c.decode_speeds.factor("d0") == 1.0
+
+
+def test_accepted_drafts_price_a_workers_tbt_per_token():
+    """Speculative decoding: a step that takes a plain step's time but gives each sequence two tokens halves
+    the time per token the router expects on that worker; the shared decode model is not refit on it."""
+    c = conductor("tidepool")
+    model = c.estimator.decode
+    for _ in range(8):
+        seconds = float(model.predict(8, 40_000))
+        c.observe_decode_step("d0", 8, 40_000, seconds)
+        c.observe_drafted_step("d1", 8, 40_000, seconds, tokens=16)
+    assert c.decode_speeds.factor("d1") == pytest.approx(0.5 * c.decode_speeds.factor("d0"), rel=0.05)
+    assert len(c.measurements.decode_steps) == 8  # only the plain steps
+    dec = c.route(REQ, [prefill("p0"), decode("d0"), decode("d1")], PrefixIndex(), now=NOW)
+    assert dec.decode == "d1"
+    alone = c.route(REQ, [prefill("p0"), decode("d0")], PrefixIndex(), now=NOW + 1)
+    assert dec.est_tbt_s == pytest.approx(alone.est_tbt_s / 2, rel=0.1)
