@@ -145,6 +145,24 @@ def _moe(arch: str, raw: dict, num_layers: int) -> MoEConfig | None:
                      shared_expert_intermediate_size=shared)
 
 
+def _sliding_window(arch: str, raw: dict, max_pos: int) -> int | None:
+    """The window every layer attends within, or None for full attention (none set, or one at least as long
+    as the context, which changes nothing). Mistral and Mixtral slide in every layer; Qwen's optional
+    window (``use_sliding_window``) covers only the layers from ``max_window_layers`` on, which one engine
+    window cannot express."""
+    window = raw.get("sliding_window")
+    uses_window = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
+    if not uses_window or window is None or int(window) >= max_pos:
+        return None
+    if arch not in ("MistralForCausalLM", "MixtralForCausalLM"):
+        raise UnsupportedModelError(
+            "use_sliding_window", f"{arch}'s sliding window ({window} < max_position_embeddings {max_pos}) "
+            "applies to some layers only, which is not implemented; supported: false")
+    if not int(window) > 0:
+        raise UnsupportedModelError("sliding_window", f"{window}: must be a positive number of tokens or null")
+    return int(window)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -165,6 +183,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE; None: every layer has the dense MLP
+    # Mistral's (v0.1) and Mixtral's sliding-window attention: every layer's query sees the last W tokens,
+    # itself included; None: full attention. The engine runs it as its attention window without sinks.
+    sliding_window: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
@@ -181,12 +202,7 @@ class ModelConfig:
         if not arch.startswith("Qwen2") and raw.get("attention_bias"):
             raise UnsupportedModelError("attention_bias", f"attention biases are not supported for {arch}")
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        window = raw.get("sliding_window")
-        uses_window = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
-        if uses_window and window is not None and int(window) < max_pos:
-            raise UnsupportedModelError(
-                "sliding_window", f"{window} < max_position_embeddings {max_pos}: sliding-window "
-                "attention is not implemented; supported: null or >= max_position_embeddings")
+        sliding_window = _sliding_window(arch, raw, max_pos)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -202,7 +218,7 @@ class ModelConfig:
             rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
-            bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers),
+            bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
         )
 
     @classmethod

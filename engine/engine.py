@@ -48,9 +48,10 @@ LayerHook = Callable[[int, dict[str, list[int]]], None]
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config, self.block_size = config, config.block_size
-        self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
+        self.attention_backend = backend = attention_backend(config, model_window)  # "torch" | "triton"
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         num_blocks = engine_num_blocks(self.model, self.model_config, config, backend)
         # A full window pool reclaims the windows of blocks the block manager has freed; a block the prefix
@@ -62,15 +63,16 @@ class Engine:
                                 residual_blocks=residual)
         self.device = self.kv_cache.device
         # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
-        self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings)
+        self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings, model_window)
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
                                           config.enable_prefix_caching, config.enable_block_events, residual,
                                           self.kv_cache.release_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if self.window is None else self.window.window)
+        # a streaming window (--kv-window) lets sequences outgrow the context; a model's own window does not
         self.max_model_len = config.max_model_len or (
-            self.model_config.max_position_embeddings if self.window is None else DEFAULT_MAX_LEN)
+            self.model_config.max_position_embeddings if config.kv_window is None else DEFAULT_MAX_LEN)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
                                     num_blocks, self.window)
         if self.runner.supports_decode_graphs and self.device.type == "cuda" and not config.enforce_eager:

@@ -1,4 +1,5 @@
-"""Attention sinks + sliding window (StreamingLLM, Xiao et al. 2023): ``--kv-window W --kv-sinks N``.
+"""Attention sinks + sliding window (StreamingLLM, Xiao et al. 2023): ``--kv-window W --kv-sinks N``; and a
+model's own sliding-window attention (Mistral v0.1's, Mixtral's), which is this window without sinks.
 
 Not to be confused with ``engine/kv_window.py``, the quantized cache's full-precision copy of the blocks
 sequences are still filling: that is how a block is stored, this is which tokens attention keeps at all.
@@ -57,10 +58,16 @@ class StreamingWindow:
     block_size: int
 
     @classmethod
-    def from_config(cls, config: EngineConfig, context: int) -> StreamingWindow | None:
-        """The engine's window (None: full attention); ValueError unless sinks + window fit ``context``."""
+    def from_config(cls, config: EngineConfig, context: int, model_window: int | None = None
+                    ) -> StreamingWindow | None:
+        """The engine's window (None: full attention): ``--kv-window`` / ``--kv-sinks``, else the model's own
+        sliding window (``model_window``, Mistral's: no sinks). ValueError unless sinks + window fit
+        ``context``, or if the window asked for is longer than the model's (it attends to no more)."""
         if config.kv_window is None:
-            return None
+            return None if model_window is None else cls(model_window, 0, config.block_size)
+        if model_window is not None and config.kv_window > model_window:
+            raise ValueError(f"kv_window {config.kv_window} is longer than the model's sliding window of "
+                             f"{model_window} tokens, beyond which it never attends")
         if config.kv_sinks + config.kv_window > context:
             raise ValueError(f"kv_sinks + kv_window ({config.kv_sinks} + {config.kv_window}) exceed the "
                              f"model's context of {context} positions")

@@ -27,14 +27,19 @@ from engine.kv_cache import DenseLayerKV, QuantLayerKV
 from engine.kv_quant import field_view
 
 
-def attention_backend(config: EngineConfig) -> str:
+def attention_backend(config: EngineConfig, model_window: int | None = None) -> str:
     """"torch" or "triton": ``config.attention_backend`` with "auto" resolved (triton on CUDA when triton
-    imports and there is no attention window). EngineConfig has already refused triton with a window; an
-    explicit "triton" that cannot run here raises ValueError."""
+    imports and there is no attention window: ``--kv-window``, or the model's own, ``model_window``).
+    EngineConfig has already refused triton with ``--kv-window``; an explicit "triton" that cannot run here
+    (or with the model's window) raises ValueError."""
     on_cuda = torch.device(config.device).type == "cuda"
+    windowed = config.kv_window is not None or model_window is not None
     if config.attention_backend == "auto":
-        return "triton" if on_cuda and config.kv_window is None and kernels.triton_available() else "torch"
+        return "triton" if on_cuda and not windowed and kernels.triton_available() else "torch"
     if config.attention_backend == "triton":
+        if model_window is not None:
+            raise ValueError(f"attention_backend 'triton' has no attention window, and the model attends within "
+                             f"a sliding window of {model_window} tokens; use attention_backend 'torch'")
         if not kernels.triton_available():
             raise ValueError("attention_backend 'triton' needs the triton package, which does not import")
         from engine.kernels.common import interpreting  # imports triton

@@ -16,6 +16,7 @@ from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampling_params import SamplingParams
+from engine.triton_attention import attention_backend
 
 BLOCK = 16
 PROMPT_LENS = (5, 17, 40, 33)
@@ -55,10 +56,10 @@ class SimpleAllocator:
         return taken
 
 
-def build_hf_checkpoint(path, arch: str) -> transformers.PreTrainedModel:
+def build_hf_checkpoint(path, arch: str, **overrides) -> transformers.PreTrainedModel:
     """Tiny random HF model with every weight (norms and biases too) perturbed, saved to ``path``."""
     config_cls, extra = ARCHS[arch]
-    config = config_cls(**{**COMMON, **extra})
+    config = config_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
@@ -151,6 +152,51 @@ def test_engine_serves_a_mixture_of_experts_as_transformers_generates(tmp_path):
             want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
             assert got[rid] == want, rid
     assert cached["c"] == BLOCK and engine.stats().speculation.drafts > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch, window, block", [("mistral", 20, 8), ("mixtral", 16, 16)])
+def test_a_models_sliding_window_runs_as_transformers_runs_it(tmp_path, arch, window, block):
+    """Mistral v0.1's and Mixtral's sliding-window attention (each query sees the last W tokens): prompts
+    longer than the window, decoding past it, a window that is no multiple of the block: greedy tokens equal
+    transformers', and blocks wholly behind every window are given back as the sequences move on."""
+    hf = build_hf_checkpoint(tmp_path, arch, sliding_window=window)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=block, num_blocks=64, max_num_batched_tokens=32))
+    assert engine.window is not None and (engine.window.window, engine.window.sinks) == (window, 0)
+    assert engine.max_model_len == COMMON["max_position_embeddings"]  # the model's window is no streaming one
+    batch = prompts((9, 45, 30))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(batch):
+        engine.add_request(str(i), ids, params)
+    got: dict[str, list[int]] = {}
+    most_blocks = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        most_blocks = max(most_blocks, engine.block_manager.num_blocks - engine.block_manager.num_free_blocks)
+    with torch.no_grad():
+        for i, ids in enumerate(batch):
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+            assert got[str(i)] == want, i
+    full = sum(math.ceil((len(ids) + 24) / block) for ids in batch)
+    assert most_blocks < full  # what full attention would hold at the end
+
+
+@pytest.mark.timeout(30)
+def test_a_sliding_window_only_some_layers_have_is_refused_and_a_longer_kv_window_too(tmp_path):
+    from engine.config import UnsupportedModelError
+
+    qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
+            "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        ModelConfig.from_dict(qwen)
+    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).sliding_window is None
+    build_hf_checkpoint(tmp_path, "mistral", sliding_window=32)
+    with pytest.raises(ValueError, match="longer than the model's sliding window of 32"):
+        Engine(EngineConfig(model=str(tmp_path), kv_window=64))
+    with pytest.raises(ValueError, match="sliding window of 32 tokens; use attention_backend 'torch'"):
+        attention_backend(EngineConfig(model=str(tmp_path), attention_backend="triton"), 32)
 
 
 @pytest.mark.timeout(60)

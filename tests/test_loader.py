@@ -53,7 +53,8 @@ def test_eos_ids_prefer_generation_config(tmp_path):
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 128}, "sliding_window"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 128}, "use_sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({**QWEN_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({**QWEN_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step"),
@@ -96,11 +97,14 @@ def test_missing_expert_tensor_names_it_as_the_checkpoint_does(tmp_path):
         load_model(tmp_path, "float32", "cpu")
 
 
-def test_sliding_window_covering_the_context_or_disabled_is_accepted():
+def test_sliding_window_covering_the_context_or_disabled_is_full_attention_and_a_shorter_one_is_read():
     mistral = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 256})
     qwen2 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
                                    "use_sliding_window": False})
     assert mistral.architecture == "MistralForCausalLM" and qwen2.attention_bias
+    assert mistral.sliding_window is None and qwen2.sliding_window is None
+    v01 = ModelConfig.from_dict({**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 128})
+    assert v01.sliding_window == 128  # Mistral-7B-v0.1's kind: 4,096 of 32,768
 
 
 def test_sharded_checkpoint_loads_and_matches_transformers(tmp_path):
