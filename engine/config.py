@@ -279,7 +279,7 @@ class EngineConfig:
     kv_window: int | None = None
     kv_sinks: int = 0
     # auto | torch | triton (engine/triton_attention.py). auto: triton on CUDA when triton imports and there
-    # is no kv_window; torch (gather + SDPA) otherwise, e.g. on CPU.
+    # are no kv_sinks; torch (gather + SDPA) otherwise, e.g. on CPU.
     attention_backend: str = "auto"
     # On CUDA with num_blocks None: the fraction of device memory for weights, activations and the KV cache,
     # which gets what is left after a profiling pass (engine/device_memory.py); kv_cache_bytes is for CPU.
@@ -304,9 +304,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend {self.attention_backend!r} is not one of "
                              f"{', '.join(ATTENTION_BACKENDS)}")
-        if self.attention_backend == "triton" and self.kv_window:
-            raise ValueError(f"attention_backend 'triton' has no attention window (got kv_window "
-                             f"{self.kv_window}); use attention_backend 'torch'")
+        if self.attention_backend == "triton" and self.kv_sinks:
+            raise ValueError(f"attention_backend 'triton' has no attention sinks (got kv_sinks {self.kv_sinks}); "
+                             "use attention_backend 'torch' (a sliding window without sinks runs on either)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_window is None and self.kv_sinks:

@@ -51,7 +51,7 @@ class Engine:
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
-        self.attention_backend = backend = attention_backend(config, model_window)  # "torch" | "triton"
+        self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
         num_blocks = engine_num_blocks(self.model, self.model_config, config, backend)
         # A full window pool reclaims the windows of blocks the block manager has freed; a block the prefix

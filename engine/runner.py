@@ -38,12 +38,12 @@ class SeqChunk:
 class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
                  window: StreamingWindow | None = None, attention_backend: str = "torch"):
-        """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``, no
-        window); ``engine.triton_attention.attention_backend`` resolves "auto"."""
+        """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``: a
+        sliding window, no sinks); ``engine.triton_attention.attention_backend`` resolves "auto"."""
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
-        if attention_backend == "triton" and window is not None:
-            raise ValueError("the triton attention backend has no attention window")
+        if attention_backend == "triton" and window is not None and window.sinks:
+            raise ValueError("the triton attention backend has no attention sinks (a sliding window runs on it)")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
@@ -115,7 +115,8 @@ class ModelRunner:
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],
                                         [(chunks[i].block_table, lens[i], chunks[i].start_pos + lens[i])
-                                         for i in prefill], B, self.device)
+                                         for i in prefill], B, self.device,
+                                        0 if self.window is None else self.window.window)
         else:
             self._decode_meta(meta, [chunks[i] for i in decode], pos)
         rows = last_rows if not first_rows else [

@@ -27,19 +27,15 @@ from engine.kv_cache import DenseLayerKV, QuantLayerKV
 from engine.kv_quant import field_view
 
 
-def attention_backend(config: EngineConfig, model_window: int | None = None) -> str:
+def attention_backend(config: EngineConfig) -> str:
     """"torch" or "triton": ``config.attention_backend`` with "auto" resolved (triton on CUDA when triton
-    imports and there is no attention window: ``--kv-window``, or the model's own, ``model_window``).
-    EngineConfig has already refused triton with ``--kv-window``; an explicit "triton" that cannot run here
-    (or with the model's window) raises ValueError."""
+    imports and there are no attention sinks: a plain sliding window, the model's own or ``--kv-window``'s,
+    runs on the kernels). EngineConfig has already refused triton with sinks; an explicit "triton" that
+    cannot run here raises ValueError."""
     on_cuda = torch.device(config.device).type == "cuda"
-    windowed = config.kv_window is not None or model_window is not None
     if config.attention_backend == "auto":
-        return "triton" if on_cuda and not windowed and kernels.triton_available() else "torch"
+        return "triton" if on_cuda and not config.kv_sinks and kernels.triton_available() else "torch"
     if config.attention_backend == "triton":
-        if model_window is not None:
-            raise ValueError(f"attention_backend 'triton' has no attention window, and the model attends within "
-                             f"a sliding window of {model_window} tokens; use attention_backend 'torch'")
         if not kernels.triton_available():
             raise ValueError("attention_backend 'triton' needs the triton package, which does not import")
         from engine.kernels.common import interpreting  # imports triton
@@ -62,6 +58,7 @@ class PagedAttentionMeta:
     cu_seqlens_q: torch.Tensor  # [num_prefills + 1]
     seq_lens: torch.Tensor  # [num_prefills]: cached prefix + chunk
     max_query_len: int  # sizes the prefill grid without a device sync
+    window: int = 0  # a sliding-window model's: each query sees its last ``window`` positions; 0: all
 
 
 def _padded(tables: list[list[int]], lens: list[int], block_size: int) -> tuple[list[int], int]:
@@ -75,9 +72,10 @@ def _padded(tables: list[list[int]], lens: list[int], block_size: int) -> tuple[
 
 
 def paged_metadata(decode: list[tuple[list[int], int]], prefill: list[tuple[list[int], int, int]],
-                   block_size: int, device: torch.device) -> PagedAttentionMeta:
+                   block_size: int, device: torch.device, window: int = 0) -> PagedAttentionMeta:
     """``decode``: (block table, context length) per decode row; ``prefill``: (block table, query length,
-    sequence length) per chunk, in row order. Everything travels to the device as one int32 copy."""
+    sequence length) per chunk, in row order; ``window``: a sliding window's length (0: none). Everything
+    travels to the device as one int32 copy."""
     dec_flat, dec_width = _padded([t for t, _ in decode], [n for _, n in decode], block_size)
     pre_flat, pre_width = _padded([t for t, _, _ in prefill], [n for _, _, n in prefill], block_size)
     cu = [0]
@@ -93,7 +91,7 @@ def paged_metadata(decode: list[tuple[list[int], int]], prefill: list[tuple[list
         decode_tables=views[0].view(len(decode), dec_width), context_lens=views[1],
         max_context_len=max((n for _, n in decode), default=0),
         prefill_tables=views[2].view(len(prefill), pre_width), cu_seqlens_q=views[3], seq_lens=views[4],
-        max_query_len=max((q for _, q, _ in prefill), default=0))
+        max_query_len=max((q for _, q, _ in prefill), default=0), window=window)
 
 
 def quantized_layer(kv: QuantLayerKV) -> tuple[torch.Tensor, torch.Tensor, QuantizedKV]:
@@ -142,9 +140,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dense
     n = num_decode
     if n:
         kernels.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.context_lens, scale,
-                                       out=out[:n], max_context_len=meta.max_context_len, quant=quant)
+                                       out=out[:n], max_context_len=meta.max_context_len, quant=quant,
+                                       window=meta.window)
     if n < q.shape[0]:
         kernels.paged_prefill_attention(q[n:], k_cache, v_cache, meta.prefill_tables, meta.cu_seqlens_q,
                                         meta.seq_lens, scale, out=out[n:], max_query_len=meta.max_query_len,
-                                        quant=quant)
+                                        quant=quant, window=meta.window)
     return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -73,7 +74,8 @@ def recorded_launches() -> Iterator[list[tuple[JITFunction, tuple, dict]]]:
 def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> None:
     """One layer of one engine step on the Triton backend: two decode rows at ``context`` tokens and a
     prefill chunk of 24 after a cached prefix of 40, through the backend's own entry points (RoPE, the
-    K/V write, decode and prefill attention, the fused residual add + RMSNorm, a mixture of experts)."""
+    K/V write, decode and prefill attention, with and without a sliding window, the fused residual add +
+    RMSNorm, a mixture of experts)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=heads * head_dim,
                       intermediate_size=4 * heads * head_dim, num_layers=1, num_heads=heads,
@@ -94,6 +96,8 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
     last = (per_seq - 1) * BLOCK_SIZE  # the decode rows' position: the first of their last block
     kv = cache.for_step(slots, [(tables[0], last, last + 1), (tables[1], last, last + 1), (tables[2], 40, 64)])[0]
     paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5)
+    if kv_format == "auto":  # a sliding-window model's decode and prefill (Mistral v0.1)
+        paged_attention(q, k, v, kv, dataclasses.replace(meta, window=64), 2, head_dim ** -0.5)
     hidden = torch.randn(tokens, cfg.hidden_size).to(dtype)
     kernels.fused_add_rms_norm(hidden, hidden.clone(), torch.ones(cfg.hidden_size).to(dtype), 1e-6)
     if kv_format == "auto":  # a mixture of experts' two launches at a decode batch (16-row blocks) and a prefill (64)

@@ -16,7 +16,6 @@ from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_model_dir
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampling_params import SamplingParams
-from engine.triton_attention import attention_backend
 
 BLOCK = 16
 PROMPT_LENS = (5, 17, 40, 33)
@@ -195,8 +194,6 @@ def test_a_sliding_window_only_some_layers_have_is_refused_and_a_longer_kv_windo
     build_hf_checkpoint(tmp_path, "mistral", sliding_window=32)
     with pytest.raises(ValueError, match="longer than the model's sliding window of 32"):
         Engine(EngineConfig(model=str(tmp_path), kv_window=64))
-    with pytest.raises(ValueError, match="sliding window of 32 tokens; use attention_backend 'torch'"):
-        attention_backend(EngineConfig(model=str(tmp_path), attention_backend="triton"), 32)
 
 
 @pytest.mark.timeout(60)

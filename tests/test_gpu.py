@@ -1,6 +1,6 @@
 """On CUDA (skipped without it): KV leaving GPU memory over gRPC, the KV cache sized from device memory, and
-the Triton attention backend and fused MoE kernels compiled for the device (the bf16 engine on CUDA is in
-test_engine_model)."""
+the Triton attention backend (with a sliding window too) and fused MoE kernels compiled for the device (the
+bf16 engine on CUDA is in test_engine_model)."""
 
 from __future__ import annotations
 
@@ -129,10 +129,13 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_mixture_of_experts_on_cuda_graphs_matches_torch_backend(tmp_path):
-    """Qwen3-MoE in float32 through the compiled fused MoE kernels, decode steps replayed from CUDA graphs
-    (captured: nothing in the kernels reads back to the host), gives the torch path's greedy tokens."""
-    if ran_in_a_compiling_process("test_mixture_of_experts_on_cuda_graphs_matches_torch_backend"):
+@pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {}), ("mistral", {"sliding_window": 20})],
+                         ids=["qwen3_moe", "mistral_sliding_window"])
+def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_path, request, arch, overrides):
+    """Qwen3-MoE through the compiled fused MoE kernels, and Mistral v0.1's sliding window in the compiled
+    attention kernels (its blocks behind the window given back), in float32 with decode steps replayed from
+    CUDA graphs (captured: nothing reads back to the host): the torch path's greedy tokens."""
+    if ran_in_a_compiling_process(request.node.name):
         return
     from test_engine_loop import GREEDY
     from test_engine_model import build_hf_checkpoint, prompts
@@ -140,8 +143,8 @@ def test_mixture_of_experts_on_cuda_graphs_matches_torch_backend(tmp_path):
     from engine.engine import Engine
     from engine.sampling_params import SamplingParams
 
-    build_hf_checkpoint(tmp_path, "qwen3_moe")
-    params = SamplingParams(max_tokens=8, **GREEDY)
+    build_hf_checkpoint(tmp_path, arch, **overrides)
+    params = SamplingParams(max_tokens=24, **GREEDY)
     runs = {}
     for backend in ("torch", "auto"):
         engine = Engine(_engine_config(tmp_path, num_blocks=128, max_num_batched_tokens=32, attention_backend=backend))
@@ -152,7 +155,7 @@ def test_mixture_of_experts_on_cuda_graphs_matches_torch_backend(tmp_path):
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
         runs[engine.attention_backend] = tokens
-    assert runs["triton"] == runs["torch"] and all(len(t) == 8 for t in runs["torch"].values())
+    assert runs["triton"] == runs["torch"] and all(len(t) == 24 for t in runs["torch"].values())
     assert sum(engine.runner.graphs.replays.values()) > 0
 
 

@@ -175,15 +175,25 @@ def test_write_kv_takes_strided_rows_casts_and_writes_a_layer_view():
 DECODE_LENS = [1, 15, 16, 17, 32, 33, 50]  # 1, and lengths at and just past block boundaries
 
 
+def dropped_behind(tables: torch.Tensor, first_keys: list[int], block_size: int) -> torch.Tensor:
+    """``tables`` with every block wholly before each row's first visible key set to -1, as a sliding-window
+    sequence gives them back (the kernels must never read them)."""
+    tables = tables.clone()
+    for row, first in enumerate(first_keys):
+        tables[row, :max(first, 0) // block_size] = -1
+    return tables
+
+
 def run_decode(lens: list[int], q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-               dtype: torch.dtype = torch.float32, **kwargs) -> None:
+               dtype: torch.dtype = torch.float32, window: int = 0, **kwargs) -> None:
     k_cache, v_cache = make_cache(blocks_for(lens, block_size), block_size, kv_heads, head_dim, dtype)
     tables = make_tables(lens, block_size, k_cache.shape[0])
     q = torch.randn(len(lens), q_heads, head_dim).to(dtype)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim ** -0.5
-    out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens, scale, **kwargs)
-    assert_close(out, ref.ref_paged_decode(q, k_cache, v_cache, tables, context_lens, scale))
+    read = dropped_behind(tables, [n - window for n in lens], block_size) if window else tables
+    out = paged_decode_attention(q, k_cache, v_cache, read, context_lens, scale, window=window, **kwargs)
+    assert_close(out, ref.ref_paged_decode(q, k_cache, v_cache, tables, context_lens, scale, window))
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
@@ -204,6 +214,21 @@ def test_decode_block_size_32_wider_than_tile():
 def test_decode_split_k_merges_to_the_same_result(num_splits: int):
     """Two-stage decode; the short contexts leave some splits empty, which the merge must ignore."""
     run_decode([1, 16, 17, 100, 150], 8, 2, 64, block_size=16, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_in_a_sliding_window_reads_only_its_last_positions(num_splits: int):
+    """Contexts shorter than, equal to and past the window (at and off block boundaries), split-K too; the
+    blocks wholly behind each window are -1 in the tables, which the kernel must never read."""
+    run_decode([1, 20, 21, 40, 77, 150], 8, 2, 64, block_size=8, window=20, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(16, 16), (16, 32)])
+def test_prefill_in_a_sliding_window_matches_reference(block_m: int, block_n: int):
+    """Fresh prompts longer than the window (rows whose first key tiles they cannot see), chunks after
+    cached prefixes past the window with the blocks behind it given back, and a chunk within it."""
+    run_prefill([40, 17, 5, 3], [0, 30, 51, 4], 8, 2, 64, block_size=8, window=20, block_m=block_m,
+                block_n=block_n)
 
 
 def test_decode_non_power_of_two_head_dim():
@@ -234,15 +259,17 @@ def test_decode_writes_into_given_out_and_reads_kvcache_layer_views():
 # ---- prefill ------------------------------------------------------------------------------------
 
 def run_prefill(chunk_lens: list[int], prefix_lens: list[int], q_heads: int, kv_heads: int,
-                head_dim: int, block_size: int, dtype: torch.dtype = torch.float32, **kwargs) -> None:
+                head_dim: int, block_size: int, dtype: torch.dtype = torch.float32, window: int = 0,
+                **kwargs) -> None:
     seq_lens = [p + c for p, c in zip(prefix_lens, chunk_lens, strict=True)]
     k_cache, v_cache = make_cache(blocks_for(seq_lens, block_size), block_size, kv_heads, head_dim, dtype)
     tables = make_tables(seq_lens, block_size, k_cache.shape[0])
     q = torch.randn(sum(chunk_lens), q_heads, head_dim).to(dtype)
     cu, lens = cu_seqlens(chunk_lens), torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
-    out = paged_prefill_attention(q, k_cache, v_cache, tables, cu, lens, scale, **kwargs)
-    assert_close(out, ref.ref_paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale))
+    read = dropped_behind(tables, [p - window + 1 for p in prefix_lens], block_size) if window else tables
+    out = paged_prefill_attention(q, k_cache, v_cache, read, cu, lens, scale, window=window, **kwargs)
+    assert_close(out, ref.ref_paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, window))
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])

@@ -169,9 +169,34 @@ def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffer
     assert all(len(t) == 5 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
 
 
-def test_triton_with_a_window_and_graphs_of_a_windowed_format_are_refused(model_dir):
-    with pytest.raises(ValueError, match="kv_window"):
-        EngineConfig(model=str(model_dir), attention_backend="triton", kv_window=64)
+@needs_interpreter
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_sliding_window_model_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path,
+                                                                                      kv_cache_dtype: str):
+    """Mistral v0.1's sliding window (here 20 tokens, blocks of 8) in the kernels: prompts past the window,
+    chunked (a 32-token budget) and decoding on past it, their blocks behind every window given back
+    (-1 in the tables, never read): the greedy tokens equal the torch path's, eagerly and with decode steps
+    through the static graph buffers."""
+    build_hf_checkpoint(tmp_path, "mistral", sliding_window=20)
+    a, b, c = prompts((7, 45, 26))
+    arrivals = {0: [("a", a), ("b", b)], 3: [("c", c)]}
+    runs = {}
+    for mode in ("torch", "triton", "graphs"):
+        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=64, max_num_batched_tokens=32,
+                                     kv_cache_dtype=kv_cache_dtype,
+                                     attention_backend="torch" if mode == "torch" else "triton"))
+        assert engine.window is not None and engine.window.window == 20
+        if mode == "graphs":
+            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
+        runs[mode] = drive(engine, arrivals, max_tokens=24)[0]
+    assert runs["triton"] == runs["graphs"] == runs["torch"]
+    assert all(len(t) == 24 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
+
+
+def test_triton_with_sinks_and_graphs_of_a_windowed_format_are_refused(model_dir):
+    with pytest.raises(ValueError, match="kv_sinks"):
+        EngineConfig(model=str(model_dir), attention_backend="triton", kv_window=64, kv_sinks=4)
+    EngineConfig(model=str(model_dir), attention_backend="triton", kv_window=64)  # a plain window runs on it
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(model=str(model_dir), attention_backend="flash")
     model, cfg = load_model(model_dir, "float32", "cpu")
@@ -180,14 +205,16 @@ def test_triton_with_a_window_and_graphs_of_a_windowed_format_are_refused(model_
         runner.enable_decode_graphs(4, 8, capture=False)
 
 
-def test_auto_backend_is_triton_on_cuda_without_a_window():
+def test_auto_backend_is_triton_on_cuda_without_attention_sinks():
     """Resolution only reads the config (no device is touched), so the CUDA cases are checked here too."""
     assert attention_backend(EngineConfig(model="tiny")) == "torch"
     assert attention_backend(EngineConfig(model="tiny", attention_backend="torch", device="cuda")) == "torch"
-    assert attention_backend(EngineConfig(model="tiny", device="cuda", kv_window=128)) == "torch"
+    assert attention_backend(EngineConfig(model="tiny", device="cuda", kv_window=128, kv_sinks=4)) == "torch"
     for kv_cache_dtype in ("auto", "int8", "fp8", "kivi2"):
         config = EngineConfig(model="tiny", device="cuda", kv_cache_dtype=kv_cache_dtype)
         assert attention_backend(config) == ("triton" if triton_available() else "torch")
+    windowed = EngineConfig(model="tiny", device="cuda", kv_window=128)  # a plain sliding window
+    assert attention_backend(windowed) == ("triton" if triton_available() else "torch")
 
 
 @needs_interpreter

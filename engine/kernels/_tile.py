@@ -65,21 +65,23 @@ def _dequantize(codes_ptr, scale_ptr, zero_ptr, blk, row, offs_d, mask_n, mask, 
 
 @triton.jit
 def attend_keys(
-    q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, table, start, end, pos, scale_log2, offs_d, mask_d,
+    q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, table, start, end, pos, window, scale_log2, offs_d, mask_d,
     stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
     stride_wb, stride_wt,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, QUANT: tl.constexpr,
-    K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, WINDOWED: tl.constexpr,
+    CAUSAL: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """Keys ``start .. end - 1`` for the query rows ``q`` ``[ROWS, BLOCK_D]``.
 
     ``K``/``V`` point at the kv head (cache base + ``kvh * stride_h``), as do ``KS``/``VS`` (scales),
     ``KZ``/``VZ`` (zero points) and ``KW``/``VW`` (windows); unused ones are placeholders of the attention
     dtype. ``table`` points at the sequence's block-table row. Every row sees every key in range, or with
-    ``CAUSAL`` only keys ``<= pos`` (``[ROWS]``, the rows' absolute positions; ignored otherwise). Returns
-    ``(m_i, l_i, acc)``, fp32: each row's running max and sum ``[ROWS]`` and unnormalized output
-    ``[ROWS, BLOCK_D]`` (an empty range leaves ``l_i == 0``; the caller divides ``acc`` by ``l_i``)."""
+    ``CAUSAL`` only keys ``<= pos`` (``[ROWS]``, the rows' absolute positions; ignored otherwise), and with
+    ``SLIDING`` also only keys ``> pos - window`` (a sliding-window model: the last ``window`` positions).
+    Returns ``(m_i, l_i, acc)``, fp32: each row's running max and sum ``[ROWS]`` and unnormalized output
+    ``[ROWS, BLOCK_D]`` (an empty range leaves ``l_i == 0``; the caller divides ``acc`` by ``l_i``). A tile
+    in which a row sees nothing leaves that row as it was."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -110,12 +112,18 @@ def attend_keys(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [ROWS, BLOCK_N]
         if CAUSAL:
-            s = tl.where((offs_n[None, :] <= pos[:, None]) & mask_n[None, :], s, float("-inf"))
+            visible = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
+            if SLIDING:
+                visible = visible & (offs_n[None, :] > pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
         else:
             s = tl.where(mask_n[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_use = m_new
+        if SLIDING:  # a row that has seen no key yet stays at -inf: -inf - -inf must not make NaNs
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new

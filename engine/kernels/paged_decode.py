@@ -30,13 +30,13 @@ _MAX_SPLITS = 16
 def _decode_stage1(
     Q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
     stride_vsh, stride_wb, stride_wt, stride_wh,
-    BlockTables, ContextLens, Out, MidO, MidLse, scale_log2,
+    BlockTables, ContextLens, Out, MidO, MidLse, scale_log2, window,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     PREC: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
-    WINDOWED: tl.constexpr,
+    WINDOWED: tl.constexpr, SLIDING: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -48,9 +48,12 @@ def _decode_stage1(
     mask_d = offs_d < HEAD_DIM  # non-power-of-two head dims are zero-padded
 
     ctx = tl.load(ContextLens + b)
+    first = 0  # the first key the query sees: its last ``window`` positions with SLIDING
+    if SLIDING:
+        first = tl.maximum(ctx - window, 0)
     # Splits are whole tiles long, so only a split's last tile is ragged.
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(ctx - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * per_split
     end = tl.minimum(start + per_split, ctx)
 
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
@@ -62,10 +65,10 @@ def _decode_stage1(
     m_i, l_i, acc = attend_keys(
         q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_ksh, VS + kvh * stride_vsh,
         KZ + kvh * stride_ksh, VZ + kvh * stride_vsh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
-        BlockTables + b * stride_bt, start, end, start, scale_log2, offs_d, mask_d,
+        BlockTables + b * stride_bt, start, end, start, window, scale_log2, offs_d, mask_d,
         stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst, stride_wb,
-        stride_wt, ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=False, UPCAST=UPCAST,
-        PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED)
+        stride_wt, ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=False, SLIDING=False,
+        UPCAST=UPCAST, PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED)
 
     empty = l_i == 0.0  # only an empty split (context shorter than NUM_SPLITS tiles)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -119,9 +122,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            max_context_len: int | None = None, block_n: int | None = None,
-                           quant: QuantizedKV | None = None) -> torch.Tensor:
+                           quant: QuantizedKV | None = None, window: int = 0) -> torch.Tensor:
     """Attention of ``q`` ``[batch, num_q_heads, head_dim]`` (one token per sequence) over the first
-    ``context_lens[b]`` (>= 1) positions of sequence b's blocks.
+    ``context_lens[b]`` (>= 1) positions of sequence b's blocks; with ``window`` (> 0, a sliding-window
+    model's), over the last ``window`` of them only, so the blocks before those are never read.
 
     ``k_cache``/``v_cache``: one layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
     ``block_tables``: int ``[batch, max_blocks]``; only its first ``ceil(context_lens[b] / block_size)``
@@ -144,19 +148,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n = tile_size("block_n", block_n, q.dtype)
     group = q_heads // kv_heads
     block_d = next_power_of_2(head_dim)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
     if num_splits > 1:
         mid_o = torch.empty(batch, q_heads, num_splits, block_d, dtype=torch.float32, device=q.device)
         mid_lse = torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=q.device)
     else:  # unused by the kernel when NUM_SPLITS == 1
         mid_o, mid_lse = out, out[:, :, 0]
     _decode_stage1[(batch, kv_heads, num_splits)](
-        q, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e),
+        q, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e), window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, **constexprs, **options,
+        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, SLIDING=window > 0, **constexprs, **options,
     )
     if num_splits > 1:
         _decode_stage2[(batch, q_heads)](
