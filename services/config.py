@@ -153,7 +153,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every step eagerly: no CUDA graphs for decode steps")
     p.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged attention: triton kernels reading blocks in place, quantized codes "
-                        "dequantized as they are read (auto: on GPUs, unless --kv-window) or torch "
+                        "dequantized as they are read (auto: on GPUs, unless --kv-sinks) or torch "
                         "(gather + SDPA)")
     p.add_argument("--kv-cache-dtype", default=e.kv_cache_dtype, choices=KV_CACHE_DTYPES,
                    help="KV cache format on every worker: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
