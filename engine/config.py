@@ -21,12 +21,17 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "MixtralForCausalLM": (False, False),
+    "Phi3ForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
 }
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# checkpoints whose q/k/v and gate/up matrices are already packed as the model packs them (Phi-3, Phi-4)
+PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
+# architectures whose sliding window, when set, covers every layer
+SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 ROPE_TYPES = ("default", "llama3")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 # KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
@@ -147,14 +152,14 @@ def _moe(arch: str, raw: dict, num_layers: int) -> MoEConfig | None:
 
 def _sliding_window(arch: str, raw: dict, max_pos: int) -> int | None:
     """The window every layer attends within, or None for full attention (none set, or one at least as long
-    as the context, which changes nothing). Mistral and Mixtral slide in every layer; Qwen's optional
-    window (``use_sliding_window``) covers only the layers from ``max_window_layers`` on, which one engine
-    window cannot express."""
+    as the context, which changes nothing). Mistral, Mixtral and Phi-3 slide in every layer; Qwen's
+    optional window (``use_sliding_window``) covers only the layers from ``max_window_layers`` on, which
+    one engine window cannot express."""
     window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch in ("MistralForCausalLM", "MixtralForCausalLM"))
+    uses_window = raw.get("use_sliding_window", arch in SLIDING_ARCHITECTURES)
     if not uses_window or window is None or int(window) >= max_pos:
         return None
-    if arch not in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch not in SLIDING_ARCHITECTURES:
         raise UnsupportedModelError(
             "use_sliding_window", f"{arch}'s sliding window ({window} < max_position_embeddings {max_pos}) "
             "applies to some layers only, which is not implemented; supported: false")
@@ -183,8 +188,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE; None: every layer has the dense MLP
-    # Mistral's (v0.1) and Mixtral's sliding-window attention: every layer's query sees the last W tokens,
-    # itself included; None: full attention. The engine runs it as its attention window without sinks.
+    # Mistral's (v0.1), Mixtral's and Phi-3's sliding-window attention: every layer's query sees the last W
+    # tokens, itself included; None: full attention. The engine runs it as its attention window without sinks.
     sliding_window: int | None = None
 
     @classmethod

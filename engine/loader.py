@@ -2,8 +2,9 @@
 
 Every tensor is checked against the shape the config implies before it is copied in, and every
 expected tensor must be present, so a bad checkpoint fails with the file or tensor named instead of
-producing garbage. q/k/v and gate/up are packed into the model's fused matrices here, and so are the
-experts of a mixture of experts (one checkpoint tensor per expert and matrix, as published).
+producing garbage. q/k/v and gate/up are packed into the model's fused matrices here (Phi-3's checkpoints
+hold them packed already), and so are the experts of a mixture of experts (one checkpoint tensor per expert
+and matrix, as published).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
+from engine.config import PACKED_ARCHITECTURES, ModelConfig
 from engine.errors import CheckpointError
 from engine.model import CausalLM
 from engine.tiny import write_tiny_checkpoint
@@ -90,6 +91,7 @@ def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig) -> dict[st
 def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
     """Checkpoint tensor name -> (destination view in the model, expected shape)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    packed = cfg.architecture in PACKED_ARCHITECTURES  # the checkpoint's q/k/v and gate/up are ours already
     targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
     for name, param in model.named_parameters():
         if ".experts." in name:
@@ -97,12 +99,12 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor,
                 targets[key] = (view, tuple(view.shape))
         elif ".mlp.gate." in name and cfg.architecture == "MixtralForCausalLM":  # the router
             targets[name.replace(".mlp.", ".block_sparse_moe.")] = (param.data, tuple(param.shape))
-        elif ".qkv_proj." in name:  # split the fused matrix back into the checkpoint's three tensors
+        elif ".qkv_proj." in name and not packed:  # split the fused matrix back into the checkpoint's three
             for part, (lo, hi) in zip(("q_proj", "k_proj", "v_proj"),
                                       ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
                 view = param.data[lo:hi]
                 targets[name.replace("qkv_proj", part)] = (view, tuple(view.shape))
-        elif ".gate_up_proj." in name:  # the dense MLP's, or a shared expert's
+        elif ".gate_up_proj." in name and not packed:  # the dense MLP's, or a shared expert's
             inter = param.shape[0] // 2
             for part, (lo, hi) in zip(("gate_proj", "up_proj"), ((0, inter), (inter, 2 * inter)), strict=True):
                 view = param.data[lo:hi]

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and
-Qwen3-MoE: ``engine/moe.py``) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Phi-3, Qwen2, Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE
+and Qwen3-MoE: ``engine/moe.py``) over a paged KV cache.
 
 Tokens of every sequence in a batch are flattened into one ``[T, hidden]`` row set, so the linear layers
 run once for the whole batch with no padding. Only attention looks at sequence boundaries: each prefill

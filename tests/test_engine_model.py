@@ -30,6 +30,9 @@ ARCHS = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied lm_head
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),  # q/k norm
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, num_key_value_heads=1)),  # MQA
+    # Phi-3 / Phi-4: q/k/v and gate/up packed in the checkpoint itself
+    "phi3": (transformers.Phi3Config, dict(sliding_window=None, bos_token_id=1, eos_token_id=2,
+                                           pad_token_id=0)),
     # Mixtures of experts (engine/moe.py): 4 experts, 2 per token, so the routing decides every output.
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
     # The first layer dense, the second sparse; a gated shared expert; top-k scores not renormalized.
@@ -154,11 +157,11 @@ def test_engine_serves_a_mixture_of_experts_as_transformers_generates(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch, window, block", [("mistral", 20, 8), ("mixtral", 16, 16)])
+@pytest.mark.parametrize("arch, window, block", [("mistral", 20, 8), ("mixtral", 16, 16), ("phi3", 19, 8)])
 def test_a_models_sliding_window_runs_as_transformers_runs_it(tmp_path, arch, window, block):
-    """Mistral v0.1's and Mixtral's sliding-window attention (each query sees the last W tokens): prompts
-    longer than the window, decoding past it, a window that is no multiple of the block: greedy tokens equal
-    transformers', and blocks wholly behind every window are given back as the sequences move on."""
+    """Mistral v0.1's, Mixtral's and Phi-3's sliding-window attention (each query sees the last W tokens):
+    prompts longer than the window, decoding past it, a window that is no multiple of the block: greedy
+    tokens equal transformers', and blocks wholly behind every window are given back as they move on."""
     hf = build_hf_checkpoint(tmp_path, arch, sliding_window=window)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=block, num_blocks=64, max_num_batched_tokens=32))
     assert engine.window is not None and (engine.window.window, engine.window.sinks) == (window, 0)
