@@ -72,8 +72,11 @@ def test_gpu_engine_and_channel_options_reach_the_configs():
         configs_from_args(parser.parse_args(["serve", "--max-kv-channels", "0"]))
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\]"):
         configs_from_args(parser.parse_args(["serve", "--gpu-memory-utilization", "1.5"]))
-    with pytest.raises(ValueError, match="triton' has no attention window"):
-        configs_from_args(parser.parse_args(["serve", "--attention-backend", "triton", "--kv-window", "64"]))
+    with pytest.raises(ValueError, match="triton' has no attention sinks"):
+        configs_from_args(parser.parse_args(["serve", "--attention-backend", "triton", "--kv-window", "64",
+                                             "--kv-sinks", "4"]))
+    windowed, _ = configs_from_args(parser.parse_args(["serve", "--attention-backend", "triton", "--kv-window", "64"]))
+    assert (windowed.engine.attention_backend, windowed.engine.kv_window) == ("triton", 64)  # runs in the kernels
 
 
 def test_num_reserved_decode_tokens_reaches_the_engine_and_a_negative_count_is_refused():
