@@ -8,6 +8,7 @@ different math.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # architectures whose sliding window, when set, covers every layer
 SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-ROPE_TYPES = ("default", "llama3")
+ROPE_TYPES = ("default", "llama3", "yarn")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 # KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
 # (fp8's and kivi2's window pools plan on the host)
@@ -85,8 +86,29 @@ def special_token_ids(raw: dict, generation: dict | None) -> tuple[int | None, l
     return (None if bos is None else int(bos)), eos
 
 
+def _yarn(params: dict, key: str, max_pos: int) -> dict:
+    """YaRN's settings as transformers reads them (Qwen2.5/Qwen3 long context, DeepSeek): the factor (default:
+    the context over the original one), the original context, the ramp's bounds, and the attention factor
+    cos and sin are scaled by (default: 0.1 ln(factor) + 1, or DeepSeek's mscale ratio)."""
+    if "original_max_position_embeddings" not in params:
+        raise UnsupportedModelError(key, "yarn rope scaling needs original_max_position_embeddings")
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params.get("factor") or max_pos / original)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "attention_factor": float(attention), "beta_fast": float(params.get("beta_fast") or 32),
+            "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True))}
+
+
 def _rope(raw: dict) -> tuple[float, dict | None]:
-    """(rope_theta, llama3 scaling or None) from either transformers-4 or transformers-5 keys."""
+    """(rope_theta, llama3 or yarn scaling or None) from either transformers-4 or transformers-5 keys."""
     # transformers 5: rope_parameters = {"rope_type", "rope_theta", ...scaling keys}
     # transformers 4: rope_theta at top level, rope_scaling = {"type" | "rope_type", ...} or null
     params = raw.get("rope_parameters")
@@ -103,6 +125,8 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         raise UnsupportedModelError(f"{key}.partial_rotary_factor", "only 1.0 (full rotary) is supported")
     if rope_type == "default":
         return theta, None
+    if rope_type == "yarn":
+        return theta, _yarn(params, key, int(raw.get("max_position_embeddings", 4096)))
     missing = [k for k in LLAMA3_KEYS if k not in params]
     if missing:
         raise UnsupportedModelError(f"{key}", f"llama3 rope scaling needs {', '.join(missing)}")
@@ -179,7 +203,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3", factor, low/high_freq_factor, original_max...}
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "yarn", factor, ...} (``_rope``); None: plain
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one here

@@ -65,13 +65,16 @@ class AttentionMetadata:
     paged: PagedAttentionMeta | None = None
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama 3's wavelength-dependent scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor cos and sin are scaled by), with Llama 3's wavelength-dependent
+    scaling or YaRN's when configured, computed as transformers computes them."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
     if s is None:
-        return inv_freq
+        return inv_freq, 1.0
+    if s["rope_type"] == "yarn":
+        return _yarn_inv_freq(cfg.rope_theta, dim, s), s["attention_factor"]
     old_len = s["original_max_position_embeddings"]
     low_wavelen = old_len / s["low_freq_factor"]
     high_wavelen = old_len / s["high_freq_factor"]
@@ -80,15 +83,34 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     smooth = (old_len / wavelen - s["low_freq_factor"]) / (s["high_freq_factor"] - s["low_freq_factor"])
     smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    return torch.where(is_medium, smoothed, scaled), 1.0
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+def _yarn_inv_freq(base: float, dim: int, s: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023): the fast-rotating dimensions keep their frequencies, the slow ones are
+    divided by the factor, with a linear ramp between the dimensions that turn ``beta_fast`` and
+    ``beta_slow`` times over the original context."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(s["original_max_position_embeddings"] / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s["beta_fast"]), correction_dim(s["beta_slow"])
+    if s["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp  # the share of each dimension's original frequency
+    return (1.0 / (s["factor"] * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[T, 1, head_dim]`` (broadcast over heads) exactly as transformers builds them: float32
-    position * inv_freq, then cast."""
+    position * inv_freq, times ``scale`` (YaRN's attention factor), then cast."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -285,9 +307,11 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: torch.Tensor | None = None
+        self.rope_scale = 1.0  # what cos and sin are multiplied by (YaRN's attention factor)
 
     def init_rope(self, device: torch.device | str) -> None:
-        self.inv_freq = rope_inv_freq(self.config).to(device)
+        inv_freq, self.rope_scale = rope_inv_freq(self.config)
+        self.inv_freq = inv_freq.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: Sequence[PagedKV], logit_rows: torch.Tensor,
@@ -296,7 +320,7 @@ class CausalLM(nn.Module):
         per layer, ``KVCache.for_step``), calling ``on_layer_done(layer)`` once a layer is done (its K/V
         written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype, self.rope_scale)
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_layers[i], meta)

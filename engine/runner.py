@@ -164,7 +164,7 @@ class ModelRunner:
         meta.k_buf, meta.v_buf = self._gather_bufs[0], self._gather_bufs[1]
         if meta.decode_sink_cols is not None or any(p.sink_cols is not None for p in prefills):
             meta.sink_cos, meta.sink_sin = rope_cos_sin(self.window.cache_positions(pos), self.model.inv_freq,
-                                                        self.kv_cache.dtype)
+                                                        self.kv_cache.dtype, self.model.rope_scale)
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk],

@@ -29,6 +29,11 @@ ARCHS = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),  # q/k/v bias, tied lm_head
     "qwen3": (transformers.Qwen3Config, dict(head_dim=32, tie_word_embeddings=False)),  # q/k norm
+    # YaRN, as Qwen3 is served past 32k tokens: an original context of 16 positions, so the prompts run
+    # past it; DeepSeek's mscale pair sets the attention factor
+    "qwen3_yarn": (transformers.Qwen3Config, dict(head_dim=32, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.5})),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, num_key_value_heads=1)),  # MQA
     # Phi-3 / Phi-4: q/k/v and gate/up packed in the checkpoint itself
     "phi3": (transformers.Phi3Config, dict(sliding_window=None, bos_token_id=1, eos_token_id=2,

@@ -4,6 +4,7 @@ bad checkpoints)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -41,6 +42,17 @@ def test_llama3_rope_scaling_reads_the_same_from_transformers_4_and_5_keys():
     assert v5.head_dim == 16 and v5.num_kv_heads == 2
 
 
+def test_yarn_reads_the_same_from_transformers_4_and_5_keys_with_its_defaults():
+    """Qwen's documented long-context setting (transformers 4 keys) and the same in transformers 5's."""
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32768}
+    v4 = ModelConfig.from_dict({**BASE, "rope_theta": 1e6, "rope_scaling": {"type": "yarn", **yarn}})
+    v5 = ModelConfig.from_dict({**BASE, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, **yarn}})
+    assert v4 == v5 and v5.rope_theta == 1e6
+    assert v5.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+                               "attention_factor": pytest.approx(0.1 * math.log(4.0) + 1), "beta_fast": 32.0,
+                               "beta_slow": 1.0, "truncate": True}
+
+
 def test_eos_ids_prefer_generation_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**BASE, "eos_token_id": 2, "bos_token_id": 1}))
     assert ModelConfig.from_dir(tmp_path).eos_token_ids == [2]
@@ -51,7 +63,8 @@ def test_eos_ids_prefer_generation_config(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),  # no original context
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 128}, "use_sliding_window"),
