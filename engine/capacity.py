@@ -32,6 +32,7 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     num_parameters: int
+    sliding_window: int | None = None  # the model's own (Mistral v0.1): a request holds only its blocks
 
 
 PRESETS: dict[str, ModelShape] = {s.name: s for s in (
@@ -70,12 +71,21 @@ class Capacity:
     block_size: int = 16
     window_bytes_per_request: int = 0  # fp8/kivi2: the block being filled and the residual, kept in ``dtype``
     residual_blocks: int = 0
+    sliding_window: int | None = None  # the model's own, which bounds the KV a request holds
 
 
 def shape_from_dir(path: str | Path) -> ModelShape:
     cfg = ModelConfig.from_dir(path)
     return ModelShape(Path(path).resolve().name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, cfg.num_parameters())
+                      cfg.head_dim, cfg.num_parameters(), cfg.sliding_window)
+
+
+def held_tokens(shape: ModelShape, context: int, block_size: int) -> int:
+    """KV positions one request of ``context`` tokens holds at most: all of them, or with a sliding window of
+    W the blocks that W consecutive positions touch (the engine gives back those behind the window)."""
+    if shape.sliding_window is None:
+        return context
+    return min(context, (shape.sliding_window + 2 * block_size - 2) // block_size * block_size)
 
 
 def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: float | None,
@@ -90,11 +100,11 @@ def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: f
     block, mha_block = block_bytes(shape.num_kv_heads), block_bytes(shape.num_heads)
     window = shape.num_layers * window_layer_bytes(kv_cache_dtype, block_size, shape.num_kv_heads,
                                                    shape.head_dim, width, residual)
-    per_request = -(-block * context // block_size) + window
+    per_request = -(-block * held_tokens(shape, context, block_size) // block_size) + window
     cap = Capacity(shape.name, dtype, context, batch, -(-block // block_size), -(-mha_block // block_size),
                    mha_block / block, per_request, per_request * batch, shape.num_parameters * width,
                    kv_cache_dtype=kv_cache_dtype, block_size=block_size, window_bytes_per_request=window,
-                   residual_blocks=residual)
+                   residual_blocks=residual, sliding_window=shape.sliding_window)
     if gpu_mem_gib is not None:
         cap.gpu_mem_bytes = int(gpu_mem_gib * GIB)
         cap.reserve_bytes = int(cap.gpu_mem_bytes * RESERVE_FRACTION)
@@ -114,7 +124,8 @@ def format_report(c: Capacity) -> str:
         f"batch {c.batch}",
         f"KV bytes per token        {c.kv_bytes_per_token:,} B",
         f"  same model as MHA       {c.mha_kv_bytes_per_token:,} B (GQA saves {c.gqa_saving:g}x)",
-        f"KV per request            {_size(c.kv_bytes_per_request)}",
+        f"KV per request            {_size(c.kv_bytes_per_request)}"
+        + (f" (the model's sliding window of {c.sliding_window} tokens bounds it)" if c.sliding_window else ""),
         *([f"  of which windows        {_size(c.window_bytes_per_request)} (the block being filled + "
            f"{c.residual_blocks} residual)"]
           if c.window_bytes_per_request else []),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.capacity import PRESETS, add_kv_calc_parser, plan
+from engine.capacity import PRESETS, add_kv_calc_parser, format_report, plan, shape_from_dir
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,3 +106,19 @@ def test_kv_cache_dtype_counts_codes_scales_and_window(capsys):
     assert fits["kivi2"] > 4 * fits["auto"] and 1.9 * fits["auto"] < fits["int8"] <= 2 * fits["auto"]
     code, out, _ = kv_calc(["--preset", "llama-3-8b", "--kv-cache-dtype", "kivi2"], capsys)
     assert "KV cache kivi2" in out and "of which windows        4,194,304 B" in out and "+ 1 residual" in out
+
+
+@pytest.mark.timeout(30)
+def test_a_sliding_window_model_holds_only_its_windows_blocks(tmp_path):
+    """Mistral v0.1's 4,096-token window: a 32k request holds the 257 blocks of 16 that 4,096 consecutive
+    positions touch, not 2,048; a request shorter than the window holds all of its own."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "max_position_embeddings": 32768, "sliding_window": 4096}))
+    shape = shape_from_dir(tmp_path)
+    assert shape.sliding_window == 4096
+    per_token = 2 * 32 * 8 * 128 * 2
+    assert plan(shape, "float16", 32768, 1, None).kv_bytes_per_request == 257 * 16 * per_token
+    assert plan(shape, "float16", 1000, 1, None).kv_bytes_per_request == 1000 * per_token
+    assert "sliding window of 4096 tokens bounds it" in format_report(plan(shape, "float16", 32768, 1, None))
