@@ -47,9 +47,10 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     add_autoscale_arguments(p, ("prefill", "decode"))
     p.add_argument("--worker-start-s", type=float, default=d.worker_start_s,
                    help="with --autoscale-ROLE: seconds an added worker takes to serve (loading, profiling)")
-    p.add_argument("--prefill-slowdown", type=_factors, default=d.prefill_slowdown, metavar="F[,F...]",
-                   help="a mixed fleet: prefill worker n computes in the n-th factor (cycling) times the "
-                        "profile's time, e.g. 1,2: every other worker half as fast")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-slowdown", type=_factors, default=getattr(d, f"{role}_slowdown"), metavar="F[,F...]",
+                       help=f"a mixed fleet: {role} worker n runs in the n-th factor (cycling) times the "
+                            "profile's time, e.g. 1,2: every other worker half as fast")
     p.add_argument("--no-worker-speeds", dest="learn_worker_speeds", action="store_false",
                    help="the router prices every worker by the shared model, not by its measured speed")
     p.add_argument("--json", dest="json_path", help="write the results here")
@@ -158,7 +159,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         cfg = SimConfig(prefill=args.prefill, decode=args.decode, speed=args.speed,
                         slo=SLO(args.ttft_slo_s, args.tbt_slo_ms / 1000), seed=args.seed, noise=args.noise,
                         autoscale=autoscale_from_args(args, ("prefill", "decode")), worker_start_s=args.worker_start_s,
-                        prefill_slowdown=args.prefill_slowdown, learn_worker_speeds=args.learn_worker_speeds)
+                        prefill_slowdown=args.prefill_slowdown, decode_slowdown=args.decode_slowdown,
+                        learn_worker_speeds=args.learn_worker_speeds)
         profile = resolve_profile(args.preset, args.profile)
         trace = load_trace(args.trace, args.max_requests)
     except (TraceError, ValueError, OSError) as e:
@@ -181,6 +183,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                 "prefill": args.prefill, "decode": args.decode, "speed": args.speed, "requests": len(trace),
                 "ttft_slo_s": args.ttft_slo_s, "tbt_slo_ms": args.tbt_slo_ms, "seed": args.seed,
                 "noise": args.noise, "sweep": args.sweep, "prefill_slowdown": list(args.prefill_slowdown),
+                "decode_slowdown": list(args.decode_slowdown),
                 "learn_worker_speeds": args.learn_worker_speeds, "autoscale": {
                     role: list(b) for role, b in cfg.autoscale.bounds.items()}}, "results": results}, f, indent=2)
     return 0

@@ -11,6 +11,7 @@ import numpy as np
 
 from router.autoscale_rules import AutoscaleConfig
 from router.conductor import SLO, WorkerLoad
+from router.estimator import DecodeModel
 from router.prefix_cache import BlockCache
 from router.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
@@ -28,9 +29,11 @@ class SimConfig:
     policy_options: dict = field(default_factory=dict)  # passed to the policy (e.g. ablation switches)
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)  # off while it has no bounds
     worker_start_s: float = 60.0  # an added worker serves this long after it was asked for
-    # A mixed fleet: prefill worker n computes in prefill_slowdown[n % len] times the profile's time (its
-    # true speed, which the router learns from its steps unless learn_worker_speeds is off); (): all alike.
+    # A mixed fleet: prefill worker n computes in prefill_slowdown[n % len] times the profile's time, decode
+    # worker n steps in decode_slowdown[n % len] times it (their true speeds, which the router learns from
+    # their steps unless learn_worker_speeds is off); (): all alike.
     prefill_slowdown: tuple[float, ...] = ()
+    decode_slowdown: tuple[float, ...] = ()
     learn_worker_speeds: bool = True
 
     def __post_init__(self) -> None:
@@ -42,8 +45,9 @@ class SimConfig:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not self.noise >= 0:
             raise ValueError(f"noise must be at least 0, got {self.noise}")
-        if not all(f > 0 for f in self.prefill_slowdown):
-            raise ValueError(f"--prefill-slowdown factors must be positive, got {list(self.prefill_slowdown)}")
+        for name, factors in (("prefill", self.prefill_slowdown), ("decode", self.decode_slowdown)):
+            if not all(f > 0 for f in factors):
+                raise ValueError(f"--{name}-slowdown factors must be positive, got {list(factors)}")
         if self.autoscale.bounds:
             self.autoscale.check({"prefill": self.prefill, "decode": self.decode})
             if not self.worker_start_s >= 0:
@@ -92,8 +96,9 @@ class SimPrefill:
 
 
 class SimDecode:
-    def __init__(self, wid: str, total_blocks: int, block_size: int, max_batch: int):
+    def __init__(self, wid: str, total_blocks: int, block_size: int, max_batch: int, model: DecodeModel):
         self.id, self.total, self.bs, self.max_batch = wid, total_blocks, block_size, max_batch
+        self.model = model  # its true step times (the profile's, or a slower worker's)
         self.t, self.step, self.batch, self.ctx = 0.0, 0, 0, 0
         self.free, self.reserved, self.version = total_blocks, 0, 0
         self.finishing: list = []  # heap of (finish_step, seq, req)

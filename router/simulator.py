@@ -20,7 +20,7 @@ import numpy as np
 
 from kvstore.names import POOL_HOLDER
 from router.conductor import Conductor, Decision, RouteRequest, WorkerLoad
-from router.estimator import exposed_handoff_s, prefill_features
+from router.estimator import DecodeModel, exposed_handoff_s, prefill_features
 from router.planner import Demand
 from router.prefix_cache import BlockCache, PrefixIndex
 from router.profile import Profile
@@ -88,14 +88,16 @@ class Simulation:
         number = self._numbers[role]
         wid = f"{role[0]}{number}"
         self._numbers[role] += 1
+        factors = self.cfg.prefill_slowdown if role == "prefill" else self.cfg.decode_slowdown
+        slowdown = factors[number % len(factors)] if factors else 1.0
         if role == "prefill":
             cache = BlockCache(wid, self.profile.prefill_cache_tokens // self.cfg.block_tokens, self.index)
-            slowdown = self.cfg.prefill_slowdown
-            self.prefill[wid] = SimPrefill(wid, cache, slowdown[number % len(slowdown)] if slowdown else 1.0)
+            self.prefill[wid] = SimPrefill(wid, cache, slowdown)
         else:
-            prof = self.profile
+            prof, m = self.profile, self.profile.decode
+            model = DecodeModel(m.fixed_s * slowdown, m.per_seq_s * slowdown, m.per_context_token_s * slowdown)
             self.decode[wid] = SimDecode(wid, prof.decode_kv_tokens // prof.decode_block_size, prof.decode_block_size,
-                                         prof.max_batch)
+                                         prof.max_batch, model)
         return wid
 
     def start_worker(self, role: str, ready_at: float) -> None:
@@ -284,7 +286,7 @@ class Simulation:
         """Run k steps of the current batch."""
         if k <= 0:
             return
-        m = self.profile.decode
+        m = d.model
         first, inc = m.predict(d.batch, d.ctx), m.per_context_token_s * d.batch
         d.record(first, inc, k)
         seconds = m.run_time(d.batch, d.ctx, k)
@@ -299,7 +301,7 @@ class Simulation:
         if d.batch == 0:
             d.t = max(d.t, self.now)
         else:  # join at the first step boundary at or after now
-            k = self.profile.decode.steps_to_reach(d.batch, d.ctx, self.now - d.t)
+            k = d.model.steps_to_reach(d.batch, d.ctx, self.now - d.t)
             self._advance(d, min(k, d.finishing[0][0] - d.step))
             if d.finishing[0][0] == d.step:
                 self._finish_due(d)
@@ -323,7 +325,7 @@ class Simulation:
         d.version += 1
         if d.batch:
             k = d.finishing[0][0] - d.step
-            self._push(d.t + self.profile.decode.run_time(d.batch, d.ctx, k), _DECODE_EPOCH, (d, d.version))
+            self._push(d.t + d.model.run_time(d.batch, d.ctx, k), _DECODE_EPOCH, (d, d.version))
 
     def _decode_epoch(self, obj) -> None:
         d, version = obj

@@ -81,6 +81,11 @@ def test_a_mixed_fleet_is_served_better_when_the_router_learns_each_workers_spee
     sim = Simulation(trace, small_profile(), replace(mixed, prefill_slowdown=()))
     sim.run()
     assert all(0.8 < f < 1.25 for f in sim.conductor.prefill_speeds.to_dict().values())
+    # decode workers alike but for their speed: the router measures one three times slower than the other
+    sim = Simulation(trace, small_profile(), replace(mixed, prefill_slowdown=(), decode_slowdown=(1, 3)))
+    sim.run()
+    speeds = sim.conductor.decode_speeds
+    assert speeds.factor("d1") / speeds.factor("d0") == pytest.approx(3.0, rel=0.05)
 
 
 @pytest.mark.timeout(120)
@@ -98,12 +103,15 @@ def test_same_seed_same_result_and_the_seed_matters(trace):
 
 
 @pytest.mark.timeout(60)
-def test_a_lone_request_decodes_at_the_models_step_times(tmp_path):
+@pytest.mark.parametrize("slowdown", [1.0, 2.5])
+def test_a_lone_request_decodes_at_the_models_step_times(tmp_path, slowdown):
+    """On a decode worker of ``--decode-slowdown`` 2.5, each step takes 2.5 times the profile's."""
     path = tmp_path / "one.jsonl"
     path.write_text(json.dumps({"timestamp": 0, "input_length": 4096, "output_length": 21,
                                 "hash_ids": list(range(8))}) + "\n")
     prof = llama3_70b_a800()
-    sim = Simulation(load_trace(path), prof, SimConfig(prefill=1, decode=1, policy="tidepool", noise=0.0))
+    sim = Simulation(load_trace(path), prof, SimConfig(prefill=1, decode=1, policy="tidepool", noise=0.0,
+                                                       decode_slowdown=(slowdown,)))
     (r,) = sim.run()
     # The first token waits for the prefill and for the part of the layer-wise KV hand-off that does not
     # overlap it: with a link faster than the compute, one layer's share plus the link's latency.
@@ -112,7 +120,7 @@ def test_a_lone_request_decodes_at_the_models_step_times(tmp_path):
     assert r.ttft == pytest.approx(prefill + prof.peer_link.latency_s + layer)
     # 20 decode steps of a batch of one whose context grows by one token a step, the first starting as the
     # KV lands (with the first token): the slowest 10% of the 20 gaps are the last two steps.
-    steps = [prof.decode.predict(1, 4097 + i) for i in range(20)]
+    steps = [prof.decode.predict(1, 4097 + i) * slowdown for i in range(20)]
     assert r.tbt == pytest.approx((steps[-2] + steps[-1]) / 2, rel=1e-9)
 
 
@@ -167,6 +175,7 @@ def test_simulate_command_stops_before_running_on_a_bad_trace(tmp_path, capsys):
     (["--tbt-slo-ms", "nan"], "tbt_slo_s must be positive"), (["--noise", "-1"], "noise must be at least 0"),
     (["--max-requests", "0"], "max_requests must be at least 1"),
     (["--prefill-slowdown", "1,0"], "--prefill-slowdown factors must be positive"),
+    (["--decode-slowdown", "-1"], "--decode-slowdown factors must be positive"),
 ])
 def test_simulate_command_refuses_a_setting_that_describes_no_cluster(tmp_path, capsys, option, named):
     """Each of these ran into a ZeroDivisionError or an empty min(), or simulated a cluster that rejected
