@@ -90,9 +90,9 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         """The forward pass of ``size`` decode rows over the static buffers (what a graph captures)."""
-        window = 0 if self.runner.window is None else self.runner.window.window  # a sliding window's length
         meta = AttentionMetadata(self.slots[:size], [], size, paged=PagedAttentionMeta(
-            self.tables[:size], self.context_lens[:size], self.max_context_len, *self._no_prefill, 0, window))
+            self.tables[:size], self.context_lens[:size], self.max_context_len, *self._no_prefill, 0,
+            self.runner.paged_window))
         kv_layers = self.runner.kv_cache.for_step(self.slots[:size])
         return self.runner.model(self.input_ids[:size], self.positions[:size], meta, kv_layers, self.rows[:size])
 

@@ -109,9 +109,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
     position * inv_freq, times ``scale`` (YaRN's attention factor), then cast."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    if scale != 1.0:
-        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (x * 1.0 is x exactly)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

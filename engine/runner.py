@@ -45,6 +45,7 @@ class ModelRunner:
         if attention_backend == "triton" and window is not None and window.sinks:
             raise ValueError("the triton attention backend has no attention sinks (a sliding window runs on it)")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
+        self.paged_window = 0 if window is None else window.window  # the kernels' sliding window (0: none)
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
         self.paged = attention_backend == "triton"
@@ -115,8 +116,7 @@ class ModelRunner:
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],
                                         [(chunks[i].block_table, lens[i], chunks[i].start_pos + lens[i])
-                                         for i in prefill], B, self.device,
-                                        0 if self.window is None else self.window.window)
+                                         for i in prefill], B, self.device, self.paged_window)
         else:
             self._decode_meta(meta, [chunks[i] for i in decode], pos)
         rows = last_rows if not first_rows else [

@@ -80,8 +80,8 @@ class Conductor:
         inflight = self._inflight.longest_prefix(hashes) if hashes else {}
         heat = None if self._heat is None else self._heat.profile(hashes, now)
         view = ClusterView(req, self.estimator, self.slo, self.block_size, now, self.mean_output_tokens, table,
-                           matches, pool, inflight, heat, self._stride,
-                           self.prefill_speeds.factors(table.p_ids), self.decode_speeds.factors(table.d_ids))
+                           matches, pool, self.prefill_speeds.factors(table.p_ids),
+                           self.decode_speeds.factors(table.d_ids), inflight, heat, self._stride)
         out = self.policy(view)
         if self.copy_inflight and isinstance(out, Decision) and out.fetch_from is None:
             out = self._copy_inflight(out, view)

@@ -108,12 +108,11 @@ class ClusterView:
 
     def __init__(self, req: RouteRequest, est: Estimator, slo: SLO, block_size: int, now: float,
                  mean_output_tokens: float, table: LoadTable, matches: dict[str, int], pool_blocks: int,
-                 inflight: dict[str, tuple[int, float]] | None = None, heat: np.ndarray | None = None,
-                 heat_stride: int = 1, p_speed: np.ndarray | None = None, d_speed: np.ndarray | None = None):
+                 p_speed: np.ndarray, d_speed: np.ndarray, inflight: dict[str, tuple[int, float]] | None = None,
+                 heat: np.ndarray | None = None, heat_stride: int = 1):
         self.req, self.est, self.slo, self.block_size, self.now = req, est, slo, block_size, now
         # each worker's step times against the shared models (router.worker_speed); 1: as modelled
-        self.p_speed = np.ones(len(table.p_ids)) if p_speed is None else p_speed
-        self.d_speed = np.ones(len(table.d_ids)) if d_speed is None else d_speed
+        self.p_speed, self.d_speed = p_speed, d_speed
         # requests a second that carried each heat_stride blocks of this prompt's prefix (router.heat)
         self.heat, self.heat_stride = np.zeros(0) if heat is None else heat, heat_stride
         self.mean_output_tokens = mean_output_tokens
