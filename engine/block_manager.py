@@ -151,16 +151,20 @@ class BlockManager:
         s.num_slots = max(s.num_slots, num_computed + num_new)
         return True
 
-    def reserve(self, seq_id: Hashable, num_tokens: int, keep_free: int = 0) -> list[int]:
+    def reserve(self, seq_id: Hashable, num_tokens: int, keep_free: int = 0, dropped: range = range(0)
+                ) -> list[int]:
         """Blocks for ``num_tokens`` positions that K/V will be imported into (disaggregated decode), leaving
-        at least ``keep_free`` blocks free."""
-        needed = self.blocks_for(num_tokens)
+        at least ``keep_free`` blocks free; table ``dropped`` indices (behind an attention window: the
+        hand-off does not carry them) stay ``NO_BLOCK``. Returns the blocks taken, in table order."""
+        needed = self.blocks_for(num_tokens) - len(dropped)
         if needed + keep_free > self.num_free_blocks:
             raise OutOfBlocksError(needed, self.num_free_blocks, keep_free)
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
-        s = self.seqs[seq_id] = _SeqBlocks(self._pop_free(needed), [], num_tokens)
-        return list(s.table)
+        taken = iter(self._pop_free(needed))
+        table = [NO_BLOCK if i in dropped else next(taken) for i in range(self.blocks_for(num_tokens))]
+        self.seqs[seq_id] = _SeqBlocks(table, [], num_tokens)
+        return [b for b in table if b != NO_BLOCK]
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """``child_id`` shares every block of ``parent_id`` (copy-on-write on the first divergent write)."""

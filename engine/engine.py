@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from engine.block_events import BlockEvent
-from engine.block_manager import BlockManager
+from engine.block_manager import NO_BLOCK, BlockManager
 from engine.config import EngineConfig
 from engine.device_memory import engine_num_blocks
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
@@ -344,8 +344,17 @@ class Engine:
 
     # -- disaggregation: prefill side --------------------------------------------------------------
     def request_block_ids(self, request_id: str) -> list[int]:
-        """Blocks held by a prefilled (or reserved) request, in position order."""
-        return list(self.block_manager.block_table(self.held[request_id]))
+        """Blocks held by a prefilled (or reserved) request, in position order: with an attention window,
+        only those the window kept (``handoff_blocks``)."""
+        return [b for b in self.block_manager.block_table(self.held[request_id]) if b != NO_BLOCK]
+
+    def handoff_blocks(self, num_tokens: int) -> list[int]:
+        """Table indices of the blocks a hand-off of ``num_tokens`` prompt tokens carries: all of them, or with
+        an attention window the sink blocks and those the next query's window reads (the prefill side dropped
+        the rest as its chunks passed them; the decode side never reads them)."""
+        if self.window is None:
+            return list(range(self.block_manager.blocks_for(num_tokens)))
+        return self.window.kept_blocks(num_tokens)
 
     def release(self, request_id: str) -> None:
         """Free blocks a prefilled request or an unused reservation still holds (no-op otherwise)."""
@@ -362,15 +371,17 @@ class Engine:
             self.held[new_id] = self.held.pop(request_id)
 
     def reserve_blocks(self, request_id: str, num_tokens: int, max_new_tokens: int = 0) -> list[int]:
-        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported, for a request that will
+        """Blocks for ``num_tokens`` prompt positions whose K/V will be imported (with an attention window,
+        those ``handoff_blocks`` carries; the table holds no block for the rest), for a request that will
         decode up to ``max_new_tokens`` more; OutOfBlocksError. The blocks the running sequences, and the
         leases still waiting for their K/V, grow into over their next ``num_reserved_decode_tokens`` stay
         free: taking them would preempt a sequence (a decode worker recomputes a preempted one's prompt)."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         seq_id = next(self._seq_ids)
-        block_ids = self.block_manager.reserve(seq_id, num_tokens,
-                                               keep_free=self._growth_blocks(self.config.num_reserved_decode_tokens))
+        block_ids = self.block_manager.reserve(
+            seq_id, num_tokens, keep_free=self._growth_blocks(self.config.num_reserved_decode_tokens),
+            dropped=range(0) if self.window is None else self.window.droppable(num_tokens))
         self.held[request_id] = seq_id
         self._leases[seq_id] = (num_tokens, max_new_tokens)
         return block_ids
@@ -389,7 +400,7 @@ class Engine:
         """Continue decoding a request whose K/V (prompt, then ``output_ids`` when resumed) was imported
         into its reserved ``block_ids`` and whose next token the prefill side sampled."""
         seq_id = self.held.get(request_id)
-        if seq_id is None or self.block_manager.block_table(seq_id)[:len(block_ids)] != list(block_ids):
+        if seq_id is None or self.request_block_ids(request_id)[:len(block_ids)] != list(block_ids):
             raise InvalidRequestError("block_ids", f"no reservation of these blocks for {request_id!r}")
         self._check(request_id, prompt_ids, params, False, reserved=True)
         done = check_finish(first_token_id, len(output_ids) + 1, params, self.eos_token_ids, None, False)[0]

@@ -3,8 +3,7 @@ takes any resource. Torch-free (the attention window is only a type here).
 
 With an attention window (``engine/streaming_window.py``) ``max_model_len`` bounds the sequence, not the
 model's context: sinks + window fit the context, whatever the prompt and output add up to, and a sequence
-holds at most the window's blocks. A disaggregated request's prompt must keep all of its blocks, since the
-handoff moves whole block tables."""
+holds at most the window's blocks, and a disaggregated prompt's hand-off carries only those."""
 
 from __future__ import annotations
 
@@ -50,10 +49,6 @@ class RequestLimits:
                 f"context of {self.max_model_len} tokens")
         if (prefill_only or reserved) and params.n != 1:
             raise InvalidRequestError("n", "disaggregated requests take n = 1")
-        if (prefill_only or reserved) and self.window is not None and self.window.droppable(len(prompt_ids)):
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens outgrow the attention window ({self.window.sinks} sinks + "
-                f"{self.window.window} tokens): a disaggregated prompt must fit it; serve it colocated")
         need = -(-(len(prompt_ids) + (1 if prefill_only else params.max_tokens)) // self.block_size)
         if self.window is not None:
             need = min(need, self.window.max_blocks)

@@ -93,6 +93,12 @@ class StreamingWindow:
         end = (num_computed + 1 - self.window) // self.block_size
         return range(self.sink_blocks, max(self.sink_blocks, end))
 
+    def kept_blocks(self, num_computed: int) -> list[int]:
+        """Block indices a sequence of ``num_computed`` computed tokens still holds: what a hand-off of that
+        many prompt tokens carries (the rest were dropped on the prefill side and are never read again)."""
+        dropped = self.droppable(num_computed)
+        return [i for i in range(-(-num_computed // self.block_size)) if i not in dropped]
+
     def cache_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """c(p) of each query: where the sinks see it."""
         return positions.clamp(max=self.sinks + self.window - 1)

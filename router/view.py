@@ -36,6 +36,11 @@ class RouteRequest:
     max_tokens: int
     max_kv_tokens: int | None = None  # an attention window (sinks + window) bounds the KV it holds at once
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens of prompt KV the decode side holds at once, and so the hand-off moves (a window's worth)."""
+        return min(self.prompt_len, self.max_kv_tokens or self.prompt_len)
+
 
 @dataclass(frozen=True)
 class Replication:
@@ -252,7 +257,7 @@ class ClusterView:
         tbt = float(self.tbt_now()[d]) if tbt_s is None else tbt_s
         transfer = exposed = 0.0
         if self.p_ids[p] != self.d_ids[d]:
-            transfer, exposed = self.est.handoff_s(self.req.prompt_len, self._prefill_one_s(float(cached_blocks)),
+            transfer, exposed = self.est.handoff_s(self.req.kv_tokens, self._prefill_one_s(float(cached_blocks)),
                                                    self.p_ids[p], self.d_ids[d])
         overhead = self.est.request_overhead_s
         return Decision(self.p_ids[p], self.d_ids[d], fetch_from, int(fetch_blocks), int(cached_blocks),

@@ -69,7 +69,7 @@ class DecodeWorker(Worker):
         OutOfBlocksError at once. ``release`` ends a wait early (ReservationReleased)."""
         if request_id in self._waiting:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        needed = self.engine.block_manager.blocks_for(num_tokens)
+        needed = len(self.engine.handoff_blocks(num_tokens))
         if needed > self.engine.block_manager.num_blocks:  # no wait can make room for it
             raise OutOfBlocksError(needed, self.loop.stats.free_blocks)
         waiting = self._waiting[request_id] = _Waiting(needed)

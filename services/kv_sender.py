@@ -83,7 +83,8 @@ class HandoffSender:
                 feed = self._feeds.get(request_id)
                 if feed is None:
                     continue
-                exported = self.engine.kv_cache.export_layer(layer, table[: feed.num_blocks])
+                # the table still holds the blocks this step's window passes: only the hand-off's leave
+                exported = self.engine.kv_cache.export_layer(layer, [table[i] for i in feed.blocks])
                 feed.put(*leave_device(exported, self._copy_stream if feed.to_host else None))
                 if layer == self.engine.model_config.num_layers - 1:
                     feed.close()
@@ -102,19 +103,19 @@ class HandoffSender:
 
     def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float,
              lease: PendingLease | None = None) -> Handoff:
-        num_blocks = -(-len(prompt_ids) // self.engine.block_size)
+        blocks = self.engine.handoff_blocks(len(prompt_ids))
         kv = self.engine.kv_cache
         transport = self.transport_for(kv_target)
         # A shared payload is copied at memory speed once the prompt is done: nothing left to overlap.
         layerwise = self.layerwise and transport != "ipc"
         header = TransferHeader.describe(
-            request_id, self.engine.model_id, kv_payload_shape(self.engine, num_blocks), kv.payload_dtype,
+            request_id, self.engine.model_id, kv_payload_shape(self.engine, len(blocks)), kv.payload_dtype,
             block_hashes(prompt_ids, self.engine.block_size, self._salt), layerwise=layerwise,
             kv_format=kv.kv_format,
         )
         feed = None
         if layerwise:
-            feed = _Feed(num_blocks, to_host=transport == "grpc")
+            feed = _Feed(blocks, to_host=transport == "grpc")
             with self._layer_lock:
                 self._feeds[request_id] = feed
         return Handoff(self, header, kv_target, transport, deadline, feed, lease)
@@ -191,9 +192,10 @@ class PendingLease:
 class _Feed(LayerFeed):
     """A LayerFeed that also tells the actor's event loop when its first layer is ready."""
 
-    def __init__(self, num_blocks: int, to_host: bool) -> None:
+    def __init__(self, blocks: list[int], to_host: bool) -> None:
         super().__init__()
-        self.num_blocks, self.to_host = num_blocks, to_host  # to_host: the layers leave through host memory
+        # blocks: the table indices the hand-off carries; to_host: the layers leave through host memory
+        self.blocks, self.to_host = blocks, to_host
         self._loop = asyncio.get_running_loop()
         self.first_layer = asyncio.Event()
 

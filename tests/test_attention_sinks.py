@@ -3,7 +3,7 @@ random Llama of test_engine_loop: a window longer than the sequence changes noth
 window go back to the block manager (and stay cached for others), preemption recomputes the same tokens,
 the engine's logits equal a plain torch StreamingLLM decoder's, sequences outgrow the model's context
 (engine, CLI, and a chat session through the gateway), quantized caches, and the disaggregated handoff (a
-prompt that fits the window moves; a longer one is refused by name)."""
+prompt longer than the window moves only the blocks the window keeps)."""
 
 from __future__ import annotations
 
@@ -228,31 +228,33 @@ def test_quantized_caches_keep_the_window(model_dir, kv_cache_dtype):
     assert errors["window", "streaming"] < 0.5 * errors["window", "full"]
 
 
-def test_disaggregated_handoff_moves_a_prompt_that_fits_the_window_and_refuses_a_longer_one(model_dir):
-    options = dict(kv_window=32, kv_sinks=4)
+@pytest.mark.parametrize("sinks", [4, 0], ids=["sinks", "sliding_window"])
+def test_a_disaggregated_handoff_carries_only_the_blocks_the_window_keeps(model_dir, sinks):
+    """A prompt far longer than the window is prefilled in window-sized chunks on one engine, which drops the
+    blocks its chunks pass; the hand-off carries the sink blocks and the next query's window, the decode
+    engine reserves only those (its table holds no block for the rest) and answers as one engine does."""
+    window = 32
+    options = dict(kv_window=window, kv_sinks=sinks)
     params = SamplingParams(max_tokens=100, **GREEDY)
-    ids = prompt(60, seed=15)  # the query at 60 still reads from position 29: every block is kept
+    ids = prompt(150, seed=15)  # the query at 150 reads from 119: blocks 0 (sinks), 7, 8 and 9
     expected = outputs_of(make_engine(model_dir, **options), {"r": (ids, params)})
     prefill, decode = make_engine(model_dir, **options), make_engine(model_dir, num_blocks=8, **options)
+    kept = [0, 7, 8, 9] if sinks else [7, 8, 9]
+    assert prefill.handoff_blocks(len(ids)) == decode.handoff_blocks(len(ids)) == kept
     prefill.add_request("r", ids, params, prefill_only=True)
-    (first,) = run_outputs(prefill)  # two chunks of at most the window
-    tensor = prefill.kv_cache.export_blocks(prefill.request_block_ids("r"))
+    (first,) = run_outputs(prefill)  # five chunks of at most the window
+    block_ids = prefill.request_block_ids("r")
+    assert len(block_ids) == len(kept)
+    tensor = prefill.kv_cache.export_blocks(block_ids)
     prefill.release("r")
     reserved = decode.reserve_blocks("r", len(ids))
+    assert len(reserved) == len(kept) and decode.stats().free_blocks == 8 - len(kept)
     decode.kv_cache.import_blocks(reserved, tensor)
     decode.add_imported_request("r", ids, first.new_token_ids[0], params, reserved)
-    outs = [first, *run_outputs(decode)]  # 160 tokens in 8 blocks: the decode side drops as it goes
+    table = decode.block_manager.block_table(decode.requests["r"][0].seq_id)
+    assert [i for i, b in enumerate(table) if b != NO_BLOCK] == kept
+    outs = [first, *run_outputs(decode)]  # 250 tokens in 8 blocks: the decode side drops as it goes
     assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in expected]
-    assert decode.stats().free_blocks == decode.stats().total_blocks
-
-    longer = prompt(80, seed=16)  # the query at 80 reads from 49: blocks 1 and 2 would be dropped
-    with pytest.raises(InvalidRequestError, match="attention window") as err:
-        prefill.add_request("x", longer, params, prefill_only=True)
-    assert err.value.field == "prompt"
-    reserved = decode.reserve_blocks("x", len(longer))
-    with pytest.raises(InvalidRequestError, match="attention window"):
-        decode.add_imported_request("x", longer, 1, params, reserved)
-    decode.release("x")
     for engine in (prefill, decode):
         assert engine.stats().free_blocks == engine.stats().total_blocks and not engine.has_unfinished()
 

@@ -369,14 +369,20 @@ def test_inflight_prefixes_match_by_stride_and_expire_after_their_grace():
 
 
 @pytest.mark.timeout(30)
-def test_an_attention_window_bounds_the_kv_a_request_needs_on_the_decode_side():
+def test_an_attention_window_bounds_the_kv_a_request_needs_on_the_decode_side_and_moves_in_its_handoff():
     # A long session: prompt + max output far beyond the decode worker's KV memory (1,000 blocks of 16).
     loads = [prefill("p0"), WorkerLoad("d0", "decode", True, [], 0, 0, 1000, 1000, 16, NOW)]
     long_session = RouteRequest("r-long", 16_000, HASHES[:31], max_tokens=100_000)
     plain = conductor("tidepool").route(long_session, loads, index(), now=NOW)
     assert isinstance(plain, Reject) and "KV memory" in plain.reason
     windowed = RouteRequest("r-long", 16_000, HASHES[:31], max_tokens=100_000, max_kv_tokens=8_256)
-    assert isinstance(conductor("tidepool").route(windowed, loads, index(), now=NOW), Decision)
+    decision = conductor("tidepool").route(windowed, loads, index(), now=NOW)
+    assert isinstance(decision, Decision)
+    # ... and the hand-off moves only that window's worth of the prompt's KV
+    c = conductor("tidepool")
+    link = c.estimator.transfer.link("p0", "d0")
+    window_s = link.latency_s + 8_256 * c.estimator.kv_bytes_per_token / link.bandwidth_Bps
+    assert decision.est_transfer_s == pytest.approx(window_s)
 
 
 @pytest.mark.timeout(30)
