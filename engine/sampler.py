@@ -1,4 +1,4 @@
-"""The batched sampler: penalties, logit bias, greedy, temperature, top-k, top-p, per-request seeds.
+"""The batched sampler: penalties, logit bias, greedy, temperature, min-p, top-k, top-p, per-request seeds.
 
 Every row is sampled independently of the others in the batch: penalties, bias, temperature, top-k and
 top-p act per row, and random draws come from the row's own ``torch.Generator`` when the request has a
@@ -6,7 +6,8 @@ seed, so a seeded request gives the same tokens whatever it is batched with. Sam
 exponential-race form ``argmax(p / q)`` with ``q ~ Exp(1)``, which draws from ``p`` with one random number
 per vocabulary entry and no cumulative sums (the same trick vLLM uses). Penalties and bias come first
 (greedy rows see them too), in vLLM's order: repetition, frequency, presence, then the bias, then the
-tokens a row may not sample yet (its stop tokens, before ``min_tokens``).
+tokens a row may not sample yet (its stop tokens, before ``min_tokens``). Truncation follows vLLM's order
+too: temperature, then min-p, then top-k and top-p.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
         drop[:, -1] = False  # the most likely token always survives
         ordered.masked_fill_(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, ordered)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) each row's tokens less likely than its ``min_p`` times its most likely token's
+    probability: ``p_i < min_p * p_max`` is ``logit_i < logit_max + log(min_p)``, no softmax needed."""
+    floor = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).log().unsqueeze(1)  # log 0: -inf
+    return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
@@ -98,6 +106,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
                          dtype=logits.dtype, device=logits.device)
     scaled = logits / temps.unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        scaled = _apply_min_p(scaled, [p.min_p for p in params])
     top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         scaled = _apply_top_k_top_p(scaled, top_k, top_p)

@@ -29,6 +29,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: off
     top_p: float = 1.0
+    min_p: float = 0.0  # vLLM's: tokens less likely than min_p x the most likely one are never drawn (0: off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output text
     stop_token_ids: list[int] = field(default_factory=list)
@@ -87,6 +88,8 @@ class SamplingParams:
             raise bad("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1] (0 = off), got {self.min_p!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:

@@ -16,6 +16,7 @@ import uuid
 import ray
 
 from engine.config import ModelConfig
+from engine.generation_defaults import GenerationDefaults
 from engine.loader import resolve_model_dir
 from engine.tokenizer import Tokenizer
 from kvstore.events import PoolMirror
@@ -86,6 +87,9 @@ class Cluster:
         model_dir = resolve_model_dir(self.config.engine.model)
         ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
+        generation_defaults = GenerationDefaults.load(self.config.generation_config, model_dir)
+        log.info("default sampling parameters (--generation-config %s): %s", self.config.generation_config,
+                 generation_defaults.describe())
         self.start_infrastructure()
         roles = self.config.roles()
         # A cluster we joined may grow (autoscaler): it gets the placement timeout, not the fast failure.
@@ -123,7 +127,7 @@ class Cluster:
         deadlines = Deadlines() if self.config.replace_workers else Deadlines(resume_s=0.0)
         self.dispatcher = Dispatcher(self.workers, conductor, self.mirror, tokenizer,
                                      Metrics(first.model_id, first.max_model_len),
-                                     self.config.kv_transport, self.redis_url, deadlines)
+                                     self.config.kv_transport, self.redis_url, deadlines, generation_defaults)
         await self.dispatcher.start()
         if self.config.replace_workers:
             self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)

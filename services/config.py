@@ -34,6 +34,9 @@ class ClusterConfig:
     decode: int = 1
     colocated: int = 0  # > 0 serves colocated workers instead of prefill/decode pairs
     policy: str = "tidepool"
+    # sampling defaults for what a request leaves unset: "auto" (the model's generation_config.json, as
+    # vLLM), "vllm" (none: the API's own) or a directory holding a generation_config.json
+    generation_config: str = "auto"
     replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
     kv_transport: str = "auto"  # grpc | collective | ipc | auto (kvstore/transfer/transports.py)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
@@ -105,6 +108,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=c.colocated,
                    help="serve N colocated workers (prefill and decode in one engine) instead")
     p.add_argument("--policy", default=c.policy, choices=POLICIES, help="how the router picks workers")
+    p.add_argument("--generation-config", default=c.generation_config, metavar="auto|vllm|DIR",
+                   help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
+                        "caps an unset max_tokens) for what a request leaves unset: auto reads the model's "
+                        "generation_config.json, vllm uses none, DIR reads DIR/generation_config.json")
     p.add_argument("--replicate-hot-prefixes", action="store_true", default=c.replicate_hot_prefixes,
                    help="copy prefixes many requests share to idle prefill workers ahead of demand "
                         "(tidepool policy)")
@@ -232,6 +239,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
+        generation_config=args.generation_config,
         replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 from kvstore.hashing import block_hashes, salt_for
@@ -63,6 +64,7 @@ class Dispatcher:
         kv_transport: str,
         redis_url: str = "",
         deadlines: Deadlines | None = None,
+        generation_defaults: GenerationDefaults | None = None,
     ) -> None:
         self.workers = {w.worker_id: w for w in workers}
         first = workers[0].info
@@ -72,6 +74,8 @@ class Dispatcher:
         self.conductor = conductor
         self.index = index
         self.tokenizer = tokenizer
+        # the model's sampling defaults (generation_config.json), which the gateways apply to requests
+        self.generation_defaults = generation_defaults or GenerationDefaults()
         self.metrics = metrics
         self.kv_transport = kv_transport
         self.redis_url = redis_url

@@ -203,6 +203,8 @@ def test_client_cancel_frees_the_blocks(live_server):
 def test_invalid_field_is_invalid_argument_naming_it(live_server):
     err = status_of(lambda: chat(live_server, serving_pb2.SamplingOptions(max_tokens=2, top_p=1.5)))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in err.details()
+    err = status_of(lambda: chat(live_server, serving_pb2.SamplingOptions(max_tokens=2, min_p=-0.5)))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_p" in err.details()
 
 
 @pytest.mark.parametrize("role", ["wizard", "tool", ""])

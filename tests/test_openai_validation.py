@@ -36,7 +36,7 @@ def post(server, path: str, content: bytes) -> httpx.Response:
     ({"service_tier": "flex"}, "service_tier"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"extra_body": {"reasoning_effort": "high"}}, "reasoning_effort"),
-    ({"extra_body": {"min_p": 0.1}}, "min_p"),
+    ({"extra_body": {"typical_p": 0.9}}, "typical_p"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages"),
@@ -81,6 +81,7 @@ def test_no_op_values_and_identifying_fields_are_accepted(live_server):
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"999999": 1}}, "logit_bias"),
     ({"extra_body": {"stop_token_ids": [999999]}}, "stop_token_ids"),
     ({"extra_body": {"priority": 2**31}}, "priority"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p"),
 ])
 def test_values_out_of_range_are_400_naming_the_field(live_server, kwargs, param):
     with pytest.raises(openai.BadRequestError) as exc:

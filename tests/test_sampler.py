@@ -66,6 +66,18 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert set(drawn) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 are cut
 
 
+def test_min_p_keeps_tokens_at_least_that_fraction_of_the_most_likely_after_temperature():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    x = probs.log().expand(400, 4).contiguous()
+    assert set(sample(x, [SamplingParams(min_p=0.5)] * 400, [None] * 400)) == {0, 1}  # 0.15 < 0.5 * 0.5
+    assert set(sample(x, [SamplingParams(min_p=0.2)] * 400, [None] * 400)) == {0, 1, 2}
+    # At temperature 2 the probabilities flatten to sqrt(p): 0.05 ** 0.5 / 0.5 ** 0.5 = 0.32 survives 0.3.
+    assert set(sample(x, [SamplingParams(min_p=0.3, temperature=2.0)] * 400, [None] * 400)) == {0, 1, 2, 3}
+    # Row by row: a row without min_p draws from the whole vocabulary beside one that truncates.
+    mixed = sample(x, [SamplingParams(min_p=0.9), SamplingParams()] * 200, [None] * 400)
+    assert set(mixed[::2]) == {0} and set(mixed[1::2]) == {0, 1, 2, 3}
+
+
 def test_seeded_rows_reproduce_whatever_the_batch():
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234)
     others = [SamplingParams(temperature=0.7), SamplingParams(temperature=0), SamplingParams(top_k=5, seed=9)]
@@ -113,6 +125,9 @@ def test_logprobs_hold_the_sampled_token_and_the_top_n():
     (dict(repetition_penalty=float("nan")), "repetition_penalty"),
     (dict(logit_bias=[(3, 101.0)]), "logit_bias"),
     (dict(logit_bias=[(-1, 1.0)]), "logit_bias"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=float("nan")), "min_p"),
 ])
 def test_validate_refuses_out_of_range_and_non_finite_values(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.errors import InvalidRequestError
+from engine.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 from services.config import GatewayConfig
@@ -41,7 +42,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 MAX_CHARS_PER_TOKEN = 64
 MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render ("tool" with tools on)
-_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
 
 
@@ -56,6 +57,7 @@ class Options:
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -90,12 +92,16 @@ class Options:
             return None
         return call_parser(parser, self.tools, self.tool_choice, self.tool_name, self.parallel_tool_calls)
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
-        params = SamplingParams(max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens,
-                                stop=list(self.stop), stop_token_ids=list(self.stop_token_ids), n=self.n,
-                                ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias),
-                                structured_output=self.structured_output, **given)
+    def sampling_params(self, default_max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
+        """``defaults``: the model's, for the sampling fields left unset (and a cap on ``default_max_tokens``)."""
+        given = {name: getattr(self, name) for name in _OPTIONAL}
+        if self.max_tokens is None:
+            max_tokens = min(default_max_tokens, defaults.max_tokens or default_max_tokens)
+        else:
+            max_tokens = self.max_tokens
+        params = SamplingParams(max_tokens=max_tokens, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
+                                n=self.n, ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias),
+                                structured_output=self.structured_output, **defaults.apply(given))
         params.validate()
         return params
 
@@ -230,7 +236,7 @@ class Frontend:
         if len(prompt_ids) >= limit:  # at least one token must fit after the prompt
             raise PromptTooLongError(len(prompt_ids), limit - 1)
         room = limit - len(prompt_ids)
-        params = options.sampling_params(min(default_max_tokens or room, room))
+        params = options.sampling_params(min(default_max_tokens or room, room), self.dispatcher.generation_defaults)
         if params.max_tokens > room:
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} tokens don't fit after the "
                                       f"{len(prompt_ids)}-token {prompt_field}: the context is {limit} tokens")

@@ -35,13 +35,14 @@ REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
 def _options(s: serving_pb2.SamplingOptions) -> Options:
-    """The request's sampling fields as `Options`; an unset optional field is the engine's default (the
-    frontend's `SamplingParams.validate` checks each value, naming the field)."""
+    """The request's sampling fields as `Options`; an unset optional field is the model's default (its
+    generation_config.json) or else the engine's (the frontend's `SamplingParams.validate` checks each
+    value, naming the field)."""
     def opt(name: str):
         return getattr(s, name) if s.HasField(name) else None
 
     return Options(max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"),
-                   top_k=opt("top_k"), seed=opt("seed"), stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+                   top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                    n=s.n if s.HasField("n") else 1, ignore_eos=s.ignore_eos,
                    presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),

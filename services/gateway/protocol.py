@@ -145,6 +145,8 @@ class _SamplingBody(_Body):
     temperature: float | None = Field(None, description="In [0, 2]; 0 is greedy.")
     top_p: float | None = Field(None, description="In (0, 1].")
     top_k: int | None = Field(None, description="Sample from the k most likely tokens (0: off). Extension.")
+    min_p: float | None = Field(None, description="In [0, 1]: never draw a token less likely than min_p x the "
+                                                  "most likely one (0: off; vLLM). Extension.")
     n: int = Field(1, description="Choices per prompt, up to the server's --max-n.")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end a choice. Extension.")
@@ -182,7 +184,7 @@ class _SamplingBody(_Body):
             raise InvalidRequestError("logit_bias", "keys must be token ids") from None
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return Options(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                       seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
+                       min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
                        ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens, priority=self.priority,

@@ -49,7 +49,7 @@ def responses_routes(frontend: Frontend, response_store: ResponseStore | None, c
             if (named := renamed(exc)) is exc:
                 raise
             raise named from None
-        output = ResponsesOutput(gen, body.echoed(store), options.tool_call_reader(config.tool_call_parser),
+        output = ResponsesOutput(gen, body.echoed(store, frontend.dispatcher.generation_defaults), options.tool_call_reader(config.tool_call_parser),
                                  config.reasoning_parser)
         conversation = [*earlier, *body.kept_items()]
         if body.background:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from engine.errors import InvalidRequestError
+from engine.generation_defaults import GenerationDefaults
 from services.gateway.errors import UnsupportedFieldError
 from services.gateway.protocol import IGNORED_FIELDS, ChatCompletionRequest
 from services.gateway.request_body import Body, refuse
@@ -119,13 +120,15 @@ class ResponsesRequest(Body):
             field = _FIELD_NAMES.get(str(loc[0]), str(loc[0])) if loc else "input"
             raise InvalidRequestError(field, exc.errors()[0]["msg"]) from None
 
-    def echoed(self, stored: bool) -> dict[str, Any]:
-        """The request's settings, as a response object repeats them (``stored``: whether it is kept)."""
+    def echoed(self, stored: bool, defaults: GenerationDefaults) -> dict[str, Any]:
+        """The request's settings, as a response object repeats them (``stored``: whether it is kept); a
+        sampling field it left unset shows the value used: the model's default, else the API's."""
+        sampling = defaults.apply({"temperature": self.temperature, "top_p": self.top_p})
         return {"model": self.model, "store": stored, "background": bool(self.background),
                 "previous_response_id": self.previous_response_id, "instructions": self.instructions,
                 "max_output_tokens": self.max_output_tokens,
-                "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p, "tools": self._tools_echoed(),
+                "temperature": sampling.get("temperature", 1.0), "top_p": sampling.get("top_p", 1.0),
+                "tools": self._tools_echoed(),
                 "tool_choice": self.tool_choice or "auto", "parallel_tool_calls": self.parallel_tool_calls is not False,
                 "text": {"format": self.text.format if self.text and self.text.format else {"type": "text"}},
                 "truncation": "disabled", "metadata": (self.model_extra or {}).get("metadata") or {}}
