@@ -82,8 +82,8 @@ def batch_token_nll(engine: Engine, docs: list[list[int]],
                     chunk: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per document: (NLL in nats of tokens[1:], the bytes of text each of them stands for: 0 for a
     special token, which is never scored). The documents are teacher-forced together, each step running
-    the next ``chunk`` tokens of every one not yet done, through blocks the engine reserves for them (and
-    frees after). ``chunk`` 1 reads the cache as generation does: a token sees the K/V before it as the
+    the next ``chunk`` tokens of every one not yet done, through blocks the engine's block manager gives
+    each its whole length (a window's blocks included: this pass drops none) and frees after. ``chunk`` 1 reads the cache as generation does: a token sees the K/V before it as the
     cache holds them (the block it fills still in its window); a longer chunk reads it as a prompt does:
     its blocks filled in the step are read back in the cache's format."""
     table = token_bytes(str(resolve_model_dir(engine.config.model)))
@@ -92,7 +92,7 @@ def batch_token_nll(engine: Engine, docs: list[list[int]],
     nll: list[list[torch.Tensor]] = [[] for _ in docs]
     try:
         for request_id, doc in zip(request_ids, docs, strict=True):
-            tables.append(engine.reserve_blocks(request_id, len(doc) - 1))
+            tables.append(engine.block_manager.reserve(request_id, len(doc) - 1))
         for start in range(0, max(map(len, docs)) - 1, chunk):
             live = [i for i, doc in enumerate(docs) if len(doc) - 1 > start]
             # The engine's own pass (same model, cache, attention backend and window), every row's logits.
@@ -104,7 +104,7 @@ def batch_token_nll(engine: Engine, docs: list[list[int]],
                 nll[i].append(torch.nn.functional.cross_entropy(logits, targets, reduction="none"))
     finally:
         for request_id in request_ids:
-            engine.release(request_id)
+            engine.block_manager.free(request_id)
     return [(torch.cat(n), table[torch.tensor(doc[1:])]) for n, doc in zip(nll, docs, strict=True)]
 
 
