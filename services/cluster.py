@@ -87,7 +87,8 @@ class Cluster:
         model_dir = resolve_model_dir(self.config.engine.model)
         ModelConfig.from_dir(model_dir)
         tokenizer = Tokenizer.from_dir(model_dir)
-        generation_defaults = GenerationDefaults.load(self.config.generation_config, model_dir)
+        generation_defaults = GenerationDefaults.load(self.config.generation_config, model_dir,
+                                                      self.config.override_generation_config)
         log.info("default sampling parameters (--generation-config %s): %s", self.config.generation_config,
                  generation_defaults.describe())
         self.start_infrastructure()

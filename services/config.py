@@ -8,6 +8,7 @@ the tests and the benchmarks cannot disagree.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ class ClusterConfig:
     # sampling defaults for what a request leaves unset: "auto" (the model's generation_config.json, as
     # vLLM), "vllm" (none: the API's own) or a directory holding a generation_config.json
     generation_config: str = "auto"
+    override_generation_config: dict = field(default_factory=dict)  # fields set over it (vLLM's flag)
     replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
     kv_transport: str = "auto"  # grpc | collective | ipc | auto (kvstore/transfer/transports.py)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
@@ -99,6 +101,17 @@ class _MarkSet(argparse.Action):
         setattr(namespace, f"{self.dest}_set", True)
 
 
+def _json_object(text: str) -> dict:
+    """An option's JSON object value (argparse names the option when this raises)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """``tidepool serve``'s options, with the dataclasses' defaults."""
     c, e, g = ClusterConfig(), ClusterConfig().engine, GatewayConfig()
@@ -112,6 +125,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
                         "caps an unset max_tokens) for what a request leaves unset: auto reads the model's "
                         "generation_config.json, vllm uses none, DIR reads DIR/generation_config.json")
+    p.add_argument("--override-generation-config", type=_json_object, default=c.override_generation_config,
+                   metavar="JSON", help="sampling defaults set over --generation-config's, e.g. "
+                                        "'{\"temperature\": 0.5, \"max_new_tokens\": 512}'")
     p.add_argument("--replicate-hot-prefixes", action="store_true", default=c.replicate_hot_prefixes,
                    help="copy prefixes many requests share to idle prefill workers ahead of demand "
                         "(tidepool policy)")
@@ -239,7 +255,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
-        generation_config=args.generation_config,
+        generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,

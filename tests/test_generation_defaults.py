@@ -42,6 +42,17 @@ def test_auto_reads_the_models_sampling_fields_and_vllm_reads_none(tmp_path):
     assert GenerationDefaults.load("auto", tmp_path / "no-such-file") == GenerationDefaults()
 
 
+def test_overrides_set_fields_over_the_file_or_over_none(tmp_path):
+    model = write_generation_config(tmp_path, QWEN3)
+    over = GenerationDefaults.load("auto", model, {"temperature": 0.2, "max_new_tokens": 64})
+    assert over.sampling == {"temperature": 0.2, "top_p": 0.95, "top_k": 20} and over.max_tokens == 64
+    assert GenerationDefaults.load("vllm", model, {"min_p": 0.1}).sampling == {"min_p": 0.1}
+    with pytest.raises(CheckpointError, match="--override-generation-config: do_sample is not one of"):
+        GenerationDefaults.load("auto", model, {"do_sample": False})
+    with pytest.raises(CheckpointError, match="with --override-generation-config: top_k"):
+        GenerationDefaults.load("auto", model, {"top_k": -2})
+
+
 @pytest.mark.parametrize("values, field", [({"temperature": 3.0}, "temperature"), ({"top_p": 0}, "top_p"),
                                            ({"max_new_tokens": 0}, "max_new_tokens")])
 def test_a_value_no_request_could_take_fails_the_start_naming_the_file_and_field(tmp_path, values, field):
@@ -61,10 +72,17 @@ def test_a_request_overrides_each_default_it_sets_and_max_new_tokens_caps_only_a
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)
 
 
-def test_the_cli_option_reaches_the_cluster_config():
+def test_the_cli_options_reach_the_cluster_config_and_bad_json_is_refused(capsys):
     parse = build_parser().parse_args
-    assert configs_from_args(parse(["serve"]))[0].generation_config == "auto"
-    assert configs_from_args(parse(["serve", "--generation-config", "vllm"]))[0].generation_config == "vllm"
+    plain = configs_from_args(parse(["serve"]))[0]
+    assert (plain.generation_config, plain.override_generation_config) == ("auto", {})
+    given = configs_from_args(parse(["serve", "--generation-config", "vllm", "--override-generation-config",
+                                     '{"temperature": 0.5}']))[0]
+    assert (given.generation_config, given.override_generation_config) == ("vllm", {"temperature": 0.5})
+    for bad in ("{temperature: 0.5}", "[0.5]"):
+        with pytest.raises(SystemExit):
+            parse(["serve", "--override-generation-config", bad])
+        assert "--override-generation-config" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
