@@ -42,6 +42,7 @@ class _SeqBlocks:
     num_slots: int = 0  # token positions the table holds (for the waste count)
     registered: int = 0  # leading hashed blocks offered to the prefix cache; the rest are its residual
     pending: list[tuple[int, ...]] = field(default_factory=list)  # token ids of hashes[registered:]
+    salt: bytes | None = None  # what its chain hashes are salted with (None: the manager's)
 
 
 class BlockManager:
@@ -86,10 +87,11 @@ class BlockManager:
         B = self.block_size
         return max(0, min((num_tokens - 1) // B, residual_start(num_tokens, B, self.residual_blocks)))
 
-    def cached_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None
+    def cached_prefix(self, token_ids: Sequence[int], max_blocks: int | None = None, salt: bytes | None = None
                       ) -> tuple[list[int], list[int]]:
-        """(block ids, hashes) of the longest run of leading full blocks found in the prefix cache;
-        no side effects (``allocate(..., prefix=...)`` takes the references)."""
+        """(block ids, hashes) of the longest run of leading full blocks found in the prefix cache, their
+        chain salted with ``salt`` (None: the manager's); no side effects (``allocate(..., prefix=...)``
+        takes the references)."""
         blocks: list[int] = []
         hashes: list[int] = []
         if not self.enable_prefix_caching:
@@ -99,7 +101,7 @@ class BlockManager:
         parent = None
         for i in range(n):
             tokens = tuple(token_ids[i * B:(i + 1) * B])
-            parent = hash_block(parent, tokens, self.salt)
+            parent = hash_block(parent, tokens, salt or self.salt)
             block = self.cached.get(parent)
             if block is None or self.block_tokens[block] != tokens:  # miss, or a hash collision
                 break
@@ -121,10 +123,11 @@ class BlockManager:
 
     # -- allocation ------------------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, num_computed: int, num_new: int,
-                 prefix: tuple[list[int], list[int]] | None = None) -> bool:
+                 prefix: tuple[list[int], list[int]] | None = None, salt: bytes | None = None) -> bool:
         """Grow ``seq_id``'s table to hold ``num_computed + num_new`` tokens, writes starting at
-        ``num_computed``. A sequence's first call may adopt a cached ``prefix`` (from
-        ``cached_prefix``). False, with nothing changed, when the free blocks don't suffice."""
+        ``num_computed``. A sequence's first call may adopt a cached ``prefix`` (from ``cached_prefix``, with
+        the same ``salt``, which its blocks are registered under). False, with nothing changed, when the
+        free blocks don't suffice."""
         s = self.seqs.get(seq_id)
         total = self.blocks_for(num_computed + num_new)
         if s is None:
@@ -134,7 +137,7 @@ class BlockManager:
                 return False
             for b in blocks:
                 self._take(b)
-            s = self.seqs[seq_id] = _SeqBlocks(list(blocks), list(hashes), registered=len(blocks))
+            s = self.seqs[seq_id] = _SeqBlocks(list(blocks), list(hashes), registered=len(blocks), salt=salt)
         else:
             B, table = self.block_size, s.table
             cow = num_computed % B != 0 and self.ref[table[num_computed // B]] > 1
@@ -173,7 +176,7 @@ class BlockManager:
             if b != NO_BLOCK:
                 self.ref[b] += 1
         self.seqs[child_id] = _SeqBlocks(list(p.table), list(p.hashes), p.num_slots, p.registered,
-                                         list(p.pending))
+                                         list(p.pending), p.salt)
 
     def free(self, seq_id: Hashable) -> None:
         """Register the residual's blocks no other sample shares, then drop the sequence's references; the
@@ -195,6 +198,14 @@ class BlockManager:
                 break
             self._release(table[i])
             table[i] = NO_BLOCK
+
+    def salt_hashes(self, seq_id: Hashable, salt: bytes | None) -> None:
+        """Register ``seq_id``'s blocks under ``salt`` from now on (a reservation, before its first hash, learns
+        its request's)."""
+        s = self.seqs[seq_id]
+        if s.hashes:
+            raise ValueError(f"sequence {seq_id!r} already hashed blocks under another salt")
+        s.salt = salt
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Pending copy-on-write (src, dst) block copies, to apply before the next forward pass."""
@@ -221,7 +232,7 @@ class BlockManager:
         parent = s.hashes[-1] if s.hashes else None
         for i in range(len(s.hashes), full):
             tokens = tuple(token_ids[i * B:(i + 1) * B])
-            parent = hash_block(parent, tokens, self.salt)
+            parent = hash_block(parent, tokens, s.salt or self.salt)
             s.hashes.append(parent)
             s.pending.append(tokens)
         self._register(s, min(full, residual_start(num_computed, B, self.residual_blocks)))

@@ -33,7 +33,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # architectures whose sliding window, when set, covers every layer
 SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-ROPE_TYPES = ("default", "llama3", "yarn")
+ROPE_TYPES = ("default", "llama3", "yarn", "longrope")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 # KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
 # (fp8's and kivi2's window pools plan on the host)
@@ -107,8 +107,30 @@ def _yarn(params: dict, key: str, max_pos: int) -> dict:
             "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True))}
 
 
+def _longrope(params: dict, key: str, raw: dict) -> dict:
+    """LongRoPE's settings as transformers reads them (Phi-3 128k, Phi-3.5): per-dimension short and long
+    frequency divisors, the original context (the model's top-level one in transformers-4 configs) past which
+    a sequence takes the long ones, and the attention factor cos and sin are scaled by (default:
+    sqrt(1 + ln(factor) / ln(original)), factor being the context over the original one)."""
+    max_pos = int(raw.get("max_position_embeddings", 4096))
+    original = int(params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
+                   or max_pos)
+    half = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])) // 2
+    factors = {name: [float(f) for f in params.get(name) or ()] for name in ("short_factor", "long_factor")}
+    for name, values in factors.items():
+        if len(values) != half:
+            raise UnsupportedModelError(f"{key}.{name}", f"needs {half} values (head_dim / 2), got {len(values)}")
+    factor = float(params.get("factor") or max_pos / original)
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"rope_type": "longrope", **factors, "original_max_position_embeddings": original,
+            "attention_factor": float(attention)}
+
+
 def _rope(raw: dict) -> tuple[float, dict | None]:
-    """(rope_theta, llama3 or yarn scaling or None) from either transformers-4 or transformers-5 keys."""
+    """(rope_theta, llama3, yarn or longrope scaling or None) from either transformers-4 or transformers-5
+    keys."""
     # transformers 5: rope_parameters = {"rope_type", "rope_theta", ...scaling keys}
     # transformers 4: rope_theta at top level, rope_scaling = {"type" | "rope_type", ...} or null
     params = raw.get("rope_parameters")
@@ -118,6 +140,7 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     params = dict(params or {})
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # LongRoPE's first name, in early Phi-3 configs
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"{key}.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
@@ -127,6 +150,8 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         return theta, None
     if rope_type == "yarn":
         return theta, _yarn(params, key, int(raw.get("max_position_embeddings", 4096)))
+    if rope_type == "longrope":
+        return theta, _longrope(params, key, raw)
     missing = [k for k in LLAMA3_KEYS if k not in params]
     if missing:
         raise UnsupportedModelError(f"{key}", f"llama3 rope scaling needs {', '.join(missing)}")
@@ -203,7 +228,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "yarn", factor, ...} (``_rope``); None: plain
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "yarn" | "longrope", ...} (``_rope``); None: plain
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one here
@@ -215,6 +240,13 @@ class ModelConfig:
     # Mistral's (v0.1), Mixtral's and Phi-3's sliding-window attention: every layer's query sees the last W
     # tokens, itself included; None: full attention. The engine runs it as its attention window without sinks.
     sliding_window: int | None = None
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE's original context: a position past it, or any of a sequence whose prompt outgrows it,
+        rotates with the long factors (None: not a LongRoPE model)."""
+        s = self.rope_scaling
+        return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" else None
 
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:

@@ -84,6 +84,7 @@ class Engine:
         speculative = config.speculative
         self.proposer = None if speculative is None else NgramProposer(speculative)
         self.speculation = SpeculationStats()
+        self._long_rope_salt = salt_for(f"{self.model_id}#long-rope")  # (``_hash_salt``)
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
@@ -103,7 +104,7 @@ class Engine:
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
-            seq.token_ids, self.scheduler.cacheable_blocks(seq))[0])
+            seq.token_ids, self.scheduler.cacheable_blocks(seq), seq.hash_salt)[0])
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
 
@@ -146,7 +147,8 @@ class Engine:
             # draft needs every row (each position is sampled).
             tokens = [seq.token_ids[pos], *seq.draft_ids] if seq.draft_ids else seq.token_ids[pos:pos + n]
             chunks.append(SeqChunk(tokens, pos, table, bool(seq.draft_ids) or (
-                seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens)))
+                seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens),
+                long_rope=seq.hash_salt is not None))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
             if pos >= seq.num_prompt_tokens and n == 1:  # a decode row
@@ -218,6 +220,7 @@ class Engine:
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         self._retire([seq for seq, out in zip(seqs, outputs, strict=True) if out.finished])
+        self._recompute_with_long_rope([seq for seq, out in zip(seqs, outputs, strict=True) if not out.finished])
         return outputs
 
     def _computed(self, seq: Sequence, num_computed: int) -> None:
@@ -269,6 +272,9 @@ class Engine:
         room = seq.params.max_tokens - seq.num_output_tokens - 1
         if self.kv_cache.kv_format in WINDOWED:
             room = min(room, self.block_size - 1 - seq.num_tokens % self.block_size)
+        long_from = self.model_config.long_rope_from
+        if long_from is not None and seq.hash_salt is None:  # a draft never crosses into the long factors
+            room = min(room, long_from - seq.num_tokens)
         return room
 
     def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]],
@@ -321,6 +327,7 @@ class Engine:
             if outputs[-1].finished:
                 finished.append(seq)
         self._retire(finished)
+        self._recompute_with_long_rope([seq for seq, _ in drafted if seq not in finished])
         return outputs
 
     def _stop_tokens(self, seq: Sequence) -> list[int]:
@@ -411,8 +418,10 @@ class Engine:
         self._leases.pop(seq_id, None)  # a running sequence from now on
         seq.num_computed_tokens = seq.num_tokens - 1
         self.requests[request_id] = [seq]
+        self.block_manager.salt_hashes(seq_id, seq.hash_salt)
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
         self.scheduler.add_running(seq)
+        self._recompute_with_long_rope([seq])  # its first step would pass the original context
 
     # -- KV pool ---------------------------------------------------------------------------------
     def reusable_prefix_blocks(self, num_tokens: int) -> int:
@@ -477,7 +486,7 @@ class Engine:
                        len(token_ids), params, index,
                        generator=make_generator(params.seed, index, self.device), text=text,
                        prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None,
-                       grammar=grammar)
+                       grammar=grammar, hash_salt=self._hash_salt(len(token_ids)))
         for token in output_ids:
             if text is not None:
                 text.push(token)
@@ -486,6 +495,24 @@ class Engine:
         if text is not None:
             text.emit(final=False)
         return seq
+
+    def _recompute_with_long_rope(self, seqs: list[Sequence]) -> None:
+        """LongRoPE, as transformers generates with it: the step that first computes a position past the
+        original context computes the whole sequence again with the long factors (every key so far was
+        rotated with the short ones), from then on under the long prefix-cache salt."""
+        long_from = self.model_config.long_rope_from
+        if long_from is None:
+            return
+        for seq in seqs:
+            if seq.hash_salt is None and seq.num_tokens > long_from:
+                seq.hash_salt = self._long_rope_salt
+                self.scheduler.recompute(seq)
+
+    def _hash_salt(self, num_prompt_tokens: int) -> bytes | None:
+        """A sequence's prefix-cache salt (``Sequence.hash_salt``): None, except for a LongRoPE model's prompt
+        longer than the original context, whose keys all rotate with the long factors."""
+        long_from = self.model_config.long_rope_from
+        return self._long_rope_salt if long_from is not None and num_prompt_tokens > long_from else None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

@@ -63,6 +63,9 @@ class AttentionMetadata:
     sink_sin: torch.Tensor | None = None
     # The Triton backend's block tables and lengths; when set, only slot_mapping and num_decode above are.
     paged: PagedAttentionMeta | None = None
+    # LongRoPE: the rows of prompts longer than the original context, which rotate with the long factors at
+    # every position (``CausalLM.rope_tables``); None: no such row.
+    long_rope_rows: torch.Tensor | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -75,6 +78,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv_freq, 1.0
     if s["rope_type"] == "yarn":
         return _yarn_inv_freq(cfg.rope_theta, dim, s), s["attention_factor"]
+    if s["rope_type"] == "longrope":  # the short factors; CausalLM keeps the long ones beside them
+        return longrope_inv_freq(cfg, "short_factor"), s["attention_factor"]
     old_len = s["original_max_position_embeddings"]
     low_wavelen = old_len / s["low_freq_factor"]
     high_wavelen = old_len / s["high_freq_factor"]
@@ -84,6 +89,14 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     smoothed = (1 - smooth) * scaled / s["factor"] + smooth * scaled
     is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+def longrope_inv_freq(cfg: ModelConfig, factors: str) -> torch.Tensor:
+    """LongRoPE's inverse frequencies with its ``factors`` ("short_factor" or "long_factor"), computed as
+    transformers computes them: 1 / (factor * theta ** (2i / dim))."""
+    dim = cfg.head_dim
+    powers = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (torch.tensor(cfg.rope_scaling[factors], dtype=torch.float32) * powers)
 
 
 def _yarn_inv_freq(base: float, dim: int, s: dict) -> torch.Tensor:
@@ -106,8 +119,9 @@ def _yarn_inv_freq(base: float, dim: int, s: dict) -> torch.Tensor:
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[T, 1, head_dim]`` (broadcast over heads) exactly as transformers builds them: float32
-    position * inv_freq, times ``scale`` (YaRN's attention factor), then cast."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    position * inv_freq (``[head_dim / 2]``, or one row per position), times ``scale`` (YaRN's or LongRoPE's
+    attention factor), then cast."""
+    freqs = positions.float()[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
     emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)  # (x * 1.0 is x exactly)
 
@@ -305,11 +319,28 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq: torch.Tensor | None = None
-        self.rope_scale = 1.0  # what cos and sin are multiplied by (YaRN's attention factor)
+        self.rope_scale = 1.0  # what cos and sin are multiplied by (YaRN's or LongRoPE's attention factor)
+        self.long_inv_freq: torch.Tensor | None = None  # LongRoPE's long factors' (``rope_tables``)
 
     def init_rope(self, device: torch.device | str) -> None:
         inv_freq, self.rope_scale = rope_inv_freq(self.config)
         self.inv_freq = inv_freq.to(device)
+        if self.config.long_rope_from is not None:
+            self.long_inv_freq = longrope_inv_freq(self.config, "long_factor").to(device)
+
+    def rope_tables(self, positions: torch.Tensor, long_rows: torch.Tensor | None, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of each row. LongRoPE, as transformers runs it: a sequence longer than the original context
+        rotates every position with the long factors (``long_rows``: its rows; None: no such row), one shorter
+        with the short ones. A row past that context is always such a sequence's (the engine computes a
+        sequence again as it passes it), which is all a decode graph, without ``long_rows``, relies on."""
+        if self.long_inv_freq is None:
+            return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
+        long = positions >= self.config.long_rope_from
+        if long_rows is not None:
+            long |= long_rows
+        inv_freq = torch.where(long[:, None], self.long_inv_freq, self.inv_freq)
+        return rope_cos_sin(positions, inv_freq, dtype, self.rope_scale)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_layers: Sequence[PagedKV], logit_rows: torch.Tensor,
@@ -318,7 +349,7 @@ class CausalLM(nn.Module):
         per layer, ``KVCache.for_step``), calling ``on_layer_done(layer)`` once a layer is done (its K/V
         written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype, self.rope_scale)
+        cos, sin = self.rope_tables(positions, meta.long_rope_rows, h.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_layers[i], meta)

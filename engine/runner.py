@@ -33,6 +33,9 @@ class SeqChunk:
     start_pos: int
     block_table: list[int]
     all_logits: bool = False  # logits of every token of the chunk, not only the last (prompt logprobs)
+    # LongRoPE: the sequence is longer than the original context, so every position rotates with the long
+    # factors (``CausalLM.rope_tables``)
+    long_rope: bool = False
 
 
 class ModelRunner:
@@ -44,6 +47,9 @@ class ModelRunner:
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         if attention_backend == "triton" and window is not None and window.sinks:
             raise ValueError("the triton attention backend has no attention sinks (a sliding window runs on it)")
+        if window is not None and window.sinks and model_config.long_rope_from is not None:
+            raise ValueError("attention sinks rotate queries at their cache position, which LongRoPE's two "
+                             "frequency sets do not define: serve this model without --kv-sinks")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
         self.paged_window = 0 if window is None else window.window  # the kernels' sliding window (0: none)
         self.device = kv_cache.device
@@ -112,6 +118,9 @@ class ModelRunner:
             if not self.paged:
                 prefills.append(self._prefill_meta(c, begin, n, pos))
         meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
+        if any(chunks[i].long_rope for i in prefill):
+            meta.long_rope_rows = torch.tensor([False] * len(decode) + [
+                chunks[i].long_rope for i in prefill for _ in range(lens[i])], device=self.device)
         pos = torch.tensor(positions, device=self.device)
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],

@@ -64,6 +64,10 @@ class Sequence:
     # Tokens proposed to follow its last one (speculative decoding), computed with it in this step's chunk and
     # kept as far as the sampler agrees; [] outside a decoding step that speculates.
     draft_ids: list[int] = field(default_factory=list)
+    # What its blocks' chain hashes are salted with in the prefix cache (None: the engine's). A LongRoPE
+    # model's prompt longer than the original context rotates every key with the long factors, so its blocks
+    # are not a short prompt's (``Engine._long_rope_salt``).
+    hash_salt: bytes | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -180,10 +184,10 @@ class Scheduler:
             seq = self.waiting[0]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
-            prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq))
+            prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq), seq.hash_salt)
             num_cached = len(prefix[0]) * self.bm.block_size
             n = min(seq.num_tokens - num_cached, budget, self._chunk(seq))
-            if not self.bm.allocate(seq.seq_id, num_cached, n, prefix):
+            if not self.bm.allocate(seq.seq_id, num_cached, n, prefix, seq.hash_salt):
                 break
             self.waiting.popleft()
             seq.num_computed_tokens = num_cached
@@ -207,8 +211,19 @@ class Scheduler:
     def _chunk(self, seq: Sequence) -> int:
         return self.max_chunk if seq.prompt_logprobs is None else min(self.max_chunk, PROMPT_LOGPROBS_CHUNK)
 
+    def recompute(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the batch (if in it) to compute every token of it again, from the waiting queue
+        (a LongRoPE sequence passing the original context: ``Engine._recompute_with_long_rope``)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._requeue(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and put it back in the waiting queue, nothing of it computed."""
         self.bm.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.draft_ids.clear()

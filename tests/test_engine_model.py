@@ -283,3 +283,50 @@ def test_bfloat16_model_and_cache_track_float32(tmp_path, device, arch):
     _, ref = engine_greedy(ref_runner, batch, 1)
     _, got = engine_greedy(runner, batch, 1)
     assert got.dtype == torch.float32 and rel_err(got.cpu(), ref) < 0.05
+
+
+LONGROPE = dict(sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                original_max_position_embeddings=32,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+                                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]})
+
+
+@pytest.mark.timeout(120)
+def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_path):
+    """LongRoPE (Phi-3 128k, Phi-3.5) with an original context of 32: prompts longer than it rotate every
+    position with the long factors; shorter ones switch when decoding passes it, the whole sequence computed
+    again as transformers does, in a batch with the others and with speculative drafts. A long prompt takes
+    no short prompt's cached blocks, and does take another long prompt's."""
+    hf = build_hf_checkpoint(tmp_path, "phi3", **LONGROPE)
+    assert ModelConfig.from_dir(tmp_path).long_rope_from == 32
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=32,
+                                 num_speculative_tokens=3))
+    short, long, _ = prompts((5, 40, 0))
+    looped = (short * 7)[:20]  # repeats itself: n-gram drafts up to the switch
+    requests = {"short": short, "long": long, "looped": looped, "short-prefix": long[:31],
+                "long-prefix": long[:33] + short}
+    params = {rid: SamplingParams(max_tokens=1 if rid == "short-prefix" else 24, temperature=0.0, ignore_eos=True)
+              for rid in requests}  # short-prefix stops before the original context: it keeps short blocks
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+
+    def run(rids):
+        for rid in rids:
+            engine.add_request(rid, requests[rid], params[rid])
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+
+    run(["short", "looped", "short-prefix"])  # short-prefix registers long[:16], rotated with the short factors
+    assert engine.stats().speculation.drafts > 0
+    run(["long"])
+    assert cached["long"] == 0  # the same tokens, rotated with the short factors: not its blocks
+    run(["long-prefix"])
+    assert cached["long-prefix"] == 32  # long's first two blocks, long-rotated
+    with torch.no_grad():
+        for rid, ids in requests.items():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=params[rid].max_tokens,
+                               do_sample=False)[0, len(ids):].tolist()
+            assert got[rid] == want, rid

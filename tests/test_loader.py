@@ -63,7 +63,7 @@ def test_eos_ids_prefer_generation_config(tmp_path):
 
 @pytest.mark.parametrize("overrides, field", [
     ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.short_factor"),  # no factors
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),  # no original context
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),

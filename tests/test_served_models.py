@@ -1,8 +1,9 @@
 """Checkpoints beyond the Llama family through the whole served path, driven as a client drives it (the
 official ``openai`` client): a mixture of experts (Qwen3-MoE) on disaggregated prefill and decode workers,
 its prompt's KV handed off between them, and a sliding-window Mistral (v0.1's kind), its prompts longer than
-the window, on a colocated worker and disaggregated (the hand-off carries only the blocks the window keeps).
-Each answers with the greedy tokens transformers generates."""
+the window, on a colocated worker and disaggregated (the hand-off carries only the blocks the window keeps),
+and a LongRoPE Phi-3 whose sequences pass its original context. Each answers with the greedy tokens
+transformers generates."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import shutil
 import openai
 import pytest
 import torch
-from test_engine_model import build_hf_checkpoint, prompts
+from test_engine_model import LONGROPE, build_hf_checkpoint, prompts
 
 from engine.config import ModelConfig
 from engine.loader import resolve_model_dir
@@ -48,7 +49,10 @@ def transformers_ids(hf, ids: list[int]) -> list[int]:
     ("mistral", {"sliding_window": 20}, dict(colocated=1)),
     # gRPC: the KV leaves layer by layer, while the prefill's last chunk computes
     ("mistral", {"sliding_window": 20}, dict(prefill=1, decode=1, kv_transport="grpc")),
-], ids=["qwen3_moe_disaggregated", "mistral_sliding_window_colocated", "mistral_sliding_window_disaggregated"])
+    # LongRoPE, an original context of 32: the 30-token prompt's sequence passes it on the decode worker
+    ("phi3", LONGROPE, dict(prefill=1, decode=1)),
+], ids=["qwen3_moe_disaggregated", "mistral_sliding_window_colocated", "mistral_sliding_window_disaggregated",
+        "phi3_longrope_disaggregated"])
 def test_a_checkpoint_answers_a_client_as_transformers_generates(start_server, tmp_path, arch, overrides, workers):
     server, hf = serve_checkpoint(start_server, tmp_path, arch, overrides, workers)
     try:
