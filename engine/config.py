@@ -107,7 +107,21 @@ def _yarn(params: dict, key: str, max_pos: int) -> dict:
             "beta_slow": float(params.get("beta_slow") or 1), "truncate": bool(params.get("truncate", True))}
 
 
-def _longrope(params: dict, key: str, raw: dict) -> dict:
+def _rotary_dim(raw: dict, params: dict, key: str, arch: str) -> int:
+    """The leading dimensions of each head RoPE rotates: all of them, or the ``partial_rotary_factor`` share
+    of them (Phi-4-mini's 0.75), which transformers applies for Phi-3's architecture only."""
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"]))
+    factor = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if factor == 1.0:
+        return head_dim
+    dim = int(head_dim * factor)
+    if arch not in PACKED_ARCHITECTURES or dim <= 0 or dim % 2:
+        raise UnsupportedModelError(f"{key}.partial_rotary_factor", f"{factor} is supported for Phi-3's "
+                                    "architecture only, rotating an even number of dimensions")
+    return dim
+
+
+def _longrope(params: dict, key: str, raw: dict, rotary_dim: int) -> dict:
     """LongRoPE's settings as transformers reads them (Phi-3 128k, Phi-3.5): per-dimension short and long
     frequency divisors, the original context (the model's top-level one in transformers-4 configs) past which
     a sequence takes the long ones, and the attention factor cos and sin are scaled by (default:
@@ -115,11 +129,11 @@ def _longrope(params: dict, key: str, raw: dict) -> dict:
     max_pos = int(raw.get("max_position_embeddings", 4096))
     original = int(params.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
                    or max_pos)
-    half = int(raw.get("head_dim") or int(raw["hidden_size"]) // int(raw["num_attention_heads"])) // 2
+    half = rotary_dim // 2
     factors = {name: [float(f) for f in params.get(name) or ()] for name in ("short_factor", "long_factor")}
     for name, values in factors.items():
         if len(values) != half:
-            raise UnsupportedModelError(f"{key}.{name}", f"needs {half} values (head_dim / 2), got {len(values)}")
+            raise UnsupportedModelError(f"{key}.{name}", f"needs {half} values (rotated dims / 2), got {len(values)}")
     factor = float(params.get("factor") or max_pos / original)
     attention = params.get("attention_factor")
     if attention is None:
@@ -128,9 +142,9 @@ def _longrope(params: dict, key: str, raw: dict) -> dict:
             "attention_factor": float(attention)}
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    """(rope_theta, llama3, yarn or longrope scaling or None) from either transformers-4 or transformers-5
-    keys."""
+def _rope(raw: dict, arch: str) -> tuple[float, dict | None, int]:
+    """(rope_theta, llama3, yarn or longrope scaling or None, the rotated dimensions of a head) from either
+    transformers-4 or transformers-5 keys."""
     # transformers 5: rope_parameters = {"rope_type", "rope_theta", ...scaling keys}
     # transformers 4: rope_theta at top level, rope_scaling = {"type" | "rope_type", ...} or null
     params = raw.get("rope_parameters")
@@ -144,20 +158,19 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     if rope_type not in ROPE_TYPES:
         raise UnsupportedModelError(
             f"{key}.rope_type", f"{rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError(f"{key}.partial_rotary_factor", "only 1.0 (full rotary) is supported")
+    rotary_dim = _rotary_dim(raw, params, key, arch)
     if rope_type == "default":
-        return theta, None
+        return theta, None, rotary_dim
     if rope_type == "yarn":
-        return theta, _yarn(params, key, int(raw.get("max_position_embeddings", 4096)))
+        return theta, _yarn(params, key, int(raw.get("max_position_embeddings", 4096))), rotary_dim
     if rope_type == "longrope":
-        return theta, _longrope(params, key, raw)
+        return theta, _longrope(params, key, raw, rotary_dim), rotary_dim
     missing = [k for k in LLAMA3_KEYS if k not in params]
     if missing:
         raise UnsupportedModelError(f"{key}", f"llama3 rope scaling needs {', '.join(missing)}")
     scaling = {"rope_type": "llama3", **{k: float(params[k]) for k in LLAMA3_KEYS}}
     scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
-    return theta, scaling
+    return theta, scaling, rotary_dim
 
 
 @dataclass(frozen=True)
@@ -229,6 +242,7 @@ class ModelConfig:
     head_dim: int
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "yarn" | "longrope", ...} (``_rope``); None: plain
+    rotary_dim: int | None = None  # the leading dims of a head RoPE rotates (Phi-4-mini's 3/4); None: head_dim
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one here
@@ -269,14 +283,14 @@ class ModelConfig:
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
-        theta, scaling = _rope(raw)
+        theta, scaling, rotary_dim = _rope(raw, arch)
         bos, eos = special_token_ids(raw, generation)
         num_layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=int(raw.get("head_dim") or hidden // heads),
-            rope_theta=theta, rope_scaling=scaling, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,

@@ -70,8 +70,9 @@ class AttentionMetadata:
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inverse frequencies, the factor cos and sin are scaled by), with Llama 3's wavelength-dependent
-    scaling or YaRN's when configured, computed as transformers computes them."""
-    dim = cfg.head_dim
+    scaling, YaRN's or LongRoPE's when configured, computed as transformers computes them (over the rotated
+    dimensions only with a partial rotary factor)."""
+    dim = cfg.rotary_dim or cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     s = cfg.rope_scaling
     if s is None:
@@ -94,7 +95,7 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
 def longrope_inv_freq(cfg: ModelConfig, factors: str) -> torch.Tensor:
     """LongRoPE's inverse frequencies with its ``factors`` ("short_factor" or "long_factor"), computed as
     transformers computes them: 1 / (factor * theta ** (2i / dim))."""
-    dim = cfg.head_dim
+    dim = cfg.rotary_dim or cfg.head_dim
     powers = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     return 1.0 / (torch.tensor(cfg.rope_scaling[factors], dtype=torch.float32) * powers)
 
@@ -129,6 +130,16 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.d
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated by cos/sin over its first ``cos.shape[-1]`` dimensions (all of them but with a partial
+    rotary factor), the rest passed through, as transformers' Phi-3 does."""
+    d = cos.shape[-1]
+    if d == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot = x[..., :d]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., d:]), dim=-1)
 
 
 class PagedKV(Protocol):
@@ -190,12 +201,12 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if meta.paged is not None:  # Triton backend: rotate, write and attend in place
-            kernels.apply_rope(q, k, cos, sin)
+            d = cos.shape[-1]  # the rotated dimensions: views of them are rotated in place
+            kernels.apply_rope(q[..., :d], k[..., :d], cos, sin)
             out = paged_attention(q, k, v, kv, meta.paged, meta.num_decode, self.scale)
             return self.o_proj(out.view(T, self.q_size))
-        q_sink = None if meta.sink_cos is None else q * meta.sink_cos + rotate_half(q) * meta.sink_sin
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q_sink = None if meta.sink_cos is None else apply_rotary(q, meta.sink_cos, meta.sink_sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.write(k, v)
         out = torch.empty_like(q)
         for p in meta.prefills:

@@ -38,6 +38,9 @@ ARCHS = {
     # Phi-3 / Phi-4: q/k/v and gate/up packed in the checkpoint itself
     "phi3": (transformers.Phi3Config, dict(sliding_window=None, bos_token_id=1, eos_token_id=2,
                                            pad_token_id=0)),
+    # Phi-4-mini's partial rotary embedding: RoPE turns the first half of each head (8 of 16 dimensions)
+    "phi3_partial_rotary": (transformers.Phi3Config, dict(sliding_window=None, bos_token_id=1, eos_token_id=2,
+                                                          pad_token_id=0, partial_rotary_factor=0.5)),
     # Mixtures of experts (engine/moe.py): 4 experts, 2 per token, so the routing decides every output.
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
     # The first layer dense, the second sparse; a gated shared expert; top-k scores not renormalized.
@@ -293,12 +296,17 @@ LONGROPE = dict(sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_i
 
 
 @pytest.mark.timeout(120)
-def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_path):
+@pytest.mark.parametrize("partial_rotary_factor", [1.0, 0.5])
+def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_path, partial_rotary_factor):
     """LongRoPE (Phi-3 128k, Phi-3.5) with an original context of 32: prompts longer than it rotate every
     position with the long factors; shorter ones switch when decoding passes it, the whole sequence computed
     again as transformers does, in a batch with the others and with speculative drafts. A long prompt takes
     no short prompt's cached blocks, and does take another long prompt's."""
-    hf = build_hf_checkpoint(tmp_path, "phi3", **LONGROPE)
+    half = int(16 * partial_rotary_factor) // 2  # a factor per rotated pair of dimensions
+    rope = {**LONGROPE["rope_parameters"], "short_factor": LONGROPE["rope_parameters"]["short_factor"][:half],
+            "long_factor": LONGROPE["rope_parameters"]["long_factor"][:half]}
+    hf = build_hf_checkpoint(tmp_path, "phi3", **{**LONGROPE, "rope_parameters": rope},
+                             partial_rotary_factor=partial_rotary_factor)
     assert ModelConfig.from_dir(tmp_path).long_rope_from == 32
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=32,
                                  num_speculative_tokens=3))

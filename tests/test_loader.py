@@ -69,6 +69,7 @@ def test_eos_ids_prefer_generation_config(tmp_path):
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
     ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 128}, "use_sliding_window"),
     ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"partial_rotary_factor": 0.5}, "rope_scaling.partial_rotary_factor"),  # Phi-3's architecture only
     ({**QWEN_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({**QWEN_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step"),
 ])

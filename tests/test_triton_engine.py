@@ -20,7 +20,7 @@ if "triton" not in sys.modules:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
-from test_engine_model import build_hf_checkpoint, prompts  # noqa: E402
+from test_engine_model import LONGROPE, build_hf_checkpoint, prompts  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
@@ -191,6 +191,29 @@ def test_a_sliding_window_model_on_triton_equals_torch_also_through_the_graph_bu
         runs[mode] = drive(engine, arrivals, max_tokens=24)[0]
     assert runs["triton"] == runs["graphs"] == runs["torch"]
     assert all(len(t) == 24 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
+
+
+@needs_interpreter
+def test_longrope_with_a_partial_rotary_factor_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
+    """Phi-3's LongRoPE (an original context of 32) with half of each head rotated, as Phi-4-mini rotates
+    three quarters: a prompt past the original context and two that pass it while decoding (computed again
+    with the long factors), rotated in place by the kernel over the leading dimensions only; decode steps
+    through the static graph buffers take the long factors by position alone. The greedy tokens equal the
+    torch path's."""
+    rope = {**LONGROPE["rope_parameters"], "short_factor": LONGROPE["rope_parameters"]["short_factor"][:4],
+            "long_factor": LONGROPE["rope_parameters"]["long_factor"][:4]}
+    build_hf_checkpoint(tmp_path, "phi3", **{**LONGROPE, "rope_parameters": rope}, partial_rotary_factor=0.5)
+    a, b, c = prompts((20, 45, 26))
+    arrivals = {0: [("a", a), ("b", b)], 3: [("c", c)]}
+    runs = {}
+    for mode in ("torch", "triton", "graphs"):
+        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=64, max_num_batched_tokens=32,
+                                     attention_backend="torch" if mode == "torch" else "triton"))
+        if mode == "graphs":
+            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
+        runs[mode] = drive(engine, arrivals, max_tokens=16)[0]
+    assert runs["triton"] == runs["graphs"] == runs["torch"]
+    assert all(len(t) == 16 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
 
 
 def test_triton_with_sinks_and_graphs_of_a_windowed_format_are_refused(model_dir):
