@@ -74,6 +74,13 @@ def _eos_list(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
+def long_rope_applies(long_rope_from: int | None, num_tokens: int) -> bool:
+    """Whether a LongRoPE model (original context ``long_rope_from``; None: not one) rotates a sequence of
+    ``num_tokens`` with its long factors, every position: its blocks are then not a shorter sequence's, so
+    the prefix cache salts them apart and they take no part in the pool's and peers' (``Engine._hash_salt``)."""
+    return long_rope_from is not None and num_tokens > long_rope_from
+
+
 def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 

@@ -20,7 +20,7 @@ import torch
 
 from engine.block_events import BlockEvent
 from engine.block_manager import NO_BLOCK, BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, long_rope_applies
 from engine.device_memory import engine_num_blocks
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
 from engine.errors import InvalidRequestError
@@ -417,6 +417,7 @@ class Engine:
         del self.held[request_id]
         self._leases.pop(seq_id, None)  # a running sequence from now on
         seq.num_computed_tokens = seq.num_tokens - 1
+        seq.hash_salt = self._hash_salt(seq.num_computed_tokens)  # as the prefill side computed its K/V
         self.requests[request_id] = [seq]
         self.block_manager.salt_hashes(seq_id, seq.hash_salt)
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -486,7 +487,7 @@ class Engine:
                        len(token_ids), params, index,
                        generator=make_generator(params.seed, index, self.device), text=text,
                        prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None,
-                       grammar=grammar, hash_salt=self._hash_salt(len(token_ids)))
+                       grammar=grammar, hash_salt=self._hash_salt(len(token_ids) + len(output_ids)))
         for token in output_ids:
             if text is not None:
                 text.push(token)
@@ -508,11 +509,16 @@ class Engine:
                 seq.hash_salt = self._long_rope_salt
                 self.scheduler.recompute(seq)
 
-    def _hash_salt(self, num_prompt_tokens: int) -> bytes | None:
-        """A sequence's prefix-cache salt (``Sequence.hash_salt``): None, except for a LongRoPE model's prompt
-        longer than the original context, whose keys all rotate with the long factors."""
-        long_from = self.model_config.long_rope_from
-        return self._long_rope_salt if long_from is not None and num_prompt_tokens > long_from else None
+    def _hash_salt(self, num_tokens: int) -> bytes | None:
+        """The prefix-cache salt (``Sequence.hash_salt``) of a sequence whose first ``num_tokens`` tokens' K/V
+        is computed or imported first: None, except for a LongRoPE model's past the original context, whose
+        keys all rotate with the long factors."""
+        return self._long_rope_salt if long_rope_applies(self.model_config.long_rope_from, num_tokens) else None
+
+    def shares_prefix(self, num_tokens: int) -> bool:
+        """Whether a prompt of ``num_tokens`` (output tokens of a resumed request included) has its blocks hashed
+        as the router, the pool and the peers hash them: not a LongRoPE prompt past the original context."""
+        return self._hash_salt(num_tokens) is None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

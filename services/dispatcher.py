@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.config import long_rope_applies
 from engine.errors import InvalidRequestError
 from engine.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
@@ -71,6 +72,7 @@ class Dispatcher:
         self.model_id = first.model_id
         self.block_size = first.block_size
         self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
+        self.long_rope_from = first.long_rope_from
         self.conductor = conductor
         self.index = index
         self.tokenizer = tokenizer
@@ -231,10 +233,12 @@ class Dispatcher:
             for attempt in range(_MAX_ATTEMPTS):
                 tokens = [*prompt_ids, *progress.output_ids]
                 # Prompt logprobs come with the first token; a prompt scored for them is computed whole, so the
-                # router counts no cached prefix for it (an attempt resumed after that token uses the cache).
+                # router counts no cached prefix for it (an attempt resumed after that token uses the cache);
+                # nor for a LongRoPE prompt past the original context, whose blocks are salted apart.
                 if progress.output_ids and params.prompt_logprobs is not None:
                     params = dataclasses.replace(params, prompt_logprobs=None)
-                hashes = block_hashes(tokens, self.block_size, self._salt) if params.prompt_logprobs is None else []
+                shared = params.prompt_logprobs is None and not long_rope_applies(self.long_rope_from, len(tokens))
+                hashes = block_hashes(tokens, self.block_size, self._salt) if shared else []
                 route_req = RouteRequest(request_id, len(tokens), hashes,
                                          params.max_tokens - len(progress.output_ids), self.max_kv_tokens)
                 decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(

@@ -82,6 +82,7 @@ class WorkerInfo:
     prefix_address: str | None = None  # host:port peers push prefix copies to (prefill and colocated workers)
     max_kv_tokens: int | None = None  # an attention window bounds one sequence's KV at this many tokens
     num_layers: int = 1  # the model's layers: a layer-wise hand-off streams in this many pieces
+    long_rope_from: int | None = None  # LongRoPE's original context (``engine.config.long_rope_applies``)
 
 
 @dataclass

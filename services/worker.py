@@ -96,6 +96,7 @@ class Worker:
             kv_bytes_per_token=self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
             total_blocks=self.engine.stats().total_blocks, profile=profile,
             max_kv_tokens=None if self.engine.window is None else self.engine.window.max_blocks * self.engine.block_size,
+            long_rope_from=self.engine.model_config.long_rope_from,
             num_layers=self.engine.model_config.num_layers, prefix_address=self.copier.address,
         )
 
@@ -129,8 +130,9 @@ class Worker:
         """The prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then from
         the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing). They
         are placed by ``_place`` on the engine thread, in the call that admits the request."""
-        if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None:
-            return []  # nothing fetched could be placed, or used (a prompt scored whole: no cache hit)
+        if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None \
+                or not self.engine.shares_prefix(len(token_ids)):
+            return []  # nothing fetched could be placed, or used (a prompt scored whole, salted apart: no hit)
         have = self.engine.cached_prefix_len(token_ids) // self.engine.block_size  # a lock-free hint
         fetched = []
         if fetch is not None:

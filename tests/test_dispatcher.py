@@ -313,3 +313,18 @@ def test_replications_the_conductor_asks_for_run_on_their_destination_from_their
     copy = p1.fetches[-1]
     assert ("copy_prefix", str(2 * 16 + 1)) in p1.calls  # two blocks, and a token after them
     assert (copy.source, copy.blocks, copy.actor) == ("p0", 2, "actor-of-p0")
+
+
+@pytest.mark.parametrize("long_rope_from, hashed", [(None, True), (64, True), (32, False)])
+def test_a_longrope_prompt_past_the_original_context_is_routed_without_prefix_hashes(long_rope_from, hashed):
+    """Its blocks rotate with the long factors and are salted apart on the workers: no worker, peer or pool
+    holds them under the hashes the router would look up."""
+    workers = [FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)]
+    for w in workers:
+        w.info = dataclasses.replace(w.info, long_rope_from=long_rope_from)
+    dispatcher = make_dispatcher(*workers)
+    seen, route = [], dispatcher.conductor.route
+    dispatcher.conductor.route = lambda req, *a, **k: seen.append(req) or route(req, *a, **k)
+    asyncio.run(collect(dispatcher))
+    (req,) = seen
+    assert len(req.block_hashes) == (len(PROMPT) // 16 if hashed else 0)  # PROMPT: 40 tokens

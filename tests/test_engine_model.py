@@ -300,8 +300,9 @@ LONGROPE = dict(sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_i
 def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_path, partial_rotary_factor):
     """LongRoPE (Phi-3 128k, Phi-3.5) with an original context of 32: prompts longer than it rotate every
     position with the long factors; shorter ones switch when decoding passes it, the whole sequence computed
-    again as transformers does, in a batch with the others and with speculative drafts. A long prompt takes
-    no short prompt's cached blocks, and does take another long prompt's."""
+    again as transformers does, in a batch with the others and with speculative drafts; one resumed with
+    output tokens that carry it past is long from the start. A long prompt takes no short prompt's cached
+    blocks, and does take another long prompt's."""
     half = int(16 * partial_rotary_factor) // 2  # a factor per rotated pair of dimensions
     rope = {**LONGROPE["rope_parameters"], "short_factor": LONGROPE["rope_parameters"]["short_factor"][:half],
             "long_factor": LONGROPE["rope_parameters"]["long_factor"][:half]}
@@ -333,6 +334,15 @@ def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_pat
     assert cached["long"] == 0  # the same tokens, rotated with the short factors: not its blocks
     run(["long-prefix"])
     assert cached["long-prefix"] == 32  # long's first two blocks, long-rotated
+    # Resumed after 15 tokens elsewhere (past the original context with them): computed long from the start.
+    with torch.no_grad():
+        earlier = hf.generate(torch.tensor([looped]), max_new_tokens=15, do_sample=False)[0, len(looped):].tolist()
+    engine.add_request("resumed", looped, params["looped"], output_ids=earlier)
+    assert engine.requests["resumed"][0].hash_salt is not None and not engine.shares_prefix(len(looped) + 15)
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert earlier + got.pop("resumed") == got["looped"]
     with torch.no_grad():
         for rid, ids in requests.items():
             want = hf.generate(torch.tensor([ids]), max_new_tokens=params[rid].max_tokens,
