@@ -288,11 +288,16 @@ def test_bfloat16_model_and_cache_track_float32(tmp_path, device, arch):
     assert got.dtype == torch.float32 and rel_err(got.cpu(), ref) < 0.05
 
 
-LONGROPE = dict(sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                original_max_position_embeddings=32,
+def longrope(partial_rotary_factor: float = 1.0) -> dict:
+    """Phi-3 config fields for LongRoPE with an original context of 32 and ``partial_rotary_factor`` of each
+    16-dimension head rotated (a factor per rotated pair). A new dict each call: transformers' config
+    writes into the rope parameters it is given."""
+    half = int(16 * partial_rotary_factor) // 2
+    return dict(sliding_window=None, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                original_max_position_embeddings=32, partial_rotary_factor=partial_rotary_factor,
                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                                 "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
-                                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]})
+                                 "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5][:half],
+                                 "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0][:half]})
 
 
 @pytest.mark.timeout(120)
@@ -303,11 +308,7 @@ def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_pat
     again as transformers does, in a batch with the others and with speculative drafts; one resumed with
     output tokens that carry it past is long from the start. A long prompt takes no short prompt's cached
     blocks, and does take another long prompt's."""
-    half = int(16 * partial_rotary_factor) // 2  # a factor per rotated pair of dimensions
-    rope = {**LONGROPE["rope_parameters"], "short_factor": LONGROPE["rope_parameters"]["short_factor"][:half],
-            "long_factor": LONGROPE["rope_parameters"]["long_factor"][:half]}
-    hf = build_hf_checkpoint(tmp_path, "phi3", **{**LONGROPE, "rope_parameters": rope},
-                             partial_rotary_factor=partial_rotary_factor)
+    hf = build_hf_checkpoint(tmp_path, "phi3", **longrope(partial_rotary_factor))
     assert ModelConfig.from_dir(tmp_path).long_rope_from == 32
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=32,
                                  num_speculative_tokens=3))

@@ -12,7 +12,7 @@ import shutil
 import openai
 import pytest
 import torch
-from test_engine_model import LONGROPE, build_hf_checkpoint, prompts
+from test_engine_model import build_hf_checkpoint, longrope, prompts
 
 from engine.config import ModelConfig
 from engine.loader import resolve_model_dir
@@ -50,7 +50,7 @@ def transformers_ids(hf, ids: list[int]) -> list[int]:
     # gRPC: the KV leaves layer by layer, while the prefill's last chunk computes
     ("mistral", {"sliding_window": 20}, dict(prefill=1, decode=1, kv_transport="grpc")),
     # LongRoPE, an original context of 32: the 30-token prompt's sequence passes it on the decode worker
-    ("phi3", LONGROPE, dict(prefill=1, decode=1)),
+    ("phi3", longrope(), dict(prefill=1, decode=1)),
 ], ids=["qwen3_moe_disaggregated", "mistral_sliding_window_colocated", "mistral_sliding_window_disaggregated",
         "phi3_longrope_disaggregated"])
 def test_a_checkpoint_answers_a_client_as_transformers_generates(start_server, tmp_path, arch, overrides, workers):

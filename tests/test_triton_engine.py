@@ -20,7 +20,7 @@ if "triton" not in sys.modules:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
-from test_engine_model import LONGROPE, build_hf_checkpoint, prompts  # noqa: E402
+from test_engine_model import build_hf_checkpoint, longrope, prompts  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
@@ -200,9 +200,7 @@ def test_longrope_with_a_partial_rotary_factor_on_triton_equals_torch_also_throu
     with the long factors), rotated in place by the kernel over the leading dimensions only; decode steps
     through the static graph buffers take the long factors by position alone. The greedy tokens equal the
     torch path's."""
-    rope = {**LONGROPE["rope_parameters"], "short_factor": LONGROPE["rope_parameters"]["short_factor"][:4],
-            "long_factor": LONGROPE["rope_parameters"]["long_factor"][:4]}
-    build_hf_checkpoint(tmp_path, "phi3", **{**LONGROPE, "rope_parameters": rope}, partial_rotary_factor=0.5)
+    build_hf_checkpoint(tmp_path, "phi3", **longrope(0.5))
     a, b, c = prompts((20, 45, 26))
     arrivals = {0: [("a", a), ("b", b)], 3: [("c", c)]}
     runs = {}
