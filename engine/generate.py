@@ -54,6 +54,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set with this mass")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="never draw a token less likely than this share of the most likely one; 0 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: random)")
     p.add_argument("--n", type=int, default=1, help="samples per prompt")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -100,7 +102,7 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = args.prompt_ids
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                                top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
                                 n=args.n, structured_output=_structured_output(args))
         params.validate()
     except (InvalidRequestError, OSError) as err:

@@ -1,5 +1,5 @@
 """``tidepool generate``: --json output shape (one object per prompt), agreement with the engine, text
-prompts through the tokenizer, --n with a seed, and a one-line error for a bad request."""
+prompts through the tokenizer, --n with a seed, --min-p, and a one-line error for a bad request."""
 
 from __future__ import annotations
 
@@ -60,6 +60,14 @@ def test_n_samples_with_a_seed_reproduce(serving_model_dir, capsys):
     assert first == again
     record = json.loads(first[0])
     assert len(record["samples"]) == 2 and record["token_ids"] == record["samples"][0]["token_ids"]
+
+
+def test_min_p_of_one_samples_the_greedy_tokens(serving_model_dir, capsys):
+    argv = ["--model", str(serving_model_dir), "--prompt-ids", "9,8,7", "--max-tokens", "8", "--ignore-eos", "--json"]
+    _, greedy, _ = generate(argv, capsys)
+    _, kept, _ = generate([*argv, "--temperature", "1.0", "--seed", "5", "--min-p", "1.0"], capsys)
+    _, sampled, _ = generate([*argv, "--temperature", "1.0", "--seed", "5"], capsys)
+    assert kept == greedy != sampled
 
 
 def test_bad_request_is_a_one_line_error(serving_model_dir, capsys):
