@@ -264,8 +264,8 @@ class ModelConfig:
 
     @property
     def long_rope_from(self) -> int | None:
-        """LongRoPE's original context: a position past it, or any of a sequence whose prompt outgrows it,
-        rotates with the long factors (None: not a LongRoPE model)."""
+        """LongRoPE's original context: every position of a sequence longer than it rotates with the long
+        factors (``long_rope_applies``; None: not a LongRoPE model)."""
         s = self.rope_scaling
         return s["original_max_position_embeddings"] if s and s["rope_type"] == "longrope" else None
 

@@ -63,7 +63,7 @@ class AttentionMetadata:
     sink_sin: torch.Tensor | None = None
     # The Triton backend's block tables and lengths; when set, only slot_mapping and num_decode above are.
     paged: PagedAttentionMeta | None = None
-    # LongRoPE: the rows of prompts longer than the original context, which rotate with the long factors at
+    # LongRoPE: the rows of sequences longer than the original context, which rotate with the long factors at
     # every position (``CausalLM.rope_tables``); None: no such row.
     long_rope_rows: torch.Tensor | None = None
 
