@@ -150,6 +150,21 @@ def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir):
     assert engine.stats().speculation.accepted_tokens > 0
 
 
+def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, **options) -> tuple[dict, Engine]:
+    """The greedy tokens of ``arrivals`` (``drive``) on the torch backend, on Triton, and on Triton with decode
+    steps through the static graph buffers (uncaptured: the CPU's way), which must have been replayed; and
+    that last engine."""
+    runs = {}
+    for mode in ("torch", "triton", "graphs"):
+        engine = Engine(EngineConfig(model=str(model_dir), block_size=8,
+                                     attention_backend="torch" if mode == "torch" else "triton", **options))
+        if mode == "graphs":
+            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
+        runs[mode] = drive(engine, arrivals, max_tokens=max_tokens)[0]
+    assert sum(engine.runner.graphs.replays.values()) > 0
+    return runs, engine
+
+
 @needs_interpreter
 def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
     """Mixtral's experts through the fused MoE kernels, between the fused residual norms: the greedy tokens
@@ -157,16 +172,9 @@ def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffer
     graph buffers (the kernels never read back to the host, so such steps can be captured)."""
     build_hf_checkpoint(tmp_path, "mixtral")
     a, b, c = prompts((7, 20, 9))  # in its vocabulary of 128
-    arrivals = {0: [("a", a), ("b", b)], 2: [("c", c)]}
-    runs = {}
-    for mode in ("torch", "triton", "graphs"):
-        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=32,
-                                     attention_backend="torch" if mode == "torch" else "triton"))
-        if mode == "graphs":
-            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
-        runs[mode] = drive(engine, arrivals, max_tokens=5)[0]
+    runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 2: [("c", c)]}, 5, num_blocks=32)
     assert runs["triton"] == runs["graphs"] == runs["torch"]
-    assert all(len(t) == 5 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
+    assert all(len(t) == 5 for t in runs["torch"].values())
 
 
 @needs_interpreter
@@ -179,18 +187,11 @@ def test_a_sliding_window_model_on_triton_equals_torch_also_through_the_graph_bu
     through the static graph buffers."""
     build_hf_checkpoint(tmp_path, "mistral", sliding_window=20)
     a, b, c = prompts((7, 45, 26))
-    arrivals = {0: [("a", a), ("b", b)], 3: [("c", c)]}
-    runs = {}
-    for mode in ("torch", "triton", "graphs"):
-        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=64, max_num_batched_tokens=32,
-                                     kv_cache_dtype=kv_cache_dtype,
-                                     attention_backend="torch" if mode == "torch" else "triton"))
-        assert engine.window is not None and engine.window.window == 20
-        if mode == "graphs":
-            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
-        runs[mode] = drive(engine, arrivals, max_tokens=24)[0]
+    runs, engine = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 3: [("c", c)]}, 24, num_blocks=64,
+                                   max_num_batched_tokens=32, kv_cache_dtype=kv_cache_dtype)
+    assert engine.window is not None and engine.window.window == 20
     assert runs["triton"] == runs["graphs"] == runs["torch"]
-    assert all(len(t) == 24 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
+    assert all(len(t) == 24 for t in runs["torch"].values())
 
 
 @needs_interpreter
@@ -202,16 +203,10 @@ def test_longrope_with_a_partial_rotary_factor_on_triton_equals_torch_also_throu
     torch path's."""
     build_hf_checkpoint(tmp_path, "phi3", **longrope(0.5))
     a, b, c = prompts((20, 45, 26))
-    arrivals = {0: [("a", a), ("b", b)], 3: [("c", c)]}
-    runs = {}
-    for mode in ("torch", "triton", "graphs"):
-        engine = Engine(EngineConfig(model=str(tmp_path), block_size=8, num_blocks=64, max_num_batched_tokens=32,
-                                     attention_backend="torch" if mode == "torch" else "triton"))
-        if mode == "graphs":
-            engine.runner.enable_decode_graphs(4, 256 // 8, capture=False)
-        runs[mode] = drive(engine, arrivals, max_tokens=16)[0]
+    runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 3: [("c", c)]}, 16, num_blocks=64,
+                              max_num_batched_tokens=32)
     assert runs["triton"] == runs["graphs"] == runs["torch"]
-    assert all(len(t) == 16 for t in runs["torch"].values()) and sum(engine.runner.graphs.replays.values()) > 0
+    assert all(len(t) == 16 for t in runs["torch"].values())
 
 
 def test_triton_with_sinks_and_graphs_of_a_windowed_format_are_refused(model_dir):
