@@ -128,6 +128,7 @@ class Engine:
         ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``)."""
         outputs, self._pending = self._pending, []
         self.last_step = None
+        self._recompute_with_long_rope()
         if self.proposer is not None:
             self._propose_drafts(self.proposer.drafting(len(self.scheduler.running)))
         batch = self.scheduler.schedule()
@@ -220,7 +221,6 @@ class Engine:
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         self._retire([seq for seq, out in zip(seqs, outputs, strict=True) if out.finished])
-        self._recompute_with_long_rope([seq for seq, out in zip(seqs, outputs, strict=True) if not out.finished])
         return outputs
 
     def _computed(self, seq: Sequence, num_computed: int) -> None:
@@ -327,7 +327,6 @@ class Engine:
             if outputs[-1].finished:
                 finished.append(seq)
         self._retire(finished)
-        self._recompute_with_long_rope([seq for seq, _ in drafted if seq not in finished])
         return outputs
 
     def _stop_tokens(self, seq: Sequence) -> list[int]:
@@ -422,7 +421,6 @@ class Engine:
         self.block_manager.salt_hashes(seq_id, seq.hash_salt)
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
         self.scheduler.add_running(seq)
-        self._recompute_with_long_rope([seq])  # its first step would pass the original context
 
     # -- KV pool ---------------------------------------------------------------------------------
     def reusable_prefix_blocks(self, num_tokens: int) -> int:
@@ -497,14 +495,14 @@ class Engine:
             text.emit(final=False)
         return seq
 
-    def _recompute_with_long_rope(self, seqs: list[Sequence]) -> None:
-        """LongRoPE, as transformers generates with it: the step that first computes a position past the
+    def _recompute_with_long_rope(self) -> None:
+        """LongRoPE, as transformers generates with it: the step that would first compute a position past the
         original context computes the whole sequence again with the long factors (every key so far was
         rotated with the short ones), from then on under the long prefix-cache salt."""
         long_from = self.model_config.long_rope_from
         if long_from is None:
             return
-        for seq in seqs:
+        for seq in list(self.scheduler.running):
             if seq.hash_salt is None and seq.num_tokens > long_from:
                 seq.hash_salt = self._long_rope_salt
                 self.scheduler.recompute(seq)
