@@ -237,9 +237,9 @@ class BlockManager:
             s.pending.append(tokens)
         self._register(s, min(full, residual_start(num_computed, B, self.residual_blocks)))
 
-    def insert(self, token_ids: Sequence[int], num_blocks: int) -> list[tuple[int, int]]:
+    def insert(self, token_ids: Sequence[int], num_blocks: int, salt: bytes | None = None) -> list[tuple[int, int]]:
         """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced
-        blocks (fetched from the KV pool). Returns (index among those blocks, block id) for each block
+        blocks (fetched from the KV pool), their chain salted with ``salt`` (None: the manager's). Returns (index among those blocks, block id) for each block
         that was not cached yet; the caller writes their K/V. Stops early when blocks run out."""
         B = self.block_size
         parent, held, placed = None, [], []
@@ -247,7 +247,7 @@ class BlockManager:
             return placed
         for i in range(min(num_blocks, len(token_ids) // B)):
             tokens = tuple(token_ids[i * B:(i + 1) * B])
-            parent = hash_block(parent, tokens, self.salt)
+            parent = hash_block(parent, tokens, salt or self.salt)
             existing = self.cached.get(parent)
             if existing is not None and self.block_tokens[existing] == tokens:
                 self._take(existing)

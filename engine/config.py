@@ -77,7 +77,7 @@ def _eos_list(value: Any) -> list[int]:
 def long_rope_applies(long_rope_from: int | None, num_tokens: int) -> bool:
     """Whether a LongRoPE model (original context ``long_rope_from``; None: not one) rotates a sequence of
     ``num_tokens`` with its long factors, every position: its blocks are then not a shorter sequence's, so
-    the prefix cache salts them apart and they take no part in the pool's and peers' (``Engine._hash_salt``)."""
+    the prefix cache salts them apart and they take no part in the pool's and peers' (``Engine._salt``)."""
     return long_rope_from is not None and num_tokens > long_rope_from
 
 
@@ -381,6 +381,8 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences run; None: always
+    # LoRA adapters served beside the base model (engine/lora.py): name -> PEFT adapter directory
+    lora_modules: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

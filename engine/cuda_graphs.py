@@ -61,8 +61,9 @@ class DecodeGraphs:
             self._capture_all()
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
-        """Whether this step is decode-only (one token after some context each) and small enough."""
-        return 0 < len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 and c.start_pos > 0
+        """Whether this step is decode-only (one token after some context each), small enough, and of the base
+        model only (an adapter's rows vary from step to step: they run eagerly)."""
+        return 0 < len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 and c.start_pos > 0 and not c.lora
                                                          for c in chunks)
 
     @torch.inference_mode()

@@ -27,6 +27,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
 from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
+from engine.lora import load_adapters
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
@@ -50,6 +51,9 @@ class Engine:
         self.config, self.block_size = config, config.block_size
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        # before the KV cache is sized: the adapters' weights take device memory too
+        self.loras = load_adapters(config.lora_modules, self.model, self.model_config, self.model.lm_head.weight.dtype,
+                                   config.device)
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -84,7 +88,6 @@ class Engine:
         speculative = config.speculative
         self.proposer = None if speculative is None else NgramProposer(speculative)
         self.speculation = SpeculationStats()
-        self._long_rope_salt = salt_for(f"{self.model_id}#long-rope")  # (``_hash_salt``)
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
@@ -95,12 +98,13 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     prefill_only: bool = False, output_ids: tuple[int, ...] | list[int] = (),
-                    priority: Priority | None = None) -> None:
+                    priority: Priority | None = None, lora: str | None = None) -> None:
         """Queue a request; raises InvalidRequestError (before taking any block) when it can't run.
         ``output_ids``: tokens it already produced elsewhere (resumed: they are recomputed, not output).
-        ``priority``: its place among waiting requests, lower first (``scheduler.Priority``); None: last."""
-        self._check(request_id, prompt_ids, params, prefill_only)
-        seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids)
+        ``priority``: its place among waiting requests, lower first (``scheduler.Priority``); None: last.
+        ``lora``: the name of the LoRA adapter it runs with (``EngineConfig.lora_modules``); None: the base model."""
+        self._check(request_id, prompt_ids, params, prefill_only, lora=lora)
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids, lora=lora)
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
@@ -149,7 +153,7 @@ class Engine:
             tokens = [seq.token_ids[pos], *seq.draft_ids] if seq.draft_ids else seq.token_ids[pos:pos + n]
             chunks.append(SeqChunk(tokens, pos, table, bool(seq.draft_ids) or (
                 seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens),
-                long_rope=seq.hash_salt is not None))
+                long_rope=seq.long_rope, lora=self.loras[seq.lora].slot if seq.lora else 0))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
             if pos >= seq.num_prompt_tokens and n == 1:  # a decode row
@@ -273,7 +277,7 @@ class Engine:
         if self.kv_cache.kv_format in WINDOWED:
             room = min(room, self.block_size - 1 - seq.num_tokens % self.block_size)
         long_from = self.model_config.long_rope_from
-        if long_from is not None and seq.hash_salt is None:  # a draft never crosses into the long factors
+        if long_from is not None and not seq.long_rope:  # a draft never crosses into the long factors
             room = min(room, long_from - seq.num_tokens)
         return room
 
@@ -402,21 +406,23 @@ class Engine:
         return sum(max(0, bm.blocks_for(n + min(tokens, new)) - have) for n, new, have in running + leases)
 
     def add_imported_request(self, request_id: str, prompt_ids: list[int], first_token_id: int,
-                             params: SamplingParams, block_ids: list[int], output_ids: tuple[int, ...] | list[int] = ()) -> None:
+                             params: SamplingParams, block_ids: list[int], output_ids: tuple[int, ...] | list[int] = (),
+                             lora: str | None = None) -> None:
         """Continue decoding a request whose K/V (prompt, then ``output_ids`` when resumed) was imported
-        into its reserved ``block_ids`` and whose next token the prefill side sampled."""
+        into its reserved ``block_ids`` and whose next token the prefill side sampled (with adapter ``lora``)."""
         seq_id = self.held.get(request_id)
         if seq_id is None or self.request_block_ids(request_id)[:len(block_ids)] != list(block_ids):
             raise InvalidRequestError("block_ids", f"no reservation of these blocks for {request_id!r}")
-        self._check(request_id, prompt_ids, params, False, reserved=True)
+        self._check(request_id, prompt_ids, params, False, reserved=True, lora=lora)
         done = check_finish(first_token_id, len(output_ids) + 1, params, self.eos_token_ids, None, False)[0]
         if done is not None:
             raise InvalidRequestError("first_token_id", "the request already finished at its first token")
-        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id, [*output_ids, first_token_id])
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0, seq_id, [*output_ids, first_token_id], lora)
         del self.held[request_id]
         self._leases.pop(seq_id, None)  # a running sequence from now on
         seq.num_computed_tokens = seq.num_tokens - 1
-        seq.hash_salt = self._hash_salt(seq.num_computed_tokens)  # as the prefill side computed its K/V
+        # as the prefill side computed its K/V
+        self._salt(seq, long_rope_applies(self.model_config.long_rope_from, seq.num_computed_tokens))
         self.requests[request_id] = [seq]
         self.block_manager.salt_hashes(seq_id, seq.hash_salt)
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
@@ -428,30 +434,37 @@ class Engine:
         a peer's): never the one holding its last token, nor those a full-precision residual keeps."""
         return self.block_manager.max_prefix_blocks(num_tokens)
 
-    def cached_prefix_len(self, prompt_ids: list[int]) -> int:
-        """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks). Callable from any
-        thread as a hint (each lookup is atomic, but an eviction may race it): placing blocks checks again."""
-        return len(self.block_manager.cached_prefix(prompt_ids)[0]) * self.block_size
+    def prefix_salt(self, lora: str | None) -> bytes:
+        """What the blocks of a sequence of adapter ``lora`` (None: the base model) are hashed under, here and
+        by the router, the pool and the peers (``kvstore.hashing.salt_for``)."""
+        return salt_for(self.model_id, None if lora is None else self.loras[lora].adapter_id)
 
-    def export_cached_prefix(self, token_ids: list[int], skip_blocks: int = 0,
-                             max_blocks: int | None = None) -> tuple[torch.Tensor | None, list[int]]:
-        """K/V (as ``export_blocks``) and chain hashes of the cached full blocks of ``token_ids`` after the
-        first ``skip_blocks``, up to ``max_blocks`` in all; (None, []) when there are none. A copy made
-        here, so the blocks may be evicted once this returns."""
-        block_ids, hashes = self.block_manager.cached_prefix(token_ids, max_blocks)
+    def cached_prefix_len(self, prompt_ids: list[int], salt: bytes | None = None) -> int:
+        """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks) under ``salt``
+        (``prefix_salt``; None: the base model's). Callable from any thread as a hint (each lookup is atomic,
+        but an eviction may race it): placing blocks checks again."""
+        return len(self.block_manager.cached_prefix(prompt_ids, salt=salt)[0]) * self.block_size
+
+    def export_cached_prefix(self, token_ids: list[int], skip_blocks: int = 0, max_blocks: int | None = None,
+                             salt: bytes | None = None) -> tuple[torch.Tensor | None, list[int]]:
+        """K/V (as ``export_blocks``) and chain hashes of the cached full blocks of ``token_ids`` (under
+        ``salt``) after the first ``skip_blocks``, up to ``max_blocks`` in all; (None, []) when there are
+        none. A copy made here, so the blocks may be evicted once this returns."""
+        block_ids, hashes = self.block_manager.cached_prefix(token_ids, max_blocks, salt)
         if len(block_ids) <= skip_blocks:
             return None, []
         ids = block_ids[skip_blocks:]
         # Only the blocks' own columns: a windowed format's trailing window belongs to a live sequence.
         return self.kv_cache.export_blocks(ids)[:, :, :len(ids)].contiguous(), hashes[skip_blocks:]
 
-    def insert_cached_blocks(self, token_ids: list[int], tensor: torch.Tensor, first_block: int = 0) -> int:
+    def insert_cached_blocks(self, token_ids: list[int], tensor: torch.Tensor, first_block: int = 0,
+                             salt: bytes | None = None) -> int:
         """Put K/V of full blocks ``first_block .. first_block + tensor.shape[2]`` of ``token_ids`` (fetched
-        from the pool or a peer) into the prefix cache, after the ``first_block`` cached ones; returns how
-        many blocks were newly placed (0 when those leading blocks are no longer cached)."""
-        if first_block and self.cached_prefix_len(token_ids) // self.block_size < first_block:
+        from the pool or a peer, hashed under ``salt``) into the prefix cache, after the ``first_block`` cached
+        ones; returns how many blocks were newly placed (0 when those leading blocks are no longer cached)."""
+        if first_block and self.cached_prefix_len(token_ids, salt) // self.block_size < first_block:
             return 0  # evicted meanwhile: the fetched blocks no longer continue a cached chain
-        placed = self.block_manager.insert(token_ids, first_block + tensor.shape[2])
+        placed = self.block_manager.insert(token_ids, first_block + tensor.shape[2], salt)
         if placed:
             index = torch.tensor([i - first_block for i, _ in placed], device=tensor.device)
             self.kv_cache.import_blocks([b for _, b in placed], tensor.index_select(2, index))
@@ -467,14 +480,18 @@ class Engine:
                             self.speculation)
 
     def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
-               reserved: bool = False) -> None:
+               reserved: bool = False, lora: str | None = None) -> None:
         params.validate()
+        if lora is not None and lora not in self.loras:
+            raise InvalidRequestError("lora", f"no LoRA adapter {lora!r} is loaded (loaded: "
+                                              f"{', '.join(self.loras) or 'none'})")
         if not reserved and (request_id in self.requests or request_id in self.held):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.limits.check(prompt_ids, params, prefill_only, reserved)
 
     def _new_seq(self, request_id: str, token_ids: list[int], params: SamplingParams, index: int,
-                 seq_id: int | None = None, output_ids: tuple[int, ...] | list[int] = ()) -> Sequence:
+                 seq_id: int | None = None, output_ids: tuple[int, ...] | list[int] = (),
+                 lora: str | None = None) -> Sequence:
         """``output_ids``: tokens sampled elsewhere (the prefill side, a failed worker): their text was
         handed out (and matched no stop), and their random draws are skipped, one row each. Raises
         InvalidRequestError (taking nothing) when they break the request's structured output."""
@@ -485,7 +502,8 @@ class Engine:
                        len(token_ids), params, index,
                        generator=make_generator(params.seed, index, self.device), text=text,
                        prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None,
-                       grammar=grammar, hash_salt=self._hash_salt(len(token_ids) + len(output_ids)))
+                       grammar=grammar, lora=lora)
+        self._salt(seq, long_rope_applies(self.model_config.long_rope_from, seq.num_tokens))
         for token in output_ids:
             if text is not None:
                 text.push(token)
@@ -503,26 +521,31 @@ class Engine:
         if long_from is None:
             return
         for seq in list(self.scheduler.running):
-            if seq.hash_salt is None and seq.num_tokens > long_from:
-                seq.hash_salt = self._long_rope_salt
+            if not seq.long_rope and seq.num_tokens > long_from:
+                self._salt(seq, True)
                 self.scheduler.recompute(seq)
 
-    def _hash_salt(self, num_tokens: int) -> bytes | None:
-        """The prefix-cache salt (``Sequence.hash_salt``) of a sequence whose first ``num_tokens`` tokens' K/V
-        is computed or imported first: None, except for a LongRoPE model's past the original context, whose
-        keys all rotate with the long factors."""
-        return self._long_rope_salt if long_rope_applies(self.model_config.long_rope_from, num_tokens) else None
+    def _salt(self, seq: Sequence, long_rope: bool) -> None:
+        """Set whether ``seq``'s keys rotate with LongRoPE's long factors, and so its prefix-cache salt
+        (``Sequence.hash_salt``): None for the base model's short sequences; an adapter's ``prefix_salt``; a
+        long sequence's a salt of its own, shared with no router, pool or peer."""
+        seq.long_rope = long_rope
+        if long_rope:
+            seq.hash_salt = salt_for(f"{self.model_id}#long-rope",
+                                     None if seq.lora is None else self.loras[seq.lora].adapter_id)
+        else:
+            seq.hash_salt = None if seq.lora is None else self.prefix_salt(seq.lora)
 
     def shares_prefix(self, num_tokens: int) -> bool:
         """Whether a prompt of ``num_tokens`` (output tokens of a resumed request included) has its blocks hashed
         as the router, the pool and the peers hash them: not a LongRoPE prompt past the original context."""
-        return self._hash_salt(num_tokens) is None
+        return not long_rope_applies(self.model_config.long_rope_from, num_tokens)
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""
         samples = [parent]
         for index in range(1, parent.fanout):
-            child = self._new_seq(parent.request_id, list(parent.token_ids), parent.params, index)
+            child = self._new_seq(parent.request_id, list(parent.token_ids), parent.params, index, lora=parent.lora)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
             child.prompt_logprobs = parent.prompt_logprobs  # the same prompt's (each sample hands them out)

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig, MoEConfig
+from engine.lora import LoRARows, lora_delta
 from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
 from engine.triton_attention import PagedAttentionMeta, paged_attention
@@ -66,6 +67,8 @@ class AttentionMetadata:
     # LongRoPE: the rows of sequences longer than the original context, which rotate with the long factors at
     # every position (``CausalLM.rope_tables``); None: no such row.
     long_rope_rows: torch.Tensor | None = None
+    # LoRA adapters (``engine/lora.py``): each adapter's rows of this step; None: every row is the base model's.
+    lora: LoRARows | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -155,15 +158,18 @@ class PagedKV(Protocol):
 
 class Linear(nn.Module):
     """``nn.Linear`` minus its random init: the loader overwrites every weight, and skipping the init
-    keeps model construction instant (even under ``torch.device``)."""
+    keeps model construction instant (even under ``torch.device``). ``lora``: the LoRA adapters' (A, B) pairs
+    on this layer by slot (``engine/lora.py``), added on the rows of each adapter a step names."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        return out if lora is None or not self.lora else lora_delta(out, x, self.lora, lora)
 
 
 class RMSNorm(nn.Module):
@@ -194,7 +200,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, meta.lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
@@ -204,7 +210,7 @@ class Attention(nn.Module):
             d = cos.shape[-1]  # the rotated dimensions: views of them are rotated in place
             kernels.apply_rope(q[..., :d], k[..., :d], cos, sin)
             out = paged_attention(q, k, v, kv, meta.paged, meta.num_decode, self.scale)
-            return self.o_proj(out.view(T, self.q_size))
+            return self.o_proj(out.view(T, self.q_size), meta.lora)
         q_sink = None if meta.sink_cos is None else apply_rotary(q, meta.sink_cos, meta.sink_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         kv.write(k, v)
@@ -235,7 +241,7 @@ class Attention(nn.Module):
                 o = sink_window_attention(q[:n, :, None], q_sink[:n, :, None], kd, vd, meta.decode_mask,
                                           meta.decode_sink_cols)
             out[:n] = o[:, :, 0]
-        return self.o_proj(out.view(T, self.q_size))
+        return self.o_proj(out.view(T, self.q_size), meta.lora)
 
 
 class MLP(nn.Module):
@@ -244,9 +250,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, lora)
 
 
 class SparseMoE(nn.Module):
@@ -300,7 +306,7 @@ class DecoderLayer(nn.Module):
         be added to the returned residual (by the next layer's input norm, or the caller)."""
         if meta.paged is None:
             h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-            return h + self.mlp(self.post_attention_layernorm(h)), None
+            return h + self._mlp(self.post_attention_layernorm(h), meta), None
         if residual is None:  # the first layer: the embeddings are the residual stream
             residual, x = h, self.input_layernorm(h)
         else:
@@ -308,7 +314,13 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(x, cos, sin, kv, meta)
         x = kernels.fused_add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
                                        self.post_attention_layernorm.eps)
-        return (self.mlp(x, fused=True) if isinstance(self.mlp, SparseMoE) else self.mlp(x)), residual
+        return self._mlp(x, meta), residual
+
+    def _mlp(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The dense MLP with the step's LoRA rows, or the experts (the fused kernels with the Triton backend)."""
+        if isinstance(self.mlp, SparseMoE):
+            return self.mlp(x, fused=meta.paged is not None)
+        return self.mlp(x, meta.lora)
 
 
 class Backbone(nn.Module):

@@ -18,6 +18,7 @@ import torch
 from engine.config import GRAPH_KV_FORMATS, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
+from engine.lora import LoRARows
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
 from engine.streaming_window import StreamingWindow
 from engine.triton_attention import paged_metadata
@@ -36,6 +37,7 @@ class SeqChunk:
     # LongRoPE: the sequence is longer than the original context, so every position rotates with the long
     # factors (``CausalLM.rope_tables``)
     long_rope: bool = False
+    lora: int = 0  # the sequence's LoRA adapter slot (``engine/lora.py``); 0: the base model
 
 
 class ModelRunner:
@@ -121,6 +123,9 @@ class ModelRunner:
         if any(chunks[i].long_rope for i in prefill):
             meta.long_rope_rows = torch.tensor([False] * len(decode) + [
                 chunks[i].long_rope for i in prefill for _ in range(lens[i])], device=self.device)
+        if any(c.lora for c in chunks):
+            meta.lora = self._lora_rows([chunks[i].lora for i in decode] + [
+                chunks[i].lora for i in prefill for _ in range(lens[i])])
         pos = torch.tensor(positions, device=self.device)
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],
@@ -132,6 +137,16 @@ class ModelRunner:
             row for i, last in enumerate(last_rows) for row in range(first_rows.get(i, last), last + 1)]
         return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
                 torch.tensor(rows, dtype=torch.long, device=self.device))
+
+    def _lora_rows(self, slots: list[int]) -> LoRARows:
+        """Each adapter's rows of the step (row i is ``slots[i]``'s); None for an adapter with every row."""
+        if len(set(slots)) == 1:
+            return [(slots[0], None)]
+        by_slot: dict[int, list[int]] = {}
+        for row, slot in enumerate(slots):
+            if slot:
+                by_slot.setdefault(slot, []).append(row)
+        return [(slot, torch.tensor(rows, device=self.device)) for slot, rows in by_slot.items()]
 
     def _prefill_meta(self, c: SeqChunk, begin: int, n: int, pos: torch.Tensor) -> PrefillMeta:
         """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it in a

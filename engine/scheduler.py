@@ -64,9 +64,11 @@ class Sequence:
     # Tokens proposed to follow its last one (speculative decoding), computed with it in this step's chunk and
     # kept as far as the sampler agrees; [] outside a decoding step that speculates.
     draft_ids: list[int] = field(default_factory=list)
-    # What its blocks' chain hashes are salted with in the prefix cache (None: the engine's). A LongRoPE
-    # model's prompt longer than the original context rotates every key with the long factors, so its blocks
-    # are not a short prompt's (``Engine._long_rope_salt``).
+    lora: str | None = None  # the LoRA adapter it runs with (``engine/lora.py``); None: the base model
+    # A LongRoPE model's sequence longer than the original context rotates every key with the long factors
+    long_rope: bool = False
+    # What its blocks' chain hashes are salted with in the prefix cache (None: the engine's): an adapter's and a
+    # long LongRoPE sequence's blocks are not the base model's, nor a short sequence's (``Engine._salt``).
     hash_salt: bytes | None = None
 
     @property

@@ -1,0 +1,162 @@
+"""LoRA adapters served beside the base model (vLLM's ``--lora-modules``): many adapters, one batch.
+
+An adapter is a PEFT checkpoint directory (``adapter_config.json`` and ``adapter_model.safetensors``) whose
+low-rank pairs A ``[r, in]``, B ``[out, r]`` target the attention and MLP projections. Each is loaded once,
+at start, into a slot (1, 2, ...; 0 is the base model): its pairs go onto the model's ``Linear`` layers, packed
+as the model packs q/k/v and gate/up (A stacked, B block-diagonal, PEFT's scaling folded into B). A step's rows
+carry their sequence's slot (``LoRARows``), and each layer adds ``x A^T B^T`` to the rows of each adapter in
+the batch, so sequences of different adapters and of the base model share one forward pass.
+
+An adapter changes every key and value, so its sequences' blocks are hashed under a salt of their own
+(``kvstore.hashing.salt_for(model, adapter_id)``): they are never another adapter's prefix-cache hits, while
+sequences of one adapter share blocks like any others, across workers too. The adapter id is its name and a
+digest of its weights, so an adapter retrained under the same name never reads its predecessor's blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load
+
+from engine.config import ModelConfig
+from engine.errors import CheckpointError
+
+# The projections an adapter may target, and the model's packed matrix each lands in (Phi-3's checkpoints,
+# and so its adapters, hold qkv_proj and gate_up_proj packed already).
+PACKED_INTO = {"q_proj": "self_attn.qkv_proj", "k_proj": "self_attn.qkv_proj", "v_proj": "self_attn.qkv_proj",
+               "qkv_proj": "self_attn.qkv_proj", "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_up_proj",
+               "up_proj": "mlp.gate_up_proj", "gate_up_proj": "mlp.gate_up_proj", "down_proj": "mlp.down_proj"}
+_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+# The rows of each adapter in one step: (slot, row indices; None: every row of the step)
+LoRARows = list[tuple[int, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    name: str
+    slot: int  # 1.. (0: the base model)
+    adapter_id: str  # name@digest: what its blocks' hashes are salted with
+
+
+def lora_delta(out: torch.Tensor, x: torch.Tensor, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]],
+               rows: LoRARows) -> torch.Tensor:
+    """``out`` (a layer's base output for ``x``) plus each adapter's ``x A^T B^T`` on its rows (in place)."""
+    for slot, index in rows:
+        pair = pairs.get(slot)
+        if pair is None:  # this adapter leaves this layer alone
+            continue
+        a, b = pair
+        if index is None:
+            out += (x @ a.T) @ b.T
+        else:
+            out.index_add_(0, index, (x[index] @ a.T) @ b.T)
+    return out
+
+
+def load_adapters(modules: dict[str, str], model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+                  device: torch.device | str) -> dict[str, LoRAAdapter]:
+    """Load each ``name -> directory`` adapter into the next slot of ``model``'s layers."""
+    adapters = {}
+    for slot, (name, path) in enumerate(modules.items(), start=1):
+        adapters[name] = _load(name, slot, Path(path).expanduser(), model, cfg, dtype, device)
+    return adapters
+
+
+def _load(name: str, slot: int, path: Path, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
+          device: torch.device | str) -> LoRAAdapter:
+    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
+    for f in (config_file, weights_file):
+        if not f.is_file():
+            raise CheckpointError(f"LoRA adapter {name!r}: {f} not found (a PEFT adapter directory is expected)")
+    config = json.loads(config_file.read_text())
+    _check_config(name, config)
+    raw = weights_file.read_bytes()
+    tensors = load(raw)
+    pairs: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}  # (layer, module) -> part -> A/B
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if ".experts." in key:
+            raise CheckpointError(f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture of experts' experts, which "
+                                  "is not supported (target attention and dense MLPs only)")
+        if m is None or m.group(3) not in PACKED_INTO:
+            raise CheckpointError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A/lora_B of a supported "
+                                  f"projection ({', '.join(sorted(PACKED_INTO))})")
+        layer, part, ab = int(m.group(1)), m.group(3), m.group(4)
+        if layer >= cfg.num_layers:
+            raise CheckpointError(f"LoRA adapter {name!r}: {key!r} names layer {layer}, the model has {cfg.num_layers}")
+        pairs.setdefault((layer, PACKED_INTO[part]), {}).setdefault(part, {})[ab] = tensor
+    if not pairs:
+        raise CheckpointError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
+    for (layer, module), parts in pairs.items():
+        try:
+            linear = model.get_submodule(f"model.layers.{layer}.{module}")
+        except AttributeError:  # a mixture of experts' layer: its experts take no adapter
+            raise CheckpointError(f"LoRA adapter {name!r}: layer {layer}'s {module} is a mixture of experts, "
+                                  "which LoRA adapters are not supported on (target attention only)") from None
+        a, b = _pack(name, layer, module, parts, config, cfg)
+        linear.lora[slot] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return LoRAAdapter(name, slot, f"{name}@{digest}")
+
+
+def _check_config(name: str, config: dict) -> None:
+    """Refuse what PEFT can save but these layers do not compute."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise CheckpointError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+    if config.get("use_dora"):
+        raise CheckpointError(f"LoRA adapter {name!r}: DoRA adapters (use_dora) are not supported")
+    if config.get("bias", "none") != "none":
+        raise CheckpointError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
+    if config.get("modules_to_save"):
+        raise CheckpointError(f"LoRA adapter {name!r}: modules_to_save ({config['modules_to_save']}) would replace "
+                              "base weights, which adapters here do not")
+    if config.get("fan_in_fan_out"):
+        raise CheckpointError(f"LoRA adapter {name!r}: fan_in_fan_out (GPT-2 style Conv1D) is not supported")
+
+
+def _scaling(config: dict, module_name: str, rank: int) -> float:
+    """PEFT's: lora_alpha (or its alpha_pattern entry for this module) over the rank, or over its square root
+    with rsLoRA."""
+    alpha = config.get("lora_alpha", 8)
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module_name):
+            alpha = value
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _pack(name: str, layer: int, module: str, parts: dict[str, dict[str, torch.Tensor]], config: dict,
+          cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """One packed layer's A ``[sum r, in]`` and scaled block-diagonal B ``[out, sum r]`` from its parts' pairs
+    (a part the adapter leaves alone keeps zero rows of B)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    inter = cfg.intermediate_size
+    spans = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv), "qkv_proj": (0, q + 2 * kv),
+             "o_proj": (0, cfg.hidden_size), "gate_proj": (0, inter), "up_proj": (inter, 2 * inter),
+             "gate_up_proj": (0, 2 * inter), "down_proj": (0, cfg.hidden_size)}
+    fan_in = {"self_attn.o_proj": q, "mlp.down_proj": inter}.get(module, cfg.hidden_size)
+    out_size = {"self_attn.qkv_proj": q + 2 * kv, "mlp.gate_up_proj": 2 * inter}.get(module, cfg.hidden_size)
+    a_parts, b_parts = [], []
+    for part, pair in sorted(parts.items(), key=lambda item: spans[item[0]]):
+        where = f"LoRA adapter {name!r}: layer {layer} {part}"
+        if set(pair) != {"A", "B"}:
+            raise CheckpointError(f"{where}: lora_A and lora_B must both be present")
+        a, b = pair["A"], pair["B"]
+        lo, hi = spans[part]
+        r = a.shape[0]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or tuple(b.shape) != (hi - lo, r):
+            raise CheckpointError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+                                  f"model (expected [r, {fan_in}] and [{hi - lo}, r])")
+        scaled = b.float() * _scaling(config, f"model.layers.{layer}.{module.split('.')[0]}.{part}", r)
+        full = torch.zeros(out_size, r)
+        full[lo:hi] = scaled
+        a_parts.append(a.float())
+        b_parts.append(full)
+    return torch.cat(a_parts), torch.cat(b_parts, dim=1)

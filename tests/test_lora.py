@@ -1,0 +1,149 @@
+"""LoRA adapters in the engine (engine/lora.py): PEFT adapters served beside the base model, mixed in one
+batch, each sequence's tokens as PEFT generates them, and each adapter's blocks apart in the prefix cache."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_engine_model import BLOCK, build_hf_checkpoint, prompts
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import CheckpointError, InvalidRequestError
+from engine.runner import SeqChunk
+from engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_adapter(hf, path, targets: list[str] | str, rank: int, seed: int, **config) -> peft.PeftModel:
+    """A PEFT LoRA adapter of ``hf`` with random A and B (PEFT starts B at zero, which would change nothing),
+    saved to ``path``; the returned model runs it as PEFT does."""
+    model = peft.get_peft_model(copy.deepcopy(hf), peft.LoraConfig(r=rank, target_modules=targets, **config))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+    model.save_pretrained(path)
+    return model.eval()
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], str | None]], later: dict | None = None
+        ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Greedy tokens and prefix-cache hits of each request (prompt, adapter); ``later`` join after 3 steps."""
+    for rid, (ids, lora) in requests.items():
+        engine.add_request(rid, ids, GREEDY, lora=lora)
+    tokens: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    steps = 0
+    while engine.has_unfinished():
+        if (steps := steps + 1) == 3:
+            for rid, (ids, lora) in (later or {}).items():
+                engine.add_request(rid, ids, GREEDY, lora=lora)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached[out.request_id] = out.num_cached_tokens
+    return tokens, cached
+
+
+def reference(model, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch, targets", [
+    ("llama", ALL_PROJECTIONS),
+    ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),  # Phi-3's packed projections, as PEFT names them
+    ("qwen3_moe", ALL_PROJECTIONS[:4]),  # attention only: PEFT adapts a mixture's experts for MLP targets
+])
+def test_a_batch_mixing_adapters_and_the_base_model_generates_as_peft_does(tmp_path, arch, targets):
+    hf = build_hf_checkpoint(tmp_path / "base", arch)
+    a = peft_adapter(hf, tmp_path / "a", targets, rank=8, seed=1, lora_alpha=16)
+    # q and v only, another rank, rsLoRA's scaling, and a per-module alpha
+    b = peft_adapter(hf, tmp_path / "b", ["q_proj", "v_proj"] if arch != "phi3" else ["qkv_proj"], rank=4, seed=2,
+                     lora_alpha=8, use_rslora=True, alpha_pattern={"v_proj" if arch != "phi3" else "qkv_proj": 3})
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
+                                 max_num_batched_tokens=32, lora_modules={"a": str(tmp_path / "a"),
+                                                                           "b": str(tmp_path / "b")}))
+    p, q = prompts((21, 9))
+    requests = {"base": (p, None), "a": (p, "a"), "b": (p, "b"), "a-other": (q, "a")}
+    tokens, _ = run(engine, requests, later={"b-late": (q, "b")})  # joins a batch already decoding
+    want = {"base": reference(hf, p), "a": reference(a, p), "b": reference(b, p), "a-other": reference(a, q),
+            "b-late": reference(b, q)}
+    assert tokens == want
+    assert len({tuple(want[r]) for r in ("base", "a", "b")}) == 3  # each adapter changes the output
+
+
+@pytest.mark.timeout(120)
+def test_an_adapters_blocks_are_its_own_prefix_cache_hits_and_no_one_elses(tmp_path):
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=4, seed=1)
+    peft_adapter(hf, tmp_path / "b", ALL_PROJECTIONS, rank=4, seed=2)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
+                                 lora_modules={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")}))
+    (p,) = prompts((40,))
+    first, _ = run(engine, {"a": (p, "a")})
+    again, cached = run(engine, {"a-again": (p, "a"), "b": (p, "b"), "base": (p, None)})
+    assert cached == {"a-again": 2 * BLOCK, "b": 0, "base": 0}
+    assert again["a-again"] == first["a"]  # its own blocks: the same tokens
+    assert engine.prefix_salt("a") != engine.prefix_salt("b") != engine.prefix_salt(None)
+    assert engine.cached_prefix_len(p, engine.prefix_salt("a")) == 2 * BLOCK
+
+
+def test_a_decode_step_with_an_adapters_rows_runs_eagerly(tmp_path):
+    """Decode graphs hold the base model's step only: an adapter's rows vary, so its steps run eagerly."""
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    peft_adapter(hf, tmp_path / "a", ["q_proj"], rank=2, seed=1)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=16,
+                                 attention_backend="triton", lora_modules={"a": str(tmp_path / "a")}))
+    engine.runner.enable_decode_graphs(4, 4, capture=False)
+    assert engine.runner.graphs.fits([SeqChunk([1], 5, [0])])
+    assert not engine.runner.graphs.fits([SeqChunk([1], 5, [0]), SeqChunk([2], 7, [1], lora=1)])
+
+
+def edit_adapter(src, dst, edit) -> None:
+    """A copy of the adapter at ``src`` in ``dst`` with ``edit(config, tensors)`` applied."""
+    dst.mkdir()
+    config = json.loads((src / "adapter_config.json").read_text())
+    tensors = load_file(src / "adapter_model.safetensors")
+    edit(config, tensors)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    save_file(tensors, dst / "adapter_model.safetensors")
+
+
+@pytest.mark.timeout(120)
+def test_adapters_the_layers_cannot_run_are_refused_with_what_is_wrong(tmp_path):
+    hf = build_hf_checkpoint(tmp_path / "base", "qwen3_moe")
+    good = tmp_path / "good"
+    peft_adapter(hf, good, ["q_proj", "v_proj"], rank=2, seed=1)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    cases = {
+        "dora": (lambda c, t: c.update(use_dora=True), "DoRA"),
+        "saved": (lambda c, t: c.update(modules_to_save=["lm_head"]), "modules_to_save"),
+        "shape": (lambda c, t: t.update({key: torch.zeros(2, 32)}), r"do not fit the model \(expected \[r, 64\]"),
+        "experts": (lambda c, t: t.update({key.replace("self_attn.q_proj", "mlp.gate_proj"): torch.zeros(2, 64)}),
+                    "layer 0's mlp.gate_up_proj is a mixture of experts"),
+        "moe": (lambda c, t: t.update({key.replace("self_attn.q_proj", "mlp.experts"): torch.zeros(2, 64)}),
+                "adapts a mixture of experts' experts"),
+        "unknown": (lambda c, t: t.update({key.replace("q_proj", "rotary"): torch.zeros(2, 64)}), "not a lora_A"),
+        "half": (lambda c, t: t.pop(key), "lora_A and lora_B must both be present"),
+    }
+    for name, (edit, message) in cases.items():
+        edit_adapter(good, tmp_path / name, edit)
+        with pytest.raises(CheckpointError, match=message):
+            Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={name: str(tmp_path / name)}))
+    with pytest.raises(CheckpointError, match="adapter_config.json not found"):
+        Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"none": str(tmp_path)}))
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"good": str(good)}))
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter 'other' is loaded \\(loaded: good\\)"):
+        engine.add_request("r", [1, 2, 3], GREEDY, lora="other")
+    assert not engine.has_unfinished()
