@@ -27,7 +27,7 @@ from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache
 from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
-from engine.lora import load_adapters
+from engine.lora import LoRAAdapter, load_adapters
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
@@ -52,8 +52,8 @@ class Engine:
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
         # before the KV cache is sized: the adapters' weights take device memory too
-        self.loras = load_adapters(config.lora_modules, self.model, self.model_config, self.model.lm_head.weight.dtype,
-                                   config.device)
+        self.loras = load_adapters(config.lora_modules, self.model_id, self.model, self.model_config,
+                                   self.model.lm_head.weight.dtype, config.device)
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -437,7 +437,13 @@ class Engine:
     def prefix_salt(self, lora: str | None) -> bytes:
         """What the blocks of a sequence of adapter ``lora`` (None: the base model) are hashed under, here and
         by the router, the pool and the peers (``kvstore.hashing.salt_for``)."""
-        return salt_for(self.model_id, None if lora is None else self.loras[lora].adapter_id)
+        return salt_for(self.model_id, None if lora is None else self._adapter(lora).adapter_id)
+
+    def _adapter(self, lora: str) -> LoRAAdapter:
+        if lora not in self.loras:
+            raise InvalidRequestError("lora", f"no LoRA adapter {lora!r} is loaded (loaded: "
+                                              f"{', '.join(self.loras) or 'none'})")
+        return self.loras[lora]
 
     def cached_prefix_len(self, prompt_ids: list[int], salt: bytes | None = None) -> int:
         """Leading prompt tokens whose K/V is in this engine's prefix cache (whole blocks) under ``salt``
@@ -482,9 +488,8 @@ class Engine:
     def _check(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
                reserved: bool = False, lora: str | None = None) -> None:
         params.validate()
-        if lora is not None and lora not in self.loras:
-            raise InvalidRequestError("lora", f"no LoRA adapter {lora!r} is loaded (loaded: "
-                                              f"{', '.join(self.loras) or 'none'})")
+        if lora is not None:
+            self._adapter(lora)
         if not reserved and (request_id in self.requests or request_id in self.held):
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         self.limits.check(prompt_ids, params, prefill_only, reserved)

@@ -36,3 +36,7 @@ class OutOfBlocksError(RuntimeError):
 
 class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the file or tensor."""
+
+
+class LoRAAdapterError(CheckpointError):
+    """A LoRA adapter (``--lora-modules``) that cannot be loaded; the message names it and what is wrong."""

@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load
 
 from engine.config import ModelConfig
-from engine.errors import CheckpointError
+from engine.errors import LoRAAdapterError
 
 # The projections an adapter may target, and the model's packed matrix each lands in (Phi-3's checkpoints,
 # and so its adapters, hold qkv_proj and gate_up_proj packed already).
@@ -61,45 +61,66 @@ def lora_delta(out: torch.Tensor, x: torch.Tensor, pairs: dict[int, tuple[torch.
     return out
 
 
-def load_adapters(modules: dict[str, str], model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
-                  device: torch.device | str) -> dict[str, LoRAAdapter]:
-    """Load each ``name -> directory`` adapter into the next slot of ``model``'s layers."""
+def check_adapters(modules: dict[str, str], base_id: str) -> None:
+    """Refuse adapters that could not be served beside the model ``base_id`` (requests name it, so no adapter
+    may), before any weight is read."""
+    for name, path in modules.items():
+        if not name or name != name.strip() or name == base_id:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: a name must be non-empty, without surrounding spaces, "
+                                   f"and not the base model's ({base_id!r})")
+        read_adapter_config(name, Path(path).expanduser())
+
+
+def load_adapters(modules: dict[str, str], base_id: str, model: torch.nn.Module, cfg: ModelConfig,
+                  dtype: torch.dtype, device: torch.device | str) -> dict[str, LoRAAdapter]:
+    """Load each ``name -> directory`` adapter of the model ``base_id`` into the next slot of its layers."""
+    check_adapters(modules, base_id)
     adapters = {}
     for slot, (name, path) in enumerate(modules.items(), start=1):
         adapters[name] = _load(name, slot, Path(path).expanduser(), model, cfg, dtype, device)
     return adapters
 
 
+def read_adapter_config(name: str, path: Path) -> dict:
+    """The adapter directory's ``adapter_config.json``, once it is known to describe an adapter these layers
+    run (callers check this before starting workers, so a bad adapter fails at once, named)."""
+    for f in (path / "adapter_config.json", path / "adapter_model.safetensors"):
+        if not f.is_file():
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {f} not found (a PEFT adapter directory is expected)")
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except json.JSONDecodeError as exc:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {path / 'adapter_config.json'}: {exc}") from None
+    _check_config(name, config)
+    return config
+
+
 def _load(name: str, slot: int, path: Path, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
           device: torch.device | str) -> LoRAAdapter:
-    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    for f in (config_file, weights_file):
-        if not f.is_file():
-            raise CheckpointError(f"LoRA adapter {name!r}: {f} not found (a PEFT adapter directory is expected)")
-    config = json.loads(config_file.read_text())
-    _check_config(name, config)
+    config = read_adapter_config(name, path)
+    weights_file = path / "adapter_model.safetensors"
     raw = weights_file.read_bytes()
     tensors = load(raw)
     pairs: dict[tuple[int, str], dict[str, dict[str, torch.Tensor]]] = {}  # (layer, module) -> part -> A/B
     for key, tensor in tensors.items():
         m = _KEY.match(key)
         if ".experts." in key:
-            raise CheckpointError(f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture of experts' experts, which "
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} adapts a mixture of experts' experts, which "
                                   "is not supported (target attention and dense MLPs only)")
         if m is None or m.group(3) not in PACKED_INTO:
-            raise CheckpointError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A/lora_B of a supported "
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: tensor {key!r} is not a lora_A/lora_B of a supported "
                                   f"projection ({', '.join(sorted(PACKED_INTO))})")
         layer, part, ab = int(m.group(1)), m.group(3), m.group(4)
         if layer >= cfg.num_layers:
-            raise CheckpointError(f"LoRA adapter {name!r}: {key!r} names layer {layer}, the model has {cfg.num_layers}")
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {key!r} names layer {layer}, the model has {cfg.num_layers}")
         pairs.setdefault((layer, PACKED_INTO[part]), {}).setdefault(part, {})[ab] = tensor
     if not pairs:
-        raise CheckpointError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
     for (layer, module), parts in pairs.items():
         try:
             linear = model.get_submodule(f"model.layers.{layer}.{module}")
         except AttributeError:  # a mixture of experts' layer: its experts take no adapter
-            raise CheckpointError(f"LoRA adapter {name!r}: layer {layer}'s {module} is a mixture of experts, "
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer}'s {module} is a mixture of experts, "
                                   "which LoRA adapters are not supported on (target attention only)") from None
         a, b = _pack(name, layer, module, parts, config, cfg)
         linear.lora[slot] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
@@ -110,16 +131,16 @@ def _load(name: str, slot: int, path: Path, model: torch.nn.Module, cfg: ModelCo
 def _check_config(name: str, config: dict) -> None:
     """Refuse what PEFT can save but these layers do not compute."""
     if config.get("peft_type", "LORA") != "LORA":
-        raise CheckpointError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
     if config.get("use_dora"):
-        raise CheckpointError(f"LoRA adapter {name!r}: DoRA adapters (use_dora) are not supported")
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: DoRA adapters (use_dora) are not supported")
     if config.get("bias", "none") != "none":
-        raise CheckpointError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: bias {config['bias']!r} is not supported (only 'none')")
     if config.get("modules_to_save"):
-        raise CheckpointError(f"LoRA adapter {name!r}: modules_to_save ({config['modules_to_save']}) would replace "
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: modules_to_save ({config['modules_to_save']}) would replace "
                               "base weights, which adapters here do not")
     if config.get("fan_in_fan_out"):
-        raise CheckpointError(f"LoRA adapter {name!r}: fan_in_fan_out (GPT-2 style Conv1D) is not supported")
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: fan_in_fan_out (GPT-2 style Conv1D) is not supported")
 
 
 def _scaling(config: dict, module_name: str, rank: int) -> float:
@@ -147,12 +168,12 @@ def _pack(name: str, layer: int, module: str, parts: dict[str, dict[str, torch.T
     for part, pair in sorted(parts.items(), key=lambda item: spans[item[0]]):
         where = f"LoRA adapter {name!r}: layer {layer} {part}"
         if set(pair) != {"A", "B"}:
-            raise CheckpointError(f"{where}: lora_A and lora_B must both be present")
+            raise LoRAAdapterError(f"{where}: lora_A and lora_B must both be present")
         a, b = pair["A"], pair["B"]
         lo, hi = spans[part]
         r = a.shape[0]
         if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or tuple(b.shape) != (hi - lo, r):
-            raise CheckpointError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
+            raise LoRAAdapterError(f"{where}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit the "
                                   f"model (expected [r, {fan_in}] and [{hi - lo}, r])")
         scaled = b.float() * _scaling(config, f"model.layers.{layer}.{module.split('.')[0]}.{part}", r)
         full = torch.zeros(out_size, r)

@@ -76,6 +76,7 @@ class Attempt:
     priority: Priority  # (the request's priority, the router's order): the engine queues its prompt by it
     # How long the decode reservation may wait for running sequences to free room (Dispatcher._reserve_wait_s).
     reserve_wait_s: float = 0.0
+    lora: str | None = None  # the LoRA adapter it runs with on both sides; None: the base model
 
 
 async def unless_set(died: asyncio.Event, worker_id: str, call: Awaitable[T]) -> T:
@@ -98,7 +99,7 @@ def run_colocated(attempt: Attempt, worker: WorkerClient, deadlines: Deadlines) 
     """One worker computes the prompt and decodes; its first event may take the prefill deadline."""
     a = attempt
     return worker.generate(a.request_id, a.prompt_ids, a.params, a.index, a.fetch, a.output_ids,
-                           deadlines.prefill_s, deadlines.token_s, a.priority)
+                           deadlines.prefill_s, deadlines.token_s, a.priority, a.lora)
 
 
 async def run_disaggregated(
@@ -126,7 +127,7 @@ async def run_disaggregated(
     try:
         result = await unless_set(decode_died, decode.worker_id, prefill.prefill(
             a.request_id, a.prompt_ids, a.params, decode.info.kv_target, a.fetch, deadlines.prefill_s,
-            a.output_ids, a.priority, lease_pending=not reserved))
+            a.output_ids, a.priority, lease_pending=not reserved, lora=a.lora))
         on_handoff(result)
         first = TokenEvent(a.index, [result.first_token_id], result.finish_reason, len(a.prompt_ids),
                            result.num_cached_tokens, result.text, result.logprobs and [result.logprobs],
@@ -135,7 +136,7 @@ async def run_disaggregated(
             yield first
             return
         stream = decode.decode(a.request_id, a.prompt_ids, result.first_token_id, a.params, a.index,
-                               result.num_cached_tokens, a.output_ids, deadlines.token_s)
+                               result.num_cached_tokens, a.output_ids, deadlines.token_s, a.lora)
         handed_off = True
         yield first
         async for event in stream:

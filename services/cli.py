@@ -19,7 +19,7 @@ from services.status import add_status_parser
 
 def _serve(args: argparse.Namespace) -> int:
     from engine.config import UnsupportedModelError
-    from engine.errors import CheckpointError
+    from engine.errors import CheckpointError, LoRAAdapterError
     from services.errors import PlacementError
     from services.serve import Server
 
@@ -35,6 +35,8 @@ def _serve(args: argparse.Namespace) -> int:
             await server.start()
         except PlacementError as exc:
             raise SystemExit(f"tidepool serve: {exc}") from None
+        except LoRAAdapterError as exc:
+            raise SystemExit(f"tidepool serve: --lora-modules: {exc}") from None
         except (CheckpointError, UnsupportedModelError) as exc:
             raise SystemExit(f"tidepool serve: --model {cluster.engine.model}: {exc}") from None
         print(server.cluster.describe_placement(), flush=True)

@@ -17,7 +17,8 @@ import ray
 
 from engine.config import ModelConfig
 from engine.generation_defaults import GenerationDefaults
-from engine.loader import resolve_model_dir
+from engine.loader import model_id_for, resolve_model_dir
+from engine.lora import check_adapters
 from engine.tokenizer import Tokenizer
 from kvstore.events import PoolMirror
 from router.conductor import SLO, Conductor
@@ -86,6 +87,7 @@ class Cluster:
         # (CheckpointError, UnsupportedModelError), not later inside a worker.
         model_dir = resolve_model_dir(self.config.engine.model)
         ModelConfig.from_dir(model_dir)
+        check_adapters(self.config.engine.lora_modules, model_id_for(self.config.engine.model))
         tokenizer = Tokenizer.from_dir(model_dir)
         generation_defaults = GenerationDefaults.load(self.config.generation_config, model_dir,
                                                       self.config.override_generation_config)

@@ -112,6 +112,14 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """``--lora-modules``' NAME=DIR, the directory made absolute (workers run in other directories)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
+    return name, os.path.abspath(os.path.expanduser(path))
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """``tidepool serve``'s options, with the dataclasses' defaults."""
     c, e, g = ClusterConfig(), ClusterConfig().engine, GatewayConfig()
@@ -121,6 +129,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--colocated", type=int, default=c.colocated,
                    help="serve N colocated workers (prefill and decode in one engine) instead")
     p.add_argument("--policy", default=c.policy, choices=POLICIES, help="how the router picks workers")
+    p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=DIR",
+                   help="LoRA adapters (PEFT directories) served beside the model: a request names one as its "
+                        "model; every worker loads them all")
     p.add_argument("--generation-config", default=c.generation_config, metavar="auto|vllm|DIR",
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
                         "caps an unset max_tokens) for what a request leaves unset: auto reads the model's "
@@ -242,6 +253,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         raise ValueError("use either --colocated N or --prefill/--decode, not both")
     if args.max_kv_channels < 1:
         raise ValueError(f"--max-kv-channels must be at least 1, got {args.max_kv_channels}")
+    names = [name for name, _ in args.lora_modules]
+    if len(set(names)) < len(names):
+        raise ValueError(f"--lora-modules names each adapter once, got {', '.join(names)}")
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -252,6 +266,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        lora_modules=dict(args.lora_modules),
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

@@ -162,19 +162,21 @@ class DecodeWorker(Worker):
 
     async def generate(
         self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
-        index: int = 0, num_cached_tokens: int = 0, output_ids: tuple[int, ...] = (),
+        index: int = 0, num_cached_tokens: int = 0, output_ids: tuple[int, ...] = (), lora: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
-        """``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease)."""
+        """``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease); ``lora``: the
+        LoRA adapter the prompt was computed with, and the decode runs with (None: the base model)."""
         lease = self.receiver.take_filled_lease(request_id)
+        salt = self.engine.prefix_salt(lora)
 
         def join() -> None:
             self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids,
-                                             output_ids)
+                                             output_ids, lora)
 
         sequence = [*prompt_ids, *output_ids, first_token_id]
         # The prefill worker shared the prompt's blocks: the answer's are this worker's to share.
         async for event in self._stream(request_id, index, join, sequence,
-                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size):
+                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size, salt):
             # The prefix-cache hit happened on the prefill side; report it with the decode stream.
             event.num_cached_tokens = num_cached_tokens
             yield event

@@ -52,6 +52,7 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SamplingParams
     priority: int = 0  # lower is served first among the prompts waiting on a worker (vLLM's request priority)
+    lora: str | None = None  # the LoRA adapter it runs with (one of ``Dispatcher.loras``); None: the base model
 
 
 class Dispatcher:
@@ -73,6 +74,7 @@ class Dispatcher:
         self.block_size = first.block_size
         self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
         self.long_rope_from = first.long_rope_from
+        self.loras = first.loras  # the LoRA adapters every worker serves: name -> adapter id
         self.conductor = conductor
         self.index = index
         self.tokenizer = tokenizer
@@ -85,7 +87,6 @@ class Dispatcher:
         self.resumed = 0  # requests continued on another pair after streaming some tokens
         self.deadlines = deadlines or Deadlines()
         self.copies = PrefixCopies(self.workers, conductor, self.block_size, self.deadlines.prefill_s)
-        self._salt = salt_for(self.model_id)
         self._loads: dict[str, WorkerLoad] = {}
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
@@ -200,11 +201,14 @@ class Dispatcher:
             raise InvalidRequestError("prompt", "the prompt is empty")
         if len(req.prompt_ids) + req.params.max_tokens > self.max_model_len:
             raise PromptTooLongError(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len)
+        if req.lora is not None and req.lora not in self.loras:
+            raise InvalidRequestError("lora", f"no LoRA adapter {req.lora!r} is served")
         task = asyncio.current_task()
         self._active.add(task)
         try:
             if req.params.n == 1:
-                async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0, req.priority):
+                async for event in self._generate_one(req.request_id, req.prompt_ids, req.params, 0, req.priority,
+                                                      req.lora):
                     yield event
                 return
             async for event in self._generate_fanout(req):
@@ -219,16 +223,19 @@ class Dispatcher:
         for i in range(req.params.n):
             seed = None if req.params.seed is None else req.params.seed + i
             params = dataclasses.replace(req.params, n=1, seed=seed)
-            streams.append(self._generate_one(f"{req.request_id}-{i}", req.prompt_ids, params, i, req.priority))
+            streams.append(self._generate_one(f"{req.request_id}-{i}", req.prompt_ids, params, i, req.priority,
+                                              req.lora))
         async for event in interleave(streams):
             yield event
 
     async def _generate_one(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int, priority: int
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int, priority: int,
+        lora: str | None,
     ) -> AsyncIterator[TokenEvent]:
         track = RequestTracker(self.metrics, on_ttft=self.conductor.observe_ttft)
         progress = Progress()
         excluded: set[str] = set()  # workers found dead while serving this request
+        salt = salt_for(self.model_id, None if lora is None else self.loras[lora])  # an adapter's blocks are its own
         try:
             for attempt in range(_MAX_ATTEMPTS):
                 tokens = [*prompt_ids, *progress.output_ids]
@@ -238,18 +245,18 @@ class Dispatcher:
                 if progress.output_ids and params.prompt_logprobs is not None:
                     params = dataclasses.replace(params, prompt_logprobs=None)
                 shared = params.prompt_logprobs is None and not long_rope_applies(self.long_rope_from, len(tokens))
-                hashes = block_hashes(tokens, self.block_size, self._salt) if shared else []
+                hashes = block_hashes(tokens, self.block_size, salt) if shared else []
                 route_req = RouteRequest(request_id, len(tokens), hashes,
                                          params.max_tokens - len(progress.output_ids), self.max_kv_tokens)
                 decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(
                     route_req, excluded)
                 if not track.streaming:
                     track.route(decision)
-                self.copies.replicate(decision, tokens)
+                self.copies.replicate(decision, tokens, lora)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), self.copies.fetch_for(decision), (priority, next(self._routed)),
-                    self._reserve_wait_s(track.arrived, decision)))
+                    tuple(progress.output_ids), self.copies.fetch_for(decision, lora), (priority, next(self._routed)),
+                    self._reserve_wait_s(track.arrived, decision), lora))
                 try:
                     async for event in stream:
                         progress.add(event)

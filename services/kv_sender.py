@@ -30,7 +30,7 @@ import torch
 from ray.exceptions import RayTaskError
 
 from engine.engine import Engine
-from kvstore.hashing import block_hashes, salt_for
+from kvstore.hashing import block_hashes
 from kvstore.transfer import IpcUnavailable, TransferError
 from kvstore.transfer.channel_pool import ChannelPool
 from kvstore.transfer.collective import CollectiveChannel, backend_for
@@ -54,7 +54,6 @@ class HandoffSender:
         self.layerwise = layerwise
         self.engine = engine
         self.loop = loop
-        self._salt = salt_for(engine.model_id)
         self.clients = KVTransferClients(secret)  # the cluster's secret: receivers refuse pushes without it
         # decode worker -> (our end of the pair, its actor, told to close its end when we close ours)
         self.channels: ChannelPool[tuple[CollectiveChannel, object]] = ChannelPool(
@@ -101,8 +100,9 @@ class HandoffSender:
         self._no_ipc.add(kv_target.worker_id)
         return fallback_transport(self.engine.device, kv_target.device)
 
-    def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float,
+    def open(self, request_id: str, prompt_ids: list[int], kv_target: KVTarget, deadline: float, salt: bytes,
              lease: PendingLease | None = None) -> Handoff:
+        """A hand-off of ``prompt_ids``' K/V (its blocks hashed under ``salt``) into ``kv_target``'s lease."""
         blocks = self.engine.handoff_blocks(len(prompt_ids))
         kv = self.engine.kv_cache
         transport = self.transport_for(kv_target)
@@ -110,7 +110,7 @@ class HandoffSender:
         layerwise = self.layerwise and transport != "ipc"
         header = TransferHeader.describe(
             request_id, self.engine.model_id, kv_payload_shape(self.engine, len(blocks)), kv.payload_dtype,
-            block_hashes(prompt_ids, self.engine.block_size, self._salt), layerwise=layerwise,
+            block_hashes(prompt_ids, self.engine.block_size, salt), layerwise=layerwise,
             kv_format=kv.kv_format,
         )
         feed = None

@@ -7,7 +7,7 @@ no engine objects. The gateway and the router's process import this module witho
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.output import FinishReason, TokenLogprobs
@@ -53,6 +53,7 @@ class PrefixFetch:
     blocks: int  # leading blocks of the prompt the holder has, or will have once its prefill of them ends
     wait_s: float  # how long the holder may wait for blocks it is still computing
     actor: Any  # the holder's Ray actor handle: asked to push the blocks
+    lora: str | None = None  # the LoRA adapter the blocks were computed with (their hashes' salt); None: none
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,8 @@ class WorkerInfo:
     max_kv_tokens: int | None = None  # an attention window bounds one sequence's KV at this many tokens
     num_layers: int = 1  # the model's layers: a layer-wise hand-off streams in this many pieces
     long_rope_from: int | None = None  # LongRoPE's original context (``engine.config.long_rope_applies``)
+    # The LoRA adapters it serves beside the base model: name -> adapter id (its blocks' hash salt, ``engine/lora.py``)
+    loras: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

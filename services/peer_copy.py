@@ -20,7 +20,7 @@ import uuid
 import torch
 
 from engine.engine import Engine
-from kvstore.hashing import block_hashes, salt_for
+from kvstore.hashing import block_hashes
 from kvstore.transfer import TransferRejected
 from kvstore.transfer.grpc import KVTransferClients, KVTransferServer
 from kvstore.transfer.sink import TensorSink
@@ -41,7 +41,6 @@ class PrefixCopier:
 
     def __init__(self, engine: Engine, loop: EngineLoop, secret: str, host: str | None) -> None:
         self.engine, self.loop = engine, loop
-        self._salt = salt_for(engine.model_id)
         self.clients = KVTransferClients(secret)
         self.sink = TensorSink()
         self._server = None if host is None else KVTransferServer(self.sink, host=host, secret=secret).start()
@@ -51,9 +50,10 @@ class PrefixCopier:
         return None if self._server is None else self._server.target
 
     # ---- the taker -----------------------------------------------------------------------------------
-    async def take(self, token_ids: list[int], fetch: PrefixFetch, have: int, timeout_s: float) -> FetchedBlocks:
-        """Copy the blocks of ``token_ids`` after the first ``have`` (this engine's) that ``fetch.source``
-        holds (never the block of the last token, which is computed for its logits, nor a residual the engine
+    async def take(self, token_ids: list[int], fetch: PrefixFetch, have: int, timeout_s: float,
+                   salt: bytes) -> FetchedBlocks:
+        """Copy the blocks of ``token_ids`` (hashed under ``salt``, ``fetch.lora``'s) after the first ``have``
+        (this engine's) that ``fetch.source`` holds (never the block of the last token, which is computed for its logits, nor a residual the engine
         keeps exact); placing them is the caller's, on the engine thread. A copy that fails gives no blocks:
         they are computed instead."""
         size = self.engine.block_size
@@ -62,13 +62,14 @@ class PrefixCopier:
             return FetchedBlocks(fetch.source, None)
         # The router knows the holder has fetch.blocks (in-flight prompts are tracked coarsely); it sends
         # whatever longer run it has.
-        expected = block_hashes(token_ids[: usable * size], size, self._salt)[have:]
+        expected = block_hashes(token_ids[: usable * size], size, salt)[have:]
         copy_id = f"copy-{uuid.uuid4().hex}"
         self.sink.expect_sized(copy_id, lambda header: self._destination(header, expected))
         try:
             sent, seconds = await asyncio.wait_for(
                 fetch.actor.push_prefix.remote(copy_id, token_ids[: usable * size], have,
-                                               min(fetch.blocks, usable), self.address, fetch.wait_s, timeout_s),
+                                               min(fetch.blocks, usable), self.address, fetch.wait_s, timeout_s,
+                                               fetch.lora),
                 fetch.wait_s + timeout_s + _CALL_SLACK_S)
             if not sent:
                 return FetchedBlocks(fetch.source, None)
@@ -97,17 +98,19 @@ class PrefixCopier:
 
     # ---- the holder ----------------------------------------------------------------------------------
     async def push(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int, address: str,
-                   wait_s: float, timeout_s: float) -> tuple[int, float]:
-        """Push the cached full blocks of ``token_ids`` after the first ``skip_blocks`` to ``address``,
+                   wait_s: float, timeout_s: float, lora: str | None = None) -> tuple[int, float]:
+        """Push the cached full blocks of ``token_ids`` (computed with adapter ``lora``) after the first
+        ``skip_blocks`` to ``address``,
         waiting up to ``wait_s`` until ``wait_blocks`` are cached (a prefill of them may be running);
         returns how many were sent (0: none) and the seconds the transfer took (the wait left out: the
         router learns the link from it)."""
         engine = self.engine
+        salt = engine.prefix_salt(lora)
         want = wait_blocks * engine.block_size
         until = time.monotonic() + wait_s
-        while engine.cached_prefix_len(token_ids) < want and time.monotonic() < until:  # lock-free reads
+        while engine.cached_prefix_len(token_ids, salt) < want and time.monotonic() < until:  # lock-free reads
             await asyncio.sleep(_POLL_S)
-        tensor, hashes = await self.loop.acall(engine.export_cached_prefix, token_ids, skip_blocks)
+        tensor, hashes = await self.loop.acall(engine.export_cached_prefix, token_ids, skip_blocks, None, salt)
         if tensor is None:
             return 0, 0.0
         header = TransferHeader.describe(copy_id, engine.model_id, tensor.shape, tensor.dtype, hashes,

@@ -25,7 +25,7 @@ import torch
 from engine.block_events import BlockEvent, BlockRemoved, BlockStored
 from engine.engine import Engine
 from kvstore.disk_tier import DiskTier
-from kvstore.hashing import block_hashes, salt_for
+from kvstore.hashing import block_hashes
 from kvstore.payload import BlockLayout, BlockTier, HostTier, RedisTier, fetch_prefix
 from kvstore.pool import POOL_HOLDER, KVPool
 from kvstore.publisher import PoolPublisher
@@ -84,7 +84,6 @@ class PoolLink:
                  disk_max_bytes: int = 0, prefill_model: PrefillModel | None = None) -> None:
         self.engine = engine
         self.block_size = engine.block_size
-        self._salt = salt_for(engine.model_id)
         self.pool = KVPool(redis_url, engine.model_id, engine.block_size)
         self.publisher = PoolPublisher(self.pool, worker_id)
         kv = engine.kv_cache  # blocks of another KV format (or dtype, or shape) are misses, never used
@@ -111,12 +110,12 @@ class PoolLink:
                 case BlockRemoved(hashes):
                     self.publisher.on_removed(hashes)
 
-    async def read_prefix(self, prompt_ids: list[int], have: int) -> FetchedBlocks:
-        """Read the prefix blocks after the first ``have`` (this engine's) from the host, disk and Redis
-        tiers, Redis only where ``fetch_cost`` says reading beats recomputing. Only the blocks the engine
+    async def read_prefix(self, prompt_ids: list[int], have: int, salt: bytes) -> FetchedBlocks:
+        """Read the prefix blocks after the first ``have`` (this engine's), hashed under ``salt`` (the request's
+        adapter's, ``Engine.prefix_salt``), from the host, disk and Redis tiers, Redis only where ``fetch_cost`` says reading beats recomputing. Only the blocks the engine
         reuses count: never the last token's (computed for its logits), nor a residual it keeps exact."""
         usable = self.engine.reusable_prefix_blocks(len(prompt_ids))
-        hashes = block_hashes(prompt_ids[: usable * self.block_size], self.block_size, self._salt)
+        hashes = block_hashes(prompt_ids[: usable * self.block_size], self.block_size, salt)
         if have >= len(hashes):
             return FetchedBlocks("pool", None)
         reads = [_Read(t, self.fetch_cost if t is self.redis else None, len(hashes)) for t in (*self._own, self.redis)]
@@ -127,15 +126,15 @@ class PoolLink:
         return FetchedBlocks("pool", tensor, have, shared.nbytes, shared.seconds,
                              tuple((r.name, r.blocks) for r in reads if r.blocks))
 
-    async def store_prefix(self, loop: EngineLoop, token_ids: list[int], skip_blocks: int = 0) -> None:
-        """Share the cached full blocks of ``token_ids`` after the first ``skip_blocks`` (those were shared
-        when computed) through the host, Redis and disk tiers: a prompt just computed, or a finished
+    async def store_prefix(self, loop: EngineLoop, token_ids: list[int], skip_blocks: int, salt: bytes) -> None:
+        """Share the cached full blocks of ``token_ids`` (hashed under ``salt``) after the first ``skip_blocks``
+        (those were shared when computed) through the host, Redis and disk tiers: a prompt just computed, or a finished
         sequence's answer, which the next chat turn's prompt carries.
 
         Only the copy out of the KV cache happens before this returns; the writes to the tiers run in the
         background, off the request's critical path.
         """
-        tensor, hashes = await loop.acall(self.engine.export_cached_prefix, token_ids, skip_blocks)
+        tensor, hashes = await loop.acall(self.engine.export_cached_prefix, token_ids, skip_blocks, None, salt)
         if tensor is None:
             return
         self._sharing.spawn(self._share(tensor, hashes))

@@ -27,26 +27,28 @@ class PrefillWorker(Worker):
     async def prefill(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
         fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-        priority: Priority | None = None, lease_pending: bool = False,
+        priority: Priority | None = None, lease_pending: bool = False, lora: str | None = None,
     ) -> PrefillResult:
         """``output_ids``: tokens a failed attempt already streamed; their K/V is computed and sent too,
         and the result's token is the one after them. ``lease_pending``: the decode worker's lease still
         waits for room. The prompt is computed once the lease is first in line (next to get blocks as they
         free), so the end of the wait overlaps the prefill: further back, it would take this worker's time
         from prompts that can be sent now, and be computed in vain if its wait runs out. The KV leaves once
-        the lease has its blocks; a lease that never comes ends the prompt at once, computed or not."""
+        the lease has its blocks; a lease that never comes ends the prompt at once, computed or not.
+        ``lora``: the LoRA adapter it runs with (None: the base model)."""
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
-        fetched = await self._fetch_prefix(tokens, params, fetch, deadline_s)
+        salt = self.engine.prefix_salt(lora)
+        fetched = await self._fetch_prefix(tokens, params, fetch, deadline_s, salt)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_stream(request_id)
         lease = PendingLease(kv_target, request_id, deadline) if lease_pending else None
-        handoff = self.sender.open(request_id, tokens, kv_target, deadline, lease)
+        handoff = self.sender.open(request_id, tokens, kv_target, deadline, salt, lease)
 
         def admit() -> None:  # one engine call: the request waits for one step boundary, not one per part
-            self._place(tokens, fetched)
-            self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority)
+            self._place(tokens, fetched, salt)
+            self.engine.add_request(request_id, prompt_ids, params, True, output_ids, priority, lora)
 
         try:
             try:
@@ -70,7 +72,7 @@ class PrefillWorker(Worker):
             nbytes, seconds, link_s = await handoff.finish()
             # The first token goes back now; sharing the prompt's blocks and releasing them wait for engine
             # step boundaries, so they run after it.
-            self.background.spawn(self._share_and_release(request_id, tokens, output.num_cached_tokens))
+            self.background.spawn(self._share_and_release(request_id, tokens, output.num_cached_tokens, salt))
             released = True
             return PrefillResult(first, output.text, None, output.num_cached_tokens, nbytes, seconds,
                                  handoff.transport, link_s=link_s, exposed_s=time.perf_counter() - computed,
@@ -106,9 +108,10 @@ class PrefillWorker(Worker):
         """Collective channels open to decode workers, and the threads sending over them."""
         return self.sender.channels.use("kv-send")
 
-    async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int) -> None:
+    async def _share_and_release(self, request_id: str, tokens: list[int], num_cached_tokens: int,
+                                 salt: bytes) -> None:
         # Released first: blocks go back to the free list with their contents and hashes (a later prompt
         # still hits them), and a cache with a full-precision residual registers its blocks only then.
         await self.loop.acall(self.engine.release, request_id)
         if self.pool is not None:  # the prompt's new blocks; those it found cached were shared before
-            await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size)
+            await self.pool.store_prefix(self.loop, tokens, num_cached_tokens // self.engine.block_size, salt)

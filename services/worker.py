@@ -98,6 +98,7 @@ class Worker:
             max_kv_tokens=None if self.engine.window is None else self.engine.window.max_blocks * self.engine.block_size,
             long_rope_from=self.engine.model_config.long_rope_from,
             num_layers=self.engine.model_config.num_layers, prefix_address=self.copier.address,
+            loras={name: adapter.adapter_id for name, adapter in self.engine.loras.items()},
         )
 
     async def load(self) -> WorkerLoad:
@@ -126,61 +127,66 @@ class Worker:
 
     # ---- the KV pool and peer copies ------------------------------------------------------------------------
     async def _fetch_prefix(self, token_ids: list[int], params: SamplingParams, fetch: PrefixFetch | None,
-                            timeout_s: float) -> list[FetchedBlocks]:
-        """The prefix blocks this engine lacks: first from the peer the router chose (``fetch``), then from
-        the pool's tiers, whatever the policy (the worker weighs a Redis read against recomputing). They
-        are placed by ``_place`` on the engine thread, in the call that admits the request."""
+                            timeout_s: float, salt: bytes) -> list[FetchedBlocks]:
+        """The prefix blocks this engine lacks, hashed under ``salt`` (the request's adapter's,
+        ``Engine.prefix_salt``): first from the peer the router chose (``fetch``), then from the pool's tiers,
+        whatever the policy (the worker weighs a Redis read against recomputing). They are placed by ``_place``
+        on the engine thread, in the call that admits the request."""
         if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None \
                 or not self.engine.shares_prefix(len(token_ids)):
             return []  # nothing fetched could be placed, or used (a prompt scored whole, salted apart: no hit)
-        have = self.engine.cached_prefix_len(token_ids) // self.engine.block_size  # a lock-free hint
+        have = self.engine.cached_prefix_len(token_ids, salt) // self.engine.block_size  # a lock-free hint
         fetched = []
         if fetch is not None:
-            fetched.append(await self.copier.take(token_ids, fetch, have, timeout_s))
+            fetched.append(await self.copier.take(token_ids, fetch, have, timeout_s, salt))
             have += fetched[-1].blocks
         if self.pool is not None:
-            fetched.append(await self.pool.read_prefix(token_ids, have))
+            fetched.append(await self.pool.read_prefix(token_ids, have, salt))
         return fetched
 
-    def _place(self, token_ids: list[int], fetched: list[FetchedBlocks]) -> None:
-        """Engine thread: put fetched blocks in the prefix cache, in order (each continues the one before)."""
+    def _place(self, token_ids: list[int], fetched: list[FetchedBlocks], salt: bytes) -> None:
+        """Engine thread: put fetched blocks (hashed under ``salt``) in the prefix cache, in order (each
+        continues the one before)."""
         for blocks in fetched:
             if blocks.tensor is None:
                 continue
-            placed = self.engine.insert_cached_blocks(token_ids, blocks.tensor, blocks.first_block)
+            placed = self.engine.insert_cached_blocks(token_ids, blocks.tensor, blocks.first_block, salt)
             for tier, n in blocks.counts:  # the placed blocks, credited to the tiers in reading order
                 n = min(n, placed)
                 self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + n * self.engine.block_size
                 placed -= n
 
     async def push_prefix(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int,
-                          address: str, wait_s: float, timeout_s: float) -> tuple[int, float]:
-        """Push cached blocks of ``token_ids`` to a peer's prefix copy (``services/peer_copy.py``)."""
-        return await self.copier.push(copy_id, token_ids, skip_blocks, wait_blocks, address, wait_s, timeout_s)
+                          address: str, wait_s: float, timeout_s: float, lora: str | None = None) -> tuple[int, float]:
+        """Push cached blocks of ``token_ids`` (computed with adapter ``lora``) to a peer's prefix copy
+        (``services/peer_copy.py``)."""
+        return await self.copier.push(copy_id, token_ids, skip_blocks, wait_blocks, address, wait_s, timeout_s, lora)
 
     async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
         """Replication: copy a hot prefix from ``fetch.source`` ahead of the requests that will want it;
         returns the blocks copied."""
-        have = self.engine.cached_prefix_len(token_ids) // self.engine.block_size  # a lock-free hint
-        copied = await self.copier.take(token_ids, fetch, have, timeout_s)
-        await self.loop.acall(self._place, token_ids, [copied])
+        salt = self.engine.prefix_salt(fetch.lora)
+        have = self.engine.cached_prefix_len(token_ids, salt) // self.engine.block_size  # a lock-free hint
+        copied = await self.copier.take(token_ids, fetch, have, timeout_s, salt)
+        await self.loop.acall(self._place, token_ids, [copied], salt)
         return copied.blocks
 
-    def _share_finished(self, token_ids: list[int], skip_blocks: int) -> None:
+    def _share_finished(self, token_ids: list[int], skip_blocks: int, salt: bytes) -> None:
         """After a sequence finished: its answer's blocks to the pool, in the background, so the next chat
         turn (whose prompt carries this one and its answer) finds all of it."""
         if self.pool is not None:
-            self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks))
+            self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks, salt))
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
     async def _stream(
         self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
+        salt: bytes,
     ) -> AsyncIterator[TokenEvent]:
         """Run ``start`` on the engine thread, then yield the request's outputs until it finishes.
 
         ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
         blocks are in the pool already (as are those the engine found cached): once finished, the rest of
-        the sequence's blocks are shared.
+        the sequence's blocks are shared (hashed under ``salt``).
         If the consumer goes away first (Ray cancels the generator), the request is aborted.
         """
         queue = self.loop.open_stream(request_id)
@@ -200,7 +206,7 @@ class Worker:
                 finished = event.finish_reason is not None
                 if finished:
                     cached = event.num_cached_tokens // self.engine.block_size  # shared when computed
-                    self._share_finished([*sequence, *generated], max(shared_blocks, cached))
+                    self._share_finished([*sequence, *generated], max(shared_blocks, cached), salt)
                 yield event
         finally:
             self.loop.close_stream(request_id)
@@ -226,16 +232,19 @@ class ColocatedWorker(Worker):
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
         fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (), priority: Priority | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them.
-        ``priority``: the request's place among waiting prompts (its own priority, then the router's order)."""
+        ``priority``: the request's place among waiting prompts (its own priority, then the router's order).
+        ``lora``: the LoRA adapter it runs with (None: the base model)."""
         tokens = [*prompt_ids, *output_ids]
-        fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S)
+        salt = self.engine.prefix_salt(lora)  # (InvalidRequestError for an adapter this engine lacks)
+        fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S, salt)
 
         def admit() -> None:
-            self._place(tokens, fetched)
-            self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority)
+            self._place(tokens, fetched, salt)
+            self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority, lora)
 
         # The prompt's new blocks are this worker's to share, with the answer's.
-        async for event in self._stream(request_id, index, admit, tokens, 0):
+        async for event in self._stream(request_id, index, admit, tokens, 0, salt):
             yield event

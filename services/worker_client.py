@@ -61,11 +61,12 @@ class WorkerClient:
 
     async def prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kv_target: KVTarget,
                       fetch: PrefixFetch | None, deadline_s: float, output_ids: tuple[int, ...] = (),
-                      priority: Priority | None = None, lease_pending: bool = False) -> PrefillResult:
-        """Compute the prompt, sample its first token and push its KV into ``kv_target``'s lease
-        (``lease_pending``: a lease still waiting for room, which the push waits for)."""
+                      priority: Priority | None = None, lease_pending: bool = False,
+                      lora: str | None = None) -> PrefillResult:
+        """Compute the prompt (with LoRA adapter ``lora``), sample its first token and push its KV into
+        ``kv_target``'s lease (``lease_pending``: a lease still waiting for room, which the push waits for)."""
         ref = self.actor.prefill.remote(request_id, prompt_ids, params, kv_target, fetch, deadline_s,
-                                        output_ids, priority, lease_pending)
+                                        output_ids, priority, lease_pending, lora)
         # The worker enforces the deadline; this is the backstop. A cancelled caller stops the prompt's compute.
         return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)
 
@@ -86,18 +87,19 @@ class WorkerClient:
     # ---- streams ------------------------------------------------------------------------------------------
     def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int,
                  fetch: PrefixFetch | None, output_ids: tuple[int, ...] = (), first_timeout_s: float = 120.0,
-                 token_timeout_s: float = 60.0, priority: Priority | None = None) -> AsyncIterator[TokenEvent]:
-        """A colocated worker computes the prompt and decodes it; the first event may take
-        ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids, priority)
+                 token_timeout_s: float = 60.0, priority: Priority | None = None,
+                 lora: str | None = None) -> AsyncIterator[TokenEvent]:
+        """A colocated worker computes the prompt and decodes it (with LoRA adapter ``lora``); the first event may
+        take ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
+        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids, priority, lora)
         return self._stream(gen, request_id, first_timeout_s, token_timeout_s)
 
     def decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
                index: int, num_cached_tokens: int, output_ids: tuple[int, ...] = (),
-               token_timeout_s: float = 60.0) -> AsyncIterator[TokenEvent]:
+               token_timeout_s: float = 60.0, lora: str | None = None) -> AsyncIterator[TokenEvent]:
         """A decode worker continues from its filled lease and the first token the prefill side sampled."""
         gen = self.actor.generate.remote(request_id, prompt_ids, first_token_id, params, index, num_cached_tokens,
-                                         output_ids)
+                                         output_ids, lora)
         return self._stream(gen, request_id, token_timeout_s, token_timeout_s)
 
     async def _stream(self, gen: Any, request_id: str, first_timeout_s: float,

@@ -234,7 +234,7 @@ def test_a_restarted_worker_serves_a_resumed_session_from_disk(redis_url, redis_
         loop.set_block_event_sink(link.publish)
         try:
             await _generate(loop, "turn-1", prompt, GREEDY, prefill_only=True)
-            await link.store_prefix(loop, prompt)
+            await link.store_prefix(loop, prompt, 0, loop.engine.prefix_salt(None))
             await link.wait_shared()
             await loop.acall(loop.engine.release, "turn-1")
         finally:
@@ -280,7 +280,7 @@ def test_redis_blocks_are_read_only_when_reading_beats_recomputing(redis_url, re
                  for n, lp, model in zip("abc", loops, (None, None, free_compute), strict=True)]
         try:
             await _generate(loops[0], "on-a", prompt, GREEDY, prefill_only=True)
-            await links[0].store_prefix(loops[0], prompt)
+            await links[0].store_prefix(loops[0], prompt, 0, loops[0].engine.prefix_salt(None))
             await links[0].wait_shared()
             links[2].fetch_cost.observe(1 << 20, 0.001)  # a measured read: 1 GB/s, slower than "free" compute
             return ((await load_prefix(loops[1], links[1], prompt))[0],

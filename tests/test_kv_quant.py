@@ -304,7 +304,7 @@ def test_quantized_blocks_go_through_the_pool_exactly_and_other_formats_miss(red
         try:
             await generate(a, "share", prompt, prefill_only=True)
             await a.acall(a.engine.release, "share")  # registers the residual block (5) too
-            await link_a.store_prefix(a, prompt)
+            await link_a.store_prefix(a, prompt, 0, a.engine.prefix_salt(None))
             await link_a.wait_shared()
             want = await generate(a, "again", prompt)  # reads its own quantized prefix blocks
             # a read stops before block 5, the residual a cold run keeps in full precision, which is

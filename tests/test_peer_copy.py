@@ -26,6 +26,11 @@ def handle_of(copier: PrefixCopier) -> SimpleNamespace:
     return SimpleNamespace(push_prefix=SimpleNamespace(remote=copier.push))
 
 
+async def take(taker: PrefixCopier, prompt: list[int], fetch: PrefixFetch):
+    """The taker's copy of the base model's blocks of ``prompt`` (it has none of them yet)."""
+    return await taker.take(prompt, fetch, 0, 10.0, taker.engine.prefix_salt(None))
+
+
 @contextlib.asynccontextmanager
 async def holder_and_taker(model_dir):
     aio = asyncio.get_running_loop()
@@ -51,7 +56,7 @@ def test_copied_prefix_is_placed_exactly_and_the_output_equals_a_cold_run(servin
     async def run():
         async with holder_and_taker(serving_model_dir) as ((a, b), holder, taker):
             cold, _ = await _generate(a, "cold", prompt, GREEDY)  # A computes the prompt: it holds the blocks
-            fetched = await taker.take(prompt, PrefixFetch("a", 4, 0.0, handle_of(holder)), 0, 10.0)
+            fetched = await take(taker, prompt, PrefixFetch("a", 4, 0.0, handle_of(holder)))
             placed = await b.acall(b.engine.insert_cached_blocks, prompt, fetched.tensor, fetched.first_block)
             tokens, cached = await _generate(b, "copied", prompt, GREEDY)
             return cold, fetched, placed, tokens, cached, b.engine.block_size
@@ -72,7 +77,7 @@ def test_a_copy_asked_while_the_holder_computes_the_prefix_waits_for_it(serving_
         async with holder_and_taker(serving_model_dir) as ((a, b), holder, taker):
             computing = asyncio.create_task(_generate(a, "on-a", prompt, GREEDY, prefill_only=True))
             usable = (len(prompt) - 1) // a.engine.block_size
-            fetched = await taker.take(prompt, PrefixFetch("a", usable, 30.0, handle_of(holder)), 0, 10.0)
+            fetched = await take(taker, prompt, PrefixFetch("a", usable, 30.0, handle_of(holder)))
             await computing
             return fetched.blocks, usable
 
@@ -93,7 +98,7 @@ def test_blocks_that_do_not_continue_the_takers_chain_are_refused(serving_model_
             with pytest.raises(TransferRejected, match="do not continue"):
                 await holder.push("copy-x", other, 0, 1, taker.address, 0.0, 10.0)
             # a holder that no longer has the blocks sends none, and the taker computes them
-            missing = await taker.take(prompt, PrefixFetch("a", 3, 0.0, handle_of(holder)), 0, 10.0)
+            missing = await take(taker, prompt, PrefixFetch("a", 3, 0.0, handle_of(holder)))
             return missing.blocks, b.engine.cached_prefix_len(prompt)
 
     copied, cached = asyncio.run(run())

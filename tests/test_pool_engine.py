@@ -27,9 +27,10 @@ def _engine(model_dir) -> Engine:
 
 
 async def _generate(loop: EngineLoop, request_id: str, prompt: list[int], params: SamplingParams,
-                    prefill_only: bool = False) -> tuple[list[int], int]:
+                    prefill_only: bool = False, lora: str | None = None) -> tuple[list[int], int]:
+    """(tokens, cached prompt tokens) of one request on the engine thread (``lora``: its adapter)."""
     stream = loop.open_stream(request_id)
-    await loop.acall(loop.engine.add_request, request_id, prompt, params, prefill_only)
+    await loop.acall(loop.engine.add_request, request_id, prompt, params, prefill_only, (), None, lora)
     tokens, cached = [], 0
     while True:
         out = await stream.get()
@@ -62,7 +63,7 @@ async def load_prefix(loop: EngineLoop, link: PoolLink, prompt: list[int]) -> tu
     """Read the prompt's missing prefix blocks from the pool and place them, as a worker admitting it does:
     (blocks placed, blocks read per tier)."""
     have = await loop.acall(loop.engine.cached_prefix_len, prompt) // loop.engine.block_size
-    fetched = await link.read_prefix(prompt, have)
+    fetched = await link.read_prefix(prompt, have, loop.engine.prefix_salt(None))
     if fetched.tensor is None:
         return 0, {}
     placed = await loop.acall(loop.engine.insert_cached_blocks, prompt, fetched.tensor, fetched.first_block)
@@ -72,7 +73,7 @@ async def load_prefix(loop: EngineLoop, link: PoolLink, prompt: list[int]) -> tu
 async def _compute_and_share(loop: EngineLoop, link: PoolLink, request_id: str, prompt: list[int]) -> None:
     """Compute the prompt as a prefill worker does, share its blocks through the pool, release them."""
     await _generate(loop, request_id, prompt, GREEDY, prefill_only=True)
-    await link.store_prefix(loop, prompt)
+    await link.store_prefix(loop, prompt, 0, loop.engine.prefix_salt(None))
     await link.wait_shared()
     await loop.acall(loop.engine.release, request_id)
 

@@ -129,9 +129,13 @@ class Frontend:
         limit = self.dispatcher.max_model_len - 1
         return limit if self.max_prompt_tokens is None else min(limit, self.max_prompt_tokens)
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_id:
-            raise NotFoundError("model", model, "model")
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); NotFoundError for a model not served."""
+        if model == self.model_id:
+            return None
+        if model in self.dispatcher.loras:
+            return model
+        raise NotFoundError("model", model, "model")
 
     async def chat(self, model: str, messages: list[dict], options: Options, session_id: str | None = None,
                    continued: SessionSequence | None = None) -> Generation:
@@ -142,7 +146,7 @@ class Frontend:
         A session's turns run one at a time (SessionBusyError while another runs): the turn holds the
         session from before its history is read until the reply is stored, or the turn fails or is cancelled.
         """
-        self.check_model(model)
+        lora = self.check_model(model)
         _check_roles(messages, self.tool_calls)
         if options.tools and session_id:
             raise InvalidRequestError("tools", "tools with a session are not supported: send the whole conversation "
@@ -168,7 +172,7 @@ class Frontend:
             if options.structured_output is not None and self.thinking_tags is not None:
                 options = dataclasses.replace(options, structured_output=after_thinking(
                     options.structured_output, prompt_ids, *self.thinking_tags))
-            gen = await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn)
+            gen = await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn, lora=lora)
             gen.prompt_ids = prompt_ids
             return gen
         except BaseException:
@@ -178,7 +182,7 @@ class Frontend:
 
     async def complete(self, model: str, prompts: list[str | list[int]], options: Options) -> Generation:
         """Start a completion of each prompt (text or token ids); choice ``i * n + j`` is prompt i's j-th."""
-        self.check_model(model)
+        lora = self.check_model(model)
         if not prompts:
             raise InvalidRequestError("prompt", "at least one prompt is required")
         if len(prompts) > MAX_PROMPTS:
@@ -189,7 +193,8 @@ class Frontend:
             texts = [p if isinstance(p, str) else await self.detokenize(ids)
                      for p, ids in zip(prompts, prompt_ids, strict=True)]
             echo = Echo(texts, prompt_ids, output=not options.echo_only)
-        return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo)
+        return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo,
+                                 lora)
 
     async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         """A completion prompt's token ids: text encoded (``add_special_tokens``: with the tokenizer's special
@@ -243,8 +248,9 @@ class Frontend:
         return params
 
     async def _start(self, id_prefix: str, prompts: list[list[int]], options: Options, prompt_field: str,
-                     default_max_tokens: int | None, turn: SessionTurn | None, echo: Echo | None = None
-                     ) -> Generation:
+                     default_max_tokens: int | None, turn: SessionTurn | None, echo: Echo | None = None,
+                     lora: str | None = None) -> Generation:
+        """``lora``: the LoRA adapter the prompts run with (None: the base model)."""
         if options.n > self.max_n:
             raise InvalidRequestError("n", f"must be at most {self.max_n} on this server, got {options.n}")
         if not -PRIORITY_LIMIT <= options.priority <= PRIORITY_LIMIT:
@@ -258,11 +264,12 @@ class Frontend:
         params = [self._sampling_params(ids, options, prompt_field, default_max_tokens) for ids in prompts]
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         if len(prompts) == 1:
-            events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0], options.priority))
+            events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0], options.priority,
+                                                              lora))
         else:
             events = merge_streams([
-                _shifted(self.dispatcher.generate(GenerateRequest(f"{request_id}-p{i}", ids, p, options.priority)),
-                         i * options.n)
+                _shifted(self.dispatcher.generate(GenerateRequest(f"{request_id}-p{i}", ids, p, options.priority,
+                                                                  lora)), i * options.n)
                 for i, (ids, p) in enumerate(zip(prompts, params, strict=True))])
         if turn is not None:
             events = turn.run(events, options.n)

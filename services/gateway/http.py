@@ -179,12 +179,12 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(dispatcher)]}
+        return {"object": "list", "data": [_model_card(dispatcher, None)] + [
+            _model_card(dispatcher, lora) for lora in dispatcher.loras]}
 
     @app.get("/v1/models/{model}")
     async def get_model(model: str) -> dict:
-        frontend.check_model(model)
-        return _model_card(dispatcher)
+        return _model_card(dispatcher, frontend.check_model(model))
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict:
@@ -213,6 +213,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     return app
 
 
-def _model_card(dispatcher: Dispatcher) -> dict:
-    return {"id": dispatcher.model_id, "object": "model", "created": 0, "owned_by": "tidepool",
-            "max_model_len": dispatcher.max_model_len}
+def _model_card(dispatcher: Dispatcher, lora: str | None) -> dict:
+    """The base model's card, or a LoRA adapter's (its ``parent`` the base model, as vLLM lists adapters)."""
+    return {"id": lora or dispatcher.model_id, "object": "model", "created": 0, "owned_by": "tidepool",
+            "max_model_len": dispatcher.max_model_len, "parent": None if lora is None else dispatcher.model_id}

@@ -1,0 +1,156 @@
+"""LoRA adapters served by the cluster (``--lora-modules``): a request names an adapter as its model, over HTTP
+and gRPC; its prompt is computed on a prefill worker and decoded on a decode worker with that adapter, and
+its blocks are prefix-cache hits for its own adapter's requests only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import openai
+import pytest
+import torch
+from test_lora import ALL_PROJECTIONS, peft_adapter
+from test_peer_copy import SECRET, handle_of
+from test_pool_engine import GREEDY, _generate
+from transformers import LlamaForCausalLM
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+from services.cli import build_parser
+from services.config import configs_from_args
+from services.engine_loop import EngineLoop
+from services.messages import PrefixFetch
+from services.peer_copy import PrefixCopier
+from services.pool_link import PoolLink
+from tidepool.v1 import serving_pb2, serving_pb2_grpc
+
+PROMPT = [(7 * i + 3) % 200 + 10 for i in range(40)]  # two full blocks of 16, and 8 tokens
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def adapters(serving_model_dir, tmp_path_factory) -> dict[str, str]:
+    hf = LlamaForCausalLM.from_pretrained(serving_model_dir, dtype=torch.float32)
+    out = tmp_path_factory.mktemp("adapters")
+    peft_adapter(hf, out / "crab", ALL_PROJECTIONS, rank=8, seed=1, lora_alpha=16)
+    peft_adapter(hf, out / "kelp", ["q_proj", "v_proj"], rank=4, seed=2)
+    return {"crab": str(out / "crab"), "kelp": str(out / "kelp")}
+
+
+@pytest.fixture(scope="module")
+def lora_server(start_server, adapters):
+    """Two prefill workers (a repeated prompt may land on the other one: its blocks come from the pool or a
+    peer, under the adapter's salt) and one decode worker, KV handed over by gRPC."""
+    server = start_server(prefill=2, decode=1, kv_transport="grpc", engine_options={"lora_modules": adapters})
+    yield server
+    server.stop()
+
+
+def engine_texts(model_dir, adapters: dict[str, str]) -> dict[str | None, str]:
+    """Each adapter's (and the base model's) greedy answer to PROMPT from one in-process engine."""
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=64, lora_modules=adapters))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for lora in (None, *adapters):
+        engine.add_request(str(lora), PROMPT, params, lora=lora)
+    texts: dict[str | None, str] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            key = None if out.request_id == "None" else out.request_id
+            texts[key] = texts.get(key, "") + out.text
+    return texts
+
+
+@pytest.mark.timeout(300)
+def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks(lora_server, serving_model_dir,
+                                                                                   adapters):
+    client = openai.OpenAI(base_url=f"{lora_server.http_url}/v1", api_key="none", max_retries=0, timeout=120)
+    base = lora_server.model_id
+    listed = {m.id: m.model_extra["parent"] for m in client.models.list().data}
+    assert listed == {base: None, "crab": base, "kelp": base}
+
+    def complete(model: str):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                                         extra_body={"ignore_eos": True})
+
+    want = engine_texts(serving_model_dir, adapters)
+    assert len(set(want.values())) == 3  # each adapter answers differently
+    answers = {model: complete(model) for model in (base, "crab", "kelp")}
+    assert {m: a.choices[0].text for m, a in answers.items()} == {base: want[None], "crab": want["crab"],
+                                                                   "kelp": want["kelp"]}
+    # The same prompt under each adapter is computed apart: no adapter's blocks were another's hits.
+    assert [a.usage.prompt_tokens_details.cached_tokens for a in answers.values()] == [0, 0, 0]
+    for _ in range(2):  # whichever prefill worker takes it: its own cache, the pool or the other worker
+        again = complete("crab")
+        assert again.choices[0].text == want["crab"] and again.usage.prompt_tokens_details.cached_tokens == 32
+
+    # gRPC names the adapter the same way
+    stub = serving_pb2_grpc.ServingStub(grpc.insecure_channel(lora_server.grpc_target))
+    chunks = list(stub.Complete(serving_pb2.CompleteRequest(
+        model="kelp", prompt_token_ids=PROMPT, sampling=serving_pb2.SamplingOptions(
+            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)), timeout=120))
+    assert "".join(c.text for c in chunks) == want["kelp"]
+
+
+@pytest.mark.redis
+@pytest.mark.timeout(120)
+def test_an_adapters_blocks_reach_other_workers_under_its_salt_only(serving_model_dir, adapters, redis_url):
+    """A peer copy and a pool read carry an adapter's blocks to another worker's engine, where the adapter's
+    request hits them and answers as a cold run does; the base model's and another adapter's find none."""
+
+    async def run() -> None:
+        aio = asyncio.get_running_loop()
+        loops = [EngineLoop(Engine(EngineConfig(model=str(serving_model_dir), num_blocks=64, lora_modules=adapters,
+                                                enable_block_events=True)), aio) for _ in range(3)]
+        holder, taker = (PrefixCopier(lp.engine, lp, SECRET, host) for lp, host in zip(loops, (None, "127.0.0.1")))
+        link, reader = (PoolLink(redis_url, f"lora-{i}", loops[i].engine, redis_max_bytes=16 << 20) for i in (0, 2))
+        crab, kelp, base = (loops[1].engine.prefix_salt(lora) for lora in ("crab", "kelp", None))
+        try:
+            cold, _ = await _generate(loops[0], "cold", PROMPT, GREEDY, lora="crab")
+            await link.store_prefix(loops[0], PROMPT, 0, crab)
+            await link.wait_shared()
+            assert (await reader.read_prefix(PROMPT, 0, kelp)).tensor is None
+            assert (await reader.read_prefix(PROMPT, 0, base)).tensor is None
+            pooled = await reader.read_prefix(PROMPT, 0, crab)
+            assert pooled.blocks == 2
+            base_copy = await taker.take(PROMPT, PrefixFetch("a", 2, 0.0, handle_of(holder)), 0, 10.0, base)
+            assert base_copy.tensor is None  # the holder has no base-model blocks of this prompt
+            copied = await taker.take(PROMPT, PrefixFetch("a", 2, 0.0, handle_of(holder), "crab"), 0, 10.0, crab)
+            assert copied.blocks == 2
+            for loop, fetched in ((loops[1], copied), (loops[2], pooled)):
+                assert await loop.acall(loop.engine.insert_cached_blocks, PROMPT, fetched.tensor, 0, crab) == 2
+                assert (await _generate(loop, "kelp", PROMPT, GREEDY, lora="kelp"))[1] == 0  # computed
+                assert await _generate(loop, "warm", PROMPT, GREEDY, lora="crab") == (cold, 32)
+        finally:
+            link.close()
+            reader.close()
+            for loop in loops:
+                loop.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_a_model_that_is_neither_the_base_nor_an_adapter_is_a_404(lora_server):
+    client = openai.OpenAI(base_url=f"{lora_server.http_url}/v1", api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError, match="shrimp"):
+        client.completions.create(model="shrimp", prompt="tide", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("shrimp")
+    assert client.models.retrieve("crab").model_extra["parent"] == lora_server.model_id
+    stub = serving_pb2_grpc.ServingStub(grpc.insecure_channel(lora_server.grpc_target))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Complete(serving_pb2.CompleteRequest(model="shrimp", prompt="tide"), timeout=60))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_flag_takes_name_dir_pairs_and_refuses_a_name_given_twice(tmp_path):
+    parse = build_parser().parse_args
+    cluster = configs_from_args(parse(["serve", "--lora-modules", f"crab={tmp_path}", "kelp=rel/dir"]))[0]
+    assert cluster.engine.lora_modules["crab"] == str(tmp_path)
+    assert cluster.engine.lora_modules["kelp"].endswith("/rel/dir") and cluster.engine.lora_modules["kelp"][0] == "/"
+    with pytest.raises(ValueError, match="names each adapter once"):
+        configs_from_args(parse(["serve", "--lora-modules", f"crab={tmp_path}", f"crab={tmp_path}"]))
+    with pytest.raises(SystemExit):
+        parse(["serve", "--lora-modules", "crab"])
