@@ -45,17 +45,18 @@ def model_dir(tmp_path_factory) -> Path:
     return write_model(tmp_path_factory.mktemp("triton-engine"))  # 4 query heads over 2 KV heads, head_dim 16
 
 
-def drive(engine: Engine, arrivals: dict[int, list[tuple[str, list[int]]]], max_tokens: int):
-    """Run to completion, adding ``arrivals[step]`` before that step; returns (tokens per request, cached
-    prompt tokens per request, each step's (decode rows, [(prefill tokens, tokens before them)]))."""
+def drive(engine: Engine, arrivals: dict[int, list[tuple]], max_tokens: int):
+    """Run to completion, adding ``arrivals[step]`` (request id, prompt, and optionally its LoRA adapter) before
+    that step; returns (tokens per request, cached prompt tokens per request, each step's (decode rows,
+    [(prefill tokens, tokens before them)]))."""
     params = SamplingParams(max_tokens=max_tokens, **GREEDY)
     tokens: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
     steps: list[tuple[int, list[tuple[int, int]]]] = []
     step = 0
     while step <= max(arrivals) or engine.has_unfinished():
-        for rid, ids in arrivals.get(step, []):
-            engine.add_request(rid, ids, params)
+        for rid, ids, *lora in arrivals.get(step, []):
+            engine.add_request(rid, ids, params, lora=lora[0] if lora else None)
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             cached[out.request_id] = out.num_cached_tokens
@@ -163,6 +164,20 @@ def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, **options) -> tu
         runs[mode] = drive(engine, arrivals, max_tokens=max_tokens)[0]
     assert sum(engine.runner.graphs.replays.values()) > 0
     return runs, engine
+
+
+@needs_interpreter
+def test_lora_adapters_on_triton_equal_torch_and_their_decode_steps_leave_the_graph_buffers(tmp_path):
+    """A LoRA adapter's sequence joins a base-model batch that decodes through the static graph buffers: the
+    greedy tokens equal the torch path's, and the steps with the adapter's rows ran eagerly."""
+    from test_lora import ALL_PROJECTIONS, peft_adapter
+
+    peft_adapter(build_hf_checkpoint(tmp_path / "base", "llama"), tmp_path / "crab", ALL_PROJECTIONS, rank=4, seed=1)
+    p, q = prompts((20, 9))
+    runs, engine = runs_by_backend(tmp_path / "base", {0: [("base", p)], 5: [("crab", q, "crab")]}, 10,
+                                   num_blocks=32, lora_modules={"crab": str(tmp_path / "crab")})
+    assert runs["torch"] == runs["triton"] == runs["graphs"]
+    assert sum(engine.runner.graphs.replays.values()) == 4  # base alone: its decode steps before crab came
 
 
 @needs_interpreter
