@@ -103,7 +103,8 @@ def test_an_adapters_blocks_reach_other_workers_under_its_salt_only(serving_mode
         aio = asyncio.get_running_loop()
         loops = [EngineLoop(Engine(EngineConfig(model=str(serving_model_dir), num_blocks=64, lora_modules=adapters,
                                                 enable_block_events=True)), aio) for _ in range(3)]
-        holder, taker = (PrefixCopier(lp.engine, lp, SECRET, host) for lp, host in zip(loops, (None, "127.0.0.1")))
+        holder = PrefixCopier(loops[0].engine, loops[0], SECRET, host=None)
+        taker = PrefixCopier(loops[1].engine, loops[1], SECRET, host="127.0.0.1")
         link, reader = (PoolLink(redis_url, f"lora-{i}", loops[i].engine, redis_max_bytes=16 << 20) for i in (0, 2))
         crab, kelp, base = (loops[1].engine.prefix_salt(lora) for lora in ("crab", "kelp", None))
         try:
