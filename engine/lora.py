@@ -54,8 +54,8 @@ def lora_delta(out: torch.Tensor, x: torch.Tensor, pairs: dict[int, tuple[torch.
         if pair is None:  # this adapter leaves this layer alone
             continue
         a, b = pair
-        if index is None:
-            out += (x @ a.T) @ b.T
+        if index is None:  # (addmm_ adds in the matmul: no temporary of the output's size)
+            out.addmm_(x @ a.T, b.T)
         else:
             out.index_add_(0, index, (x[index] @ a.T) @ b.T)
     return out
