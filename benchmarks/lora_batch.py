@@ -32,8 +32,8 @@ from engine.sampling_params import SamplingParams  # noqa: E402
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> None:
-    """A random PEFT LoRA adapter of every projection of every layer."""
+def write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int, scale: float = 0.01) -> None:
+    """A random PEFT LoRA adapter of every projection of every layer (A and B ``scale`` times N(0, 1))."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = {"q_proj": (cfg.hidden_size, q), "k_proj": (cfg.hidden_size, kv), "v_proj": (cfg.hidden_size, kv),
               "o_proj": (q, cfg.hidden_size), "gate_proj": (cfg.hidden_size, cfg.intermediate_size),
@@ -44,8 +44,8 @@ def write_adapter(path: Path, cfg: ModelConfig, rank: int, seed: int) -> None:
         for name, (fan_in, fan_out) in shapes.items():
             block = "self_attn" if name in PROJECTIONS[:4] else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{name}"
-            tensors[f"{key}.lora_A.weight"] = 0.01 * torch.randn(rank, fan_in, generator=gen)
-            tensors[f"{key}.lora_B.weight"] = 0.01 * torch.randn(fan_out, rank, generator=gen)
+            tensors[f"{key}.lora_A.weight"] = scale * torch.randn(rank, fan_in, generator=gen)
+            tensors[f"{key}.lora_B.weight"] = scale * torch.randn(fan_out, rank, generator=gen)
     path.mkdir(parents=True)
     save_file(tensors, path / "adapter_model.safetensors")
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,

@@ -12,9 +12,10 @@ import time
 
 import pytest
 
-from engine.errors import OutOfBlocksError
+from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
+from kvstore.hashing import block_hashes, salt_for
 from router.conductor import SLO, Conductor
 from router.estimator import Estimator
 from router.loads import WorkerLoad
@@ -36,7 +37,7 @@ class FakeWorker:
                  fail_on_prefill: Exception | None = None, tokens: int = 3, full: bool = False) -> None:
         target = KVTarget(worker_id, "127.0.0.1:1", "cpu", "node-0", None) if role == Role.DECODE else None
         self.info = WorkerInfo(worker_id, role, "127.0.0.1", "node", "cpu", "fake-model", 16, 2048, 1024, 256,
-                               WorkerProfile([], []), target)
+                               WorkerProfile([], []), target, loras={"crab": "crab@0123"})
         self.alive = True
         self.die_on_prefill, self.fail_on_prefill, self.tokens = die_on_prefill, fail_on_prefill, tokens
         # full: its blocks were taken since its last report, so a reserve is refused; its next report says so
@@ -49,6 +50,7 @@ class FakeWorker:
         self.actor = f"actor-of-{worker_id}"  # stands for the Ray handle a peer copy is asked through
         self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
         self.priorities: list = []  # the priority each prefill was queued with
+        self.loras: list = []  # the LoRA adapter of each prefill, decode and colocated generate
 
     @property
     def worker_id(self) -> str:
@@ -77,8 +79,9 @@ class FakeWorker:
         return True
 
     async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s,
-                      output_ids=(), priority=None, lease_pending=False) -> PrefillResult:
+                      output_ids=(), priority=None, lease_pending=False, lora=None) -> PrefillResult:
         self.calls.append(("prefill", request_id))
+        self.loras.append(lora)
         self.priorities.append(priority)
         self.fetches.append(fetch)
         assert kv_target is not None and kv_target.worker_id.startswith("d")
@@ -102,14 +105,16 @@ class FakeWorker:
         self.calls.append(("abort", request_id))
 
     def decode(self, request_id, prompt_ids, first_token_id, params, index, num_cached_tokens, output_ids=(),
-               token_timeout_s=60.0):
+               token_timeout_s=60.0, lora=None):
         self.calls.append(("decode", request_id))
+        self.loras.append(lora)
         self.leases.discard(request_id)  # the lease joins the batch
         return self._tokens(index, num_cached_tokens)
 
     def generate(self, request_id, prompt_ids, params, index, fetch, output_ids=(), first_timeout_s=120.0,
-                 token_timeout_s=60.0, priority=None):
+                 token_timeout_s=60.0, priority=None, lora=None):
         self.calls.append(("generate", request_id))
+        self.loras.append(lora)
         return self._tokens(index, 0, first=True)
 
     async def _tokens(self, index: int, cached: int, first: bool = False):
@@ -133,10 +138,11 @@ def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin") -> Dispat
                       kv_transport="grpc")
 
 
-async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1, priority: int = 0) -> list[TokenEvent]:
+async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1, priority: int = 0,
+                  lora: str | None = None) -> list[TokenEvent]:
     await dispatcher.refresh_loads()
     params = SamplingParams(max_tokens=4, temperature=0.0, n=n)
-    return [e async for e in dispatcher.generate(GenerateRequest(request_id, PROMPT, params, priority))]
+    return [e async for e in dispatcher.generate(GenerateRequest(request_id, PROMPT, params, priority, lora))]
 
 
 def test_disaggregated_request_reserves_then_prefills_then_streams_decode():
@@ -328,3 +334,22 @@ def test_a_longrope_prompt_past_the_original_context_is_routed_without_prefix_ha
     asyncio.run(collect(dispatcher))
     (req,) = seen
     assert len(req.block_hashes) == (len(PROMPT) // 16 if hashed else 0)  # PROMPT: 40 tokens
+
+
+@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+def test_a_lora_request_runs_its_adapter_on_every_worker_and_is_routed_by_its_adapters_hashes(colocated):
+    workers = [FakeWorker("c0", Role.COLOCATED)] if colocated else [FakeWorker("p0", Role.PREFILL),
+                                                                     FakeWorker("d0", Role.DECODE)]
+    dispatcher = make_dispatcher(*workers)
+    seen, route = [], dispatcher.conductor.route
+    dispatcher.conductor.route = lambda req, *a, **k: seen.append(req) or dataclasses.replace(
+        route(req, *a, **k), fetch_from=workers[0].worker_id if not colocated else None, cached_blocks=1)
+    events = asyncio.run(collect(dispatcher, lora="crab"))
+    assert events[-1].finish_reason == FinishReason.LENGTH
+    assert all(w.loras == ["crab"] for w in workers)  # prefill and decode, or generate
+    assert seen[0].block_hashes == block_hashes(PROMPT, 16, salt_for("fake-model", "crab@0123"))
+    if not colocated:  # a peer copy fetches the adapter's blocks, hashed as the router looked them up
+        assert workers[0].fetches[0].lora == "crab"
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter 'kelp' is served"):
+        asyncio.run(collect(dispatcher, "r2", lora="kelp"))
+    assert all(len(w.loras) == 1 for w in workers)  # refused before any worker was called

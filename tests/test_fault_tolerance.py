@@ -179,7 +179,7 @@ class RecordingPrefill(FakeWorker):
         self.resumed_after: list[tuple] = []
 
     async def prefill(self, request_id, prompt_ids, params, kv_target, fetch, deadline_s, output_ids=(),
-                      priority=None, lease_pending=False):
+                      priority=None, lease_pending=False, lora=None):
         self.resumed_after.append((request_id, kv_target.worker_id, tuple(output_ids)))
         return await super().prefill(request_id, prompt_ids, params, kv_target, fetch, deadline_s)
 

@@ -129,6 +129,44 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_lora_adapters_on_cuda_match_the_torch_backend_and_leave_the_graphs_to_base_steps(tmp_path):
+    """Two LoRA adapters and the base model in one batch on CUDA (no PEFT there: the adapters are written in its
+    format by the benchmark's writer): the compiled path's greedy tokens equal the torch backend's, and decode
+    steps replay graphs only while the base model decodes alone."""
+    if ran_in_a_compiling_process("test_lora_adapters_on_cuda_match_the_torch_backend_and_leave_the_graphs_to_base_steps"):
+        return
+    from test_engine_loop import GREEDY, prompt, write_model
+
+    from benchmarks.lora_batch import write_adapter
+    from engine.config import ModelConfig
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model_dir = write_model(tmp_path / "base")
+    adapters = {name: str(tmp_path / name) for name in ("crab", "kelp")}
+    for seed, path in enumerate(adapters.values()):
+        write_adapter(Path(path), ModelConfig.from_dir(model_dir), rank=8, seed=seed, scale=0.2)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    runs, replays = {}, 0
+    for backend in ("torch", "auto"):
+        engine = Engine(_engine_config(model_dir, num_blocks=128, attention_backend=backend, lora_modules=adapters))
+        engine.add_request("base", prompt(19, 1), params)
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_unfinished():
+            if (steps := steps + 1) == 5:  # the base model decoded alone until now
+                engine.add_request("crab", prompt(9, 2), params, lora="crab")
+                engine.add_request("kelp", prompt(9, 2), params, lora="kelp")
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        runs[engine.attention_backend] = tokens
+        if engine.runner.graphs is not None:
+            replays = sum(engine.runner.graphs.replays.values())
+    assert runs["triton"] == runs["torch"] and runs["torch"]["crab"] != runs["torch"]["kelp"]
+    assert replays == 3  # steps 2-4: the base model's decode steps before the adapters joined
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch, overrides", [("qwen3_moe", {}), ("mistral", {"sliding_window": 20})],
                          ids=["qwen3_moe", "mistral_sliding_window"])
 def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_path, request, arch, overrides):
