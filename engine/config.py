@@ -77,7 +77,7 @@ def _eos_list(value: Any) -> list[int]:
 def long_rope_applies(long_rope_from: int | None, num_tokens: int) -> bool:
     """Whether a LongRoPE model (original context ``long_rope_from``; None: not one) rotates a sequence of
     ``num_tokens`` with its long factors, every position: its blocks are then not a shorter sequence's, so
-    the prefix cache salts them apart and they take no part in the pool's and peers' (``Engine._salt``)."""
+    they are hashed under a salt of their own (``kvstore.hashing.salt_for``), here and in the pool and peers."""
     return long_rope_from is not None and num_tokens > long_rope_from
 
 

@@ -434,10 +434,12 @@ class Engine:
         a peer's): never the one holding its last token, nor those a full-precision residual keeps."""
         return self.block_manager.max_prefix_blocks(num_tokens)
 
-    def prefix_salt(self, lora: str | None) -> bytes:
-        """What the blocks of a sequence of adapter ``lora`` (None: the base model) are hashed under, here and
-        by the router, the pool and the peers (``kvstore.hashing.salt_for``)."""
-        return salt_for(self.model_id, None if lora is None else self._adapter(lora).adapter_id)
+    def prefix_salt(self, lora: str | None, num_tokens: int = 0) -> bytes:
+        """What the blocks of a sequence of adapter ``lora`` (None: the base model) whose first ``num_tokens``
+        tokens' K/V is computed are hashed under, here and by the router, the pool and the peers
+        (``kvstore.hashing.salt_for``: a LongRoPE model's sequence past the original context has its own)."""
+        return salt_for(self.model_id, None if lora is None else self._adapter(lora).adapter_id,
+                        long_rope_applies(self.model_config.long_rope_from, num_tokens))
 
     def _adapter(self, lora: str) -> LoRAAdapter:
         if lora not in self.loras:
@@ -532,19 +534,10 @@ class Engine:
 
     def _salt(self, seq: Sequence, long_rope: bool) -> None:
         """Set whether ``seq``'s keys rotate with LongRoPE's long factors, and so its prefix-cache salt
-        (``Sequence.hash_salt``): None for the base model's short sequences; an adapter's ``prefix_salt``; a
-        long sequence's a salt of its own, shared with no router, pool or peer."""
+        (``Sequence.hash_salt``): None for the base model's short sequences, else ``prefix_salt``'s."""
         seq.long_rope = long_rope
-        if long_rope:
-            seq.hash_salt = salt_for(f"{self.model_id}#long-rope",
-                                     None if seq.lora is None else self.loras[seq.lora].adapter_id)
-        else:
-            seq.hash_salt = None if seq.lora is None else self.prefix_salt(seq.lora)
-
-    def shares_prefix(self, num_tokens: int) -> bool:
-        """Whether a prompt of ``num_tokens`` (output tokens of a resumed request included) has its blocks hashed
-        as the router, the pool and the peers hash them: not a LongRoPE prompt past the original context."""
-        return not long_rope_applies(self.model_config.long_rope_from, num_tokens)
+        seq.hash_salt = salt_for(self.model_id, None if seq.lora is None else self.loras[seq.lora].adapter_id,
+                                 long_rope) if long_rope or seq.lora is not None else None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

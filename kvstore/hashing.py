@@ -14,9 +14,12 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def salt_for(model_id: str, adapter_id: str | None = None) -> bytes:
-    """The salt that namespaces hashes by model (and adapter, once adapters exist)."""
-    return (model_id if adapter_id is None else f"{model_id}+{adapter_id}").encode()
+def salt_for(model_id: str, adapter_id: str | None = None, long_rope: bool = False) -> bytes:
+    """The salt that namespaces hashes by model, by LoRA adapter (``engine/lora.py``), and for a LongRoPE
+    model by the factors its keys rotate with: a sequence longer than the original context rotates every
+    position with the long ones (``engine.config.long_rope_applies``), so its blocks are not a short one's."""
+    model = f"{model_id}#long-rope" if long_rope else model_id
+    return (model if adapter_id is None else f"{model}+{adapter_id}").encode()
 
 
 def hash_block(parent: int | None, tokens: Sequence[int], salt: bytes) -> int:

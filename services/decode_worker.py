@@ -167,7 +167,6 @@ class DecodeWorker(Worker):
         """``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease); ``lora``: the
         LoRA adapter the prompt was computed with, and the decode runs with (None: the base model)."""
         lease = self.receiver.take_filled_lease(request_id)
-        salt = self.engine.prefix_salt(lora)
 
         def join() -> None:
             self.engine.add_imported_request(request_id, prompt_ids, first_token_id, params, lease.block_ids,
@@ -176,7 +175,7 @@ class DecodeWorker(Worker):
         sequence = [*prompt_ids, *output_ids, first_token_id]
         # The prefill worker shared the prompt's blocks: the answer's are this worker's to share.
         async for event in self._stream(request_id, index, join, sequence,
-                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size, salt):
+                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora):
             # The prefix-cache hit happened on the prefill side; report it with the decode stream.
             event.num_cached_tokens = num_cached_tokens
             yield event

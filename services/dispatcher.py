@@ -235,27 +235,27 @@ class Dispatcher:
         track = RequestTracker(self.metrics, on_ttft=self.conductor.observe_ttft)
         progress = Progress()
         excluded: set[str] = set()  # workers found dead while serving this request
-        salt = salt_for(self.model_id, None if lora is None else self.loras[lora])  # an adapter's blocks are its own
+        adapter_id = None if lora is None else self.loras[lora]  # an adapter's blocks are its own
         try:
             for attempt in range(_MAX_ATTEMPTS):
                 tokens = [*prompt_ids, *progress.output_ids]
                 # Prompt logprobs come with the first token; a prompt scored for them is computed whole, so the
-                # router counts no cached prefix for it (an attempt resumed after that token uses the cache);
-                # nor for a LongRoPE prompt past the original context, whose blocks are salted apart.
+                # router counts no cached prefix for it (an attempt resumed after that token uses the cache).
                 if progress.output_ids and params.prompt_logprobs is not None:
                     params = dataclasses.replace(params, prompt_logprobs=None)
-                shared = params.prompt_logprobs is None and not long_rope_applies(self.long_rope_from, len(tokens))
-                hashes = block_hashes(tokens, self.block_size, salt) if shared else []
+                # (a LongRoPE prompt past the original context rotates with the long factors: its blocks too)
+                salt = salt_for(self.model_id, adapter_id, long_rope_applies(self.long_rope_from, len(tokens)))
+                hashes = block_hashes(tokens, self.block_size, salt) if params.prompt_logprobs is None else []
                 route_req = RouteRequest(request_id, len(tokens), hashes,
                                          params.max_tokens - len(progress.output_ids), self.max_kv_tokens)
                 decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(
                     route_req, excluded)
                 if not track.streaming:
                     track.route(decision)
-                self.copies.replicate(decision, tokens, lora)
+                self.copies.replicate(decision, tokens, salt)
                 stream = self._run(decision, Attempt(
                     request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, params, index,
-                    tuple(progress.output_ids), self.copies.fetch_for(decision, lora), (priority, next(self._routed)),
+                    tuple(progress.output_ids), self.copies.fetch_for(decision, salt), (priority, next(self._routed)),
                     self._reserve_wait_s(track.arrived, decision), lora))
                 try:
                     async for event in stream:

@@ -53,7 +53,7 @@ class PrefixFetch:
     blocks: int  # leading blocks of the prompt the holder has, or will have once its prefill of them ends
     wait_s: float  # how long the holder may wait for blocks it is still computing
     actor: Any  # the holder's Ray actor handle: asked to push the blocks
-    lora: str | None = None  # the LoRA adapter the blocks were computed with (their hashes' salt); None: none
+    salt: bytes  # what the blocks are hashed under (``kvstore.hashing.salt_for``: model, adapter, LongRoPE factors)
 
 
 @dataclass(frozen=True)

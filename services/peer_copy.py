@@ -52,8 +52,8 @@ class PrefixCopier:
     # ---- the taker -----------------------------------------------------------------------------------
     async def take(self, token_ids: list[int], fetch: PrefixFetch, have: int, timeout_s: float,
                    salt: bytes) -> FetchedBlocks:
-        """Copy the blocks of ``token_ids`` (hashed under ``salt``, ``fetch.lora``'s) after the first ``have``
-        (this engine's) that ``fetch.source`` holds (never the block of the last token, which is computed for its logits, nor a residual the engine
+        """Copy the blocks of ``token_ids`` (hashed under ``salt``, as ``fetch.salt`` should say) after the first
+        ``have`` (this engine's) that ``fetch.source`` holds (never the block of the last token, which is computed for its logits, nor a residual the engine
         keeps exact); placing them is the caller's, on the engine thread. A copy that fails gives no blocks:
         they are computed instead."""
         size = self.engine.block_size
@@ -69,7 +69,7 @@ class PrefixCopier:
             sent, seconds = await asyncio.wait_for(
                 fetch.actor.push_prefix.remote(copy_id, token_ids[: usable * size], have,
                                                min(fetch.blocks, usable), self.address, fetch.wait_s, timeout_s,
-                                               fetch.lora),
+                                               fetch.salt),
                 fetch.wait_s + timeout_s + _CALL_SLACK_S)
             if not sent:
                 return FetchedBlocks(fetch.source, None)
@@ -98,14 +98,13 @@ class PrefixCopier:
 
     # ---- the holder ----------------------------------------------------------------------------------
     async def push(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int, address: str,
-                   wait_s: float, timeout_s: float, lora: str | None = None) -> tuple[int, float]:
-        """Push the cached full blocks of ``token_ids`` (computed with adapter ``lora``) after the first
-        ``skip_blocks`` to ``address``,
+                   wait_s: float, timeout_s: float, salt: bytes) -> tuple[int, float]:
+        """Push the cached full blocks of ``token_ids`` (hashed under ``salt``) after the first ``skip_blocks``
+        to ``address``,
         waiting up to ``wait_s`` until ``wait_blocks`` are cached (a prefill of them may be running);
         returns how many were sent (0: none) and the seconds the transfer took (the wait left out: the
         router learns the link from it)."""
         engine = self.engine
-        salt = engine.prefix_salt(lora)
         want = wait_blocks * engine.block_size
         until = time.monotonic() + wait_s
         while engine.cached_prefix_len(token_ids, salt) < want and time.monotonic() < until:  # lock-free reads

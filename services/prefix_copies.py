@@ -18,22 +18,22 @@ class PrefixCopies:
         self.block_size, self.timeout_s = block_size, timeout_s
         self.running = BackgroundTasks("a hot-prefix copy")
 
-    def fetch_for(self, decision: Decision, lora: str | None, source: str | None = None,
+    def fetch_for(self, decision: Decision, salt: bytes, source: str | None = None,
                   blocks: int = 0) -> PrefixFetch | None:
-        """The peer copy ``decision`` asks for (of ``blocks`` from ``source``, when given) of blocks computed with
-        adapter ``lora``; None without one."""
+        """The peer copy ``decision`` asks for (of ``blocks`` from ``source``, when given) of blocks hashed under
+        ``salt``; None without one."""
         source = source or decision.fetch_from
         holder = self.workers.get(source) if source is not None else None
         if holder is None:  # "pool", or a holder that is gone since
             return None
         return PrefixFetch(source, blocks or decision.cached_blocks, self.conductor.copy_wait_s(decision),
-                           holder.actor, lora)
+                           holder.actor, salt)
 
-    def replicate(self, decision: Decision, tokens: list[int], lora: str | None) -> None:
+    def replicate(self, decision: Decision, tokens: list[int], salt: bytes) -> None:
         """Start the hot-prefix copies the conductor asked for, in the background: they only warm a cache,
         and the requests wanting them are routed by what the index shows once they landed."""
         for copy in decision.replicate:
-            fetch, taker = self.fetch_for(decision, lora, copy.src, copy.blocks), self.workers.get(copy.dst)
+            fetch, taker = self.fetch_for(decision, salt, copy.src, copy.blocks), self.workers.get(copy.dst)
             if fetch is None or taker is None:
                 continue
             self.running.spawn(taker.copy_prefix(tokens[: copy.blocks * self.block_size + 1], fetch,

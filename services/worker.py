@@ -132,9 +132,8 @@ class Worker:
         ``Engine.prefix_salt``): first from the peer the router chose (``fetch``), then from the pool's tiers,
         whatever the policy (the worker weighs a Redis read against recomputing). They are placed by ``_place``
         on the engine thread, in the call that admits the request."""
-        if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None \
-                or not self.engine.shares_prefix(len(token_ids)):
-            return []  # nothing fetched could be placed, or used (a prompt scored whole, salted apart: no hit)
+        if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None:
+            return []  # nothing fetched could be placed, or used (a prompt scored whole)
         have = self.engine.cached_prefix_len(token_ids, salt) // self.engine.block_size  # a lock-free hint
         fetched = []
         if fetch is not None:
@@ -157,36 +156,37 @@ class Worker:
                 placed -= n
 
     async def push_prefix(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int,
-                          address: str, wait_s: float, timeout_s: float, lora: str | None = None) -> tuple[int, float]:
-        """Push cached blocks of ``token_ids`` (computed with adapter ``lora``) to a peer's prefix copy
+                          address: str, wait_s: float, timeout_s: float, salt: bytes) -> tuple[int, float]:
+        """Push cached blocks of ``token_ids`` (hashed under ``salt``) to a peer's prefix copy
         (``services/peer_copy.py``)."""
-        return await self.copier.push(copy_id, token_ids, skip_blocks, wait_blocks, address, wait_s, timeout_s, lora)
+        return await self.copier.push(copy_id, token_ids, skip_blocks, wait_blocks, address, wait_s, timeout_s, salt)
 
     async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
         """Replication: copy a hot prefix from ``fetch.source`` ahead of the requests that will want it;
         returns the blocks copied."""
-        salt = self.engine.prefix_salt(fetch.lora)
-        have = self.engine.cached_prefix_len(token_ids, salt) // self.engine.block_size  # a lock-free hint
-        copied = await self.copier.take(token_ids, fetch, have, timeout_s, salt)
-        await self.loop.acall(self._place, token_ids, [copied], salt)
+        have = self.engine.cached_prefix_len(token_ids, fetch.salt) // self.engine.block_size  # a lock-free hint
+        copied = await self.copier.take(token_ids, fetch, have, timeout_s, fetch.salt)
+        await self.loop.acall(self._place, token_ids, [copied], fetch.salt)
         return copied.blocks
 
-    def _share_finished(self, token_ids: list[int], skip_blocks: int, salt: bytes) -> None:
-        """After a sequence finished: its answer's blocks to the pool, in the background, so the next chat
-        turn (whose prompt carries this one and its answer) finds all of it."""
+    def _share_finished(self, token_ids: list[int], skip_blocks: int, lora: str | None) -> None:
+        """After a sequence of adapter ``lora`` finished: its answer's blocks to the pool, in the background, so
+        the next chat turn (whose prompt carries this one and its answer) finds all of it. Its last token's
+        K/V was never computed: the others' say which salt its blocks are under."""
         if self.pool is not None:
+            salt = self.engine.prefix_salt(lora, len(token_ids) - 1)
             self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks, salt))
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
     async def _stream(
         self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
-        salt: bytes,
+        lora: str | None,
     ) -> AsyncIterator[TokenEvent]:
         """Run ``start`` on the engine thread, then yield the request's outputs until it finishes.
 
         ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
         blocks are in the pool already (as are those the engine found cached): once finished, the rest of
-        the sequence's blocks are shared (hashed under ``salt``).
+        the sequence's blocks are shared (``lora``: its adapter).
         If the consumer goes away first (Ray cancels the generator), the request is aborted.
         """
         queue = self.loop.open_stream(request_id)
@@ -206,7 +206,7 @@ class Worker:
                 finished = event.finish_reason is not None
                 if finished:
                     cached = event.num_cached_tokens // self.engine.block_size  # shared when computed
-                    self._share_finished([*sequence, *generated], max(shared_blocks, cached), salt)
+                    self._share_finished([*sequence, *generated], max(shared_blocks, cached), lora)
                 yield event
         finally:
             self.loop.close_stream(request_id)
@@ -238,7 +238,7 @@ class ColocatedWorker(Worker):
         ``priority``: the request's place among waiting prompts (its own priority, then the router's order).
         ``lora``: the LoRA adapter it runs with (None: the base model)."""
         tokens = [*prompt_ids, *output_ids]
-        salt = self.engine.prefix_salt(lora)  # (InvalidRequestError for an adapter this engine lacks)
+        salt = self.engine.prefix_salt(lora, len(tokens))  # (InvalidRequestError for an adapter this engine lacks)
         fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S, salt)
 
         def admit() -> None:
@@ -246,5 +246,5 @@ class ColocatedWorker(Worker):
             self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority, lora)
 
         # The prompt's new blocks are this worker's to share, with the answer's.
-        async for event in self._stream(request_id, index, admit, tokens, 0, salt):
+        async for event in self._stream(request_id, index, admit, tokens, 0, lora):
             yield event

@@ -321,10 +321,10 @@ def test_replications_the_conductor_asks_for_run_on_their_destination_from_their
     assert (copy.source, copy.blocks, copy.actor) == ("p0", 2, "actor-of-p0")
 
 
-@pytest.mark.parametrize("long_rope_from, hashed", [(None, True), (64, True), (32, False)])
-def test_a_longrope_prompt_past_the_original_context_is_routed_without_prefix_hashes(long_rope_from, hashed):
-    """Its blocks rotate with the long factors and are salted apart on the workers: no worker, peer or pool
-    holds them under the hashes the router would look up."""
+@pytest.mark.parametrize("long_rope_from, long", [(None, False), (64, False), (32, True)])
+def test_a_longrope_prompt_past_the_original_context_is_routed_by_its_long_blocks_hashes(long_rope_from, long):
+    """Its blocks rotate with the long factors, so the workers, peers and pool hold them under a salt of their
+    own: the router looks them up under it, and a prefix copy fetches them under it."""
     workers = [FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)]
     for w in workers:
         w.info = dataclasses.replace(w.info, long_rope_from=long_rope_from)
@@ -333,7 +333,7 @@ def test_a_longrope_prompt_past_the_original_context_is_routed_without_prefix_ha
     dispatcher.conductor.route = lambda req, *a, **k: seen.append(req) or route(req, *a, **k)
     asyncio.run(collect(dispatcher))
     (req,) = seen
-    assert len(req.block_hashes) == (len(PROMPT) // 16 if hashed else 0)  # PROMPT: 40 tokens
+    assert req.block_hashes == block_hashes(PROMPT, 16, salt_for("fake-model", long_rope=long))  # 40 tokens
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
@@ -349,7 +349,7 @@ def test_a_lora_request_runs_its_adapter_on_every_worker_and_is_routed_by_its_ad
     assert all(w.loras == ["crab"] for w in workers)  # prefill and decode, or generate
     assert seen[0].block_hashes == block_hashes(PROMPT, 16, salt_for("fake-model", "crab@0123"))
     if not colocated:  # a peer copy fetches the adapter's blocks, hashed as the router looked them up
-        assert workers[0].fetches[0].lora == "crab"
+        assert workers[0].fetches[0].salt == salt_for("fake-model", "crab@0123")
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'kelp' is served"):
         asyncio.run(collect(dispatcher, "r2", lora="kelp"))
     assert all(len(w.loras) == 1 for w in workers)  # refused before any worker was called

@@ -339,7 +339,8 @@ def test_longrope_switches_to_its_long_factors_as_transformers_generates(tmp_pat
     with torch.no_grad():
         earlier = hf.generate(torch.tensor([looped]), max_new_tokens=15, do_sample=False)[0, len(looped):].tolist()
     engine.add_request("resumed", looped, params["looped"], output_ids=earlier)
-    assert engine.requests["resumed"][0].hash_salt is not None and not engine.shares_prefix(len(looped) + 15)
+    assert engine.requests["resumed"][0].hash_salt == engine.prefix_salt(None, len(looped) + 15) != \
+        engine.prefix_salt(None, len(looped))
     while engine.has_unfinished():
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)

@@ -115,9 +115,9 @@ def test_an_adapters_blocks_reach_other_workers_under_its_salt_only(serving_mode
             assert (await reader.read_prefix(PROMPT, 0, base)).tensor is None
             pooled = await reader.read_prefix(PROMPT, 0, crab)
             assert pooled.blocks == 2
-            base_copy = await taker.take(PROMPT, PrefixFetch("a", 2, 0.0, handle_of(holder)), 0, 10.0, base)
+            base_copy = await taker.take(PROMPT, PrefixFetch("a", 2, 0.0, handle_of(holder), base), 0, 10.0, base)
             assert base_copy.tensor is None  # the holder has no base-model blocks of this prompt
-            copied = await taker.take(PROMPT, PrefixFetch("a", 2, 0.0, handle_of(holder), "crab"), 0, 10.0, crab)
+            copied = await taker.take(PROMPT, PrefixFetch("a", 2, 0.0, handle_of(holder), crab), 0, 10.0, crab)
             assert copied.blocks == 2
             for loop, fetched in ((loops[1], copied), (loops[2], pooled)):
                 assert await loop.acall(loop.engine.insert_cached_blocks, PROMPT, fetched.tensor, 0, crab) == 2

@@ -26,9 +26,10 @@ def handle_of(copier: PrefixCopier) -> SimpleNamespace:
     return SimpleNamespace(push_prefix=SimpleNamespace(remote=copier.push))
 
 
-async def take(taker: PrefixCopier, prompt: list[int], fetch: PrefixFetch):
-    """The taker's copy of the base model's blocks of ``prompt`` (it has none of them yet)."""
-    return await taker.take(prompt, fetch, 0, 10.0, taker.engine.prefix_salt(None))
+async def take(taker: PrefixCopier, holder: PrefixCopier, prompt: list[int], blocks: int, wait_s: float):
+    """The taker's copy of the base model's blocks of ``prompt`` that ``holder`` has (the taker none yet)."""
+    salt = taker.engine.prefix_salt(None)
+    return await taker.take(prompt, PrefixFetch("a", blocks, wait_s, handle_of(holder), salt), 0, 10.0, salt)
 
 
 @contextlib.asynccontextmanager
@@ -56,7 +57,7 @@ def test_copied_prefix_is_placed_exactly_and_the_output_equals_a_cold_run(servin
     async def run():
         async with holder_and_taker(serving_model_dir) as ((a, b), holder, taker):
             cold, _ = await _generate(a, "cold", prompt, GREEDY)  # A computes the prompt: it holds the blocks
-            fetched = await take(taker, prompt, PrefixFetch("a", 4, 0.0, handle_of(holder)))
+            fetched = await take(taker, holder, prompt, 4, 0.0)
             placed = await b.acall(b.engine.insert_cached_blocks, prompt, fetched.tensor, fetched.first_block)
             tokens, cached = await _generate(b, "copied", prompt, GREEDY)
             return cold, fetched, placed, tokens, cached, b.engine.block_size
@@ -77,7 +78,7 @@ def test_a_copy_asked_while_the_holder_computes_the_prefix_waits_for_it(serving_
         async with holder_and_taker(serving_model_dir) as ((a, b), holder, taker):
             computing = asyncio.create_task(_generate(a, "on-a", prompt, GREEDY, prefill_only=True))
             usable = (len(prompt) - 1) // a.engine.block_size
-            fetched = await take(taker, prompt, PrefixFetch("a", usable, 30.0, handle_of(holder)))
+            fetched = await take(taker, holder, prompt, usable, 30.0)
             await computing
             return fetched.blocks, usable
 
@@ -96,9 +97,9 @@ def test_blocks_that_do_not_continue_the_takers_chain_are_refused(serving_model_
             expected = block_hashes(prompt[:len(prompt) // size * size], size, salt_for(b.engine.model_id))
             taker.sink.expect_sized("copy-x", lambda header: taker._destination(header, expected))
             with pytest.raises(TransferRejected, match="do not continue"):
-                await holder.push("copy-x", other, 0, 1, taker.address, 0.0, 10.0)
+                await holder.push("copy-x", other, 0, 1, taker.address, 0.0, 10.0, salt_for(a.engine.model_id))
             # a holder that no longer has the blocks sends none, and the taker computes them
-            missing = await take(taker, prompt, PrefixFetch("a", 3, 0.0, handle_of(holder)))
+            missing = await take(taker, holder, prompt, 3, 0.0)
             return missing.blocks, b.engine.cached_prefix_len(prompt)
 
     copied, cached = asyncio.run(run())

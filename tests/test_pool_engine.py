@@ -62,18 +62,19 @@ async def _two_engines_on_the_pool(model_dir, redis_url):
 async def load_prefix(loop: EngineLoop, link: PoolLink, prompt: list[int]) -> tuple[int, dict[str, int]]:
     """Read the prompt's missing prefix blocks from the pool and place them, as a worker admitting it does:
     (blocks placed, blocks read per tier)."""
-    have = await loop.acall(loop.engine.cached_prefix_len, prompt) // loop.engine.block_size
-    fetched = await link.read_prefix(prompt, have, loop.engine.prefix_salt(None))
+    salt = loop.engine.prefix_salt(None, len(prompt))
+    have = await loop.acall(loop.engine.cached_prefix_len, prompt, salt) // loop.engine.block_size
+    fetched = await link.read_prefix(prompt, have, salt)
     if fetched.tensor is None:
         return 0, {}
-    placed = await loop.acall(loop.engine.insert_cached_blocks, prompt, fetched.tensor, fetched.first_block)
+    placed = await loop.acall(loop.engine.insert_cached_blocks, prompt, fetched.tensor, fetched.first_block, salt)
     return placed, dict(fetched.counts)
 
 
 async def _compute_and_share(loop: EngineLoop, link: PoolLink, request_id: str, prompt: list[int]) -> None:
     """Compute the prompt as a prefill worker does, share its blocks through the pool, release them."""
     await _generate(loop, request_id, prompt, GREEDY, prefill_only=True)
-    await link.store_prefix(loop, prompt, 0, loop.engine.prefix_salt(None))
+    await link.store_prefix(loop, prompt, 0, loop.engine.prefix_salt(None, len(prompt)))
     await link.wait_shared()
     await loop.acall(loop.engine.release, request_id)
 
@@ -126,3 +127,40 @@ def test_corrupted_pool_block_is_a_miss_and_the_prompt_is_recomputed(redis_url, 
         assert tokens_b == expected
 
     asyncio.run(run())
+
+
+@pytest.mark.timeout(120)
+def test_a_longrope_prompts_blocks_reach_another_engine_under_the_long_salt_only(redis_url, tmp_path):
+    """A prompt past LongRoPE's original context rotates every key with the long factors: its blocks go through
+    the pool under a salt of their own, where another engine's long prompt with that prefix takes them and
+    answers as transformers does, while a short prompt of the same tokens finds none."""
+    import torch
+    from test_engine_model import build_hf_checkpoint, longrope, prompts
+
+    hf = build_hf_checkpoint(tmp_path, "phi3", **longrope())  # original context: 32 positions
+    (long,) = prompts((50,))
+    longer = long[:48] + prompts((6,))[0]  # the same first three blocks of 16
+
+    async def run() -> tuple[int, list[int], int, int]:
+        aio = asyncio.get_running_loop()
+        loops = [EngineLoop(Engine(EngineConfig(model=str(tmp_path), num_blocks=64, enable_block_events=True)), aio)
+                 for _ in range(2)]
+        links = [PoolLink(redis_url, f"longrope-{i}", lp.engine, redis_max_bytes=16 << 20)
+                 for i, lp in enumerate(loops)]
+        try:
+            await _compute_and_share(loops[0], links[0], "long", long)
+            short = await links[1].read_prefix(long[:31], 0, loops[1].engine.prefix_salt(None, 31))
+            placed, _ = await load_prefix(loops[1], links[1], longer)
+            tokens, cached = await _generate(loops[1], "longer", longer, GREEDY)
+            return (0 if short.tensor is None else short.blocks), tokens, cached, placed
+        finally:
+            for link in links:
+                link.close()
+            for loop in loops:
+                loop.stop()
+
+    short_blocks, tokens, cached, placed = asyncio.run(run())
+    assert short_blocks == 0 and placed == 3 and cached == 48
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([longer]), max_new_tokens=GREEDY.max_tokens, do_sample=False)
+    assert tokens == want[0, len(longer):].tolist()
