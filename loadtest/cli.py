@@ -44,6 +44,9 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None,
                    help="model name sent with every request (default: the first model of the server's "
                         "/v1/models; required with --backend grpc)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME",
+                   help="LoRA adapters the server serves (tidepool serve --lora-modules): each request names one "
+                        "of them as its model, chosen at random (seeded by --seed), as in vllm bench serve")
     g.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--timeout-s", type=float, default=6 * 3600, help="per-request timeout in seconds")
     g.add_argument("--tokenizer", default=None,
@@ -184,7 +187,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name == "random"
     num_prompts, max_requests = _request_counts(args)
     return BenchConfig(
-        model=args.model, backend=args.backend, base_url=args.base_url or _host_url(args.host, args.port),
+        model=args.model, lora_modules=args.lora_modules, backend=args.backend, base_url=args.base_url or _host_url(args.host, args.port),
         target=args.target, workload=args.dataset_name, endpoint=args.endpoint, dataset_path=args.dataset_path,
         time_scale=args.time_scale, length_scale=args.length_scale, max_requests=max_requests,
         num_users=args.num_users, turns=args.turns, think_time_s=args.think_time_s,

@@ -133,7 +133,7 @@ class OpenAIClient:
         )
 
     def _request(self, spec: RequestSpec) -> tuple[str, dict, dict]:
-        body: dict = {"model": self.model, "max_tokens": spec.max_tokens,
+        body: dict = {"model": spec.model or self.model, "max_tokens": spec.max_tokens,
                       "stream": True, "stream_options": {"include_usage": True}}
         if self.temperature is not None:
             body["temperature"] = self.temperature
@@ -211,10 +211,11 @@ class GrpcClient:
             sampling.temperature = self.temperature
         metadata = (*self._metadata, ("x-request-id", spec.request_id))
         if spec.messages is None:
-            request = serving_pb2.CompleteRequest(model=self.model, prompt=spec.prompt, sampling=sampling)
+            request = serving_pb2.CompleteRequest(model=spec.model or self.model, prompt=spec.prompt,
+                                                  sampling=sampling)
             return self._stub.Complete(request, timeout=self.timeout_s, metadata=metadata)
         request = serving_pb2.ChatRequest(
-            model=self.model, sampling=sampling, session_id=spec.session_id or "",
+            model=spec.model or self.model, sampling=sampling, session_id=spec.session_id or "",
             messages=[serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in spec.messages])
         return self._stub.Chat(request, timeout=self.timeout_s, metadata=metadata)
 

@@ -20,6 +20,8 @@ WORKLOADS = ("random", "sharegpt", "mooncake", "chat")
 @dataclass
 class BenchConfig:
     model: str | None = None  # None: the first model of the server's /v1/models
+    # LoRA adapters: each request names one as its model, chosen at random (seeded), as vllm bench serve does
+    lora_modules: list[str] = field(default_factory=list)
     backend: str = "openai"  # one of BACKENDS; "grpc" is Tidepool's Serving API
     base_url: str = "http://127.0.0.1:8000"
     target: str = "127.0.0.1:50051"  # gRPC HOST:PORT

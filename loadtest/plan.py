@@ -4,6 +4,7 @@ first request goes out."""
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from loadtest.arrivals import synthetic_arrivals, trace_arrivals
@@ -74,6 +75,9 @@ def build_workload(config: BenchConfig, tok: PromptTokenizer | None, id_prefix: 
     if config.workload == "chat":
         if kind != "chat":
             raise ValueError("the chat workload needs the chat endpoint")
+        if config.lora_modules:  # a conversation would switch adapters from turn to turn
+            raise ValueError("--lora-modules picks an adapter per request: use it with the random, sharegpt or "
+                             "mooncake workload, not chat")
         sessions = chat_sessions(
             config.num_users, config.turns, input_len=config.input_len, output_len=config.output_len,
             prefix_len=config.prefix_len, seed=config.seed, chars_per_token=cpt,
@@ -109,4 +113,8 @@ def build_workload(config: BenchConfig, tok: PromptTokenizer | None, id_prefix: 
     if kind == "chat":
         for spec in specs:
             spec.messages = [{"role": "user", "content": spec.prompt}]
+    if config.lora_modules:
+        rng = random.Random(config.seed)
+        for spec in specs:
+            spec.model = rng.choice(config.lora_modules)
     return Workload(len(specs), specs, arrivals, [], [])

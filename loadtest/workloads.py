@@ -37,6 +37,7 @@ class RequestSpec:
     messages: list[dict] | None = None
     session_id: str | None = None
     hash_ids: list[int] = field(default_factory=list)
+    model: str | None = None  # the model (a LoRA adapter) this request names; None: the run's model
 
 
 def synth_text(rng: random.Random, n_tokens: int, chars_per_token: float) -> str:

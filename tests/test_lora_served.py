@@ -5,6 +5,7 @@ its blocks are prefix-cache hits for its own adapter's requests only."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import openai
@@ -18,6 +19,9 @@ from transformers import LlamaForCausalLM
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from loadtest.config import BenchConfig
+from loadtest.plan import build_workload
+from loadtest.runner import run_benchmark
 from services.cli import build_parser
 from services.config import configs_from_args
 from services.engine_loop import EngineLoop
@@ -144,6 +148,20 @@ def test_a_model_that_is_neither_the_base_nor_an_adapter_is_a_404(lora_server):
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Complete(serving_pb2.CompleteRequest(model="shrimp", prompt="tide"), timeout=60))
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.timeout(180)
+def test_the_load_test_spreads_its_requests_over_the_adapters(lora_server, tmp_path):
+    """``tidepool bench --lora-modules``: each request names one of the adapters, chosen by the seed, and all of
+    them are served."""
+    config = BenchConfig(base_url=lora_server.http_url, num_prompts=8, input_len=24, output_len=3,
+                         lora_modules=["crab", "kelp"], progress=False, print_table=False)
+    chosen = [spec.model for spec in build_workload(config, None).specs]
+    assert set(chosen) == {"crab", "kelp"} and chosen == [s.model for s in build_workload(config, None).specs]
+    result = run_benchmark(config)
+    assert result["completed"] == 8, result["error_samples"]
+    with pytest.raises(ValueError, match="not chat"):
+        build_workload(dataclasses.replace(config, workload="chat", endpoint="chat"), None)
 
 
 def test_the_flag_takes_name_dir_pairs_and_refuses_a_name_given_twice(tmp_path):
