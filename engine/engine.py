@@ -23,11 +23,11 @@ from engine.block_manager import NO_BLOCK, BlockManager
 from engine.config import EngineConfig, long_rope_applies
 from engine.device_memory import engine_num_blocks
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, LoRAAdapterError
 from engine.kv_cache import KVCache
 from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
-from engine.lora import LoRAAdapter, load_adapters
+from engine.lora import LoRAAdapter, load_adapter, unload_adapter
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
@@ -52,8 +52,9 @@ class Engine:
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
         # before the KV cache is sized: the adapters' weights take device memory too
-        self.loras = load_adapters(config.lora_modules, self.model_id, self.model, self.model_config,
-                                   self.model.lm_head.weight.dtype, config.device)
+        self.loras: dict[str, LoRAAdapter] = {}
+        for name, path in config.lora_modules.items():
+            self.load_adapter(name, path)
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -440,6 +441,39 @@ class Engine:
         (``kvstore.hashing.salt_for``: a LongRoPE model's sequence past the original context has its own)."""
         return salt_for(self.model_id, None if lora is None else self._adapter(lora).adapter_id,
                         long_rope_applies(self.model_config.long_rope_from, num_tokens))
+
+    # -- LoRA adapters (engine/lora.py) -------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> LoRAAdapter:
+        """Load one more LoRA adapter, into the lowest free slot; the same adapter again is a no-op (a worker
+        started while a runtime load ran has it from its config). LoRAAdapterError when it cannot be served,
+        or when another adapter has the name."""
+        slot = min(set(range(1, len(self.loras) + 2)) - {a.slot for a in self.loras.values()})
+        adapter = load_adapter(name, path, slot, self.model_id, self.model, self.model_config,
+                               self.model.lm_head.weight.dtype, self.config.device)
+        if name in self.loras:
+            unload_adapter(self.model, slot)
+            if self.loras[name].adapter_id != adapter.adapter_id:
+                raise LoRAAdapterError(f"LoRA adapter {name!r}: another adapter of that name is loaded; unload it "
+                                       "first")
+            return self.loras[name]
+        self.loras[name] = adapter
+        return adapter
+
+    def adapter_requests(self, name: str) -> list[str]:
+        """The live requests (waiting or running) of adapter ``name``."""
+        return [rid for rid, seqs in self.requests.items() if seqs and seqs[0].lora == name]
+
+    def unload_adapter(self, name: str) -> list[str]:
+        """Take adapter ``name`` off the layers (its slot free again), aborting the requests still running with
+        it (``adapter_requests``: wait for them first to let them finish); returns those. Its blocks stay in
+        the prefix cache, under a salt no later request has, until evicted."""
+        adapter = self._adapter(name)
+        running = self.adapter_requests(name)
+        for request_id in running:
+            self.abort(request_id)
+        del self.loras[name]
+        unload_adapter(self.model, adapter.slot)
+        return running
 
     def _adapter(self, lora: str) -> LoRAAdapter:
         if lora not in self.loras:

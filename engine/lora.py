@@ -71,14 +71,17 @@ def check_adapters(modules: dict[str, str], base_id: str) -> None:
         read_adapter_config(name, Path(path).expanduser())
 
 
-def load_adapters(modules: dict[str, str], base_id: str, model: torch.nn.Module, cfg: ModelConfig,
-                  dtype: torch.dtype, device: torch.device | str) -> dict[str, LoRAAdapter]:
-    """Load each ``name -> directory`` adapter of the model ``base_id`` into the next slot of its layers."""
-    check_adapters(modules, base_id)
-    adapters = {}
-    for slot, (name, path) in enumerate(modules.items(), start=1):
-        adapters[name] = _load(name, slot, Path(path).expanduser(), model, cfg, dtype, device)
-    return adapters
+def load_adapter(name: str, path: str, slot: int, base_id: str, model: torch.nn.Module, cfg: ModelConfig,
+                 dtype: torch.dtype, device: torch.device | str) -> LoRAAdapter:
+    """Load the adapter at ``path`` of the model ``base_id`` into ``slot`` of its layers (a free one)."""
+    check_adapters({name: path}, base_id)
+    return _load(name, slot, Path(path).expanduser(), model, cfg, dtype, device)
+
+
+def unload_adapter(model: torch.nn.Module, slot: int) -> None:
+    """Take ``slot``'s pairs off every layer: the slot is free, and the adapter's memory goes back."""
+    for module in model.modules():
+        getattr(module, "lora", {}).pop(slot, None)
 
 
 def read_adapter_config(name: str, path: Path) -> dict:

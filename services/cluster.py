@@ -29,6 +29,7 @@ from services.autoscaler import Autoscaler
 from services.config import ClusterConfig
 from services.dispatcher import Dispatcher
 from services.local_redis import LocalRedis
+from services.lora_updates import LoRAUpdates
 from services.metrics import Metrics
 from services.placement import WorkerLauncher
 from services.scaling import Scaler
@@ -51,6 +52,7 @@ class Cluster:
         self.supervisor: Supervisor | None = None
         self.scaler: Scaler | None = None
         self.autoscaler: Autoscaler | None = None
+        self.lora_updates: LoRAUpdates | None = None
         self.mirror: PoolMirror | None = None
         self.dispatcher: Dispatcher | None = None
         self.cluster_id = uuid.uuid4().hex[:8]  # actor names stay unique when clusters share one Ray
@@ -136,6 +138,7 @@ class Cluster:
             self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)
             self.supervisor.start()
         self.scaler = Scaler(self.dispatcher, self.launcher, colocated=bool(self.config.colocated))
+        self.lora_updates = LoRAUpdates(self.dispatcher, self.config.engine)
         if autoscale.bounds:
             self.autoscaler = Autoscaler(self.dispatcher, self.scaler, autoscale, self.config.engine.max_num_seqs,
                                          replacing=self.config.replace_workers)

@@ -91,6 +91,8 @@ class GatewayConfig:
     tool_call_parser: str | None = None
     # Chat: split the thinking a reasoning model writes into reasoning_content ("qwen3", "deepseek_r1"); None: off
     reasoning_parser: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+    allow_runtime_lora_updating: bool = False
 
 
 class _MarkSet(argparse.Action):
@@ -132,6 +134,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=DIR",
                    help="LoRA adapters (PEFT directories) served beside the model: a request names one as its "
                         "model; every worker loads them all")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true", default=g.allow_runtime_lora_updating,
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), loading and "
+                        "unloading LoRA adapters on every worker while serving")
     p.add_argument("--generation-config", default=c.generation_config, metavar="auto|vllm|DIR",
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
                         "caps an unset max_tokens) for what a request leaves unset: auto reads the model's "
@@ -287,6 +292,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         max_prompt_tokens=args.max_prompt_tokens, max_n=args.max_n, metrics_require_key=args.metrics_require_key,
         shutdown_timeout_s=args.shutdown_timeout_s, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, session_ttl_s=args.session_ttl_s,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         response_ttl_s=args.response_ttl_s,
     )
     if gateway.session_ttl_s <= 0:

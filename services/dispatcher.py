@@ -74,7 +74,8 @@ class Dispatcher:
         self.block_size = first.block_size
         self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
         self.long_rope_from = first.long_rope_from
-        self.loras = first.loras  # the LoRA adapters every worker serves: name -> adapter id
+        # the LoRA adapters every worker serves: name -> adapter id (services/lora_updates.py changes it)
+        self.loras = dict(first.loras)
         self.conductor = conductor
         self.index = index
         self.tokenizer = tokenizer

@@ -26,6 +26,13 @@ class PlacementError(Exception):
     """The workers cannot be placed on this Ray cluster (the message says what is missing)."""
 
 
+class UnknownAdapterError(LookupError):
+    """A LoRA adapter name the cluster does not serve (raised in the gateway's process only)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no LoRA adapter {name!r} is loaded")
+
+
 class UnknownWorkerError(LookupError):
     """A worker id the cluster does not hold (raised in the gateway's process only)."""
 

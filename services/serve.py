@@ -80,7 +80,8 @@ class Server:
             if self.gateway.response_ttl_s > 0:
                 self.responses = ResponseStore(self.cluster.redis_url, ttl_s=self.gateway.response_ttl_s)
             app = create_app(dispatcher, self.sessions, self.responses, self.gateway, self.cluster.scaler,
-                             self.cluster.autoscaler)
+                             self.cluster.autoscaler,
+                             self.cluster.lora_updates if self.gateway.allow_runtime_lora_updating else None)
             self._background = app.state.background_responses
             self._grpc = await start_grpc_server(dispatcher, self.sessions, self.gateway)
             config = uvicorn.Config(app, host=self.gateway.host, port=self.gateway.http_port,

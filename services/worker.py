@@ -11,6 +11,7 @@ joins its batch (or the lease expires); every exit path frees them.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from services.messages import (
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
 
+_UNLOAD_POLL_S = 0.05  # how often an adapter being unloaded is checked for requests still running with it
 _COLOCATED_COPY_TIMEOUT_S = 30.0  # a colocated request's prefix copy from a peer (prefills have a deadline)
 
 
@@ -124,6 +126,22 @@ class Worker:
 
     async def abort(self, request_id: str) -> None:
         await self.loop.acall(self.engine.abort, request_id)
+
+    # ---- LoRA adapters loaded and unloaded while serving (services/lora_updates.py) -------------------------
+    async def load_lora(self, name: str, path: str) -> str:
+        """Load a LoRA adapter between two engine steps; returns its adapter id (its blocks' salt)."""
+        adapter = await self.loop.acall(self.engine.load_adapter, name, path)
+        return adapter.adapter_id
+
+    async def unload_lora(self, name: str, wait_s: float) -> int:
+        """Unload a LoRA adapter (none loaded under ``name``: nothing to do) once its requests have finished,
+        waiting up to ``wait_s``; those still running then are aborted. Returns how many were."""
+        deadline = time.monotonic() + wait_s
+        while await self.loop.acall(self.engine.adapter_requests, name) and time.monotonic() < deadline:
+            await asyncio.sleep(_UNLOAD_POLL_S)
+        if name not in self.engine.loras:
+            return 0
+        return len(await self.loop.acall(self.engine.unload_adapter, name))
 
     # ---- the KV pool and peer copies ------------------------------------------------------------------------
     async def _fetch_prefix(self, token_ids: list[int], params: SamplingParams, fetch: PrefixFetch | None,

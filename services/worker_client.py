@@ -75,6 +75,14 @@ class WorkerClient:
         return await self._call(self.actor.copy_prefix.remote(token_ids, fetch, timeout_s),
                                 fetch.wait_s + timeout_s + 5.0)
 
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> str:
+        """Load a LoRA adapter on the worker; its adapter id."""
+        return await self._call(self.actor.load_lora.remote(name, path), timeout_s)
+
+    async def unload_lora(self, name: str, wait_s: float) -> int:
+        """Unload a LoRA adapter once its requests finished (up to ``wait_s``, then they are aborted); how many were."""
+        return await self._call(self.actor.unload_lora.remote(name, wait_s), wait_s + 10.0)
+
     async def release(self, request_id: str) -> None:
         """Free a decode lease that never joined the batch; a dead worker has nothing left to free."""
         with contextlib.suppress(WorkerFailedError):

@@ -173,9 +173,9 @@ def start_server(ray_session, redis_url, serving_model_dir):
 
     def start(api_key: str | None = None, model_dir=None, tool_call_parser: str | None = None,
               reasoning_parser: str | None = None, engine_options: dict | None = None,
-              **cluster_kwargs) -> ThreadedServer:
-        """``model_dir``: the checkpoint to serve (default: ``serving_model_dir``); ``engine_options``: more
-        `EngineConfig` fields."""
+              gateway_options: dict | None = None, **cluster_kwargs) -> ThreadedServer:
+        """``model_dir``: the checkpoint to serve (default: ``serving_model_dir``); ``engine_options``,
+        ``gateway_options``: more `EngineConfig` and `GatewayConfig` fields."""
         for stopped in [s for s in databases if not s.running]:
             free = databases.pop(stopped)
             with redis.Redis.from_url(f"{base}/{free}") as client:
@@ -188,7 +188,7 @@ def start_server(ray_session, redis_url, serving_model_dir):
         try:
             server = _start_on_free_ports(ThreadedServer, config, lambda: GatewayConfig(
                 http_port=free_port(), grpc_port=free_port(), api_key=api_key, tool_call_parser=tool_call_parser,
-                reasoning_parser=reasoning_parser))
+                reasoning_parser=reasoning_parser, **(gateway_options or {})))
         except BaseException:
             _redis_dbs.append(db)
             raise

@@ -15,6 +15,7 @@ from test_engine_model import BLOCK, build_hf_checkpoint, prompts
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import CheckpointError, InvalidRequestError
+from engine.output import FinishReason
 from engine.runner import SeqChunk
 from engine.sampling_params import SamplingParams
 
@@ -147,3 +148,28 @@ def test_adapters_the_layers_cannot_run_are_refused_with_what_is_wrong(tmp_path)
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'other' is loaded \\(loaded: good\\)"):
         engine.add_request("r", [1, 2, 3], GREEDY, lora="other")
     assert not engine.has_unfinished()
+
+
+@pytest.mark.timeout(120)
+def test_an_adapter_loaded_while_serving_takes_a_free_slot_and_unloading_aborts_its_requests(tmp_path):
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    a = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=4, seed=1)
+    peft_adapter(hf, tmp_path / "b", ["q_proj"], rank=2, seed=2)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
+                                 lora_modules={"b": str(tmp_path / "b")}))
+    assert engine.load_adapter("a", str(tmp_path / "a")).slot == 2
+    assert engine.load_adapter("a", str(tmp_path / "a")).slot == 2  # the same adapter again: nothing to do
+    with pytest.raises(CheckpointError, match="another adapter of that name is loaded"):
+        engine.load_adapter("a", str(tmp_path / "b"))
+    (p,) = prompts((21,))
+    assert run(engine, {"a": (p, "a")})[0]["a"] == reference(a, p)
+    engine.add_request("b-running", p, GREEDY, lora="b")
+    engine.step()
+    assert engine.adapter_requests("b") == ["b-running"]
+    assert engine.unload_adapter("b") == ["b-running"]  # aborted: the next step reports it
+    (out,) = engine.step()
+    assert (out.request_id, out.finish_reason) == ("b-running", FinishReason.ABORT) and not engine.has_unfinished()
+    assert all(1 not in m.lora for m in engine.model.modules() if hasattr(m, "lora"))  # slot 1's pairs are gone
+    with pytest.raises(InvalidRequestError, match="no LoRA adapter 'b' is loaded"):
+        engine.add_request("b-again", p, GREEDY, lora="b")
+    assert engine.load_adapter("b2", str(tmp_path / "b")).slot == 1  # the free slot again

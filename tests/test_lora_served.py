@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 
 import grpc
+import httpx
 import openai
 import pytest
 import torch
@@ -40,14 +41,21 @@ def adapters(serving_model_dir, tmp_path_factory) -> dict[str, str]:
     out = tmp_path_factory.mktemp("adapters")
     peft_adapter(hf, out / "crab", ALL_PROJECTIONS, rank=8, seed=1, lora_alpha=16)
     peft_adapter(hf, out / "kelp", ["q_proj", "v_proj"], rank=4, seed=2)
-    return {"crab": str(out / "crab"), "kelp": str(out / "kelp")}
+    peft_adapter(hf, out / "clam", ALL_PROJECTIONS, rank=4, seed=3)  # loaded while serving
+    return {"crab": str(out / "crab"), "kelp": str(out / "kelp"), "clam": str(out / "clam")}
+
+
+def served(adapters: dict[str, str]) -> dict[str, str]:
+    """The adapters the server starts with (clam is loaded while it serves)."""
+    return {name: path for name, path in adapters.items() if name != "clam"}
 
 
 @pytest.fixture(scope="module")
 def lora_server(start_server, adapters):
     """Two prefill workers (a repeated prompt may land on the other one: its blocks come from the pool or a
     peer, under the adapter's salt) and one decode worker, KV handed over by gRPC."""
-    server = start_server(prefill=2, decode=1, kv_transport="grpc", engine_options={"lora_modules": adapters})
+    server = start_server(prefill=2, decode=1, kv_transport="grpc", engine_options={"lora_modules": served(adapters)},
+                          gateway_options={"allow_runtime_lora_updating": True})
     yield server
     server.stop()
 
@@ -78,7 +86,7 @@ def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks
         return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
                                          extra_body={"ignore_eos": True})
 
-    want = engine_texts(serving_model_dir, adapters)
+    want = engine_texts(serving_model_dir, served(adapters))
     assert len(set(want.values())) == 3  # each adapter answers differently
     answers = {model: complete(model) for model in (base, "crab", "kelp")}
     assert {m: a.choices[0].text for m, a in answers.items()} == {base: want[None], "crab": want["crab"],
@@ -105,7 +113,8 @@ def test_an_adapters_blocks_reach_other_workers_under_its_salt_only(serving_mode
 
     async def run() -> None:
         aio = asyncio.get_running_loop()
-        loops = [EngineLoop(Engine(EngineConfig(model=str(serving_model_dir), num_blocks=64, lora_modules=adapters,
+        loops = [EngineLoop(Engine(EngineConfig(model=str(serving_model_dir), num_blocks=64,
+                                                lora_modules=served(adapters),
                                                 enable_block_events=True)), aio) for _ in range(3)]
         holder = PrefixCopier(loops[0].engine, loops[0], SECRET, host=None)
         taker = PrefixCopier(loops[1].engine, loops[1], SECRET, host="127.0.0.1")
@@ -151,6 +160,37 @@ def test_a_model_that_is_neither_the_base_nor_an_adapter_is_a_404(lora_server):
 
 
 @pytest.mark.timeout(180)
+def test_an_adapter_loaded_while_serving_answers_on_every_worker_until_it_is_unloaded(lora_server, adapters,
+                                                                                         serving_model_dir):
+    url, client = lora_server.http_url, openai.OpenAI(base_url=f"{lora_server.http_url}/v1", api_key="none",
+                                                       max_retries=0, timeout=120)
+    engine_config = lora_server.server.cluster.config.engine  # what workers started from now on load
+
+    def complete(model: str) -> str:
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "clam", "lora_path": adapters["clam"]})
+    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'clam' added successfully.")
+    assert "clam" in {m.id for m in client.models.list().data} and "clam" in engine_config.lora_modules
+    want = engine_texts(serving_model_dir, {"clam": adapters["clam"]})["clam"]
+    assert [complete("clam") for _ in range(2)] == [want, want]  # round the prefill workers
+    again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "clam", "lora_path": adapters["crab"]})
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": "/no/such/dir"})
+    assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
+    assert "oyster" not in engine_config.lora_modules
+
+    unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "clam"})
+    assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'clam' removed successfully.")
+    with pytest.raises(openai.NotFoundError):
+        complete("clam")
+    missing = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "clam"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "lora_adapter_not_found"
+    assert "clam" not in engine_config.lora_modules and complete("crab")  # the others still serve
+
+
+@pytest.mark.timeout(180)
 def test_the_load_test_spreads_its_requests_over_the_adapters(lora_server, tmp_path):
     """``tidepool bench --lora-modules``: each request names one of the adapters, chosen by the seed, and all of
     them are served."""
@@ -173,3 +213,12 @@ def test_the_flag_takes_name_dir_pairs_and_refuses_a_name_given_twice(tmp_path):
         configs_from_args(parse(["serve", "--lora-modules", f"crab={tmp_path}", f"crab={tmp_path}"]))
     with pytest.raises(SystemExit):
         parse(["serve", "--lora-modules", "crab"])
+    assert configs_from_args(parse(["serve", "--allow-runtime-lora-updating"]))[1].allow_runtime_lora_updating
+    assert not configs_from_args(parse(["serve"]))[1].allow_runtime_lora_updating
+
+
+@pytest.mark.timeout(120)
+def test_without_the_flag_adapters_cannot_be_loaded_while_serving(live_server, adapters):
+    response = httpx.post(f"{live_server.http_url}/v1/load_lora_adapter",
+                          json={"lora_name": "clam", "lora_path": adapters["clam"]})
+    assert response.status_code == 404 and "clam" not in live_server.dispatcher.loras

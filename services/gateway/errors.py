@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import InvalidRequestError, OutOfBlocksError
+from engine.errors import InvalidRequestError, LoRAAdapterError, OutOfBlocksError
 from kvstore.transfer import TransferError, TransferTimeout
 from services.errors import (
     NoWorkersError,
@@ -28,6 +28,7 @@ from services.errors import (
     PromptTooLongError,
     RequestRejected,
     ScalingConflictError,
+    UnknownAdapterError,
     UnknownWorkerError,
     WorkerFailedError,
 )
@@ -166,6 +167,10 @@ _RULES: list[tuple[type[BaseException], Callable[[Any], ApiError]]] = [
                                              code="prefill_timeout", retry_after_s=1.0)),
     (WorkerFailedError, lambda e: ApiError(503, _DOWN, "service_unavailable", f"worker failed: {e}",
                                            code="worker_failed")),
+    (LoRAAdapterError, lambda e: ApiError(400, _BAD, "invalid_request_error", str(e),
+                                          code="invalid_lora_adapter")),
+    (UnknownAdapterError, lambda e: ApiError(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", str(e),
+                                             param="lora_name", code="lora_adapter_not_found")),
     (UnknownWorkerError, lambda e: ApiError(404, grpc.StatusCode.NOT_FOUND, "invalid_request_error", str(e),
                                             code="worker_not_found")),
     (ScalingConflictError, lambda e: ApiError(409, grpc.StatusCode.FAILED_PRECONDITION, "invalid_request_error",

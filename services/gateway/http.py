@@ -23,6 +23,7 @@ from services.gateway.generation import Generation
 from services.gateway.http_streams import chat_stream, run_to_end, unless_client_leaves
 from services.gateway.json_body import StrictJSONRoute
 from services.gateway.logprobs import LogprobShapes
+from services.gateway.lora_api import lora_routes
 from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +37,7 @@ from services.sessions import SessionStore
 
 if TYPE_CHECKING:  # the scaler's module imports the workers' actor classes, and with them torch
     from services.autoscaler import Autoscaler
+    from services.lora_updates import LoRAUpdates
     from services.scaling import Scaler
 
 _OPEN_PATHS = ("/health",)
@@ -96,7 +98,7 @@ class _Guard:
 
 def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_store: ResponseStore | None,
                config: GatewayConfig, scaler: Scaler | None = None,
-               autoscaler: Autoscaler | None = None) -> FastAPI:
+               autoscaler: Autoscaler | None = None, lora_updates: LoRAUpdates | None = None) -> FastAPI:
     """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
     ``scaler``: None, the cluster routes cannot resize the cluster; ``autoscaler``: shown in the status)."""
     frontend = Frontend(dispatcher, sessions, config)
@@ -210,6 +212,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     app.include_router(responses)
     app.state.background_responses = background  # stopped by the server before the store closes
     app.include_router(cluster_routes(dispatcher, scaler, autoscaler))
+    if lora_updates is not None:  # --allow-runtime-lora-updating
+        app.include_router(lora_routes(lora_updates))
     return app
 
 
