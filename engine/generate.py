@@ -20,6 +20,8 @@ from engine.kv_format import FORMATS, RESIDUAL_HELP
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
 
+_ADAPTER = "adapter"  # what --lora's adapter is called in the engine
+
 
 def _ids(value: str) -> list[int]:
     try:
@@ -79,6 +81,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
                                                            "text, or @FILE)")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding by n-gram prompt lookup, up to K draft tokens a step (0: off)")
+    p.add_argument("--lora", metavar="DIR", default=None,
+                   help="run every prompt with the PEFT LoRA adapter in DIR (adapter_config.json and "
+                        "adapter_model.safetensors), as tidepool serve --lora-modules serves it")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=run_generate)
@@ -89,8 +94,9 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
                                      kv_cache_dtype=args.kv_cache_dtype,
                                      kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window,
-                                     kv_sinks=args.kv_sinks, num_speculative_tokens=args.num_speculative_tokens))
-    except ValueError as err:  # options that contradict each other or the model
+                                     kv_sinks=args.kv_sinks, num_speculative_tokens=args.num_speculative_tokens,
+                                     lora_modules={} if args.lora is None else {_ADAPTER: args.lora}))
+    except ValueError as err:  # options that contradict each other or the model (or the adapter)
         print(f"tidepool generate: {err}", file=sys.stderr)
         return 2
     if args.prompt is not None:
@@ -112,7 +118,7 @@ def run_generate(args: argparse.Namespace) -> int:
     texts: dict[tuple[int, int], str] = {}
     try:
         for i, ids in enumerate(prompts):
-            engine.add_request(str(i), ids, params)
+            engine.add_request(str(i), ids, params, lora=None if args.lora is None else _ADAPTER)
     except InvalidRequestError as err:
         print(f"tidepool generate: prompt {i}: {err}", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """``tidepool generate``: --json output shape (one object per prompt), agreement with the engine, text
-prompts through the tokenizer, --n with a seed, --min-p, and a one-line error for a bad request."""
+prompts through the tokenizer, --n with a seed, --min-p, --lora, and a one-line error for a bad request."""
 
 from __future__ import annotations
 
@@ -88,3 +88,21 @@ def test_structured_output_flags_keep_every_sample_and_a_bad_spec_is_refused(ser
     assert json.loads(json.loads(lines[0])["text"]) in ({"ok": True}, {"ok": False})
     code, lines, err = generate([*model, "--regex", "[0-9"], capsys)
     assert code == 2 and lines == [] and "structured_output" in err
+
+
+def test_lora_runs_every_prompt_with_the_adapter_and_a_bad_one_is_one_line(serving_model_dir, tmp_path, capsys):
+    from benchmarks.lora_batch import write_adapter
+    from engine.config import ModelConfig
+
+    write_adapter(tmp_path / "crab", ModelConfig.from_dir(serving_model_dir), rank=4, seed=1, scale=0.2)
+    argv = ["--model", str(serving_model_dir), "--prompt-ids", "9,8,7", "--max-tokens", "6", "--ignore-eos", "--json"]
+    code, lines, _ = generate([*argv, "--lora", str(tmp_path / "crab")], capsys)
+    engine = Engine(EngineConfig(model=str(serving_model_dir), lora_modules={"crab": str(tmp_path / "crab")}))
+    engine.add_request("x", [9, 8, 7], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), lora="crab")
+    expected = []
+    while engine.has_unfinished():
+        expected += [t for o in engine.step() for t in o.new_token_ids]
+    assert code == 0 and json.loads(lines[0])["token_ids"] == expected
+    assert json.loads(generate(argv, capsys)[1][0])["token_ids"] != expected  # the base model answers otherwise
+    code, _, err = generate([*argv, "--lora", str(tmp_path)], capsys)
+    assert code == 2 and "adapter_config.json not found" in err and len(err.splitlines()) == 1
