@@ -238,9 +238,10 @@ class BlockManager:
         self._register(s, min(full, residual_start(num_computed, B, self.residual_blocks)))
 
     def insert(self, token_ids: Sequence[int], num_blocks: int, salt: bytes | None = None) -> list[tuple[int, int]]:
-        """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced
-        blocks (fetched from the KV pool), their chain salted with ``salt`` (None: the manager's). Returns (index among those blocks, block id) for each block
-        that was not cached yet; the caller writes their K/V. Stops early when blocks run out."""
+        """Register the first ``num_blocks`` full blocks of ``token_ids`` as cached, unreferenced blocks (fetched
+        from the KV pool), their chain salted with ``salt`` (None: the manager's). Returns (index among those
+        blocks, block id) for each block that was not cached yet; the caller writes their K/V. Stops early when
+        blocks run out."""
         B = self.block_size
         parent, held, placed = None, [], []
         if not self.enable_prefix_caching:

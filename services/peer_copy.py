@@ -53,9 +53,9 @@ class PrefixCopier:
     async def take(self, token_ids: list[int], fetch: PrefixFetch, have: int, timeout_s: float,
                    salt: bytes) -> FetchedBlocks:
         """Copy the blocks of ``token_ids`` (hashed under ``salt``, as ``fetch.salt`` should say) after the first
-        ``have`` (this engine's) that ``fetch.source`` holds (never the block of the last token, which is computed for its logits, nor a residual the engine
-        keeps exact); placing them is the caller's, on the engine thread. A copy that fails gives no blocks:
-        they are computed instead."""
+        ``have`` (this engine's) that ``fetch.source`` holds (never the block of the last token, which is
+        computed for its logits, nor a residual the engine keeps exact); placing them is the caller's, on the
+        engine thread. A copy that fails gives no blocks: they are computed instead."""
         size = self.engine.block_size
         usable = self.engine.reusable_prefix_blocks(len(token_ids))
         if self._server is None or min(fetch.blocks, usable) <= have:
@@ -100,10 +100,9 @@ class PrefixCopier:
     async def push(self, copy_id: str, token_ids: list[int], skip_blocks: int, wait_blocks: int, address: str,
                    wait_s: float, timeout_s: float, salt: bytes) -> tuple[int, float]:
         """Push the cached full blocks of ``token_ids`` (hashed under ``salt``) after the first ``skip_blocks``
-        to ``address``,
-        waiting up to ``wait_s`` until ``wait_blocks`` are cached (a prefill of them may be running);
-        returns how many were sent (0: none) and the seconds the transfer took (the wait left out: the
-        router learns the link from it)."""
+        to ``address``, waiting up to ``wait_s`` until ``wait_blocks`` are cached (a prefill of them may be
+        running); returns how many were sent (0: none) and the seconds the transfer took (the wait left out:
+        the router learns the link from it)."""
         engine = self.engine
         want = wait_blocks * engine.block_size
         until = time.monotonic() + wait_s

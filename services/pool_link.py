@@ -111,9 +111,10 @@ class PoolLink:
                     self.publisher.on_removed(hashes)
 
     async def read_prefix(self, prompt_ids: list[int], have: int, salt: bytes) -> FetchedBlocks:
-        """Read the prefix blocks after the first ``have`` (this engine's), hashed under ``salt`` (the request's
-        adapter's, ``Engine.prefix_salt``), from the host, disk and Redis tiers, Redis only where ``fetch_cost`` says reading beats recomputing. Only the blocks the engine
-        reuses count: never the last token's (computed for its logits), nor a residual it keeps exact."""
+        """Read the prefix blocks after the first ``have`` (this engine's), hashed under ``salt``
+        (``Engine.prefix_salt``), from the host, disk and Redis tiers, Redis only where ``fetch_cost`` says
+        reading beats recomputing. Only the blocks the engine reuses count: never the last token's (computed
+        for its logits), nor a residual it keeps exact."""
         usable = self.engine.reusable_prefix_blocks(len(prompt_ids))
         hashes = block_hashes(prompt_ids[: usable * self.block_size], self.block_size, salt)
         if have >= len(hashes):

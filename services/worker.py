@@ -190,8 +190,9 @@ class Worker:
     def _share_finished(self, token_ids: list[int], skip_blocks: int, lora: str | None) -> None:
         """After a sequence of adapter ``lora`` finished: its answer's blocks to the pool, in the background, so
         the next chat turn (whose prompt carries this one and its answer) finds all of it. Its last token's
-        K/V was never computed: the others' say which salt its blocks are under."""
-        if self.pool is not None:
+        K/V was never computed: the others' say which salt its blocks are under. (An adapter unloaded meanwhile,
+        its sequences aborted: its blocks are no later request's.)"""
+        if self.pool is not None and (lora is None or lora in self.engine.loras):
             salt = self.engine.prefix_salt(lora, len(token_ids) - 1)
             self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks, salt))
 
