@@ -27,7 +27,7 @@ from engine.errors import InvalidRequestError, LoRAAdapterError
 from engine.kv_cache import KVCache
 from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
-from engine.lora import LoRAAdapter, load_adapter, unload_adapter
+from engine.lora import LoRAAdapter, adapter_id, load_adapter, unload_adapter
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
@@ -447,17 +447,15 @@ class Engine:
         """Load one more LoRA adapter, into the lowest free slot; the same adapter again is a no-op (a worker
         started while a runtime load ran has it from its config). LoRAAdapterError when it cannot be served,
         or when another adapter has the name."""
-        slot = min(set(range(1, len(self.loras) + 2)) - {a.slot for a in self.loras.values()})
-        adapter = load_adapter(name, path, slot, self.model_id, self.model, self.model_config,
-                               self.model.lm_head.weight.dtype, self.config.device)
         if name in self.loras:
-            unload_adapter(self.model, slot)
-            if self.loras[name].adapter_id != adapter.adapter_id:
+            if adapter_id(name, path) != self.loras[name].adapter_id:
                 raise LoRAAdapterError(f"LoRA adapter {name!r}: another adapter of that name is loaded; unload it "
                                        "first")
             return self.loras[name]
-        self.loras[name] = adapter
-        return adapter
+        slot = min(set(range(1, len(self.loras) + 2)) - {a.slot for a in self.loras.values()})
+        self.loras[name] = load_adapter(name, path, slot, self.model_id, self.model, self.model_config,
+                                        self.model.lm_head.weight.dtype, self.config.device)
+        return self.loras[name]
 
     def adapter_requests(self, name: str) -> list[str]:
         """The live requests (waiting or running) of adapter ``name``."""

@@ -127,8 +127,18 @@ def _load(name: str, slot: int, path: Path, model: torch.nn.Module, cfg: ModelCo
                                   "which LoRA adapters are not supported on (target attention only)") from None
         a, b = _pack(name, layer, module, parts, config, cfg)
         linear.lora[slot] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
-    digest = hashlib.sha256(raw).hexdigest()[:16]
-    return LoRAAdapter(name, slot, f"{name}@{digest}")
+    return LoRAAdapter(name, slot, _adapter_id(name, raw))
+
+
+def adapter_id(name: str, path: str) -> str:
+    """The id the adapter at ``path`` would be loaded under (``LoRAAdapter.adapter_id``), its weights unread
+    into any layer; LoRAAdapterError when the directory holds no adapter."""
+    read_adapter_config(name, Path(path).expanduser())
+    return _adapter_id(name, (Path(path).expanduser() / "adapter_model.safetensors").read_bytes())
+
+
+def _adapter_id(name: str, weights: bytes) -> str:
+    return f"{name}@{hashlib.sha256(weights).hexdigest()[:16]}"
 
 
 def _check_config(name: str, config: dict) -> None:
