@@ -1,8 +1,8 @@
 """LoRA adapters served beside the base model (vLLM's ``--lora-modules``): many adapters, one batch.
 
 An adapter is a PEFT checkpoint directory (``adapter_config.json`` and ``adapter_model.safetensors``) whose
-low-rank pairs A ``[r, in]``, B ``[out, r]`` target the attention and MLP projections. Each is loaded once,
-at start, into a slot (1, 2, ...; 0 is the base model): its pairs go onto the model's ``Linear`` layers, packed
+low-rank pairs A ``[r, in]``, B ``[out, r]`` target the attention and MLP projections. Each is loaded once
+(at start, or while serving: ``services/lora_updates.py``) into a free slot (1, 2, ...; 0 is the base model): its pairs go onto the model's ``Linear`` layers, packed
 as the model packs q/k/v and gate/up (A stacked, B block-diagonal, PEFT's scaling folded into B). A step's rows
 carry their sequence's slot (``LoRARows``), and each layer adds ``x A^T B^T`` to the rows of each adapter in
 the batch, so sequences of different adapters and of the base model share one forward pass.
@@ -65,17 +65,14 @@ def check_adapters(modules: dict[str, str], base_id: str) -> None:
     """Refuse adapters that could not be served beside the model ``base_id`` (requests name it, so no adapter
     may), before any weight is read."""
     for name, path in modules.items():
-        if not name or name != name.strip() or name == base_id:
-            raise LoRAAdapterError(f"LoRA adapter {name!r}: a name must be non-empty, without surrounding spaces, "
-                                   f"and not the base model's ({base_id!r})")
+        _check_name(name, base_id)
         read_adapter_config(name, Path(path).expanduser())
 
 
-def load_adapter(name: str, path: str, slot: int, base_id: str, model: torch.nn.Module, cfg: ModelConfig,
-                 dtype: torch.dtype, device: torch.device | str) -> LoRAAdapter:
-    """Load the adapter at ``path`` of the model ``base_id`` into ``slot`` of its layers (a free one)."""
-    check_adapters({name: path}, base_id)
-    return _load(name, slot, Path(path).expanduser(), model, cfg, dtype, device)
+def _check_name(name: str, base_id: str) -> None:
+    if not name or name != name.strip() or name == base_id:
+        raise LoRAAdapterError(f"LoRA adapter {name!r}: a name must be non-empty, without surrounding spaces, "
+                               f"and not the base model's ({base_id!r})")
 
 
 def unload_adapter(model: torch.nn.Module, slot: int) -> None:
@@ -98,8 +95,13 @@ def read_adapter_config(name: str, path: Path) -> dict:
     return config
 
 
-def _load(name: str, slot: int, path: Path, model: torch.nn.Module, cfg: ModelConfig, dtype: torch.dtype,
-          device: torch.device | str) -> LoRAAdapter:
+def load_adapter(name: str, path: str, slot: int, base_id: str, model: torch.nn.Module, cfg: ModelConfig,
+                 dtype: torch.dtype, device: torch.device | str) -> LoRAAdapter:
+    """Load the adapter at ``path`` of the model ``base_id`` into ``slot`` of its layers (a free one). Every
+    pair is checked and packed before any goes onto a layer, so an adapter refused half-way leaves the slot
+    empty."""
+    _check_name(name, base_id)
+    path = Path(path).expanduser()
     config = read_adapter_config(name, path)
     weights_file = path / "adapter_model.safetensors"
     raw = weights_file.read_bytes()
@@ -119,13 +121,15 @@ def _load(name: str, slot: int, path: Path, model: torch.nn.Module, cfg: ModelCo
         pairs.setdefault((layer, PACKED_INTO[part]), {}).setdefault(part, {})[ab] = tensor
     if not pairs:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
+    packed = []
     for (layer, module), parts in pairs.items():
         try:
             linear = model.get_submodule(f"model.layers.{layer}.{module}")
         except AttributeError:  # a mixture of experts' layer: its experts take no adapter
             raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer}'s {module} is a mixture of experts, "
                                   "which LoRA adapters are not supported on (target attention only)") from None
-        a, b = _pack(name, layer, module, parts, config, cfg)
+        packed.append((linear, *_pack(name, layer, module, parts, config, cfg)))
+    for linear, a, b in packed:
         linear.lora[slot] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     return LoRAAdapter(name, slot, _adapter_id(name, raw))
 

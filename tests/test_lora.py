@@ -145,6 +145,10 @@ def test_adapters_the_layers_cannot_run_are_refused_with_what_is_wrong(tmp_path)
     with pytest.raises(CheckpointError, match="adapter_config.json not found"):
         Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"none": str(tmp_path)}))
     engine = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"good": str(good)}))
+    for name in ("shape", "experts"):  # refused while serving: no pair of it is left on any layer
+        with pytest.raises(CheckpointError, match=cases[name][1]):
+            engine.load_adapter(name, str(tmp_path / name))
+    assert not any(2 in m.lora for m in engine.model.modules() if hasattr(m, "lora")) and list(engine.loras) == ["good"]
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'other' is loaded \\(loaded: good\\)"):
         engine.add_request("r", [1, 2, 3], GREEDY, lora="other")
     assert not engine.has_unfinished()
