@@ -26,6 +26,9 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up at first admission (prompt_tokens_cached: the hits)
     num_preemptions: int
     speculation: SpeculationStats = field(default_factory=SpeculationStats)  # cumulative; all 0 when off
+    # the LoRA adapters of the running and of the waiting sequences (sorted names; the base model is none)
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 @dataclass
@@ -61,4 +64,9 @@ def engine_stats(scheduler: Scheduler, block_manager: BlockManager, step_times_s
         prompt_tokens_cached=sch.prompt_tokens_cached, prefix_cache_queries=sch.prefix_cache_queries,
         num_preemptions=sch.num_preemptions,
         speculation=replace(speculation, accepted_per_position=list(speculation.accepted_per_position)),
+        running_loras=_adapters(sch.running), waiting_loras=_adapters(sch.waiting),
     )
+
+
+def _adapters(seqs: Iterable) -> tuple[str, ...]:
+    return tuple(sorted({s.lora for s in seqs if s.lora is not None}))

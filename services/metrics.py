@@ -15,6 +15,8 @@ so two servers in one process, as in the tests, don't collide on metric names.
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import (
@@ -25,6 +27,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 if TYPE_CHECKING:
     from router.loads import WorkerLoad
@@ -56,6 +59,31 @@ def token_buckets(max_model_len: int) -> list[int]:
 
 # vLLM's finish reasons: "abort" when the client left (or the engine aborted), "error" when the request failed
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _LoRAInfo:
+    """vLLM's ``lora_requests_info``, from the workers' latest reports: one series whose labels name the
+    adapters of the running and of the waiting requests across the cluster (comma-separated) and the most
+    adapters one batch takes (every adapter loaded: they all share batches); its value is the scrape time,
+    as vLLM sets it (the Gateway API inference extension reads a server's adapters from the newest series).
+    Exported while a worker has an adapter loaded. A collector rather than a labelled gauge, so the label
+    sets of earlier scrapes do not stay behind as series of their own."""
+
+    def __init__(self, model_name: str, loads: dict[str, WorkerLoad]) -> None:
+        self.model_name, self.loads = model_name, loads
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        loads = list(self.loads.values())
+        most = max((ld.loaded_loras for ld in loads), default=0)
+        if not most:
+            return
+        family = GaugeMetricFamily("tidepool_lora_requests_info", "Running stats on LoRA requests",
+                                   labels=["model_name", "max_lora", "running_lora_adapters",
+                                           "waiting_lora_adapters"])
+        running = sorted({name for ld in loads for name in ld.running_loras})
+        waiting = sorted({name for ld in loads for name in ld.waiting_loras})
+        family.add_metric([self.model_name, str(most), ",".join(running), ",".join(waiting)], time.time())
+        yield family
 
 
 class Metrics:
@@ -106,6 +134,7 @@ class Metrics:
             [*m, "source"], registry=r)
         for source in (*_LOCAL_SOURCES, "pool_host", "pool_disk", "pool_redis", "pool_peer"):
             self.tokens_by_source.labels(model_name, source)
+        r.register(_LoRAInfo(model_name, self._loads))
 
         # ---- requests, recorded by the dispatcher (services/request_metrics.py)
         self.prompt_tokens = count("tidepool_prompt_tokens",

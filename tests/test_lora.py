@@ -168,7 +168,10 @@ def test_an_adapter_loaded_while_serving_takes_a_free_slot_and_unloading_aborts_
     (p,) = prompts((21,))
     assert run(engine, {"a": (p, "a")})[0]["a"] == reference(a, p)
     engine.add_request("b-running", p, GREEDY, lora="b")
+    # the load report names the adapters of the waiting and of the running requests (vLLM's lora_requests_info)
+    assert (engine.stats().waiting_loras, engine.stats().running_loras) == (("b",), ())
     engine.step()
+    assert (engine.stats().waiting_loras, engine.stats().running_loras) == ((), ("b",))
     assert engine.adapter_requests("b") == ["b-running"]
     assert engine.unload_adapter("b") == ["b-running"]  # aborted: the next step reports it
     (out,) = engine.step()

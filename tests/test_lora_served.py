@@ -103,6 +103,10 @@ def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks
         model="kelp", prompt_token_ids=PROMPT, sampling=serving_pb2.SamplingOptions(
             max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)), timeout=120))
     assert "".join(c.text for c in chunks) == want["kelp"]
+    # /metrics exports vLLM's lora_requests_info: every worker holds both adapters, so a batch takes two
+    info = [line for line in httpx.get(f"{lora_server.http_url}/metrics").text.splitlines()
+            if line.startswith("tidepool_lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0]
 
 
 @pytest.mark.redis

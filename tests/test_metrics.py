@@ -147,6 +147,26 @@ def test_worker_reports_become_cluster_gauges_and_counter_increments():
     assert sample(m, "tidepool_num_requests_running") == 0
 
 
+def test_lora_requests_info_names_the_clusters_running_and_waiting_adapters_in_one_series():
+    m = Metrics("tiny", 2048)
+
+    def lora_series() -> list[dict[str, str]]:
+        found = [s for f in text_string_to_metric_families(m.render().decode()) for s in f.samples
+                 if s.name == "tidepool_lora_requests_info"]
+        return [{k: v for k, v in s.labels.items() if k != "model_name"} for s in found]
+
+    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10))
+    assert lora_series() == []  # no adapter loaded: not exported, as vLLM without LoRA
+    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10, loaded_loras=2, running_loras=("crab",),
+                                 waiting_loras=("kelp",)))
+    m.set_worker_load(WorkerLoad("d0", "decode", total_blocks=10, loaded_loras=2, running_loras=("kelp", "crab")))
+    assert lora_series() == [{"max_lora": "2", "running_lora_adapters": "crab,kelp", "waiting_lora_adapters": "kelp"}]
+    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10, loaded_loras=3))
+    m.set_worker_load(WorkerLoad("d0", "decode", alive=False))
+    # one series, the latest: the label sets of earlier scrapes are gone
+    assert lora_series() == [{"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": ""}]
+
+
 def test_token_histograms_use_vllms_1_2_5_buckets_up_to_the_context_length():
     assert token_buckets(2048) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000]
 
