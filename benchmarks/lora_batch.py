@@ -4,9 +4,12 @@ run, against the weight bytes each step must read (a decode step is bound by the
 each adapter's in the batch once).
 
 The adapters are random rank-R PEFT adapters of every projection (q, k, v, o, gate, up, down), written in
-PEFT's format, so they load as a user's would.
+PEFT's format, so they load as a user's would. On a CPU each adapter's rows take their own matmuls; on a GPU
+(``--device cuda``) every decode step replays a CUDA graph whose grouped LoRA kernels serve all adapters of
+the batch at once (``engine/kernels/lora_matmul.py``).
 
     python benchmarks/lora_batch.py [--model tiny|DIR] [--batch 32] [--rank 16] [--adapters 8] [--json PATH]
+                                    [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--adapters", type=int, default=8, help="K: the adapters of the mixed batch")
     p.add_argument("--repeats", type=int, default=3, help="runs of each batch; the fastest counts")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     cfg = ModelConfig.from_dir(resolve_model_dir(args.model))
@@ -90,7 +95,8 @@ def main() -> None:
         for k, path in enumerate(modules.values()):
             write_adapter(Path(path), cfg, args.rank, seed=k)
         engine = Engine(EngineConfig(model=args.model, max_num_seqs=args.batch, lora_modules=modules,
-                                     num_blocks=args.batch * -(-(args.prompt_len + args.new_tokens) // 16) + 16))
+                                     num_blocks=args.batch * -(-(args.prompt_len + args.new_tokens) // 16) + 16,
+                                     device=args.device, dtype=args.dtype))
     base_bytes = sum(t.numel() * t.element_size() for name, t in engine.model.named_parameters()
                      if name != "model.embed_tokens.weight")  # a decode step reads every matrix but the table
     one_adapter = adapter_bytes(engine, 1)
@@ -107,6 +113,9 @@ def main() -> None:
         results[label] = {"tok_s": tokens / seconds, "step_time_vs_base": seconds / base_s,
                           "weight_bytes_vs_base": bound}
         rows.append([label, tokens / seconds, seconds / base_s, bound])
+    graphs = engine.runner.graphs
+    print(f"device {engine.device}, decode steps replayed from CUDA graphs: "
+          f"{sum(graphs.replays.values()) if graphs else 'none (eager)'}")
     print(f"model {args.model}: {base_bytes / 2**20:.0f} MiB of weights read per step; each rank-{args.rank} adapter "
           f"{one_adapter / 2**20:.1f} MiB; batch {args.batch}, {args.prompt_len}-token prompts, "
           f"{args.new_tokens} new tokens; load {load_average()}")

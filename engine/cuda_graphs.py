@@ -9,7 +9,9 @@ kernel skips) and attend over one position of a valid block; their logits are dr
 fixed at capture: the decode kernel's split-K factor follows from the batch size and the largest context
 (``max_blocks`` x block size), never from a step's own lengths, and each table row is read only up to its
 row's context length, so stale entries past it are harmless. Steps with prompt tokens, or larger than
-the largest size, run eagerly; ``EngineConfig.enforce_eager`` turns graphs off. Plain and int8 caches
+the largest size, run eagerly; ``EngineConfig.enforce_eager`` turns graphs off. With LoRA adapter slots,
+each row's slot is one more buffer (-1: the base model, and the padding) that the grouped LoRA kernels read
+(``engine/kernels/lora_matmul.py``), so steps of any mix of adapters replay the same graphs. Plain and int8 caches
 (``GRAPH_KV_FORMATS``: the write kernel quantizes int8 rows on the device) are captured; fp8's window
 pool (and kivi2's) decides on the host where each row goes, so those caches run eagerly.
 
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.lora import LoRABatch
 from engine.model import AttentionMetadata
 from engine.triton_attention import PagedAttentionMeta
 
@@ -50,6 +53,7 @@ class DecodeGraphs:
         self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
         self.rows = torch.arange(top, dtype=torch.long, device=device)
+        self.lora_index = torch.full((top,), -1, dtype=torch.int32, device=device) if runner.with_lora else None
         self.max_context_len = max_blocks * runner.block_size
         self._no_prefill = (torch.zeros(0, max_blocks, dtype=torch.int32, device=device),
                             torch.zeros(1, dtype=torch.int32, device=device),
@@ -61,10 +65,8 @@ class DecodeGraphs:
             self._capture_all()
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
-        """Whether this step is decode-only (one token after some context each), small enough, and of the base
-        model only (an adapter's rows vary from step to step: they run eagerly)."""
-        return 0 < len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 and c.start_pos > 0 and not c.lora
-                                                         for c in chunks)
+        """Whether this step is decode-only (one token after some context each) and small enough."""
+        return 0 < len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks)
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -73,7 +75,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         positions = [c.start_pos for c in chunks]
         width = max(p // B + 1 for p in positions)
-        rows = torch.tensor([[c.token_ids[0], p, c.block_table[p // B] * B + p % B, p + 1]
+        rows = torch.tensor([[c.token_ids[0], p, c.block_table[p // B] * B + p % B, p + 1, c.lora - 1]
                              for c, p in zip(chunks, positions, strict=True)], dtype=torch.long)
         tables = torch.tensor([c.block_table[:width] + [0] * (width - len(c.block_table[:width]))
                                for c in chunks], dtype=torch.int32)
@@ -82,6 +84,8 @@ class DecodeGraphs:
         self.context_lens[:n] = rows[:, 3].to(torch.int32)
         self.tables[:n, :width] = tables
         self.slots[n:size], self.context_lens[n:size] = -1, 1  # padding: writes nothing, reads one position
+        if self.lora_index is not None:
+            self.lora_index[:n], self.lora_index[n:size] = rows[:, 4].to(torch.int32), -1
         self.replays[size] += 1
         if size in self._graphs:
             self._graphs[size].replay()
@@ -94,6 +98,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(self.slots[:size], [], size, paged=PagedAttentionMeta(
             self.tables[:size], self.context_lens[:size], self.max_context_len, *self._no_prefill, 0,
             self.runner.paged_window))
+        if self.lora_index is not None:
+            meta.lora = LoRABatch(index=self.lora_index[:size])
         kv_layers = self.runner.kv_cache.for_step(self.slots[:size])
         return self.runner.model(self.input_ids[:size], self.positions[:size], meta, kv_layers, self.rows[:size])
 

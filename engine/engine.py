@@ -27,7 +27,8 @@ from engine.errors import InvalidRequestError, LoRAAdapterError
 from engine.kv_cache import KVCache
 from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
-from engine.lora import LoRAAdapter, adapter_id, load_adapter, unload_adapter
+from engine.lora import LoRAAdapter, PackedAdapter, adapter_id, read_adapter
+from engine.lora_slots import DEFAULT_MAX_LORA_RANK, LoRASlots
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
@@ -51,10 +52,13 @@ class Engine:
         self.config, self.block_size = config, config.block_size
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
-        # before the KV cache is sized: the adapters' weights take device memory too
+        # before the KV cache is sized: the adapter slots take device memory too
+        adapters = [read_adapter(name, path, self.model_id, self.model, self.model_config)
+                    for name, path in config.lora_modules.items()]
+        self.lora_slots = self._lora_slots(config, max((a.rank for a in adapters), default=0))
         self.loras: dict[str, LoRAAdapter] = {}
-        for name, path in config.lora_modules.items():
-            self.load_adapter(name, path)
+        for packed in adapters:
+            self._place(packed)
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -69,7 +73,8 @@ class Engine:
         self.device = self.kv_cache.device
         # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
         self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings, model_window)
-        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend)
+        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend,
+                                  with_lora=self.lora_slots is not None)
         self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
                                           config.enable_prefix_caching, config.enable_block_events, residual,
                                           self.kv_cache.release_windows)
@@ -452,10 +457,24 @@ class Engine:
                 raise LoRAAdapterError(f"LoRA adapter {name!r}: another adapter of that name is loaded; unload it "
                                        "first")
             return self.loras[name]
-        slot = min(set(range(1, len(self.loras) + 2)) - {a.slot for a in self.loras.values()})
-        self.loras[name] = load_adapter(name, path, slot, self.model_id, self.model, self.model_config,
-                                        self.model.lm_head.weight.dtype, self.config.device)
-        return self.loras[name]
+        if self.lora_slots is None:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: this engine has no LoRA slots (start the server with "
+                                   "--max-loras N to load adapters while serving)")
+        return self._place(read_adapter(name, path, self.model_id, self.model, self.model_config))
+
+    def _place(self, packed: PackedAdapter) -> LoRAAdapter:
+        self.loras[packed.name] = LoRAAdapter(packed.name, self.lora_slots.place(packed), packed.adapter_id)
+        return self.loras[packed.name]
+
+    def _lora_slots(self, config: EngineConfig, start_rank: int) -> LoRASlots | None:
+        """The slots of ``config.max_loras`` adapters (default: one per ``lora_modules`` entry) up to
+        ``max_lora_rank`` (default: 16, or ``start_rank``, the largest of ``lora_modules``' adapters)."""
+        max_loras = len(config.lora_modules) if config.max_loras is None else config.max_loras
+        if not max_loras:
+            return None
+        rank = max(DEFAULT_MAX_LORA_RANK, start_rank) if config.max_lora_rank is None else config.max_lora_rank
+        return LoRASlots(self.model, self.model_config, max_loras, rank, self.model.lm_head.weight.dtype,
+                         config.device)
 
     def adapter_requests(self, name: str) -> list[str]:
         """The live requests (waiting or running) of adapter ``name``."""
@@ -470,7 +489,7 @@ class Engine:
         for request_id in running:
             self.abort(request_id)
         del self.loras[name]
-        unload_adapter(self.model, adapter.slot)
+        self.lora_slots.free(adapter.slot)
         return running
 
     def _adapter(self, lora: str) -> LoRAAdapter:

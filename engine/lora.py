@@ -1,11 +1,15 @@
 """LoRA adapters served beside the base model (vLLM's ``--lora-modules``): many adapters, one batch.
 
 An adapter is a PEFT checkpoint directory (``adapter_config.json`` and ``adapter_model.safetensors``) whose
-low-rank pairs A ``[r, in]``, B ``[out, r]`` target the attention and MLP projections. Each is loaded once
-(at start, or while serving: ``services/lora_updates.py``) into a free slot (1, 2, ...; 0 is the base model): its pairs go onto the model's ``Linear`` layers, packed
-as the model packs q/k/v and gate/up (A stacked, B block-diagonal, PEFT's scaling folded into B). A step's rows
-carry their sequence's slot (``LoRARows``), and each layer adds ``x A^T B^T`` to the rows of each adapter in
-the batch, so sequences of different adapters and of the base model share one forward pass.
+low-rank pairs A ``[r, in]``, B ``[out, r]`` target the attention and MLP projections. Each is read and checked
+whole (``read_adapter``: packed as the model packs q/k/v and gate/up, A stacked, B block-diagonal, PEFT's
+scaling folded into B), then copied into a free slot (1, 2, ...; 0 is the base model) of the slots allocated
+at start (``engine/lora_slots.py``, vLLM's ``--max-loras``), at start or while serving
+(``services/lora_updates.py``). A step names each row's slot (``LoRABatch``), and each layer adds ``x A^T B^T``
+to the rows of each adapter in the batch, so sequences of different adapters and of the base model share one
+forward pass: per adapter on the torch path (``lora_delta``), or in two grouped kernel launches for every
+adapter at once on the Triton backend's decode steps, which CUDA graphs capture
+(``engine/kernels/lora_matmul.py``).
 
 An adapter changes every key and value, so its sequences' blocks are hashed under a salt of their own
 (``kvstore.hashing.salt_for(model, adapter_id)``): they are never another adapter's prefix-cache hits, while
@@ -19,7 +23,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,11 +43,31 @@ _KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(
 LoRARows = list[tuple[int, torch.Tensor | None]]
 
 
+@dataclass
+class LoRABatch:
+    """A step's adapters: ``rows`` for the per-adapter path (``lora_delta``), or ``index``, each row's slot - 1
+    (-1: the base model), for the grouped kernels (``engine/kernels/lora_matmul.py``)."""
+
+    rows: LoRARows = field(default_factory=list)
+    index: torch.Tensor | None = None
+
+
 @dataclass(frozen=True)
 class LoRAAdapter:
     name: str
     slot: int  # 1.. (0: the base model)
     adapter_id: str  # name@digest: what its blocks' hashes are salted with
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter read and checked whole, not yet on any layer: each targeted layer's packed (A, B) in
+    float32, by the layer's module name (``model.layers.3.self_attn.qkv_proj``), and its largest rank."""
+
+    name: str
+    adapter_id: str
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    rank: int
 
 
 def lora_delta(out: torch.Tensor, x: torch.Tensor, pairs: dict[int, tuple[torch.Tensor, torch.Tensor]],
@@ -75,12 +99,6 @@ def _check_name(name: str, base_id: str) -> None:
                                f"and not the base model's ({base_id!r})")
 
 
-def unload_adapter(model: torch.nn.Module, slot: int) -> None:
-    """Take ``slot``'s pairs off every layer: the slot is free, and the adapter's memory goes back."""
-    for module in model.modules():
-        getattr(module, "lora", {}).pop(slot, None)
-
-
 def read_adapter_config(name: str, path: Path) -> dict:
     """The adapter directory's ``adapter_config.json``, once it is known to describe an adapter these layers
     run (callers check this before starting workers, so a bad adapter fails at once, named)."""
@@ -95,11 +113,10 @@ def read_adapter_config(name: str, path: Path) -> dict:
     return config
 
 
-def load_adapter(name: str, path: str, slot: int, base_id: str, model: torch.nn.Module, cfg: ModelConfig,
-                 dtype: torch.dtype, device: torch.device | str) -> LoRAAdapter:
-    """Load the adapter at ``path`` of the model ``base_id`` into ``slot`` of its layers (a free one). Every
-    pair is checked and packed before any goes onto a layer, so an adapter refused half-way leaves the slot
-    empty."""
+def read_adapter(name: str, path: str, base_id: str, model: torch.nn.Module, cfg: ModelConfig) -> PackedAdapter:
+    """Read the adapter at ``path`` of the model ``base_id`` and pack every pair, checked against ``model``'s
+    layers; nothing goes onto a layer (``LoRASlots.place`` does that), so an adapter refused half-way leaves
+    no trace."""
     _check_name(name, base_id)
     path = Path(path).expanduser()
     config = read_adapter_config(name, path)
@@ -121,17 +138,17 @@ def load_adapter(name: str, path: str, slot: int, base_id: str, model: torch.nn.
         pairs.setdefault((layer, PACKED_INTO[part]), {}).setdefault(part, {})[ab] = tensor
     if not pairs:
         raise LoRAAdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
-    packed = []
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), parts in pairs.items():
+        path_in_model = f"model.layers.{layer}.{module}"
         try:
-            linear = model.get_submodule(f"model.layers.{layer}.{module}")
+            model.get_submodule(path_in_model)
         except AttributeError:  # a mixture of experts' layer: its experts take no adapter
             raise LoRAAdapterError(f"LoRA adapter {name!r}: layer {layer}'s {module} is a mixture of experts, "
                                   "which LoRA adapters are not supported on (target attention only)") from None
-        packed.append((linear, *_pack(name, layer, module, parts, config, cfg)))
-    for linear, a, b in packed:
-        linear.lora[slot] = (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
-    return LoRAAdapter(name, slot, _adapter_id(name, raw))
+        packed[path_in_model] = _pack(name, layer, module, parts, config, cfg)
+    rank = max(pair["A"].shape[0] for parts in pairs.values() for pair in parts.values())
+    return PackedAdapter(name, _adapter_id(name, raw), packed, rank)
 
 
 def adapter_id(name: str, path: str) -> str:

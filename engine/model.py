@@ -26,7 +26,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig, MoEConfig
-from engine.lora import LoRARows, lora_delta
+from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
 from engine.triton_attention import PagedAttentionMeta, paged_attention
@@ -67,8 +67,8 @@ class AttentionMetadata:
     # LongRoPE: the rows of sequences longer than the original context, which rotate with the long factors at
     # every position (``CausalLM.rope_tables``); None: no such row.
     long_rope_rows: torch.Tensor | None = None
-    # LoRA adapters (``engine/lora.py``): each adapter's rows of this step; None: every row is the base model's.
-    lora: LoRARows | None = None
+    # LoRA adapters (``engine/lora.py``): each row's adapter in this step; None: every row is the base model's.
+    lora: LoRABatch | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -158,18 +158,24 @@ class PagedKV(Protocol):
 
 class Linear(nn.Module):
     """``nn.Linear`` minus its random init: the loader overwrites every weight, and skipping the init
-    keeps model construction instant (even under ``torch.device``). ``lora``: the LoRA adapters' (A, B) pairs
-    on this layer by slot (``engine/lora.py``), added on the rows of each adapter a step names."""
+    keeps model construction instant (even under ``torch.device``). ``lora_stacks``: every LoRA adapter slot's
+    A and B (``engine/lora_slots.py``; None: no adapter may target this layer), and ``lora`` views of those of
+    the loaded adapters by slot, added on the rows of each adapter a step names."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lora_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
-        return out if lora is None or not self.lora else lora_delta(out, x, self.lora, lora)
+        if lora is None or self.lora_stacks is None:
+            return out
+        if lora.index is not None:  # a decode step on the Triton backend: every slot in two launches
+            return kernels.lora_grouped(out, x, *self.lora_stacks, lora.index)
+        return lora_delta(out, x, self.lora, lora.rows) if self.lora else out
 
 
 class RMSNorm(nn.Module):
@@ -250,7 +256,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
 
-    def forward(self, x: torch.Tensor, lora: LoRARows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, lora)
 

@@ -18,7 +18,7 @@ import torch
 from engine.config import GRAPH_KV_FORMATS, ModelConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
-from engine.lora import LoRARows
+from engine.lora import LoRABatch, LoRARows
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
 from engine.streaming_window import StreamingWindow
 from engine.triton_attention import paged_metadata
@@ -42,9 +42,10 @@ class SeqChunk:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
-                 window: StreamingWindow | None = None, attention_backend: str = "torch"):
+                 window: StreamingWindow | None = None, attention_backend: str = "torch", with_lora: bool = False):
         """``attention_backend``: "torch" (gather + SDPA) or "triton" (``engine/triton_attention.py``: a
-        sliding window, no sinks); ``engine.triton_attention.attention_backend`` resolves "auto"."""
+        sliding window, no sinks); ``engine.triton_attention.attention_backend`` resolves "auto".
+        ``with_lora``: the model has LoRA adapter slots (``engine/lora_slots.py``), which decode graphs read."""
         if attention_backend not in ("torch", "triton"):
             raise ValueError(f"attention_backend must be 'torch' or 'triton', got {attention_backend!r}")
         if attention_backend == "triton" and window is not None and window.sinks:
@@ -53,6 +54,7 @@ class ModelRunner:
             raise ValueError("attention sinks rotate queries at their cache position, which LongRoPE's two "
                              "frequency sets do not define: serve this model without --kv-sinks")
         self.model, self.config, self.kv_cache, self.window = model, model_config, kv_cache, window
+        self.with_lora = with_lora
         self.paged_window = 0 if window is None else window.window  # the kernels' sliding window (0: none)
         self.device = kv_cache.device
         self.block_size = kv_cache.block_size
@@ -124,8 +126,11 @@ class ModelRunner:
             meta.long_rope_rows = torch.tensor([False] * len(decode) + [
                 chunks[i].long_rope for i in prefill for _ in range(lens[i])], device=self.device)
         if any(c.lora for c in chunks):
-            meta.lora = self._lora_rows([chunks[i].lora for i in decode] + [
-                chunks[i].lora for i in prefill for _ in range(lens[i])])
+            slots = [chunks[i].lora for i in decode] + [chunks[i].lora for i in prefill for _ in range(lens[i])]
+            # a decode step on the Triton backend takes every adapter in two grouped launches a layer;
+            # prompt rows keep the per-adapter matmuls (each row of the grouped kernel reads its whole A)
+            meta.lora = (LoRABatch(index=torch.tensor(slots, device=self.device) - 1) if self.paged and not prefill
+                         else LoRABatch(self._lora_rows(slots)))
         pos = torch.tensor(positions, device=self.device)
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],

@@ -80,9 +80,9 @@ class WorkerLoad:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
-    # LoRA adapters: how many are loaded, and those of the running and the waiting requests (vLLM's
-    # lora_requests_info)
-    loaded_loras: int = 0
+    # LoRA adapters: the worker's adapter slots (--max-loras), and the adapters of the running and the waiting
+    # requests (vLLM's lora_requests_info)
+    max_loras: int = 0
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
 

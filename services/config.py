@@ -137,6 +137,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-runtime-lora-updating", action="store_true", default=g.allow_runtime_lora_updating,
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), loading and "
                         "unloading LoRA adapters on every worker while serving")
+    p.add_argument("--max-loras", type=int, default=e.max_loras,
+                   help="LoRA adapter slots each worker allocates at start: the most adapters loaded at once "
+                        "(default: one per --lora-modules adapter, at least 1 with --allow-runtime-lora-updating)")
+    p.add_argument("--max-lora-rank", type=int, default=e.max_lora_rank,
+                   help="the largest LoRA rank a slot holds (default: 16, or the largest --lora-modules rank)")
     p.add_argument("--generation-config", default=c.generation_config, metavar="auto|vllm|DIR",
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
                         "caps an unset max_tokens) for what a request leaves unset: auto reads the model's "
@@ -261,6 +266,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     names = [name for name, _ in args.lora_modules]
     if len(set(names)) < len(names):
         raise ValueError(f"--lora-modules names each adapter once, got {', '.join(names)}")
+    max_loras = args.max_loras
+    if max_loras is None and args.allow_runtime_lora_updating:
+        max_loras = max(len(names), 1)
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -271,7 +279,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        lora_modules=dict(args.lora_modules),
+        lora_modules=dict(args.lora_modules), max_loras=max_loras, max_lora_rank=args.max_lora_rank,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

@@ -63,10 +63,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 
 class _LoRAInfo:
     """vLLM's ``lora_requests_info``, from the workers' latest reports: one series whose labels name the
-    adapters of the running and of the waiting requests across the cluster (comma-separated) and the most
-    adapters one batch takes (every adapter loaded: they all share batches); its value is the scrape time,
-    as vLLM sets it (the Gateway API inference extension reads a server's adapters from the newest series).
-    Exported while a worker has an adapter loaded. A collector rather than a labelled gauge, so the label
+    adapters of the running and of the waiting requests across the cluster (comma-separated) and the workers'
+    adapter slots (``--max-loras``: all of them share batches); its value is the scrape time, as vLLM sets it
+    (the Gateway API inference extension reads a server's adapters from the newest series). Exported while
+    a worker has LoRA slots. A collector rather than a labelled gauge, so the label
     sets of earlier scrapes do not stay behind as series of their own."""
 
     def __init__(self, model_name: str, loads: dict[str, WorkerLoad]) -> None:
@@ -74,7 +74,7 @@ class _LoRAInfo:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         loads = list(self.loads.values())
-        most = max((ld.loaded_loras for ld in loads), default=0)
+        most = max((ld.max_loras for ld in loads), default=0)
         if not most:
             return
         family = GaugeMetricFamily("tidepool_lora_requests_info", "Running stats on LoRA requests",

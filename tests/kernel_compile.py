@@ -75,7 +75,7 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
     """One layer of one engine step on the Triton backend: two decode rows at ``context`` tokens and a
     prefill chunk of 24 after a cached prefix of 40, through the backend's own entry points (RoPE, the
     K/V write, decode and prefill attention, with and without a sliding window, the fused residual add +
-    RMSNorm, a mixture of experts)."""
+    RMSNorm, a mixture of experts, the grouped LoRA matmuls)."""
     heads, kv_heads, head_dim = SHAPES[shape]
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=heads * head_dim,
                       intermediate_size=4 * heads * head_dim, num_layers=1, num_heads=heads,
@@ -107,6 +107,12 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
             kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
                               torch.empty(experts, 2 * inter, hidden, dtype=dtype),
                               torch.empty(experts, hidden, inter, dtype=dtype))
+    if kv_format == "auto" and dtype == torch.bfloat16:  # LoRA adapters of a decode batch: ranks 16 and 64, packed q/k/v
+        fan_in, fan_out = cfg.hidden_size, qkv.shape[1]
+        for cap in (48, 192):
+            kernels.lora_grouped(torch.empty(4, fan_out, dtype=dtype), torch.empty(4, fan_in, dtype=dtype),
+                                 torch.empty(4, cap, fan_in, dtype=dtype), torch.empty(4, fan_out, cap, dtype=dtype),
+                                 torch.full((4,), -1))
     if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
         k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
         paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,

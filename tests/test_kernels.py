@@ -630,3 +630,38 @@ def test_fused_moe_rejects_mismatched_operands():
         fused_moe(x, scores, ids, gate_up, down[:, :, :4])
     with pytest.raises(ValueError, match="dtype"):
         fused_moe(x, scores, ids, gate_up.half(), down.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows, cap, fan_in, fan_out", [(1, 16, 64, 48), (7, 24, 200, 130), (33, 48, 96, 320)])
+def test_grouped_lora_adds_each_rows_adapter_and_leaves_base_rows_alone(dtype, rows, cap, fan_in, fan_out):
+    """Ranks that are not powers of two, fan-ins and fan-outs that are not multiples of the tiles, base-model
+    rows (-1) between adapter rows: each row gets its own slot's ``x A^T B^T``, the per-adapter torch path's."""
+    from engine.kernels.lora_matmul import lora_grouped
+    from engine.lora import lora_delta
+
+    slots = 3
+    x = torch.randn(rows, fan_in).to(dtype)
+    a, b = torch.randn(slots, cap, fan_in) / 8, torch.randn(slots, fan_out, cap) / 8
+    a[2, cap // 2:] = 0  # slot 3 holds an adapter of half the rank, zero past it as LoRASlots leaves it
+    index = torch.tensor([(t % (slots + 1)) - 1 for t in range(rows)])
+    out = torch.randn(rows, fan_out).to(dtype)
+    want = ref.ref_lora_grouped(out, x, a.to(dtype), b.to(dtype), index)
+    got = lora_grouped(out.clone(), x, a.to(dtype), b.to(dtype), index)
+    assert_close(got, want)
+    assert torch.equal(got[index < 0], out[index < 0])  # base rows: not one bit changed
+    if dtype == torch.float32:  # the torch path's per-adapter pairs (views of the stacks) agree
+        pairs = {s + 1: (a[s], b[s]) for s in range(slots)}
+        rows_of = [(s + 1, torch.nonzero(index == s).flatten()) for s in range(slots)]
+        assert_close(got, lora_delta(out.clone(), x, pairs, rows_of))
+
+
+def test_grouped_lora_rejects_mismatched_stacks():
+    from engine.kernels.lora_matmul import lora_grouped
+
+    x, out, index = torch.randn(2, 16), torch.randn(2, 8), torch.tensor([0, -1])
+    a, b = torch.randn(2, 4, 16), torch.randn(2, 8, 4)
+    with pytest.raises(ValueError, match=r"A \[slots, cap, in\]"):
+        lora_grouped(out, x, a[:, :, :8], b, index)
+    with pytest.raises(ValueError, match="contiguous"):
+        lora_grouped(out, x, a, b.transpose(1, 2).contiguous().transpose(1, 2), index)

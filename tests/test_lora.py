@@ -16,7 +16,6 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import CheckpointError, InvalidRequestError
 from engine.output import FinishReason
-from engine.runner import SeqChunk
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -100,16 +99,6 @@ def test_an_adapters_blocks_are_its_own_prefix_cache_hits_and_no_one_elses(tmp_p
     assert engine.cached_prefix_len(p, engine.prefix_salt("a")) == 2 * BLOCK
 
 
-def test_a_decode_step_with_an_adapters_rows_runs_eagerly(tmp_path):
-    """Decode graphs hold the base model's step only: an adapter's rows vary, so its steps run eagerly."""
-    hf = build_hf_checkpoint(tmp_path / "base", "llama")
-    peft_adapter(hf, tmp_path / "a", ["q_proj"], rank=2, seed=1)
-    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=16,
-                                 attention_backend="triton", lora_modules={"a": str(tmp_path / "a")}))
-    engine.runner.enable_decode_graphs(4, 4, capture=False)
-    assert engine.runner.graphs.fits([SeqChunk([1], 5, [0])])
-    assert not engine.runner.graphs.fits([SeqChunk([1], 5, [0]), SeqChunk([2], 7, [1], lora=1)])
-
 
 def edit_adapter(src, dst, edit) -> None:
     """A copy of the adapter at ``src`` in ``dst`` with ``edit(config, tensors)`` applied."""
@@ -160,7 +149,7 @@ def test_an_adapter_loaded_while_serving_takes_a_free_slot_and_unloading_aborts_
     a = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=4, seed=1)
     peft_adapter(hf, tmp_path / "b", ["q_proj"], rank=2, seed=2)
     engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
-                                 lora_modules={"b": str(tmp_path / "b")}))
+                                 lora_modules={"b": str(tmp_path / "b")}, max_loras=2))
     assert engine.load_adapter("a", str(tmp_path / "a")).slot == 2
     assert engine.load_adapter("a", str(tmp_path / "a")).slot == 2  # the same adapter again: nothing to do
     with pytest.raises(CheckpointError, match="another adapter of that name is loaded"):
@@ -180,3 +169,11 @@ def test_an_adapter_loaded_while_serving_takes_a_free_slot_and_unloading_aborts_
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'b' is loaded"):
         engine.add_request("b-again", p, GREEDY, lora="b")
     assert engine.load_adapter("b2", str(tmp_path / "b")).slot == 1  # the free slot again
+    with pytest.raises(CheckpointError, match="all 2 LoRA slots are in use; unload an adapter first"):
+        engine.load_adapter("c", str(tmp_path / "b"))
+    # the slots are allocated at start, up to a rank: an adapter needing more is refused by name
+    small = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, max_loras=1, max_lora_rank=2))
+    with pytest.raises(CheckpointError, match="rank 4 is above --max-lora-rank 2"):
+        small.load_adapter("a", str(tmp_path / "a"))
+    with pytest.raises(CheckpointError, match="no LoRA slots"):
+        Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16)).load_adapter("a", str(tmp_path / "a"))

@@ -54,7 +54,8 @@ def served(adapters: dict[str, str]) -> dict[str, str]:
 def lora_server(start_server, adapters):
     """Two prefill workers (a repeated prompt may land on the other one: its blocks come from the pool or a
     peer, under the adapter's salt) and one decode worker, KV handed over by gRPC."""
-    server = start_server(prefill=2, decode=1, kv_transport="grpc", engine_options={"lora_modules": served(adapters)},
+    server = start_server(prefill=2, decode=1, kv_transport="grpc",
+                          engine_options={"lora_modules": served(adapters), "max_loras": 3},
                           gateway_options={"allow_runtime_lora_updating": True})
     yield server
     server.stop()
@@ -103,10 +104,10 @@ def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks
         model="kelp", prompt_token_ids=PROMPT, sampling=serving_pb2.SamplingOptions(
             max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)), timeout=120))
     assert "".join(c.text for c in chunks) == want["kelp"]
-    # /metrics exports vLLM's lora_requests_info: every worker holds both adapters, so a batch takes two
+    # /metrics exports vLLM's lora_requests_info, max_lora being the workers' adapter slots
     info = [line for line in httpx.get(f"{lora_server.http_url}/metrics").text.splitlines()
             if line.startswith("tidepool_lora_requests_info{")]
-    assert len(info) == 1 and 'max_lora="2"' in info[0]
+    assert len(info) == 1 and 'max_lora="3"' in info[0]
 
 
 @pytest.mark.redis
@@ -183,7 +184,9 @@ def test_an_adapter_loaded_while_serving_answers_on_every_worker_until_it_is_unl
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
     bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": "/no/such/dir"})
     assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
-    assert "oyster" not in engine_config.lora_modules
+    full = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": adapters["clam"]})
+    assert full.status_code == 400 and "all 3 LoRA slots are in use" in full.json()["error"]["message"]
+    assert "oyster" not in engine_config.lora_modules and "oyster" not in {m.id for m in client.models.list().data}
 
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "clam"})
     assert (unloaded.status_code, unloaded.text) == (200, "Success: LoRA adapter 'clam' removed successfully.")
@@ -219,6 +222,13 @@ def test_the_flag_takes_name_dir_pairs_and_refuses_a_name_given_twice(tmp_path):
         parse(["serve", "--lora-modules", "crab"])
     assert configs_from_args(parse(["serve", "--allow-runtime-lora-updating"]))[1].allow_runtime_lora_updating
     assert not configs_from_args(parse(["serve"]))[1].allow_runtime_lora_updating
+    # the adapter slots: one per --lora-modules adapter, at least one when adapters may be loaded while serving
+    slots = {tuple(flags): configs_from_args(parse(["serve", *flags]))[0].engine.max_loras for flags in (
+        [], ["--lora-modules", f"crab={tmp_path}"], ["--allow-runtime-lora-updating"],
+        ["--allow-runtime-lora-updating", "--max-loras", "4", "--max-lora-rank", "64"])}
+    assert list(slots.values()) == [None, None, 1, 4]
+    with pytest.raises(ValueError, match="max_loras must be at least the number of lora_modules"):
+        configs_from_args(parse(["serve", "--lora-modules", f"crab={tmp_path}", "--max-loras", "0"]))
 
 
 @pytest.mark.timeout(120)

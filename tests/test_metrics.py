@@ -156,12 +156,12 @@ def test_lora_requests_info_names_the_clusters_running_and_waiting_adapters_in_o
         return [{k: v for k, v in s.labels.items() if k != "model_name"} for s in found]
 
     m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10))
-    assert lora_series() == []  # no adapter loaded: not exported, as vLLM without LoRA
-    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10, loaded_loras=2, running_loras=("crab",),
+    assert lora_series() == []  # no LoRA slots: not exported, as vLLM without LoRA
+    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10, max_loras=2, running_loras=("crab",),
                                  waiting_loras=("kelp",)))
-    m.set_worker_load(WorkerLoad("d0", "decode", total_blocks=10, loaded_loras=2, running_loras=("kelp", "crab")))
+    m.set_worker_load(WorkerLoad("d0", "decode", total_blocks=10, max_loras=2, running_loras=("kelp", "crab")))
     assert lora_series() == [{"max_lora": "2", "running_lora_adapters": "crab,kelp", "waiting_lora_adapters": "kelp"}]
-    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10, loaded_loras=3))
+    m.set_worker_load(WorkerLoad("p0", "prefill", total_blocks=10, max_loras=3))
     m.set_worker_load(WorkerLoad("d0", "decode", alive=False))
     # one series, the latest: the label sets of earlier scrapes are gone
     assert lora_series() == [{"max_lora": "3", "running_lora_adapters": "", "waiting_lora_adapters": ""}]

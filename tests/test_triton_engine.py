@@ -167,17 +167,31 @@ def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, **options) -> tu
 
 
 @needs_interpreter
-def test_lora_adapters_on_triton_equal_torch_and_their_decode_steps_leave_the_graph_buffers(tmp_path):
-    """A LoRA adapter's sequence joins a base-model batch that decodes through the static graph buffers: the
-    greedy tokens equal the torch path's, and the steps with the adapter's rows ran eagerly."""
+def test_lora_adapters_on_triton_equal_torch_also_through_the_graph_buffers(tmp_path):
+    """Sequences of two adapters join a base-model batch that decodes through the static graph buffers, where
+    the grouped LoRA kernels read each row's slot: the greedy tokens equal the torch path's (per-adapter
+    matmuls), eagerly and replayed. An adapter of a lower rank loaded into a freed slot reads nothing of the
+    one before it."""
     from test_lora import ALL_PROJECTIONS, peft_adapter
 
-    peft_adapter(build_hf_checkpoint(tmp_path / "base", "llama"), tmp_path / "crab", ALL_PROJECTIONS, rank=4, seed=1)
-    p, q = prompts((20, 9))
-    runs, engine = runs_by_backend(tmp_path / "base", {0: [("base", p)], 5: [("crab", q, "crab")]}, 10,
-                                   num_blocks=32, lora_modules={"crab": str(tmp_path / "crab")})
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    peft_adapter(hf, tmp_path / "crab", ALL_PROJECTIONS, rank=8, seed=1)
+    peft_adapter(hf, tmp_path / "kelp", ["q_proj", "v_proj"], rank=2, seed=2)
+    peft_adapter(hf, tmp_path / "clam", ["q_proj"], rank=2, seed=3)
+    p, q, r = prompts((20, 9, 13))
+    modules = {"crab": str(tmp_path / "crab"), "kelp": str(tmp_path / "kelp")}
+    runs, engine = runs_by_backend(tmp_path / "base", {0: [("base", p)], 3: [("crab", q, "crab"), ("kelp", r, "kelp")]},
+                                   10, num_blocks=32, lora_modules=modules)
     assert runs["torch"] == runs["triton"] == runs["graphs"]
-    assert sum(engine.runner.graphs.replays.values()) == 4  # base alone: its decode steps before crab came
+    # base alone for two decode steps, then every decode step of the three (steps 4 to 12) was replayed
+    assert sum(engine.runner.graphs.replays.values()) == 11
+
+    engine.unload_adapter("crab")
+    assert engine.load_adapter("clam", str(tmp_path / "clam")).slot == 1  # crab's slot, rank 8 before
+    clam = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=8, num_blocks=32,
+                               lora_modules={"clam": str(tmp_path / "clam")}))
+    arrivals = {0: [("clam", q, "clam"), ("kelp", r, "kelp")]}
+    assert drive(engine, arrivals, 6)[0] == drive(clam, {0: arrivals[0][:1]}, 6)[0] | {"kelp": runs["torch"]["kelp"][:6]}
 
 
 @needs_interpreter

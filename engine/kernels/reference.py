@@ -70,3 +70,14 @@ def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         pos = torch.arange(n - m, n, device=q.device)
         out[cu[b]:cu[b + 1]] = _attend(q[cu[b]:cu[b + 1]], k, v, pos, scale, window)
     return out
+
+
+def ref_lora_grouped(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     index: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``lora_grouped``, one row at a time in float32: ``out`` plus each row's adapter."""
+    result = out.clone()
+    for t, slot in enumerate(index.tolist()):
+        if slot >= 0:
+            delta = (x[t].float() @ a[slot].float().T) @ b[slot].float().T
+            result[t] = (out[t].float() + delta).to(out.dtype)
+    return result

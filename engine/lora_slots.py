@@ -1,0 +1,83 @@
+"""The LoRA adapter slots of one engine, allocated once (vLLM's ``--max-loras`` and ``--max-lora-rank``).
+
+Every ``Linear`` an adapter may target (each layer's packed q/k/v, o, packed gate/up and down projections;
+a mixture of experts' experts take none) holds two stacks: A ``[max_loras, cap, in]`` and B
+``[max_loras, out, cap]``, ``cap`` being ``max_lora_rank`` times the parts packed in it (3 for q/k/v, 2 for
+gate/up). Slot s (1..max_loras) is row s - 1 of both. Allocating them at start, before the KV cache takes
+the device's free memory, means an adapter loaded while serving needs no memory the cache may hold, and the
+stacks never move, so CUDA graphs captured over them read whichever adapters are loaded when they replay.
+
+Placing an adapter copies its packed pairs into its slot's rows, zero past its rank, and points the layer's
+``lora[slot]`` (the torch path's pairs) at views of them; freeing a slot zeroes it, so the grouped kernels,
+which read every slot at its full ``cap``, add nothing for a free slot or past an adapter's rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+from engine.errors import LoRAAdapterError
+from engine.lora import PackedAdapter
+
+# the projections an adapter may target, as the model packs them, and how many adapter parts each packs
+TARGETS = {"self_attn.qkv_proj": 3, "self_attn.o_proj": 1, "mlp.gate_up_proj": 2, "mlp.down_proj": 1}
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's
+
+
+class LoRASlots:
+    def __init__(self, model: torch.nn.Module, cfg: ModelConfig, max_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.used: set[int] = set()
+        self.linears: dict[str, torch.nn.Module] = {}
+        for layer in range(cfg.num_layers):
+            for module, parts in TARGETS.items():
+                name = f"model.layers.{layer}.{module}"
+                try:
+                    linear = model.get_submodule(name)
+                except AttributeError:  # a mixture of experts' MLP
+                    continue
+                out_features, in_features = linear.weight.shape
+                cap = max_rank * parts
+                linear.lora_stacks = (torch.zeros(max_loras, cap, in_features, dtype=dtype, device=device),
+                                      torch.zeros(max_loras, out_features, cap, dtype=dtype, device=device))
+                self.linears[name] = linear
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the stacks hold."""
+        return sum(t.numel() * t.element_size() for linear in self.linears.values() for t in linear.lora_stacks)
+
+    def place(self, adapter: PackedAdapter) -> int:
+        """Copy ``adapter`` into the lowest free slot; returns the slot. LoRAAdapterError when none is free or
+        its rank is above ``max_lora_rank``."""
+        if adapter.rank > self.max_rank:
+            raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above --max-lora-rank "
+                                   f"{self.max_rank} (start the server with a larger --max-lora-rank)")
+        free = sorted(set(range(1, self.max_loras + 1)) - self.used)
+        if not free:
+            raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: all {self.max_loras} LoRA slots are in use; "
+                                   "unload an adapter first, or start the server with a larger --max-loras")
+        slot = free[0]
+        for name, (a, b) in adapter.pairs.items():
+            linear = self.linears[name]
+            stack_a, stack_b = linear.lora_stacks
+            r = a.shape[0]
+            stack_a[slot - 1].zero_()
+            stack_b[slot - 1].zero_()
+            stack_a[slot - 1, :r] = a
+            stack_b[slot - 1, :, :r] = b
+            linear.lora[slot] = (stack_a[slot - 1, :r], stack_b[slot - 1, :, :r])
+        self.used.add(slot)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Take the adapter in ``slot`` off every layer and zero its rows: the slot is free again."""
+        for linear in self.linears.values():
+            linear.lora.pop(slot, None)
+            for stack in linear.lora_stacks:
+                stack[slot - 1].zero_()
+        self.used.discard(slot)
