@@ -33,6 +33,17 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
     return out
 
 
+def lora_summary(dispatcher: Dispatcher) -> dict | None:
+    """The LoRA adapters loaded on every worker, the adapter slots a worker has (``--max-loras``) and the
+    adapters of the requests running now; None when no worker has slots."""
+    loads = [load for load in dispatcher.loads.values() if load.alive]
+    slots = max((load.max_loras for load in loads), default=0)
+    if not slots and not dispatcher.loras:
+        return None
+    return {"adapters": sorted(dispatcher.loras), "slots": slots,
+            "running": sorted({name for load in loads for name in load.running_loras})}
+
+
 def drain_order(row: dict) -> tuple:
     """Sort key of the rows a drain takes first: the dead, then the least busy, then the newest (``decode-3``
     before ``decode-1``, a replacement ``decode-1.2`` before ``decode-1``)."""
@@ -54,5 +65,6 @@ def cluster_status(dispatcher: Dispatcher, autoscaler: Autoscaler | None = None)
         "router": {"policy": dispatcher.conductor.policy_name, "rejections": dispatcher.rejections,
                    "resumed": dispatcher.resumed},
         "workers": worker_rows(dispatcher),
+        **({"lora": lora} if (lora := lora_summary(dispatcher)) else {}),
         **({"autoscaler": autoscaler.status()} if autoscaler is not None else {}),
     }

@@ -86,6 +86,8 @@ def render_status(status: dict) -> str:
         f"redis   {redis.get('url', '?')}   {'up' if redis.get('up') else 'DOWN'}   "
         f"{_num(redis.get('indexed_blocks'))} indexed blocks",
         f"router  policy {router.get('policy', '?')}   {_num(router.get('rejections'))} rejections",
+        *(f"lora    adapters {', '.join(lora['adapters']) or 'none'}   {_num(lora.get('slots'))} slots a worker   "
+          f"running {', '.join(lora.get('running', [])) or 'none'}" for lora in [status.get("lora")] if lora),
         *(f"autoscaler  {role} {plan.get('min')}..{plan.get('max')}   load {_num(plan.get('load'))} workers busy   "
           f"wants {_num(plan.get('wanted'))}" for role, plan in status.get("autoscaler", {}).items()),
         "",

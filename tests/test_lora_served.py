@@ -108,6 +108,8 @@ def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks
     info = [line for line in httpx.get(f"{lora_server.http_url}/metrics").text.splitlines()
             if line.startswith("tidepool_lora_requests_info{")]
     assert len(info) == 1 and 'max_lora="3"' in info[0]
+    lora = httpx.get(f"{lora_server.http_url}/v1/cluster/status").json()["lora"]  # what `tidepool status` shows
+    assert (lora["adapters"], lora["slots"]) == (["crab", "kelp"], 3)
 
 
 @pytest.mark.redis

@@ -9,7 +9,7 @@ import pytest
 
 from router.loads import WorkerLoad
 from router.worker_speed import WorkerSpeeds
-from services.cluster_status import worker_rows
+from services.cluster_status import lora_summary, worker_rows
 from services.local_redis import free_port
 from services.status import add_status_parser, render_status
 
@@ -64,6 +64,19 @@ def test_decode_row_counts_reservations_waiting_for_blocks_as_waiting_and_shows_
     assert (rows["d"]["waiting"], rows["d"]["waiting_leases"], rows["d"]["running"]) == (2, 2, 3)
     table = render_status({"workers": list(rows.values())}).splitlines()
     assert rows["d"]["draining"] and next(line for line in table if line.startswith("d ")).endswith(" draining")
+
+
+@pytest.mark.timeout(60)
+def test_lora_adapters_slots_and_running_adapters_are_shown():
+    dispatcher = SimpleNamespace(loras={"kelp": "kelp@1", "crab": "crab@2"}, loads={
+        "p": WorkerLoad("p", "prefill", max_loras=3, running_loras=("kelp",)),
+        "d": WorkerLoad("d", "decode", max_loras=3, running_loras=("crab", "kelp")),
+        "gone": WorkerLoad("gone", "decode", alive=False, running_loras=("clam",))})
+    lora = lora_summary(dispatcher)
+    assert lora == {"adapters": ["crab", "kelp"], "slots": 3, "running": ["crab", "kelp"]}
+    assert "lora    adapters crab, kelp   3 slots a worker   running crab, kelp" in render_status({**STATUS, "lora": lora})
+    assert "lora" not in render_status(STATUS)
+    assert lora_summary(SimpleNamespace(loras={}, loads={"p": WorkerLoad("p", "prefill")})) is None
 
 
 @pytest.mark.timeout(60)
