@@ -6,7 +6,8 @@ without drafts and then with ``--num-speculative-tokens``, one engine after the 
 Random weights settle into repeating a few tokens within a few steps, which n-gram drafts predict: so the
 acceptance here is near its best case and the speedup an upper bound for this shape and batch; what the run
 really measures is the price of a drafted step. Plain decode steps replay CUDA graphs; a step holding a
-draft runs eagerly, its chunk (the last token and the draft) through the prefill kernel. Per batch size:
+draft replays a graph of its own (``engine/cuda_graphs.py``: every sequence padded to 1 + k rows), its
+chunks (the last token and the draft) through the prefill kernel. Per batch size:
 
 - decode tokens/s of both engines (the tokens after each sequence's first, over the time from the last
   prompt's first token to the end) and their ratio;

@@ -366,8 +366,8 @@ class EngineConfig:
     # On CUDA with num_blocks None: the fraction of device memory for weights, activations and the KV cache,
     # which gets what is left after a profiling pass (engine/device_memory.py); kv_cache_bytes is for CPU.
     gpu_memory_utilization: float = 0.9
-    # Decode-only steps replay CUDA graphs (engine/cuda_graphs.py) on CUDA with the triton backend and a
-    # GRAPH_KV_FORMATS cache; True: every step runs eagerly.
+    # Decode-only steps (and steps verifying drafts) replay CUDA graphs (engine/cuda_graphs.py) on CUDA with
+    # the triton backend and a GRAPH_KV_FORMATS cache; True: every step runs eagerly.
     enforce_eager: bool = False
     # A decode reservation (Engine.reserve_blocks) leaves each running sequence, and each lease still waiting
     # for its K/V, the blocks to grow this many more tokens (never past its max_tokens). More means fewer

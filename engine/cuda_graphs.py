@@ -8,8 +8,12 @@ the next captured size and launches one graph. Padded rows write nothing (slot -
 kernel skips) and attend over one position of a valid block; their logits are dropped. Every shape is
 fixed at capture: the decode kernel's split-K factor follows from the batch size and the largest context
 (``max_blocks`` x block size), never from a step's own lengths, and each table row is read only up to its
-row's context length, so stale entries past it are harmless. Steps with prompt tokens, or larger than
-the largest size, run eagerly; ``EngineConfig.enforce_eager`` turns graphs off. With LoRA adapter slots,
+row's context length, so stale entries past it are harmless. With speculative decoding a second ladder
+holds the steps that verify drafts: every sequence of the step gets ``query_len`` rows (its last token and
+draft, or a decode row, then padding that writes nothing), attended by the prefill kernel over each
+sequence's last ``query_len`` positions (the padding after a sequence's real rows, so those see only real
+keys); the logits of the padding are dropped. Steps with prompt tokens, or larger than the largest size,
+run eagerly; ``EngineConfig.enforce_eager`` turns graphs off. With LoRA adapter slots,
 each row's slot is one more buffer (-1: the base model, and the padding) that the grouped LoRA kernels read
 (``engine/kernels/lora_matmul.py``), so steps of any mix of adapters replay the same graphs. Plain and int8 caches
 (``GRAPH_KV_FORMATS``: the write kernel quantizes int8 rows on the device) are captured; fp8's window
@@ -17,8 +21,8 @@ pool (and kivi2's) decides on the host where each row goes, so those caches run 
 
 The same buffers and forward pass run without capture off CUDA (``capture=False``): that is how the
 padding and buffer logic is tested on CPU under the Triton interpreter; the capture itself needs CUDA.
-A decode-only step completes no prompt, so the runner's per-layer hook has nothing to do in it and is
-not called (a captured graph could not call Python anyway).
+A decode or verification step completes no prompt, so the runner's per-layer hook has nothing to do in it
+and is not called (a captured graph could not call Python anyway).
 """
 
 from __future__ import annotations
@@ -43,77 +47,104 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int, max_blocks: int, capture: bool) -> None:
-        """``max_blocks``: the longest block table a sequence can have (max_model_len / block_size)."""
-        self.runner, self.sizes = runner, graph_batch_sizes(max_batch)
-        device, top = runner.device, self.sizes[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slots = torch.full((top,), -1, dtype=torch.long, device=device)
-        self.tables = torch.zeros(top, max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(top, dtype=torch.int32, device=device)
-        self.rows = torch.arange(top, dtype=torch.long, device=device)
-        self.lora_index = torch.full((top,), -1, dtype=torch.int32, device=device) if runner.with_lora else None
-        self.max_context_len = max_blocks * runner.block_size
-        self._no_prefill = (torch.zeros(0, max_blocks, dtype=torch.int32, device=device),
+    def __init__(self, runner: ModelRunner, max_batch: int, max_blocks: int, capture: bool,
+                 query_len: int = 1) -> None:
+        """``max_blocks``: the longest block table a sequence can have (max_model_len / block_size).
+        ``query_len``: with speculative decoding, 1 + the most draft tokens a sequence verifies in a step."""
+        self.runner, self.sizes, self.query_len = runner, graph_batch_sizes(max_batch), query_len
+        device, top, B = runner.device, self.sizes[-1], runner.block_size
+        rows = top * query_len
+        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.rows = torch.arange(rows, dtype=torch.long, device=device)
+        self.lora_index = torch.full((rows,), -1, dtype=torch.int32, device=device) if runner.with_lora else None
+        # a drafted step's padding rows sit up to query_len - 1 positions past the context: its table has room
+        self.tables = torch.zeros(top, max_blocks + -(-(query_len - 1) // B), dtype=torch.int32, device=device)
+        self.context_lens = torch.ones(top, dtype=torch.int32, device=device)  # decode: position + 1; drafted: seq len
+        self.cu_seqlens = torch.arange(top + 1, dtype=torch.int32, device=device) * query_len
+        self.max_context_len = max_blocks * B
+        self._no_prefill = (torch.zeros(0, self.tables.shape[1], dtype=torch.int32, device=device),
                             torch.zeros(1, dtype=torch.int32, device=device),
                             torch.zeros(0, dtype=torch.int32, device=device))
-        self._logits: dict[int, torch.Tensor] = {}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._no_decode = (torch.zeros(0, self.tables.shape[1], dtype=torch.int32, device=device),
+                           torch.zeros(0, dtype=torch.int32, device=device))
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}  # by (batch size, rows a sequence)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.replays: Counter[int] = Counter()  # decode steps served, by padded batch size
+        self.draft_replays: Counter[int] = Counter()  # steps verifying drafts served, by padded batch size
         if capture:
             self._capture_all()
 
     def fits(self, chunks: list[SeqChunk]) -> bool:
-        """Whether this step is decode-only (one token after some context each) and small enough."""
-        return 0 < len(chunks) <= self.sizes[-1] and all(len(c.token_ids) == 1 and c.start_pos > 0 for c in chunks)
+        """Whether every chunk of this step is a decode row (one token after some context) or a draft to verify
+        (its last token and up to ``query_len`` - 1 draft tokens), and the step is small enough."""
+        return 0 < len(chunks) <= self.sizes[-1] and all(
+            c.start_pos > 0 and (len(c.token_ids) == 1 or (c.drafted and len(c.token_ids) <= self.query_len))
+            for c in chunks)
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Float32 logits ``[len(chunks), vocab]`` of a decode-only step (valid until the next step)."""
+        """Float32 logits of the step: a row per decode chunk and per token of a drafted chunk, in the order of
+        ``chunks`` (valid until the next step)."""
         n, B = len(chunks), self.runner.block_size
+        q = self.query_len if any(len(c.token_ids) > 1 for c in chunks) else 1
         size = next(s for s in self.sizes if s >= n)
-        positions = [c.start_pos for c in chunks]
-        width = max(p // B + 1 for p in positions)
-        rows = torch.tensor([[c.token_ids[0], p, c.block_table[p // B] * B + p % B, p + 1, c.lora - 1]
-                             for c, p in zip(chunks, positions, strict=True)], dtype=torch.long)
-        tables = torch.tensor([c.block_table[:width] + [0] * (width - len(c.block_table[:width]))
-                               for c in chunks], dtype=torch.int32)
-        rows, tables = rows.to(self.runner.device), tables.to(self.runner.device)
-        self.input_ids[:n], self.positions[:n], self.slots[:n] = rows[:, 0], rows[:, 1], rows[:, 2]
-        self.context_lens[:n] = rows[:, 3].to(torch.int32)
+        width = max((c.start_pos + q - 1) // B + 1 for c in chunks)
+        # each sequence's rows: its tokens, then padding up to q rows (no token, position 0, writes nothing)
+        rows = torch.tensor([[c.token_ids[j], c.start_pos + j, c.block_table[(c.start_pos + j) // B] * B
+                              + (c.start_pos + j) % B, c.lora - 1] if j < len(c.token_ids) else [0, 0, -1, -1]
+                             for c in chunks for j in range(q)], dtype=torch.long).to(self.runner.device)
+        tables = torch.tensor([c.block_table[:width] + [0] * (width - len(c.block_table[:width])) for c in chunks],
+                              dtype=torch.int32).to(self.runner.device)
+        m = n * q
+        self.input_ids[:m], self.positions[:m], self.slots[:m] = rows[:, 0], rows[:, 1], rows[:, 2]
+        # a decode row sees positions up to its own; a drafted chunk's rows are the last q of its sequence
+        self.context_lens[:n] = torch.tensor([c.start_pos + q for c in chunks], dtype=torch.int32)
         self.tables[:n, :width] = tables
-        self.slots[n:size], self.context_lens[n:size] = -1, 1  # padding: writes nothing, reads one position
+        self.slots[m:size * q], self.context_lens[n:size] = -1, q  # padding sequences: write nothing
         if self.lora_index is not None:
-            self.lora_index[:n], self.lora_index[n:size] = rows[:, 4].to(torch.int32), -1
-        self.replays[size] += 1
-        if size in self._graphs:
-            self._graphs[size].replay()
+            self.lora_index[:m], self.lora_index[m:size * q] = rows[:, 3].to(torch.int32), -1
+        (self.replays if q == 1 else self.draft_replays)[size] += 1
+        if (size, q) in self._graphs:
+            self._graphs[size, q].replay()
         else:
-            self._logits[size] = self._forward(size)
-        return self._logits[size][:n]
+            self._logits[size, q] = self._forward(size, q)
+        logits = self._logits[size, q]
+        if q == 1:
+            return logits[:n]
+        keep = [i * q + j for i, c in enumerate(chunks) for j in range(len(c.token_ids))]
+        return logits[torch.tensor(keep, device=logits.device)]
 
-    def _forward(self, size: int) -> torch.Tensor:
-        """The forward pass of ``size`` decode rows over the static buffers (what a graph captures)."""
-        meta = AttentionMetadata(self.slots[:size], [], size, paged=PagedAttentionMeta(
-            self.tables[:size], self.context_lens[:size], self.max_context_len, *self._no_prefill, 0,
-            self.runner.paged_window))
+    def _forward(self, size: int, q: int) -> torch.Tensor:
+        """The forward pass of ``size`` sequences of ``q`` rows each over the static buffers (what a graph
+        captures): decode attention when q is 1, else the prefill kernel over each sequence's last q positions."""
+        window, rows = self.runner.paged_window, size * q
+        if q == 1:
+            paged = PagedAttentionMeta(self.tables[:size], self.context_lens[:size], self.max_context_len,
+                                       *self._no_prefill, 0, window)
+        else:
+            paged = PagedAttentionMeta(*self._no_decode, 0, self.tables[:size], self.cu_seqlens[:size + 1],
+                                       self.context_lens[:size], q, window)
+        meta = AttentionMetadata(self.slots[:rows], [], size if q == 1 else 0, paged=paged)
         if self.lora_index is not None:
-            meta.lora = LoRABatch(index=self.lora_index[:size])
-        kv_layers = self.runner.kv_cache.for_step(self.slots[:size])
-        return self.runner.model(self.input_ids[:size], self.positions[:size], meta, kv_layers, self.rows[:size])
+            meta.lora = LoRABatch(index=self.lora_index[:rows])
+        kv_layers = self.runner.kv_cache.for_step(self.slots[:rows])
+        return self.runner.model(self.input_ids[:rows], self.positions[:rows], meta, kv_layers, self.rows[:rows])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Capture every size, the largest first, all in one memory pool (each graph's temporaries are
-        free again once it has run, so the smaller ones fit in what the largest took)."""
+        """Capture every size (for drafted steps too, with speculative decoding), the largest first, all in one
+        memory pool (each graph's temporaries are free again once it has run, so the smaller ones fit in
+        what the largest took)."""
         pool = None
-        for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles this size's kernel variants and settles allocations
-            torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[size] = self._forward(size)
-            pool = graph.pool() if pool is None else pool
-            self._graphs[size] = graph
+        for q in sorted({1, self.query_len}, reverse=True):
+            for size in reversed(self.sizes):
+                self._forward(size, q)  # warm-up: compiles this size's kernel variants and settles allocations
+                torch.cuda.synchronize(self.runner.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._logits[size, q] = self._forward(size, q)
+                pool = graph.pool() if pool is None else pool
+                self._graphs[size, q] = graph
         torch.cuda.synchronize(self.runner.device)

@@ -86,7 +86,8 @@ class Engine:
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
                                     num_blocks, self.window)
         if self.runner.supports_decode_graphs and self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
+            self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                             query_len=config.num_speculative_tokens + 1)
         eos = set(self.model_config.eos_token_ids)
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.grammars = GrammarMasks(model_dir / "tokenizer.json" if self.tokenizer else None,
@@ -159,7 +160,8 @@ class Engine:
             tokens = [seq.token_ids[pos], *seq.draft_ids] if seq.draft_ids else seq.token_ids[pos:pos + n]
             chunks.append(SeqChunk(tokens, pos, table, bool(seq.draft_ids) or (
                 seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens),
-                long_rope=seq.long_rope, lora=self.loras[seq.lora].slot if seq.lora else 0))
+                long_rope=seq.long_rope, lora=self.loras[seq.lora].slot if seq.lora else 0,
+                drafted=bool(seq.draft_ids)))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
             if pos >= seq.num_prompt_tokens and n == 1:  # a decode row

@@ -38,6 +38,7 @@ class SeqChunk:
     # factors (``CausalLM.rope_tables``)
     long_rope: bool = False
     lora: int = 0  # the sequence's LoRA adapter slot (``engine/lora.py``); 0: the base model
+    drafted: bool = False  # the sequence's last token and a draft to verify (speculative decoding)
 
 
 class ModelRunner:
@@ -64,13 +65,15 @@ class ModelRunner:
         self._gather_bufs = None if self.paged else kv_cache.gather_buffers(0)
         self.graphs: DecodeGraphs | None = None  # decode-only steps replayed from CUDA graphs (cuda_graphs.py)
 
-    def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True) -> None:
-        """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (Triton backend):
-        captured on CUDA; ``capture=False`` runs the same static-buffer pass uncaptured (tests on CPU)."""
+    def enable_decode_graphs(self, max_batch: int, max_blocks: int, capture: bool = True,
+                             query_len: int = 1) -> None:
+        """Run decode-only steps of up to ``max_batch`` sequences through ``DecodeGraphs`` (Triton backend), and
+        steps verifying drafts of up to ``query_len`` - 1 tokens: captured on CUDA; ``capture=False`` runs the
+        same static-buffer pass uncaptured (tests on CPU)."""
         if not self.supports_decode_graphs:
             raise ValueError(f"decode graphs need the triton attention backend and a "
                              f"{' or '.join(GRAPH_KV_FORMATS)} cache")
-        self.graphs = DecodeGraphs(self, max_batch, max_blocks, capture)
+        self.graphs = DecodeGraphs(self, max_batch, max_blocks, capture, query_len)
 
     @property
     def supports_decode_graphs(self) -> bool:

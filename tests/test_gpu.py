@@ -129,6 +129,26 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_path):
+    """n-gram drafts verified in captured graphs of their own (each sequence padded to 1 + 3 rows) beside
+    plain decode graphs: the float32 greedy tokens equal the torch backend's without drafts."""
+    if ran_in_a_compiling_process("test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding"):
+        return
+    from test_engine_loop import GREEDY, prompt, run, write_model
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model_dir = write_model(tmp_path)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    requests = {"a": (prompt(6, 1) * 4, params), "b": (prompt(9, 2) * 3, params), "c": (prompt(11, 3), params)}
+    want = run(Engine(_engine_config(model_dir, num_blocks=128, attention_backend="torch")), requests)
+    engine = Engine(_engine_config(model_dir, num_blocks=128, num_speculative_tokens=3))
+    assert run(engine, requests) == want
+    assert engine.stats().speculation.accepted_tokens > 0 and sum(engine.runner.graphs.draft_replays.values()) > 0
+
+
+@pytest.mark.timeout(600)
 def test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs(tmp_path):
     """Two LoRA adapters and the base model in one batch on CUDA (no PEFT there: the adapters are written in its
     format by the benchmark's writer): the compiled path's greedy tokens equal the torch backend's, and every

@@ -137,18 +137,37 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
 
 
 @needs_interpreter
-def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir):
-    """Drafts (n-gram prompt lookup) verified through the prefill kernel over cached context, beside decode
-    steps replayed through the graph buffers: the greedy tokens equal the torch path's without drafts."""
+@pytest.mark.parametrize("draft_graphs", [False, True])
+def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir, draft_graphs: bool):
+    """Drafts (n-gram prompt lookup) verified through the prefill kernel over cached context, eagerly or
+    through the drafted steps' graph buffers (each sequence padded to 1 + 3 rows, decode rows among them),
+    beside decode steps replayed through the plain graph buffers: the greedy tokens equal the torch path's
+    without drafts."""
     looped = prompt(6, 1) * 4
     arrivals = {0: [("a", looped), ("b", prompt(9, 2) * 3)], 2: [("c", looped + prompt(3, 3))]}
     want = drive(Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
                                      attention_backend="torch")), arrivals, max_tokens=24)[0]
     engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64, attention_backend="triton",
                                  num_speculative_tokens=3))
-    engine.runner.enable_decode_graphs(8, 512 // 8, capture=False)
+    engine.runner.enable_decode_graphs(8, 512 // 8, capture=False, query_len=4 if draft_graphs else 1)
+    compositions, step = [], engine.step
+
+    def recorded_step(*args):
+        outputs = step(*args)
+        compositions.append(engine.last_step)
+        return outputs
+
+    engine.step = recorded_step
     assert drive(engine, arrivals, max_tokens=24)[0] == want
     assert engine.stats().speculation.accepted_tokens > 0
+    graphs = engine.runner.graphs
+    # each step of decode rows only went through the plain buffers, and each step of decode rows and drafts
+    # (at least one) through the drafted steps' buffers, when there are any; "c"'s prompt after its cached
+    # prefix is a chunk of neither kind
+    steps = [s for s in compositions if s is not None]
+    assert sum(graphs.replays.values()) == sum(not s.prefill_chunks for s in steps)
+    verifying = sum(bool(s.prefill_chunks) and s.drafted_seqs == len(s.prefill_chunks) for s in steps)
+    assert verifying > 0 and sum(graphs.draft_replays.values()) == (verifying if draft_graphs else 0)
 
 
 def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, **options) -> tuple[dict, Engine]:
