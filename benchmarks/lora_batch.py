@@ -70,10 +70,10 @@ def decode_run(engine: Engine, loras: list[str | None], prompt_len: int, new_tok
     return time.perf_counter() - start, tokens
 
 
-def adapter_bytes(engine: Engine, slot: int) -> int:
+def adapter_bytes(engine: Engine, name: str) -> int:
     """The bytes of one adapter's pairs as the layers hold them (packed: A stacked, B block-diagonal)."""
     return sum(a.numel() * a.element_size() + b.numel() * b.element_size()
-               for m in engine.model.modules() if slot in getattr(m, "lora", {}) for a, b in [m.lora[slot]])
+               for a, b in engine.loras[name].pairs.values())
 
 
 def main() -> None:
@@ -99,8 +99,8 @@ def main() -> None:
                                      device=args.device, dtype=args.dtype))
     base_bytes = sum(t.numel() * t.element_size() for name, t in engine.model.named_parameters()
                      if name != "model.embed_tokens.weight")  # a decode step reads every matrix but the table
-    one_adapter = adapter_bytes(engine, 1)
     names = list(modules)
+    one_adapter = adapter_bytes(engine, names[0])
     batches = {"base model only": [None] * args.batch, "one adapter": [names[0]] * args.batch,
                f"{args.adapters} adapters, round robin": [names[i % args.adapters] for i in range(args.batch)]}
     rows, results = [], {}

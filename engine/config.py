@@ -383,11 +383,13 @@ class EngineConfig:
     speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences run; None: always
     # LoRA adapters served beside the base model (engine/lora.py): name -> PEFT adapter directory
     lora_modules: dict[str, str] = field(default_factory=dict)
-    # The adapter slots allocated at start (engine/lora_slots.py, vLLM's flags): how many adapters can be
-    # loaded at once (None: as many as lora_modules names; 0: none) and their largest rank (None: 16, or
-    # the largest of lora_modules' adapters)
+    # The adapter slots allocated at start (engine/lora_slots.py, vLLM's flags): how many adapters a step can
+    # run at once (None: as many as lora_modules names; 0: none) and their largest rank (None: 16, or the
+    # largest of lora_modules' adapters); and how many adapters may be loaded (kept in host memory, swapped
+    # into the slots as their sequences run; None: max_loras, or more when lora_modules names more)
     max_loras: int | None = None
     max_lora_rank: int | None = None
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -403,11 +405,13 @@ class EngineConfig:
         if self.kv_window is not None and (self.kv_window < 1 or self.kv_sinks < 0):
             raise ValueError(f"kv_window must be >= 1 and kv_sinks >= 0, got {self.kv_window} and {self.kv_sinks}")
         residual_blocks(self.kv_cache_dtype, self.kv_residual_blocks)  # refuses an unknown dtype or a bad count
-        if self.max_loras is not None and self.max_loras < len(self.lora_modules):  # negative too
-            raise ValueError(f"max_loras must be at least the number of lora_modules ({len(self.lora_modules)}) "
-                             f"and not negative, got {self.max_loras}")
+        if self.max_loras is not None and self.max_loras < (1 if self.lora_modules else 0):
+            raise ValueError(f"max_loras must be at least 1 to serve lora_modules (0: no LoRA), got {self.max_loras}")
         if self.max_lora_rank is not None and self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < max(len(self.lora_modules), self.max_loras or 1):
+            raise ValueError(f"max_cpu_loras must be at least max_loras and the number of lora_modules, got "
+                             f"{self.max_cpu_loras}")
         if self.num_reserved_decode_tokens < 0:
             raise ValueError(f"num_reserved_decode_tokens must be >= 0, got {self.num_reserved_decode_tokens}")
         if self.num_speculative_tokens < 0:

@@ -27,7 +27,7 @@ from engine.errors import InvalidRequestError, LoRAAdapterError
 from engine.kv_cache import KVCache
 from engine.kv_format import WINDOWED
 from engine.loader import load_model, model_id_for, resolve_model_dir
-from engine.lora import LoRAAdapter, PackedAdapter, adapter_id, read_adapter
+from engine.lora import PackedAdapter, adapter_id, read_adapter
 from engine.lora_slots import DEFAULT_MAX_LORA_RANK, LoRASlots
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
@@ -56,9 +56,12 @@ class Engine:
         adapters = [read_adapter(name, path, self.model_id, self.model, self.model_config)
                     for name, path in config.lora_modules.items()]
         self.lora_slots = self._lora_slots(config, max((a.rank for a in adapters), default=0))
-        self.loras: dict[str, LoRAAdapter] = {}
+        # every adapter loaded, in host memory (in the model's dtype); those in use also in a slot
+        self.loras: dict[str, PackedAdapter] = {}
+        self.max_cpu_loras = config.max_cpu_loras or max(len(adapters), 0 if self.lora_slots is None
+                                                         else self.lora_slots.max_loras)
         for packed in adapters:
-            self._place(packed)
+            self._register(packed)
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
@@ -80,6 +83,8 @@ class Engine:
                                           self.kv_cache.release_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    None if self.window is None else self.window.window)
+        if self.lora_slots is not None:
+            self.scheduler.adapter_ready = self._adapter_ready
         # a streaming window (--kv-window) lets sequences outgrow the context; a model's own window does not
         self.max_model_len = config.max_model_len or (
             self.model_config.max_position_embeddings if config.kv_window is None else DEFAULT_MAX_LEN)
@@ -160,7 +165,7 @@ class Engine:
             tokens = [seq.token_ids[pos], *seq.draft_ids] if seq.draft_ids else seq.token_ids[pos:pos + n]
             chunks.append(SeqChunk(tokens, pos, table, bool(seq.draft_ids) or (
                 seq.prompt_logprobs is not None and pos + 1 < seq.num_prompt_tokens),
-                long_rope=seq.long_rope, lora=self.loras[seq.lora].slot if seq.lora else 0,
+                long_rope=seq.long_rope, lora=self.lora_slots.slot_of(seq.lora) if seq.lora else 0,
                 drafted=bool(seq.draft_ids)))
             if seq.prefill_only and pos + n == seq.num_tokens:
                 completing[seq.request_id] = table
@@ -405,11 +410,11 @@ class Engine:
         return block_ids
 
     def _growth_blocks(self, tokens: int) -> int:
-        """Blocks the running sequences and the leases take to grow ``tokens`` more tokens each (never past
-        the tokens each may still decode)."""
+        """Blocks the running sequences (those held for an adapter slot too) and the leases take to grow
+        ``tokens`` more tokens each (never past the tokens each may still decode)."""
         bm = self.block_manager
         running = [(s.num_tokens, s.params.max_tokens - s.num_output_tokens, len(bm.block_table(s.seq_id)))
-                   for s in self.scheduler.running]
+                   for s in (*self.scheduler.running, *self.scheduler.held)]
         leases = [(n, new, bm.blocks_for(n)) for n, new in self._leases.values()]
         return sum(max(0, bm.blocks_for(n + min(tokens, new)) - have) for n, new, have in running + leases)
 
@@ -450,10 +455,11 @@ class Engine:
                         long_rope_applies(self.model_config.long_rope_from, num_tokens))
 
     # -- LoRA adapters (engine/lora.py) -------------------------------------------------------------
-    def load_adapter(self, name: str, path: str) -> LoRAAdapter:
-        """Load one more LoRA adapter, into the lowest free slot; the same adapter again is a no-op (a worker
-        started while a runtime load ran has it from its config). LoRAAdapterError when it cannot be served,
-        or when another adapter has the name."""
+    def load_adapter(self, name: str, path: str) -> PackedAdapter:
+        """Load one more LoRA adapter (into a slot if one is free, else when a sequence of it is scheduled);
+        the same adapter again is a no-op (a worker started while a runtime load ran has it from its config).
+        LoRAAdapterError when it cannot be served, when another adapter has the name, or when
+        ``max_cpu_loras`` adapters are loaded already."""
         if name in self.loras:
             if adapter_id(name, path) != self.loras[name].adapter_id:
                 raise LoRAAdapterError(f"LoRA adapter {name!r}: another adapter of that name is loaded; unload it "
@@ -462,14 +468,27 @@ class Engine:
         if self.lora_slots is None:
             raise LoRAAdapterError(f"LoRA adapter {name!r}: this engine has no LoRA slots (start the server with "
                                    "--max-loras N to load adapters while serving)")
-        return self._place(read_adapter(name, path, self.model_id, self.model, self.model_config))
+        if len(self.loras) >= self.max_cpu_loras:
+            raise LoRAAdapterError(f"LoRA adapter {name!r}: {len(self.loras)} adapters are loaded, as many as "
+                                   f"--max-cpu-loras {self.max_cpu_loras} allows; unload one first, or start the "
+                                   "server with a larger --max-cpu-loras")
+        return self._register(read_adapter(name, path, self.model_id, self.model, self.model_config))
 
-    def _place(self, packed: PackedAdapter) -> LoRAAdapter:
-        self.loras[packed.name] = LoRAAdapter(packed.name, self.lora_slots.place(packed), packed.adapter_id)
-        return self.loras[packed.name]
+    def _register(self, packed: PackedAdapter) -> PackedAdapter:
+        self.lora_slots.check(packed)
+        dtype = self.model.lm_head.weight.dtype
+        packed.pairs = {module: (a.to(dtype), b.to(dtype)) for module, (a, b) in packed.pairs.items()}
+        self.loras[packed.name] = packed
+        self.lora_slots.acquire(packed, busy=self.loras)  # into a free slot, if any: no adapter is evicted
+        return packed
+
+    def _adapter_ready(self, name: str, busy: set[str]) -> bool:
+        """The scheduler's gate for a sequence of adapter ``name``: whether the adapter is in a slot now,
+        copied there if a slot is free or holds an adapter none of the ``busy`` ones (the running sequences')."""
+        return self.lora_slots.acquire(self.loras[name], busy) is not None
 
     def _lora_slots(self, config: EngineConfig, start_rank: int) -> LoRASlots | None:
-        """The slots of ``config.max_loras`` adapters (default: one per ``lora_modules`` entry) up to
+        """The slots of ``config.max_loras`` adapters at once (default: one per ``lora_modules`` entry) up to
         ``max_lora_rank`` (default: 16, or ``start_rank``, the largest of ``lora_modules``' adapters)."""
         max_loras = len(config.lora_modules) if config.max_loras is None else config.max_loras
         if not max_loras:
@@ -483,18 +502,18 @@ class Engine:
         return [rid for rid, seqs in self.requests.items() if seqs and seqs[0].lora == name]
 
     def unload_adapter(self, name: str) -> list[str]:
-        """Take adapter ``name`` off the layers (its slot free again), aborting the requests still running with
+        """Unload adapter ``name`` (out of its slot, if it has one, and out of host memory), aborting the requests still running with
         it (``adapter_requests``: wait for them first to let them finish); returns those. Its blocks stay in
         the prefix cache, under a salt no later request has, until evicted."""
-        adapter = self._adapter(name)
+        self._adapter(name)
         running = self.adapter_requests(name)
         for request_id in running:
             self.abort(request_id)
         del self.loras[name]
-        self.lora_slots.free(adapter.slot)
+        self.lora_slots.evict(name)
         return running
 
-    def _adapter(self, lora: str) -> LoRAAdapter:
+    def _adapter(self, lora: str) -> PackedAdapter:
         if lora not in self.loras:
             raise InvalidRequestError("lora", f"no LoRA adapter {lora!r} is loaded (loaded: "
                                               f"{', '.join(self.loras) or 'none'})")

@@ -57,14 +57,14 @@ def engine_stats(scheduler: Scheduler, block_manager: BlockManager, step_times_s
                if s.num_computed_tokens < s.num_tokens - 1]
     return EngineStats(
         free_blocks=block_manager.num_free_blocks, total_blocks=block_manager.num_blocks,
-        num_waiting=len(sch.waiting), waiting_prompt_tokens=sum(new for new, _ in queued),
+        num_waiting=len(sch.waiting) + len(sch.held), waiting_prompt_tokens=sum(new for new, _ in queued),
         waiting_prefills=queued,
         num_running=len(sch.running), running_context_tokens=sum(s.num_tokens for s in sch.running),
         recent_step_times_s=list(step_times_s), prompt_tokens_computed=prompt_tokens_computed,
         prompt_tokens_cached=sch.prompt_tokens_cached, prefix_cache_queries=sch.prefix_cache_queries,
         num_preemptions=sch.num_preemptions,
         speculation=replace(speculation, accepted_per_position=list(speculation.accepted_per_position)),
-        running_loras=_adapters(sch.running), waiting_loras=_adapters(sch.waiting),
+        running_loras=_adapters(sch.running), waiting_loras=_adapters([*sch.waiting, *sch.held]),
     )
 
 

@@ -52,20 +52,14 @@ class LoRABatch:
     index: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class LoRAAdapter:
-    name: str
-    slot: int  # 1.. (0: the base model)
-    adapter_id: str  # name@digest: what its blocks' hashes are salted with
-
-
 @dataclass
 class PackedAdapter:
-    """An adapter read and checked whole, not yet on any layer: each targeted layer's packed (A, B) in
-    float32, by the layer's module name (``model.layers.3.self_attn.qkv_proj``), and its largest rank."""
+    """An adapter read and checked whole, in host memory: each targeted layer's packed (A, B), by the layer's
+    module name (``model.layers.3.self_attn.qkv_proj``), and its largest rank; ``LoRASlots`` copies it into a
+    slot of the layers (``engine/lora_slots.py``)."""
 
     name: str
-    adapter_id: str
+    adapter_id: str  # name@digest: what its blocks' hashes are salted with
     pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]
     rank: int
 
@@ -152,7 +146,7 @@ def read_adapter(name: str, path: str, base_id: str, model: torch.nn.Module, cfg
 
 
 def adapter_id(name: str, path: str) -> str:
-    """The id the adapter at ``path`` would be loaded under (``LoRAAdapter.adapter_id``), its weights unread
+    """The id the adapter at ``path`` would be loaded under (``PackedAdapter.adapter_id``), its weights unread
     into any layer; LoRAAdapterError when the directory holds no adapter."""
     read_adapter_config(name, Path(path).expanduser())
     return _adapter_id(name, (Path(path).expanduser() / "adapter_model.safetensors").read_bytes())

@@ -1,4 +1,5 @@
-"""The LoRA adapter slots of one engine, allocated once (vLLM's ``--max-loras`` and ``--max-lora-rank``).
+"""The LoRA adapter slots of one engine, allocated once (vLLM's ``--max-loras`` and ``--max-lora-rank``), and
+which adapter each holds.
 
 Every ``Linear`` an adapter may target (each layer's packed q/k/v, o, packed gate/up and down projections;
 a mixture of experts' experts take none) holds two stacks: A ``[max_loras, cap, in]`` and B
@@ -7,12 +8,18 @@ gate/up). Slot s (1..max_loras) is row s - 1 of both. Allocating them at start, 
 the device's free memory, means an adapter loaded while serving needs no memory the cache may hold, and the
 stacks never move, so CUDA graphs captured over them read whichever adapters are loaded when they replay.
 
-Placing an adapter copies its packed pairs into its slot's rows, zero past its rank, and points the layer's
-``lora[slot]`` (the torch path's pairs) at views of them; freeing a slot zeroes it, so the grouped kernels,
-which read every slot at its full ``cap``, add nothing for a free slot or past an adapter's rank.
+An engine may keep more adapters (in host memory, ``--max-cpu-loras``) than it has slots, as vLLM does:
+``acquire`` gives an adapter a slot when a sequence of it is scheduled, copying it into a free slot or into
+the slot of the least recently used adapter that no running sequence has; when every slot holds a running
+sequence's adapter the sequence waits (``engine/scheduler.py``). Placing an adapter copies its packed pairs
+into its slot's rows, zero past its rank, and points the layer's ``lora[slot]`` (the torch path's pairs) at
+views of them; evicting one zeroes its rows, so the grouped kernels, which read every slot at its full
+``cap``, add nothing for a free slot or past an adapter's rank.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
@@ -31,7 +38,8 @@ class LoRASlots:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.used: set[int] = set()
+        self.resident: dict[str, int] = {}  # adapter name -> its slot, the least recently used first
+        self.swaps = 0  # adapters copied into a slot that held another one
         self.linears: dict[str, torch.nn.Module] = {}
         for layer in range(cfg.num_layers):
             for module, parts in TARGETS.items():
@@ -51,17 +59,35 @@ class LoRASlots:
         """Device memory the stacks hold."""
         return sum(t.numel() * t.element_size() for linear in self.linears.values() for t in linear.lora_stacks)
 
-    def place(self, adapter: PackedAdapter) -> int:
-        """Copy ``adapter`` into the lowest free slot; returns the slot. LoRAAdapterError when none is free or
-        its rank is above ``max_lora_rank``."""
+    def check(self, adapter: PackedAdapter) -> None:
+        """LoRAAdapterError when ``adapter``'s rank is above ``max_lora_rank``: no slot could hold it."""
         if adapter.rank > self.max_rank:
             raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: rank {adapter.rank} is above --max-lora-rank "
                                    f"{self.max_rank} (start the server with a larger --max-lora-rank)")
-        free = sorted(set(range(1, self.max_loras + 1)) - self.used)
-        if not free:
-            raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: all {self.max_loras} LoRA slots are in use; "
-                                   "unload an adapter first, or start the server with a larger --max-loras")
-        slot = free[0]
+
+    def slot_of(self, name: str) -> int:
+        return self.resident[name]
+
+    def acquire(self, adapter: PackedAdapter, busy: Collection[str]) -> int | None:
+        """``adapter``'s slot: the one it is in (it becomes the most recently used), else a free one, else the
+        slot of the least recently used adapter not in ``busy`` (those of running sequences), which it is
+        copied into; None when every slot holds a busy adapter."""
+        name = adapter.name
+        if name in self.resident:
+            self.resident[name] = self.resident.pop(name)
+            return self.resident[name]
+        if len(self.resident) == self.max_loras:
+            idle = next((held for held in self.resident if held not in busy), None)
+            if idle is None:
+                return None
+            self.evict(idle)
+            self.swaps += 1
+        slot = min(set(range(1, self.max_loras + 1)) - set(self.resident.values()))
+        self._place(adapter, slot)
+        self.resident[name] = slot
+        return slot
+
+    def _place(self, adapter: PackedAdapter, slot: int) -> None:
         for name, (a, b) in adapter.pairs.items():
             linear = self.linears[name]
             stack_a, stack_b = linear.lora_stacks
@@ -71,13 +97,13 @@ class LoRASlots:
             stack_a[slot - 1, :r] = a
             stack_b[slot - 1, :, :r] = b
             linear.lora[slot] = (stack_a[slot - 1, :r], stack_b[slot - 1, :, :r])
-        self.used.add(slot)
-        return slot
 
-    def free(self, slot: int) -> None:
-        """Take the adapter in ``slot`` off every layer and zero its rows: the slot is free again."""
+    def evict(self, name: str) -> None:
+        """Take adapter ``name`` off every layer (if it is in a slot) and zero its rows: the slot is free."""
+        slot = self.resident.pop(name, None)
+        if slot is None:
+            return
         for linear in self.linears.values():
             linear.lora.pop(slot, None)
             for stack in linear.lora_stacks:
                 stack[slot - 1].zero_()
-        self.used.discard(slot)

@@ -9,12 +9,18 @@ free, the running sequence of the lowest priority (the request's own, vLLM's; th
 admitted) is preempted by recompute: its blocks are freed and it goes back to the waiting queue, ahead of
 every waiting sequence of its priority or a lower one, with every token it has, to be prefilled again
 later (its prefix blocks are then usually still cached).
+
+With LoRA adapters (``engine/lora_slots.py``) a sequence runs only once its adapter is in one of the engine's
+slots (``adapter_ready``, which swaps it in if a slot is free or holds an adapter no running sequence has):
+a waiting sequence whose adapter gets no slot is passed over for the ones behind it (vLLM's ``max_loras``
+rule), and an imported sequence (its K/V received) is held until it gets one.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -115,6 +121,10 @@ class Scheduler:
         self.prefill_batch_tokens: int | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # imported sequences waiting for their LoRA adapter's slot, and the gate that gives one: the adapter's
+        # name and those of the running sequences -> whether it is in a slot now (None: no adapters)
+        self.held: list[Sequence] = []
+        self.adapter_ready: Callable[[str, set[str]], bool] | None = None
         self.prompt_tokens_cached = 0  # prompt tokens served from the prefix cache at first admission
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache at first admission
         self.num_preemptions = 0
@@ -131,23 +141,39 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def add_running(self, seq: Sequence) -> None:
-        """A sequence whose blocks already hold its K/V (imported): it decodes from the next step."""
-        seq.status, seq.admitted = SeqStatus.RUNNING, True
-        self.running.append(seq)
+        """A sequence whose blocks already hold its K/V (imported): it decodes from the next step, or, when
+        its LoRA adapter gets no slot yet, from the first step in which it does."""
+        seq.admitted = True
+        if self._adapter_ready(seq):
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        else:
+            seq.status = SeqStatus.WAITING
+            self.held.append(seq)
+
+    def _adapter_ready(self, seq: Sequence) -> bool:
+        if seq.lora is None or self.adapter_ready is None:
+            return True
+        return self.adapter_ready(seq.lora, {s.lora for s in self.running if s.lora is not None})
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.held)
 
     def remove(self, seqs: list[Sequence]) -> None:
         """Take sequences out of both queues (finish or abort); their blocks are the caller's business."""
         gone = {id(s) for s in seqs}
         self.running = [s for s in self.running if id(s) not in gone]
+        self.held = [s for s in self.held if id(s) not in gone]
         if any(id(s) in gone for s in self.waiting):
             self.waiting = deque(s for s in self.waiting if id(s) not in gone)
         for s in seqs:
             s.status = SeqStatus.FINISHED
 
     def schedule(self) -> ScheduledBatch:
+        if self.held:  # imported sequences whose adapter has a slot now
+            held, self.held = self.held, []
+            for seq in held:
+                self.add_running(seq)
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
@@ -180,18 +206,22 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         # admit waiting prompts (none while blocks are so short that we had to preempt)
         prompt_tokens = sum(n for s, n in zip(seqs, counts, strict=True) if s.num_computed_tokens < s.num_tokens - 1)
-        while self.waiting and budget > 0 and not preempted:
+        i = 0  # the first waiting sequence not passed over (its adapter got no slot)
+        while i < len(self.waiting) and budget > 0 and not preempted:
             if self.prefill_batch_tokens is not None and prompt_tokens >= self.prefill_batch_tokens:
                 break
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
+            if not self._adapter_ready(seq):  # every slot holds a running sequence's adapter
+                i += 1
+                continue
             prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq), seq.hash_salt)
             num_cached = len(prefix[0]) * self.bm.block_size
             n = min(seq.num_tokens - num_cached, budget, self._chunk(seq))
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix, seq.hash_salt):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.num_computed_tokens = num_cached
             if not seq.admitted:
                 seq.num_cached_tokens, seq.admitted = min(num_cached, seq.num_prompt_tokens), True

@@ -138,10 +138,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), loading and "
                         "unloading LoRA adapters on every worker while serving")
     p.add_argument("--max-loras", type=int, default=e.max_loras,
-                   help="LoRA adapter slots each worker allocates at start: the most adapters loaded at once "
+                   help="LoRA adapter slots each worker allocates at start: the most adapters a batch runs at once "
                         "(default: one per --lora-modules adapter, at least 1 with --allow-runtime-lora-updating)")
     p.add_argument("--max-lora-rank", type=int, default=e.max_lora_rank,
                    help="the largest LoRA rank a slot holds (default: 16, or the largest --lora-modules rank)")
+    p.add_argument("--max-cpu-loras", type=int, default=e.max_cpu_loras,
+                   help="the most LoRA adapters loaded, kept in each worker's host memory and swapped into the "
+                        "slots as their requests run (default: --max-loras, or the number of --lora-modules)")
     p.add_argument("--generation-config", default=c.generation_config, metavar="auto|vllm|DIR",
                    help="sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty; max_new_tokens "
                         "caps an unset max_tokens) for what a request leaves unset: auto reads the model's "
@@ -280,6 +283,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
         lora_modules=dict(args.lora_modules), max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
     )
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,

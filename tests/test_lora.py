@@ -133,7 +133,8 @@ def test_adapters_the_layers_cannot_run_are_refused_with_what_is_wrong(tmp_path)
             Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={name: str(tmp_path / name)}))
     with pytest.raises(CheckpointError, match="adapter_config.json not found"):
         Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"none": str(tmp_path)}))
-    engine = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"good": str(good)}))
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, lora_modules={"good": str(good)},
+                                 max_cpu_loras=3))
     for name in ("shape", "experts"):  # refused while serving: no pair of it is left on any layer
         with pytest.raises(CheckpointError, match=cases[name][1]):
             engine.load_adapter(name, str(tmp_path / name))
@@ -144,14 +145,68 @@ def test_adapters_the_layers_cannot_run_are_refused_with_what_is_wrong(tmp_path)
 
 
 @pytest.mark.timeout(120)
+def test_more_adapters_than_slots_take_turns_and_generate_as_peft_does(tmp_path):
+    """Three adapters and one slot (``max_loras=1``, vLLM's rule): a waiting sequence whose adapter gets no slot
+    is passed over for the base model's and waits until no running sequence holds the slot's adapter; on
+    a decode engine an imported sequence is held likewise. Every answer is PEFT's."""
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    refs = {name: peft_adapter(hf, tmp_path / name, ALL_PROJECTIONS, rank=4, seed=seed)
+            for seed, name in enumerate(("a", "b", "c"), start=1)}
+    modules = {name: str(tmp_path / name) for name in refs}
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64, lora_modules=modules,
+                                 max_loras=1))
+    assert (engine.max_cpu_loras, engine.lora_slots.resident) == (3, {"a": 1})
+    p, q = prompts((21, 9))
+    requests = {"a": (p, "a"), "b": (p, "b"), "base": (q, None), "c": (q, "c"), "a-again": (q, "a")}
+    steps: list[set[str]] = []  # the adapters of each step's sequences
+    step = engine.step
+
+    def recorded_step(*args):
+        steps.append({s.lora for s in engine.scheduler.running if s.lora})
+        return step(*args)
+
+    engine.step = recorded_step
+    tokens, _ = run(engine, requests)
+    want = {rid: reference(refs[lora] if lora else hf, ids) for rid, (ids, lora) in requests.items()}
+    assert tokens == want
+    assert max(len(s) for s in steps) == 1 and engine.lora_slots.swaps >= 2
+    assert engine.stats().waiting_loras == ()
+
+    # the decode side: two imported sequences of two adapters, one slot
+    prefill = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64, lora_modules=modules))
+    decode = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64, lora_modules=modules,
+                                 max_loras=1))
+    imported = {}
+    for rid in ("b", "c"):
+        prefill.add_request(rid, p, GREEDY, prefill_only=True, lora=rid)
+        (first,) = prefill.step()
+        tensor = prefill.kv_cache.export_blocks(prefill.request_block_ids(rid))
+        prefill.release(rid)
+        reserved = decode.reserve_blocks(rid, len(p))
+        decode.kv_cache.import_blocks(reserved, tensor)
+        decode.add_imported_request(rid, p, first.new_token_ids[0], GREEDY, reserved, lora=rid)
+        imported[rid] = first.new_token_ids
+    # "b" took the slot from idle "a" at once; "c" waits for "b" to finish
+    assert [s.lora for s in decode.scheduler.held] == ["c"] and decode.lora_slots.resident == {"b": 1}
+    stats = decode.stats()
+    assert (stats.running_loras, stats.waiting_loras, stats.num_waiting) == (("b",), ("c",), 1)
+    while decode.has_unfinished():
+        for out in decode.step():
+            imported[out.request_id] += out.new_token_ids
+    assert imported == {rid: reference(refs[rid], p) for rid in ("b", "c")}
+
+
+@pytest.mark.timeout(120)
 def test_an_adapter_loaded_while_serving_takes_a_free_slot_and_unloading_aborts_its_requests(tmp_path):
     hf = build_hf_checkpoint(tmp_path / "base", "llama")
     a = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=4, seed=1)
     peft_adapter(hf, tmp_path / "b", ["q_proj"], rank=2, seed=2)
     engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
                                  lora_modules={"b": str(tmp_path / "b")}, max_loras=2))
-    assert engine.load_adapter("a", str(tmp_path / "a")).slot == 2
-    assert engine.load_adapter("a", str(tmp_path / "a")).slot == 2  # the same adapter again: nothing to do
+    engine.load_adapter("a", str(tmp_path / "a"))
+    assert engine.lora_slots.resident == {"b": 1, "a": 2}
+    engine.load_adapter("a", str(tmp_path / "a"))  # the same adapter again: nothing to do
+    assert engine.lora_slots.resident == {"b": 1, "a": 2}
     with pytest.raises(CheckpointError, match="another adapter of that name is loaded"):
         engine.load_adapter("a", str(tmp_path / "b"))
     (p,) = prompts((21,))
@@ -168,8 +223,9 @@ def test_an_adapter_loaded_while_serving_takes_a_free_slot_and_unloading_aborts_
     assert all(1 not in m.lora for m in engine.model.modules() if hasattr(m, "lora"))  # slot 1's pairs are gone
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'b' is loaded"):
         engine.add_request("b-again", p, GREEDY, lora="b")
-    assert engine.load_adapter("b2", str(tmp_path / "b")).slot == 1  # the free slot again
-    with pytest.raises(CheckpointError, match="all 2 LoRA slots are in use; unload an adapter first"):
+    engine.load_adapter("b2", str(tmp_path / "b"))
+    assert engine.lora_slots.slot_of("b2") == 1  # the free slot again
+    with pytest.raises(CheckpointError, match="2 adapters are loaded, as many as --max-cpu-loras 2 allows"):
         engine.load_adapter("c", str(tmp_path / "b"))
     # the slots are allocated at start, up to a rank: an adapter needing more is refused by name
     small = Engine(EngineConfig(model=str(tmp_path / "base"), num_blocks=16, max_loras=1, max_lora_rank=2))

@@ -187,7 +187,7 @@ def test_an_adapter_loaded_while_serving_answers_on_every_worker_until_it_is_unl
     bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": "/no/such/dir"})
     assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
     full = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": adapters["clam"]})
-    assert full.status_code == 400 and "all 3 LoRA slots are in use" in full.json()["error"]["message"]
+    assert full.status_code == 400 and "as many as --max-cpu-loras 3 allows" in full.json()["error"]["message"]
     assert "oyster" not in engine_config.lora_modules and "oyster" not in {m.id for m in client.models.list().data}
 
     unloaded = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "clam"})
@@ -225,12 +225,15 @@ def test_the_flag_takes_name_dir_pairs_and_refuses_a_name_given_twice(tmp_path):
     assert configs_from_args(parse(["serve", "--allow-runtime-lora-updating"]))[1].allow_runtime_lora_updating
     assert not configs_from_args(parse(["serve"]))[1].allow_runtime_lora_updating
     # the adapter slots: one per --lora-modules adapter, at least one when adapters may be loaded while serving
-    slots = {tuple(flags): configs_from_args(parse(["serve", *flags]))[0].engine.max_loras for flags in (
+    slots = [configs_from_args(parse(["serve", *flags]))[0].engine for flags in (
         [], ["--lora-modules", f"crab={tmp_path}"], ["--allow-runtime-lora-updating"],
-        ["--allow-runtime-lora-updating", "--max-loras", "4", "--max-lora-rank", "64"])}
-    assert list(slots.values()) == [None, None, 1, 4]
-    with pytest.raises(ValueError, match="max_loras must be at least the number of lora_modules"):
+        ["--allow-runtime-lora-updating", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "32"])]
+    assert [(e.max_loras, e.max_lora_rank, e.max_cpu_loras) for e in slots] == [
+        (None, None, None), (None, None, None), (1, None, None), (4, 64, 32)]
+    with pytest.raises(ValueError, match="max_loras must be at least 1 to serve lora_modules"):
         configs_from_args(parse(["serve", "--lora-modules", f"crab={tmp_path}", "--max-loras", "0"]))
+    with pytest.raises(ValueError, match="max_cpu_loras must be at least max_loras"):
+        configs_from_args(parse(["serve", "--max-loras", "4", "--max-cpu-loras", "2"]))
 
 
 @pytest.mark.timeout(120)

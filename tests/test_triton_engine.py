@@ -200,13 +200,14 @@ def test_lora_adapters_on_triton_equal_torch_also_through_the_graph_buffers(tmp_
     p, q, r = prompts((20, 9, 13))
     modules = {"crab": str(tmp_path / "crab"), "kelp": str(tmp_path / "kelp")}
     runs, engine = runs_by_backend(tmp_path / "base", {0: [("base", p)], 3: [("crab", q, "crab"), ("kelp", r, "kelp")]},
-                                   10, num_blocks=32, lora_modules=modules)
+                                   10, num_blocks=32, lora_modules=modules, max_cpu_loras=3)
     assert runs["torch"] == runs["triton"] == runs["graphs"]
     # base alone for two decode steps, then every decode step of the three (steps 4 to 12) was replayed
     assert sum(engine.runner.graphs.replays.values()) == 11
 
     engine.unload_adapter("crab")
-    assert engine.load_adapter("clam", str(tmp_path / "clam")).slot == 1  # crab's slot, rank 8 before
+    engine.load_adapter("clam", str(tmp_path / "clam"))
+    assert engine.lora_slots.slot_of("clam") == 1  # crab's slot, rank 8 before
     clam = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=8, num_blocks=32,
                                lora_modules={"clam": str(tmp_path / "clam")}))
     arrivals = {0: [("clam", q, "clam"), ("kelp", r, "kelp")]}
