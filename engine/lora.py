@@ -3,12 +3,12 @@
 An adapter is a PEFT checkpoint directory (``adapter_config.json`` and ``adapter_model.safetensors``) whose
 low-rank pairs A ``[r, in]``, B ``[out, r]`` target the attention and MLP projections. Each is read and checked
 whole (``read_adapter``: packed as the model packs q/k/v and gate/up, A stacked, B block-diagonal, PEFT's
-scaling folded into B), then copied into a free slot (1, 2, ...; 0 is the base model) of the slots allocated
-at start (``engine/lora_slots.py``, vLLM's ``--max-loras``), at start or while serving
-(``services/lora_updates.py``). A step names each row's slot (``LoRABatch``), and each layer adds ``x A^T B^T``
-to the rows of each adapter in the batch, so sequences of different adapters and of the base model share one
-forward pass: per adapter on the torch path (``lora_delta``), or in two grouped kernel launches for every
-adapter at once on the Triton backend's decode steps, which CUDA graphs capture
+scaling folded into B) and kept in host memory, at start or while serving (``services/lora_updates.py``); it
+is copied into one of the slots allocated at start (1, 2, ...; 0 is the base model: ``engine/lora_slots.py``,
+vLLM's ``--max-loras``) when its sequences run. A step names each row's slot (``LoRABatch``), and each layer
+adds ``x A^T B^T`` to the rows of each adapter in the batch, so sequences of different adapters and of the
+base model share one forward pass: per adapter on the torch path (``lora_delta``), or in two grouped kernel
+launches for every adapter at once on the Triton backend's decode steps, which CUDA graphs capture
 (``engine/kernels/lora_matmul.py``).
 
 An adapter changes every key and value, so its sequences' blocks are hashed under a salt of their own
@@ -109,7 +109,7 @@ def read_adapter_config(name: str, path: Path) -> dict:
 
 def read_adapter(name: str, path: str, base_id: str, model: torch.nn.Module, cfg: ModelConfig) -> PackedAdapter:
     """Read the adapter at ``path`` of the model ``base_id`` and pack every pair, checked against ``model``'s
-    layers; nothing goes onto a layer (``LoRASlots.place`` does that), so an adapter refused half-way leaves
+    layers; nothing goes onto a layer (``LoRASlots.acquire`` does that), so an adapter refused half-way leaves
     no trace."""
     _check_name(name, base_id)
     path = Path(path).expanduser()
