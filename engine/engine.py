@@ -476,8 +476,10 @@ class Engine:
 
     def _register(self, packed: PackedAdapter) -> PackedAdapter:
         self.lora_slots.check(packed)
-        dtype = self.model.lm_head.weight.dtype
-        packed.pairs = {module: (a.to(dtype), b.to(dtype)) for module, (a, b) in packed.pairs.items()}
+        dtype, pinned = self.model.lm_head.weight.dtype, torch.device(self.config.device).type == "cuda"
+        # pinned on a GPU machine: a swap into a slot is then a DMA the step's stream orders, not a host stall
+        packed.pairs = {module: tuple(t.to(dtype).pin_memory() if pinned else t.to(dtype) for t in pair)
+                        for module, pair in packed.pairs.items()}
         self.loras[packed.name] = packed
         self.lora_slots.acquire(packed, busy=self.loras)  # into a free slot, if any: no adapter is evicted
         return packed

@@ -94,8 +94,8 @@ class LoRASlots:
             r = a.shape[0]
             stack_a[slot - 1].zero_()
             stack_b[slot - 1].zero_()
-            stack_a[slot - 1, :r] = a
-            stack_b[slot - 1, :, :r] = b
+            stack_a[slot - 1, :r].copy_(a, non_blocking=True)  # (pinned host copies on GPUs)
+            stack_b[slot - 1, :, :r].copy_(b, non_blocking=True)
             linear.lora[slot] = (stack_a[slot - 1, :r], stack_b[slot - 1, :, :r])
 
     def evict(self, name: str) -> None:

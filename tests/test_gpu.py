@@ -152,7 +152,9 @@ def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_pa
 def test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs(tmp_path):
     """Two LoRA adapters and the base model in one batch on CUDA (no PEFT there: the adapters are written in its
     format by the benchmark's writer): the compiled path's greedy tokens equal the torch backend's, and every
-    decode step replays a captured graph, the grouped LoRA kernels in it, whichever adapters its rows have."""
+    decode step replays a captured graph, the grouped LoRA kernels in it, whichever adapters its rows have;
+    with one slot for the two adapters (``max_loras=1``), they take turns, swapped in from pinned host memory
+    between replays, to the same tokens."""
     if ran_in_a_compiling_process("test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs"):
         return
     from test_engine_loop import GREEDY, prompt, write_model
@@ -167,9 +169,10 @@ def test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs
     for seed, path in enumerate(adapters.values()):
         write_adapter(Path(path), ModelConfig.from_dir(model_dir), rank=8, seed=seed, scale=0.2)
     params = SamplingParams(max_tokens=12, **GREEDY)
-    runs, replays = {}, 0
-    for backend in ("torch", "auto"):
-        engine = Engine(_engine_config(model_dir, num_blocks=128, attention_backend=backend, lora_modules=adapters))
+    runs, replays = {}, {}
+    for backend, slots in (("torch", None), ("auto", None), ("auto", 1)):
+        engine = Engine(_engine_config(model_dir, num_blocks=128, attention_backend=backend, lora_modules=adapters,
+                                       max_loras=slots))
         engine.add_request("base", prompt(19, 1), params)
         tokens: dict[str, list[int]] = {}
         steps = 0
@@ -179,12 +182,15 @@ def test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs
                 engine.add_request("kelp", prompt(9, 2), params, lora="kelp")
             for out in engine.step():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-        runs[engine.attention_backend] = tokens
+        runs[engine.attention_backend, slots] = tokens
         if engine.runner.graphs is not None:
-            replays = sum(engine.runner.graphs.replays.values())
-    assert runs["triton"] == runs["torch"] and runs["torch"]["crab"] != runs["torch"]["kelp"]
+            replays[slots] = sum(engine.runner.graphs.replays.values())
+        if slots == 1:
+            assert engine.lora_slots.swaps >= 1
+    assert runs["triton", None] == runs["torch", None] == runs["triton", 1]
+    assert runs["torch", None]["crab"] != runs["torch", None]["kelp"]
     # steps 2-4 (the base model alone) and 6-16 (with the adapters' rows); step 5 computes their prompts
-    assert replays == 14
+    assert replays[None] == 14 and replays[1] > 14
 
 
 @pytest.mark.timeout(600)

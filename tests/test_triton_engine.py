@@ -215,6 +215,27 @@ def test_lora_adapters_on_triton_equal_torch_also_through_the_graph_buffers(tmp_
 
 
 @needs_interpreter
+def test_adapters_drafts_verified_through_the_graph_buffers_equal_torch_decoding(tmp_path):
+    """Sequences of two adapters and of the base model verify n-gram drafts through the drafted steps' graph
+    buffers (each row's adapter slot read by the grouped LoRA kernels, the padding rows' -1): the greedy
+    tokens equal the torch path's without drafts."""
+    from test_lora import ALL_PROJECTIONS, peft_adapter
+
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    peft_adapter(hf, tmp_path / "crab", ALL_PROJECTIONS, rank=4, seed=1)
+    peft_adapter(hf, tmp_path / "kelp", ["q_proj", "v_proj"], rank=2, seed=2)
+    modules = {"crab": str(tmp_path / "crab"), "kelp": str(tmp_path / "kelp")}
+    looped = prompts((6,))[0] * 4
+    arrivals = {0: [("crab", looped, "crab"), ("kelp", looped, "kelp"), ("base", looped)]}
+    config = dict(model=str(tmp_path / "base"), block_size=8, num_blocks=48, lora_modules=modules)
+    want = drive(Engine(EngineConfig(**config, attention_backend="torch")), arrivals, 16)[0]
+    engine = Engine(EngineConfig(**config, attention_backend="triton", num_speculative_tokens=3))
+    engine.runner.enable_decode_graphs(4, 256 // 8, capture=False, query_len=4)
+    assert drive(engine, arrivals, 16)[0] == want
+    assert sum(engine.runner.graphs.draft_replays.values()) > 0 and engine.stats().speculation.accepted_tokens > 0
+
+
+@needs_interpreter
 def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
     """Mixtral's experts through the fused MoE kernels, between the fused residual norms: the greedy tokens
     equal the torch path's (its loop over experts), with decode steps run eagerly and through the static
