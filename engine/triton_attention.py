@@ -26,6 +26,8 @@ from engine.kernels.common import QuantizedKV
 from engine.kv_cache import DenseLayerKV, QuantLayerKV
 from engine.kv_quant import field_view
 
+_SHORT_QUERY_TILE = 16  # the smallest tl.dot side
+
 
 def attention_backend(config: EngineConfig) -> str:
     """"torch" or "triton": ``config.attention_backend`` with "auto" resolved (triton on CUDA when triton
@@ -143,7 +145,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dense
                                        out=out[:n], max_context_len=meta.max_context_len, quant=quant,
                                        window=meta.window)
     if n < q.shape[0]:
+        # short chunks (drafts to verify: a few tokens each) take the smallest query tile, not a 64-row one
+        # mostly masked off
+        block_m = _SHORT_QUERY_TILE if meta.max_query_len <= _SHORT_QUERY_TILE else None
         kernels.paged_prefill_attention(q[n:], k_cache, v_cache, meta.prefill_tables, meta.cu_seqlens_q,
                                         meta.seq_lens, scale, out=out[n:], max_query_len=meta.max_query_len,
-                                        quant=quant, window=meta.window)
+                                        block_m=block_m, quant=quant, window=meta.window)
     return out

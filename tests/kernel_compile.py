@@ -96,6 +96,12 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
     last = (per_seq - 1) * BLOCK_SIZE  # the decode rows' position: the first of their last block
     kv = cache.for_step(slots, [(tables[0], last, last + 1), (tables[1], last, last + 1), (tables[2], 40, 64)])[0]
     paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5)
+    # a step verifying drafts: chunks of 4 tokens after a long context (the short query tile)
+    verify = paged_metadata([], [(tables[0], 4, context), (tables[1], 4, context)], BLOCK_SIZE, cache.device)
+    drafted = torch.tensor([t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t in tables[:2]
+                            for p in range(context - 4, context)])
+    kv_verify = cache.for_step(drafted, [(t, context - 4, context) for t in tables[:2]])[0]
+    paged_attention(q[:8], k[:8], v[:8], kv_verify, verify, 0, head_dim ** -0.5)
     if kv_format == "auto":  # a sliding-window model's decode and prefill (Mistral v0.1)
         paged_attention(q, k, v, kv, dataclasses.replace(meta, window=64), 2, head_dim ** -0.5)
     hidden = torch.randn(tokens, cfg.hidden_size).to(dtype)
