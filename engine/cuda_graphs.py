@@ -91,16 +91,18 @@ class DecodeGraphs:
         q = self.query_len if any(len(c.token_ids) > 1 for c in chunks) else 1
         size = next(s for s in self.sizes if s >= n)
         width = max((c.start_pos + q - 1) // B + 1 for c in chunks)
-        # each sequence's rows: its tokens, then padding up to q rows (no token, position 0, writes nothing)
+        # each sequence's rows: its tokens, then padding up to q rows (no token, position 0, writes nothing);
+        # last, the sequence's length as the kernels see it: a decode row sees positions up to its own, a
+        # drafted chunk's rows are the last q of its sequence
         rows = torch.tensor([[c.token_ids[j], c.start_pos + j, c.block_table[(c.start_pos + j) // B] * B
-                              + (c.start_pos + j) % B, c.lora - 1] if j < len(c.token_ids) else [0, 0, -1, -1]
-                             for c in chunks for j in range(q)], dtype=torch.long).to(self.runner.device)
+                              + (c.start_pos + j) % B, c.lora - 1, c.start_pos + q] if j < len(c.token_ids)
+                             else [0, 0, -1, -1, c.start_pos + q] for c in chunks for j in range(q)],
+                            dtype=torch.long).to(self.runner.device)
         tables = torch.tensor([c.block_table[:width] + [0] * (width - len(c.block_table[:width])) for c in chunks],
                               dtype=torch.int32).to(self.runner.device)
         m = n * q
         self.input_ids[:m], self.positions[:m], self.slots[:m] = rows[:, 0], rows[:, 1], rows[:, 2]
-        # a decode row sees positions up to its own; a drafted chunk's rows are the last q of its sequence
-        self.context_lens[:n] = torch.tensor([c.start_pos + q for c in chunks], dtype=torch.int32)
+        self.context_lens[:n] = rows[::q, 4].to(torch.int32)
         self.tables[:n, :width] = tables
         self.slots[m:size * q], self.context_lens[n:size] = -1, q  # padding sequences: write nothing
         if self.lora_index is not None:

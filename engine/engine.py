@@ -504,9 +504,9 @@ class Engine:
         return [rid for rid, seqs in self.requests.items() if seqs and seqs[0].lora == name]
 
     def unload_adapter(self, name: str) -> list[str]:
-        """Unload adapter ``name`` (out of its slot, if it has one, and out of host memory), aborting the requests still running with
-        it (``adapter_requests``: wait for them first to let them finish); returns those. Its blocks stay in
-        the prefix cache, under a salt no later request has, until evicted."""
+        """Unload adapter ``name`` (out of its slot, if it has one, and out of host memory), aborting the
+        requests still running with it (``adapter_requests``: wait for them first to let them finish); returns
+        those. Its blocks stay in the prefix cache, under a salt no later request has, until evicted."""
         self._adapter(name)
         running = self.adapter_requests(name)
         for request_id in running:
