@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx
@@ -53,9 +54,11 @@ def served(adapters: dict[str, str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def lora_server(start_server, adapters):
     """Two prefill workers (a repeated prompt may land on the other one: its blocks come from the pool or a
-    peer, under the adapter's salt) and one decode worker, KV handed over by gRPC."""
+    peer, under the adapter's salt) and one decode worker, KV handed over by gRPC. One adapter slot a worker
+    for up to three adapters: they take turns (concurrent requests of two adapters wait for each other on
+    the prefill workers, and on the decode worker once their KV has arrived)."""
     server = start_server(prefill=2, decode=1, kv_transport="grpc",
-                          engine_options={"lora_modules": served(adapters), "max_loras": 3},
+                          engine_options={"lora_modules": served(adapters), "max_loras": 1, "max_cpu_loras": 3},
                           gateway_options={"allow_runtime_lora_updating": True})
     yield server
     server.stop()
@@ -97,6 +100,10 @@ def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks
     for _ in range(2):  # whichever prefill worker takes it: its own cache, the pool or the other worker
         again = complete("crab")
         assert again.choices[0].text == want["crab"] and again.usage.prompt_tokens_details.cached_tokens == 32
+    # at once: the two adapters take turns in each worker's one slot, and every answer is still its own
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda model: complete(model).choices[0].text, ["crab", "kelp", base] * 2))
+    assert texts == [want["crab"], want["kelp"], want[None]] * 2
 
     # gRPC names the adapter the same way
     stub = serving_pb2_grpc.ServingStub(grpc.insecure_channel(lora_server.grpc_target))
@@ -107,9 +114,9 @@ def test_each_adapter_answers_as_the_engine_runs_it_and_hits_only_its_own_blocks
     # /metrics exports vLLM's lora_requests_info, max_lora being the workers' adapter slots
     info = [line for line in httpx.get(f"{lora_server.http_url}/metrics").text.splitlines()
             if line.startswith("tidepool_lora_requests_info{")]
-    assert len(info) == 1 and 'max_lora="3"' in info[0]
+    assert len(info) == 1 and 'max_lora="1"' in info[0]
     lora = httpx.get(f"{lora_server.http_url}/v1/cluster/status").json()["lora"]  # what `tidepool status` shows
-    assert (lora["adapters"], lora["slots"]) == (["crab", "kelp"], 3)
+    assert (lora["adapters"], lora["slots"]) == (["crab", "kelp"], 1)
 
 
 @pytest.mark.redis
