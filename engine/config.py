@@ -219,22 +219,42 @@ def _moe(arch: str, raw: dict, num_layers: int) -> MoEConfig | None:
                      shared_expert_intermediate_size=shared)
 
 
-def _sliding_window(arch: str, raw: dict, max_pos: int) -> int | None:
-    """The window every layer attends within, or None for full attention (none set, or one at least as long
-    as the context, which changes nothing). Mistral, Mixtral and Phi-3 slide in every layer; Qwen's
-    optional window (``use_sliding_window``) covers only the layers from ``max_window_layers`` on, which
-    one engine window cannot express."""
+def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:
+    """(the window every layer attends within, each layer's window when they differ: 0 for a full-attention
+    layer), or (None, None) for full attention (none set, or one at least as long as the context, which
+    changes nothing). Mistral, Mixtral and Phi-3 slide in every layer; Qwen's optional window
+    (``use_sliding_window``) covers the layers ``_sliding_layers`` names."""
     window = raw.get("sliding_window")
     uses_window = raw.get("use_sliding_window", arch in SLIDING_ARCHITECTURES)
     if not uses_window or window is None or int(window) >= max_pos:
-        return None
-    if arch not in SLIDING_ARCHITECTURES:
-        raise UnsupportedModelError(
-            "use_sliding_window", f"{arch}'s sliding window ({window} < max_position_embeddings {max_pos}) "
-            "applies to some layers only, which is not implemented; supported: false")
+        return None, None
     if not int(window) > 0:
         raise UnsupportedModelError("sliding_window", f"{window}: must be a positive number of tokens or null")
-    return int(window)
+    if arch in SLIDING_ARCHITECTURES:
+        return int(window), None
+    windows = tuple(int(window) if slides else 0 for slides in _sliding_layers(arch, raw, num_layers))
+    if all(windows):  # every layer slides: the engine's own window, as Mistral's
+        return int(window), None
+    return None, windows if any(windows) else None
+
+
+def _sliding_layers(arch: str, raw: dict, num_layers: int) -> list[bool]:
+    """Which layers of a Qwen model with ``use_sliding_window`` slide, as transformers decides: every one for
+    Qwen3-MoE; else the ``layer_types`` the config lists, or, without it, each variant's rule over
+    ``max_window_layers`` (transformers' default 28): Qwen2 and Qwen3 from that layer on, Qwen2-MoE every
+    other layer below it."""
+    if arch == "Qwen3MoeForCausalLM":
+        return [True] * num_layers
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError("layer_types", f"{types!r}: one of 'sliding_attention' or 'full_attention' "
+                                                       f"for each of the {num_layers} layers")
+        return [kind == "sliding_attention" for kind in types]
+    limit = int(raw.get("max_window_layers", 28))
+    if arch == "Qwen2MoeForCausalLM":
+        return [i % 2 == 0 and i < limit for i in range(num_layers)]
+    return [i >= limit for i in range(num_layers)]
 
 
 @dataclass
@@ -261,6 +281,9 @@ class ModelConfig:
     # Mistral's (v0.1), Mixtral's and Phi-3's sliding-window attention: every layer's query sees the last W
     # tokens, itself included; None: full attention. The engine runs it as its attention window without sinks.
     sliding_window: int | None = None
+    # Qwen's use_sliding_window when only some layers slide: each layer's window (0: full attention). Every
+    # block stays (the full layers read it); the sliding layers' attention is masked to their window.
+    layer_windows: tuple[int, ...] | None = None
 
     @property
     def long_rope_from(self) -> int | None:
@@ -284,7 +307,8 @@ class ModelConfig:
         if not arch.startswith("Qwen2") and raw.get("attention_bias"):
             raise UnsupportedModelError("attention_bias", f"attention biases are not supported for {arch}")
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        sliding_window = _sliding_window(arch, raw, max_pos)
+        num_layers = int(raw["num_hidden_layers"])
+        sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
@@ -292,7 +316,6 @@ class ModelConfig:
             raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
         theta, scaling, rotary_dim = _rope(raw, arch)
         bos, eos = special_token_ids(raw, generation)
-        num_layers = int(raw["num_hidden_layers"])
         return cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
@@ -301,6 +324,7 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
+            layer_windows=layer_windows,
         )
 
     @classmethod

@@ -75,6 +75,9 @@ class Engine:
                                 residual_blocks=residual)
         self.device = self.kv_cache.device
         # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
+        if self.model_config.layer_windows and config.kv_window is not None:
+            raise ValueError("--kv-window drops blocks every layer reads, and this model's full-attention layers "
+                             "read them all (only some of its layers slide): serve it without --kv-window")
         self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings, model_window)
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend,
                                   with_lora=self.lora_slots is not None)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -69,6 +69,9 @@ class AttentionMetadata:
     long_rope_rows: torch.Tensor | None = None
     # LoRA adapters (``engine/lora.py``): each row's adapter in this step; None: every row is the base model's.
     lora: LoRABatch | None = None
+    # The torch path's masks narrowed to a layer's sliding window (``ModelConfig.layer_windows``), made by the
+    # first such layer of the step: (which mask, window) -> mask
+    window_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -192,9 +195,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def _windowed(meta: AttentionMetadata, key: tuple, mask: torch.Tensor, window: int) -> torch.Tensor:
+    """``mask`` (each row visible up to its query's position, as the runner builds them) narrowed to each
+    query's last ``window`` positions, itself included (transformers' sliding-window mask); once a step."""
+    if (key, window) not in meta.window_masks:
+        last = mask.sum(-1, keepdim=True) - 1  # each row's query position: its last visible column
+        cols = torch.arange(mask.shape[-1], device=mask.device)
+        meta.window_masks[key, window] = mask & (cols > last - window)
+    return meta.window_masks[key, window]
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, window: int = 0):
+        """``window``: this layer's sliding window when the model's layers differ (Qwen's
+        ``use_sliding_window``); 0: the step's attention (full, or the engine's window)."""
         super().__init__()
+        self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5  # SDPA's default
@@ -215,7 +231,8 @@ class Attention(nn.Module):
         if meta.paged is not None:  # Triton backend: rotate, write and attend in place
             d = cos.shape[-1]  # the rotated dimensions: views of them are rotated in place
             kernels.apply_rope(q[..., :d], k[..., :d], cos, sin)
-            out = paged_attention(q, k, v, kv, meta.paged, meta.num_decode, self.scale)
+            paged = meta.paged if not self.window else replace(meta.paged, window=self.window)
+            out = paged_attention(q, k, v, kv, paged, meta.num_decode, self.scale)
             return self.o_proj(out.view(T, self.q_size), meta.lora)
         q_sink = None if meta.sink_cos is None else apply_rotary(q, meta.sink_cos, meta.sink_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -226,12 +243,19 @@ class Attention(nn.Module):
             qs = q[None, p.begin:p.end].transpose(1, 2)
             if p.ctx_blocks is None:  # nothing cached before this chunk: its own K/V is the context
                 ks, vs = k[None, p.begin:p.end].transpose(1, 2), v[None, p.begin:p.end].transpose(1, 2)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                if self.window:
+                    causal = torch.ones(p.end - p.begin, p.end - p.begin, dtype=torch.bool, device=q.device).tril()
+                    o = F.scaled_dot_product_attention(
+                        qs, ks, vs, attn_mask=_windowed(meta, ("fresh", p.begin), causal, self.window),
+                        enable_gqa=True)
+                else:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
             else:
                 ks = kv.gather(0, p.ctx_blocks, 1, meta.k_buf)
                 vs = kv.gather(1, p.ctx_blocks, 1, meta.v_buf)
                 if p.sink_cols is None:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=True)
+                    mask = p.mask if not self.window else _windowed(meta, ("chunk", p.begin), p.mask, self.window)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
                 else:
                     o = sink_window_attention(qs, q_sink[None, p.begin:p.end].transpose(1, 2), ks, vs, p.mask,
                                               p.sink_cols)
@@ -241,7 +265,9 @@ class Attention(nn.Module):
             kd = kv.gather(0, meta.decode_blocks, n, meta.k_buf)
             vd = kv.gather(1, meta.decode_blocks, n, meta.v_buf)
             if meta.decode_sink_cols is None:
-                o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=meta.decode_mask,
+                mask = meta.decode_mask if not self.window else _windowed(meta, ("decode",), meta.decode_mask,
+                                                                          self.window)
+                o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=mask,
                                                    enable_gqa=True)  # [n, H, 1, D]
             else:
                 o = sink_window_attention(q[:n, :, None], q_sink[:n, :, None], kd, vd, meta.decode_mask,
@@ -296,7 +322,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, cfg.layer_windows[index] if cfg.layer_windows else 0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype)

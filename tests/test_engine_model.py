@@ -192,19 +192,63 @@ def test_a_models_sliding_window_runs_as_transformers_runs_it(tmp_path, arch, wi
     assert most_blocks < full  # what full attention would hold at the end
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_sliding_window_on_some_layers_only_runs_as_transformers_runs_it(tmp_path, arch):
+    """Qwen's use_sliding_window with max_window_layers 1 of 2: layer 0 attends to everything, layer 1 to its
+    last 12 positions. Prompts past the window, chunked (16 tokens a step) and after a cached prefix, then
+    decoding on: greedy tokens equal transformers', and no block is given back (layer 0 reads them all)."""
+    hf = build_hf_checkpoint(tmp_path, arch, use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=16))
+    assert (engine.model_config.layer_windows, engine.window) == ((0, 12), None)
+    a, b = prompts((30, 9))
+    requests = {"a": a, "b": b, "a-again": a[:24] + b}  # a-again: two cached blocks of a, then a chunk
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    for rid, ids in requests.items():
+        engine.add_request(rid, ids, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                cached[out.request_id] = out.num_cached_tokens
+    with torch.no_grad():
+        for rid, ids in requests.items():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+            assert got[rid] == want, rid
+    assert cached["a-again"] == BLOCK  # a's first block
+
+
 @pytest.mark.timeout(30)
-def test_a_sliding_window_only_some_layers_have_is_refused_and_a_longer_kv_window_too(tmp_path):
+def test_which_layers_slide_is_read_as_transformers_reads_it_and_a_kv_window_is_refused_beside_it(tmp_path):
     from engine.config import UnsupportedModelError
 
     qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 256,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "max_position_embeddings": 256,
             "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}
-    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
-        ModelConfig.from_dict(qwen)
-    assert ModelConfig.from_dict({**qwen, "use_sliding_window": False}).sliding_window is None
-    build_hf_checkpoint(tmp_path, "mistral", sliding_window=32)
+
+    def windows(**overrides) -> tuple:
+        cfg = ModelConfig.from_dict({k: v for k, v in {**qwen, **overrides}.items() if v is not None})
+        return cfg.sliding_window, cfg.layer_windows
+
+    assert windows() == (None, (0, 64, 64, 64))
+    assert windows(max_window_layers=0) == (64, None)  # every layer: the engine's own window, as Mistral's
+    # without max_window_layers, transformers' default: the layers from the 28th on
+    assert windows(max_window_layers=None, num_hidden_layers=30) == (None, (0,) * 28 + (64, 64))
+    assert windows(use_sliding_window=False) == windows(sliding_window=512) == (None, None)
+    assert windows(layer_types=["full_attention", "sliding_attention"] * 2) == (None, (0, 64, 0, 64))
+    assert windows(architectures=["Qwen2MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, max_window_layers=3) == (None, (64, 0, 64, 0))  # even layers below 3
+    assert windows(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32) == (64, None)  # Qwen3-MoE slides in every layer
+    with pytest.raises(UnsupportedModelError, match="layer_types"):
+        ModelConfig.from_dict({**qwen, "layer_types": ["sliding_attention"]})
+    build_hf_checkpoint(tmp_path / "qwen", "qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    with pytest.raises(ValueError, match="serve it without --kv-window"):
+        Engine(EngineConfig(model=str(tmp_path / "qwen"), kv_window=64))
+    build_hf_checkpoint(tmp_path / "mistral", "mistral", sliding_window=32)
     with pytest.raises(ValueError, match="longer than the model's sliding window of 32"):
-        Engine(EngineConfig(model=str(tmp_path), kv_window=64))
+        Engine(EngineConfig(model=str(tmp_path / "mistral"), kv_window=64))
 
 
 @pytest.mark.timeout(60)

@@ -67,7 +67,8 @@ def test_eos_ids_prefer_generation_config(tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),  # no original context
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}, "rope_parameters.rope_type"),
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window"),
-    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 128}, "use_sliding_window"),
+    ({"architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True, "sliding_window": 128,
+      "layer_types": ["sliding_attention"]}, "layer_types"),  # one entry for two layers
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"partial_rotary_factor": 0.5}, "rope_scaling.partial_rotary_factor"),  # Phi-3's architecture only
     ({**QWEN_MOE, "num_experts_per_tok": 5}, "num_experts_per_tok"),

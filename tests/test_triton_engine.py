@@ -265,6 +265,17 @@ def test_a_sliding_window_model_on_triton_equals_torch_also_through_the_graph_bu
 
 
 @needs_interpreter
+def test_a_window_on_some_layers_only_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
+    """Qwen's use_sliding_window on layer 1 of 2 (12 positions): the kernels take that layer's window, the
+    other layer's attention stays whole; the greedy tokens equal the torch path's (its masks narrowed to the
+    window), eagerly and through the graph buffers."""
+    build_hf_checkpoint(tmp_path, "qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    a, b = prompts((30, 9))
+    runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)]}, 16, num_blocks=32, max_num_batched_tokens=16)
+    assert runs["triton"] == runs["graphs"] == runs["torch"]
+
+
+@needs_interpreter
 def test_longrope_with_a_partial_rotary_factor_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
     """Phi-3's LongRoPE (an original context of 32) with half of each head rotated, as Phi-4-mini rotates
     three quarters: a prompt past the original context and two that pass it while decoding (computed again
