@@ -24,7 +24,10 @@ def _local(view: ClusterView, p: int, d: int) -> Decision:
 
 
 def _least_loaded_decode(view: ClusterView) -> int:
-    return int(np.lexsort((-view.d_free, view.d_running))[0])
+    """The fewest running sequences, then the most free blocks; never one whose adapter slots are all busy
+    while another has room for the request's adapter (``ClusterView.d_lora_blocked``)."""
+    blocked = view.d_lora_blocked if view.d_lora_blocked is not None else np.zeros(len(view.d_ids), dtype=bool)
+    return int(np.lexsort((-view.d_free, view.d_running, blocked))[0])
 
 
 class RoundRobin:

@@ -35,6 +35,7 @@ class RouteRequest:
     block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks (kvstore.hashing)
     max_tokens: int
     max_kv_tokens: int | None = None  # an attention window (sinks + window) bounds the KV it holds at once
+    lora: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def kv_tokens(self) -> int:
@@ -134,6 +135,9 @@ class ClusterView:
         self.p_to_d = table.d_pos[p]  # colocated prefill workers decode the request themselves
         self.d_free, self.d_total, self.d_bs = rd[:, FREE] - pd[:, P_BLOCKS], rd[:, TOTAL], rd[:, BS]
         self.d_running, self.d_ctx = rd[:, RUNNING] + pd[:, P_SEQS], rd[:, CTX] + pd[:, P_CTX]
+        self.d_lora_blocked = None if req.lora is None else self._lora_blocked(req.lora, table)
+        if self.d_lora_blocked is not None:
+            self.d_free = np.where(self.d_lora_blocked, -np.inf, self.d_free)
 
         # Prefix matches: local ones per prefill worker, and the two longest alive holders as fetch
         # sources (the runner-up serves the best holder itself).
@@ -150,6 +154,17 @@ class ClusterView:
         if self._future.best >= 0:
             self.p_future_delay[self._future.best] = self._future.delay1
         self._tbt_now = self._need = None
+
+    @staticmethod
+    def _lora_blocked(lora: str, table: LoadTable) -> np.ndarray | None:
+        """The decode workers whose adapter slots all hold other adapters of running requests: one would hold
+        this request, its KV received, until a slot frees (``engine/scheduler.py``). When some worker runs the
+        adapter already or has a slot to give it, those look full and slow to every policy (free blocks -inf,
+        TBT inf; the least-loaded pick sorts them last), as the Gateway API inference extension's LoRA
+        affinity filters them; None when none or all are."""
+        blocked = np.array([lora not in load.running_loras and len(load.running_loras) >= load.max_loras
+                            for load in (table.loads[r] for r in table.d_rows)], dtype=bool)
+        return blocked if blocked.any() and not blocked.all() else None
 
     def _sources(self, held: dict[str, tuple[int, float]]) -> tuple[np.ndarray, _Sources]:
         """(blocks each prefill worker holds itself, the best and runner-up holders) over alive holders
@@ -243,6 +258,8 @@ class ClusterView:
         """Step time on each decode worker with this request added to today's batch."""
         if self._tbt_now is None:
             self._tbt_now = self.est.decode.predict(self.d_running + 1, self.d_ctx + self.req.prompt_len) * self.d_speed
+            if self.d_lora_blocked is not None:
+                self._tbt_now = np.where(self.d_lora_blocked, np.inf, self._tbt_now)
         return self._tbt_now
 
     def decode_for(self, p: int, d: int) -> int:

@@ -248,7 +248,7 @@ class Dispatcher:
                 salt = salt_for(self.model_id, adapter_id, long_rope_applies(self.long_rope_from, len(tokens)))
                 hashes = block_hashes(tokens, self.block_size, salt) if params.prompt_logprobs is None else []
                 route_req = RouteRequest(request_id, len(tokens), hashes,
-                                         params.max_tokens - len(progress.output_ids), self.max_kv_tokens)
+                                         params.max_tokens - len(progress.output_ids), self.max_kv_tokens, lora)
                 decision = self._route(route_req, excluded) if attempt == 0 else await self._route_again(
                     route_req, excluded)
                 if not track.streaming:

@@ -146,6 +146,26 @@ def test_tidepool_skips_a_decode_worker_without_room_for_the_kv():
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["tidepool", "mooncake", "least_loaded", "cache_aware"])
+def test_a_decode_worker_whose_adapter_slots_are_all_busy_is_passed_over(policy):
+    """One adapter slot a worker: d0 (idle, so every policy's pick) runs kelp's requests, d1 nothing. A crab
+    request goes to d1, which can give crab its slot; a kelp request may join d0; with every worker blocked
+    the choice is the usual one (the request waits wherever it goes)."""
+    def lora_decode(wid: str, running: int, ctx: int, free: int, adapters: tuple[str, ...]) -> WorkerLoad:
+        load = decode(wid, running=running, ctx=ctx, free=free)
+        load.max_loras, load.running_loras = 1, adapters
+        return load
+
+    loads = [prefill("p0"), lora_decode("d0", 1, 2000, 80_000, ("kelp",)), lora_decode("d1", 40, 400_000, 20_000, ())]
+    crab = RouteRequest("r-crab", 32 * BS, HASHES, 256, lora="crab")
+    assert conductor(policy).route(crab, loads, index(), now=NOW).decode == "d1"
+    kelp = RouteRequest("r-kelp", 32 * BS, HASHES, 256, lora="kelp")
+    assert conductor(policy).route(kelp, loads, index(), now=NOW).decode == "d0"
+    loads[2].running_loras = ("clam",)
+    assert conductor(policy).route(crab, loads, index(), now=NOW).decode == "d0"
+
+
+@pytest.mark.timeout(30)
 def test_blocks_decode_reservations_wait_for_count_as_used():
     # d0 reports plenty of free blocks, but reservations waiting there will take nearly all of them.
     waited = WorkerLoad("d0", "decode", True, [], 1, 2000, 80_000, 83_000, 16, NOW, waiting_leases=40,
