@@ -307,13 +307,13 @@ class ModelConfig:
         if not arch.startswith("Qwen2") and raw.get("attention_bias"):
             raise UnsupportedModelError("attention_bias", f"attention biases are not supported for {arch}")
         max_pos = int(raw.get("max_position_embeddings", 4096))
-        num_layers = int(raw["num_hidden_layers"])
-        sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         kv_heads = int(raw.get("num_key_value_heads") or heads)
         if heads % kv_heads:
             raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
+        num_layers = int(raw["num_hidden_layers"])
+        sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
         theta, scaling, rotary_dim = _rope(raw, arch)
         bos, eos = special_token_ids(raw, generation)
         return cls(
