@@ -66,8 +66,8 @@ class _LoRAInfo:
     adapters of the running and of the waiting requests across the cluster (comma-separated) and the workers'
     adapter slots (``--max-loras``: all of them share batches); its value is the scrape time, as vLLM sets it
     (the Gateway API inference extension reads a server's adapters from the newest series). Exported while
-    a worker has LoRA slots. A collector rather than a labelled gauge, so the label
-    sets of earlier scrapes do not stay behind as series of their own."""
+    a worker has LoRA slots. A collector rather than a labelled gauge, so the label sets of earlier scrapes
+    do not stay behind as series of their own."""
 
     def __init__(self, model_name: str, loads: dict[str, WorkerLoad]) -> None:
         self.model_name, self.loads = model_name, loads

@@ -119,8 +119,8 @@ class Worker:
             num_preemptions=stats.num_preemptions, spec_drafts=stats.speculation.drafts,
             spec_draft_tokens=stats.speculation.draft_tokens, spec_accepted_tokens=stats.speculation.accepted_tokens,
             spec_accepted_per_position=tuple(stats.speculation.accepted_per_position),
-            max_loras=0 if self.engine.lora_slots is None else self.engine.lora_slots.max_loras, running_loras=stats.running_loras,
-            waiting_loras=stats.waiting_loras,
+            max_loras=0 if self.engine.lora_slots is None else self.engine.lora_slots.max_loras,
+            running_loras=stats.running_loras, waiting_loras=stats.waiting_loras,
         )
 
     async def stats(self) -> EngineStats:
