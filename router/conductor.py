@@ -193,7 +193,7 @@ class Conductor:
         prefill = np.array([*prefill_features(new, cached), 1.0, 0.0, 0.0, 0.0])  # features, 1 prefill
         decode = np.array([0.0, 0.0, 0.0, 0.0, blocks, 1.0, req.prompt_len])
         if dec.prefill == dec.decode:
-            self._table.add_pending(dec.prefill, now, prefill + decode)
+            self._table.add_pending(dec.prefill, now, prefill + decode, req.lora)
         else:
             self._table.add_pending(dec.prefill, now, prefill)
-            self._table.add_pending(dec.decode, now, decode)
+            self._table.add_pending(dec.decode, now, decode, req.lora)

@@ -143,7 +143,8 @@ class LoadTable:
         self.row: dict[str, int] = {}
         self.data = np.zeros((0, 13))
         self.pending = np.zeros((0, 7))
-        self._entries: dict[str, deque[tuple[float, np.ndarray]]] = {}  # worker -> (decided_at, vector)
+        # worker -> (decided_at, vector, the request's LoRA adapter or None)
+        self._entries: dict[str, deque[tuple[float, np.ndarray, str | None]]] = {}
         self._order: deque[tuple[float, str]] = deque()  # every entry in decision order, for the TTL
         self._derive()
 
@@ -162,13 +163,17 @@ class LoadTable:
             if not np.array_equal(roles, self.data[changed, IS_P:IS_D + 1]):
                 self._derive()
 
-    def add_pending(self, worker_id: str, decided_at: float, vector: np.ndarray) -> None:
+    def add_pending(self, worker_id: str, decided_at: float, vector: np.ndarray, lora: str | None = None) -> None:
         r = self.row.get(worker_id)
         if r is None:
             return
-        self._entries.setdefault(worker_id, deque()).append((decided_at, vector))
+        self._entries.setdefault(worker_id, deque()).append((decided_at, vector, lora))
         self._order.append((decided_at, worker_id))
         self.pending[r] += vector
+
+    def routed_loras(self, worker_id: str) -> set[str]:
+        """The LoRA adapters of the requests routed to the worker since its last report."""
+        return {lora for _, _, lora in self._entries.get(worker_id, ()) if lora is not None}
 
     def expire(self, before: float) -> None:
         """Forget routed work older than ``before`` whatever the reports say (a worker that stopped
@@ -200,7 +205,7 @@ class LoadTable:
                 del self._entries[wid]
                 continue
             self._settle(wid)
-            for _, v in self._entries.get(wid, ()):
+            for _, v, _ in self._entries.get(wid, ()):
                 self.pending[self.row[wid]] += v
         self._derive()
 

@@ -157,13 +157,18 @@ class ClusterView:
 
     @staticmethod
     def _lora_blocked(lora: str, table: LoadTable) -> np.ndarray | None:
-        """The decode workers whose adapter slots all hold other adapters of running requests: one would hold
-        this request, its KV received, until a slot frees (``engine/scheduler.py``). When some worker runs the
+        """The decode workers whose adapter slots all hold other adapters of running requests (those routed there
+        since its report included): one would hold this request, its KV received, until a slot frees
+        (``engine/scheduler.py``). When some worker runs the
         adapter already or has a slot to give it, those look full and slow to every policy (free blocks -inf,
         TBT inf; the least-loaded pick sorts them last), as the Gateway API inference extension's LoRA
         affinity filters them; None when none or all are."""
-        blocked = np.array([lora not in load.running_loras and len(load.running_loras) >= load.max_loras
-                            for load in (table.loads[r] for r in table.d_rows)], dtype=bool)
+        blocked = []
+        for r in table.d_rows:
+            load = table.loads[r]
+            running = {*load.running_loras, *table.routed_loras(load.worker_id)}
+            blocked.append(lora not in running and len(running) >= load.max_loras)
+        blocked = np.array(blocked, dtype=bool)
         return blocked if blocked.any() and not blocked.all() else None
 
     def _sources(self, held: dict[str, tuple[int, float]]) -> tuple[np.ndarray, _Sources]:

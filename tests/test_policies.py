@@ -163,6 +163,10 @@ def test_a_decode_worker_whose_adapter_slots_are_all_busy_is_passed_over(policy)
     assert conductor(policy).route(kelp, loads, index(), now=NOW).decode == "d0"
     loads[2].running_loras = ("clam",)
     assert conductor(policy).route(crab, loads, index(), now=NOW).decode == "d0"
+    # two requests of two adapters before the next reports: the second sees the first's adapter on d0
+    loads = [prefill("p0"), lora_decode("d0", 1, 2000, 80_000, ()), lora_decode("d1", 40, 400_000, 20_000, ())]
+    burst = conductor(policy)
+    assert [burst.route(r, loads, index(), now=NOW + i).decode for i, r in enumerate((crab, kelp))] == ["d0", "d1"]
 
 
 @pytest.mark.timeout(30)
