@@ -202,7 +202,7 @@ def test_a_sliding_window_on_some_layers_only_runs_as_transformers_runs_it(tmp_p
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, max_num_batched_tokens=16))
     assert (engine.model_config.layer_windows, engine.window) == ((0, 12), None)
     a, b = prompts((30, 9))
-    requests = {"a": a, "b": b, "a-again": a[:24] + b}  # a-again: two cached blocks of a, then a chunk
+    requests = {"a": a, "b": b, "a-again": a[:24] + b}  # a-again: a's first block cached, then chunks
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     got: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
