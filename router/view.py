@@ -99,6 +99,9 @@ class _Sources(NamedTuple):
     delay1: float
 
 
+_QUEUED_FOR_EVER_S = 1e9
+
+
 def reusable_tokens(prompt_len: int, block_size: int) -> int:
     """The most prompt tokens a cached prefix saves: whole blocks, never the one holding the last token, which is
     always computed for its logits (``BlockManager.max_prefix_blocks``, less a quantized cache's residual)."""
@@ -138,6 +141,10 @@ class ClusterView:
         self.d_lora_blocked = None if req.lora is None else self._lora_blocked(req.lora, table)
         if self.d_lora_blocked is not None:
             self.d_free = np.where(self.d_lora_blocked, -np.inf, self.d_free)
+            # a colocated worker decodes what it prefills: one whose slots are all busy looks queued for ever
+            # (a finite "ever", so the projections over its queue stay numbers)
+            held = (self.p_to_d >= 0) & self.d_lora_blocked[np.maximum(self.p_to_d, 0)]
+            self.p_queue_s = np.where(held, _QUEUED_FOR_EVER_S, self.p_queue_s)
 
         # Prefix matches: local ones per prefill worker, and the two longest alive holders as fetch
         # sources (the runner-up serves the best holder itself).

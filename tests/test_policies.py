@@ -225,6 +225,21 @@ def test_colocated_workers_decode_what_they_prefill(policy):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("policy", ["tidepool", "mooncake", "least_loaded"])
+def test_a_colocated_worker_whose_adapter_slot_is_busy_is_passed_over(policy):
+    """Colocated workers decode what they prefill: w0 (idle) runs kelp in its one slot, w1 (queued) nothing;
+    a crab request goes to w1."""
+    loads = [WorkerLoad("w0", "colocated", True, [], 1, 2000, 50_000, 83_000, 16, NOW, max_loras=1,
+                        running_loras=("kelp",)),
+             WorkerLoad("w1", "colocated", True, [JOB], 1, 2000, 50_000, 83_000, 16, NOW, max_loras=1)]
+    crab = RouteRequest("r-crab", 32 * BS, HASHES, 256, lora="crab")
+    dec = conductor(policy).route(crab, loads, index(), now=NOW)
+    assert (dec.prefill, dec.decode) == ("w1", "w1")
+    kelp = RouteRequest("r-kelp", 32 * BS, HASHES, 256, lora="kelp")
+    assert conductor(policy).route(kelp, loads, index(), now=NOW).prefill == "w0"
+
+
+@pytest.mark.timeout(30)
 def test_dead_workers_and_unknown_holders_are_ignored():
     loads = [WorkerLoad("p0", "prefill", False, [], 0, 0, 1000, 1000, BS, NOW), prefill("p1"), decode("d0")]
     for policy in POLICIES:
