@@ -91,9 +91,7 @@ class LoRASlots:
         for name, (a, b) in adapter.pairs.items():
             linear = self.linears[name]
             stack_a, stack_b = linear.lora_stacks
-            r = a.shape[0]
-            stack_a[slot - 1].zero_()
-            stack_b[slot - 1].zero_()
+            r = a.shape[0]  # a free slot is all zeros (allocated so, zeroed when evicted): past r it stays so
             stack_a[slot - 1, :r].copy_(a, non_blocking=True)  # (pinned host copies on GPUs)
             stack_b[slot - 1, :, :r].copy_(b, non_blocking=True)
             linear.lora[slot] = (stack_a[slot - 1, :r], stack_b[slot - 1, :, :r])

@@ -132,8 +132,8 @@ class ModelRunner:
             slots = [chunks[i].lora for i in decode] + [chunks[i].lora for i in prefill for _ in range(lens[i])]
             # a decode step on the Triton backend takes every adapter in two grouped launches a layer;
             # prompt rows keep the per-adapter matmuls (each row of the grouped kernel reads its whole A)
-            meta.lora = (LoRABatch(index=torch.tensor(slots, device=self.device) - 1) if self.paged and not prefill
-                         else LoRABatch(self._lora_rows(slots)))
+            meta.lora = (LoRABatch(index=torch.tensor([s - 1 for s in slots], device=self.device))
+                         if self.paged and not prefill else LoRABatch(self._lora_rows(slots)))
         pos = torch.tensor(positions, device=self.device)
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],

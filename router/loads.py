@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +99,23 @@ class WorkerLoad:
                 pairs, new, count, len(self.queued_prefills), self.num_running, self.running_context_tokens,
                 self.free_blocks - self.waiting_lease_blocks, self.total_blocks, max(self.block_size, 1),
                 self.updated_at)
+
+
+@dataclass(frozen=True)
+class LoRAUsage:
+    """The cluster's LoRA adapters from its workers' reports: the most adapter slots a worker has, and the
+    adapters of the requests running and waiting anywhere (sorted)."""
+
+    slots: int
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+
+    @classmethod
+    def of(cls, loads: Iterable[WorkerLoad]) -> LoRAUsage:
+        loads = [load for load in loads if load.alive]
+        return cls(max((load.max_loras for load in loads), default=0),
+                   tuple(sorted({name for load in loads for name in load.running_loras})),
+                   tuple(sorted({name for load in loads for name in load.waiting_loras})))
 
 
 def step_samples(steps) -> tuple[tuple, tuple, tuple]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit, urlunsplit
 
+from router.loads import LoRAUsage
 from services.dispatcher import Dispatcher
 
 if TYPE_CHECKING:  # the autoscaler's module imports the workers' actor classes, and with them torch
@@ -36,12 +37,10 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
 def lora_summary(dispatcher: Dispatcher) -> dict | None:
     """The LoRA adapters loaded on every worker, the adapter slots a worker has (``--max-loras``) and the
     adapters of the requests running now; None when no worker has slots."""
-    loads = [load for load in dispatcher.loads.values() if load.alive]
-    slots = max((load.max_loras for load in loads), default=0)
-    if not slots and not dispatcher.loras:
+    usage = LoRAUsage.of(dispatcher.loads.values())
+    if not usage.slots and not dispatcher.loras:
         return None
-    return {"adapters": sorted(dispatcher.loras), "slots": slots,
-            "running": sorted({name for load in loads for name in load.running_loras})}
+    return {"adapters": sorted(dispatcher.loras), "slots": usage.slots, "running": list(usage.running)}
 
 
 def drain_order(row: dict) -> tuple:

@@ -29,6 +29,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 
+from router.loads import LoRAUsage
+
 if TYPE_CHECKING:
     from router.loads import WorkerLoad
 
@@ -73,16 +75,14 @@ class _LoRAInfo:
         self.model_name, self.loads = model_name, loads
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        loads = list(self.loads.values())
-        most = max((ld.max_loras for ld in loads), default=0)
-        if not most:
+        usage = LoRAUsage.of(list(self.loads.values()))
+        if not usage.slots:
             return
         family = GaugeMetricFamily("tidepool_lora_requests_info", "Running stats on LoRA requests",
                                    labels=["model_name", "max_lora", "running_lora_adapters",
                                            "waiting_lora_adapters"])
-        running = sorted({name for ld in loads for name in ld.running_loras})
-        waiting = sorted({name for ld in loads for name in ld.waiting_loras})
-        family.add_metric([self.model_name, str(most), ",".join(running), ",".join(waiting)], time.time())
+        family.add_metric([self.model_name, str(usage.slots), ",".join(usage.running), ",".join(usage.waiting)],
+                          time.time())
         yield family
 
 
