@@ -48,7 +48,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
@@ -205,7 +205,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
         engine = Engine(EngineConfig(
             model=tmp, dtype=str(dtype).removeprefix("torch."), device=str(device), max_num_seqs=max(batches),
             max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False,
-            gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype))
+            gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization))
         result["engine_load_s"] = time.perf_counter() - t
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--skip-hf", action="store_true", help="the engine and the device limits only")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "kivi2"))
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                        help="fp8: the projections quantized as they load (the roofline counts their bytes)")
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -284,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
         "shapes": {shape: bench_shape(shape, args, device, dtype, bandwidth, peak)
                    for shape in args.shapes.split(",")},
     }

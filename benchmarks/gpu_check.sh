@@ -17,6 +17,7 @@
 #   speculative-gpu   benchmarks/speculative_gpu.py: a drafted step's cost against a graph-replayed decode step
 #   moe-gpu           benchmarks/moe_gpu.py: the fused MoE kernels against the expert loop and the roofline
 #   lora-gpu          benchmarks/lora_batch.py on the GPU: a decode batch of 8 adapters against the base model
+#   engine-gpu-fp8    benchmarks/engine_gpu.py with --quantization fp8: the 8B shape's decode step on fp8 weights
 #   sinks-train       benchmarks/train_tiny.py on the GPU with a 65,536-token batch (issue 16)
 #   sinks-attention   benchmarks/attention_mass.py on that model: the weight its first tokens get
 #   sinks-quality     benchmarks/kv_quality.py on that model: KV formats, window-only vs sinks + window
@@ -69,6 +70,8 @@ for name in "$@"; do
     moe-gpu) step "$name" 120 "$py" benchmarks/moe_gpu.py --json "$out/moe_gpu.json" ;;
     lora-gpu) step "$name" 120 "$py" benchmarks/lora_batch.py --device cuda --dtype bfloat16 --batch 64 \
       --json "$out/lora_gpu.json" ;;
+    engine-gpu-fp8) step "$name" 180 "$py" benchmarks/engine_gpu.py --shapes llama-3-8b --batches 1,64 --skip-hf \
+      --quantization fp8 --json "$out/engine_gpu_fp8.json" ;;
     sinks-train) step "$name" $((sinks_minutes * 60 + 120)) "$py" benchmarks/train_tiny.py --device cuda \
       --minutes "$sinks_minutes" --tokens-per-step 65536 --lr 0.004 --threads 8 --force \
       --out "$out/trained-stdlib" --json "$out/train_tiny.json" ;;

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.config import ModelConfig, UnsupportedModelError, dtype_bytes
+from engine.config import ONLINE_FP8, QUANTIZATION_METHODS, ModelConfig, UnsupportedModelError, dtype_bytes
 from engine.kv_format import FORMATS, RESIDUAL_HELP, block_layer_bytes, residual_blocks, window_layer_bytes
 
 GIB = 1024**3
@@ -33,6 +33,10 @@ class ModelShape:
     head_dim: int
     num_parameters: int
     sliding_window: int | None = None  # the model's own (Mistral v0.1): a request holds only its blocks
+    config: ModelConfig | None = None  # a checkpoint's (None: a preset), whose fp8 projections weigh less
+
+    def weight_bytes(self, dtype: str) -> int:
+        return self.config.weight_bytes(dtype) if self.config else self.num_parameters * dtype_bytes(dtype)
 
 
 PRESETS: dict[str, ModelShape] = {s.name: s for s in (
@@ -74,10 +78,13 @@ class Capacity:
     sliding_window: int | None = None  # the model's own, which bounds the KV a request holds
 
 
-def shape_from_dir(path: str | Path) -> ModelShape:
+def shape_from_dir(path: str | Path, quantization: str | None = None) -> ModelShape:
+    """The checkpoint's shape; ``quantization`` "fp8": its projections as ``--quantization fp8`` loads them."""
     cfg = ModelConfig.from_dir(path)
+    if quantization is not None and cfg.weight_quant is None:
+        cfg.weight_quant = ONLINE_FP8
     return ModelShape(Path(path).resolve().name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, cfg.num_parameters(), cfg.sliding_window)
+                      cfg.head_dim, cfg.num_parameters(), cfg.sliding_window, cfg)
 
 
 def held_tokens(shape: ModelShape, context: int, block_size: int) -> int:
@@ -102,7 +109,7 @@ def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: f
                                                    shape.head_dim, width, residual)
     per_request = -(-block * held_tokens(shape, context, block_size) // block_size) + window
     cap = Capacity(shape.name, dtype, context, batch, -(-block // block_size), -(-mha_block // block_size),
-                   mha_block / block, per_request, per_request * batch, shape.num_parameters * width,
+                   mha_block / block, per_request, per_request * batch, shape.weight_bytes(dtype),
                    kv_cache_dtype=kv_cache_dtype, block_size=block_size, window_bytes_per_request=window,
                    residual_blocks=residual, sliding_window=shape.sliding_window)
     if gpu_mem_gib is not None:
@@ -157,7 +164,9 @@ def _positive(kind: type):
 
 def run_kv_calc(args: argparse.Namespace) -> int:
     try:
-        shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model)
+        if args.preset and args.quantization:
+            raise ValueError("--quantization needs --model (a preset has no projection shapes)")
+        shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model, args.quantization)
         cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib, args.kv_cache_dtype,
                    args.block_size, args.kv_residual_blocks)
     except (OSError, KeyError, ValueError, UnsupportedModelError, json.JSONDecodeError) as e:
@@ -178,6 +187,9 @@ def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--context", type=_positive(int), default=2048, help="tokens per request")
     p.add_argument("--batch", type=_positive(int), default=1, help="concurrent requests")
     p.add_argument("--dtype", default="float16", help="KV and weight dtype (float16, bfloat16, float32, fp8)")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="weights as tidepool serve --quantization loads them (an fp8 checkpoint is counted as "
+                        "fp8 without it)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
                    help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit), scales included")
     p.add_argument("--kv-residual-blocks", type=int, default=None, metavar="N", help=RESIDUAL_HELP)

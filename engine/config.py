@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.errors import CheckpointError
+from engine.errors import CheckpointError, UnsupportedModelError
 from engine.kv_format import residual_blocks
 from engine.speculative import SpeculativeConfig
 
@@ -46,18 +46,6 @@ DTYPE_BYTES: dict[str, int] = {
     "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
     "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
 }
-
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint config this engine does not implement; ``field`` names the config.json key."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self):  # raised in a worker, it is pickled to the caller (see engine/errors.py)
-        return type(self), (self.field, self.message)
 
 
 def dtype_bytes(dtype: Any) -> int:
@@ -219,6 +207,55 @@ def _moe(arch: str, raw: dict, num_layers: int) -> MoEConfig | None:
                      shared_expert_intermediate_size=shared)
 
 
+QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization, --quantization
+
+
+@dataclass(frozen=True)
+class WeightQuant:
+    """How a model's decoder projections are stored: fp8 codes and the layout of their scales."""
+
+    k_block: int  # input columns one scale covers; 0: the whole row
+    n_block: int  # output rows one checkpoint scale covers; 0: every row (per tensor) or one (online)
+    scale_suffix: str  # the checkpoint tensor beside each ``.weight``; "": computed at load (online)
+
+    @property
+    def online(self) -> bool:
+        return not self.scale_suffix
+
+    def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
+        """The checkpoint's scale tensor for a ``[rows, cols]`` weight (per tensor: a scalar)."""
+        if not self.n_block:
+            return ()
+        return -(-rows // self.n_block), -(-cols // self.k_block)
+
+
+ONLINE_FP8 = WeightQuant(k_block=0, n_block=0, scale_suffix="")
+
+
+def read_quantization(raw: dict | None) -> WeightQuant | None:
+    """A checkpoint's ``quantization_config`` -> its weight layout (None: not quantized); anything but fp8
+    e4m3 weights is refused, naming what is there."""
+    if raw is None:
+        return None
+    key = "quantization_config"
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
+                                    "or per tensor), or an unquantized checkpoint with --quantization fp8")
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
+    if raw.get("scale_fmt") not in (None, "float32"):
+        raise UnsupportedModelError(f"{key}.scale_fmt", f"{raw['scale_fmt']!r} is not supported (float32 scales)")
+    block = raw.get("weight_block_size")
+    if block is None:
+        return WeightQuant(k_block=0, n_block=0, scale_suffix="weight_scale")
+    if (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) for b in block)
+            or block[0] < 1 or block[1] < 16 or block[1] % 16):
+        raise UnsupportedModelError(f"{key}.weight_block_size",
+                                    f"{block!r}: must be [rows, columns], the columns a multiple of 16")
+    return WeightQuant(k_block=block[1], n_block=block[0], scale_suffix="weight_scale_inv")
+
+
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:
     """(the window every layer attends within, each layer's window when they differ: 0 for a full-attention
     layer), or (None, None) for full attention (none set, or one at least as long as the context, which
@@ -284,6 +321,9 @@ class ModelConfig:
     # Qwen's use_sliding_window when only some layers slide: each layer's window (0: full attention). Every
     # block stays (the full layers read it); the sliding layers' attention is masked to their window.
     layer_windows: tuple[int, ...] | None = None
+    # fp8 decoder projections (engine/weight_quant.py): the checkpoint's quantization_config, or set by the
+    # loader for --quantization fp8; None: every weight in the engine's dtype
+    weight_quant: WeightQuant | None = None
 
     @property
     def long_rope_from(self) -> int | None:
@@ -316,6 +356,11 @@ class ModelConfig:
         sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
         theta, scaling, rotary_dim = _rope(raw, arch)
         bos, eos = special_token_ids(raw, generation)
+        moe = _moe(arch, raw, num_layers)
+        weight_quant = read_quantization(raw.get("quantization_config"))
+        if weight_quant is not None and moe is not None:
+            raise UnsupportedModelError("quantization_config", f"fp8 weights are not supported for {arch}'s "
+                                                               "experts (a mixture of experts runs unquantized)")
         return cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
@@ -323,8 +368,8 @@ class ModelConfig:
             rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
-            bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
-            layer_windows=layer_windows,
+            bos_token_id=bos, eos_token_ids=eos, moe=moe, sliding_window=sliding_window,
+            layer_windows=layer_windows, weight_quant=weight_quant,
         )
 
     @classmethod
@@ -362,12 +407,32 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + mlps + embed + h
 
+    def projection_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of one layer's packed projections (q/k/v, o, gate/up, down): what fp8 quantizes."""
+        h, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
+
+    def weight_bytes(self, dtype: Any) -> int:
+        """Bytes the weights take in ``dtype``, the projections one a weight plus their float32 scales
+        ([out, in / k_block] each, ``engine/weight_quant.py``) when they are fp8."""
+        total = self.num_parameters() * dtype_bytes(dtype)
+        if self.weight_quant is None:
+            return total
+        for out, inp in self.projection_shapes():
+            k_block = self.weight_quant.k_block or inp
+            total -= self.num_layers * out * (inp * (dtype_bytes(dtype) - 1) - 4 * -(-inp // k_block))
+        return total
+
 
 @dataclass
 class EngineConfig:
     model: str  # "tiny" or a checkpoint directory
     dtype: str = "float32"
     device: str = "cpu"
+    # "fp8": a 16-bit checkpoint's decoder projections quantized at load (engine/weight_quant.py), one scale
+    # per output row; None: as the checkpoint holds them (an fp8 checkpoint is read as fp8 either way)
+    quantization: str | None = None
     block_size: int = 16
     num_blocks: int | None = None  # None: from gpu_memory_utilization on CUDA, else from kv_cache_bytes
     kv_cache_bytes: int = 256 * 1024 * 1024
@@ -428,6 +493,9 @@ class EngineConfig:
             raise ValueError("kv_sinks needs kv_window (sinks are kept next to a sliding window)")
         if self.kv_window is not None and (self.kv_window < 1 or self.kv_sinks < 0):
             raise ValueError(f"kv_window must be >= 1 and kv_sinks >= 0, got {self.kv_window} and {self.kv_sinks}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization {self.quantization!r} is not supported; supported: "
+                             f"{', '.join(QUANTIZATION_METHODS)}")
         residual_blocks(self.kv_cache_dtype, self.kv_residual_blocks)  # refuses an unknown dtype or a bad count
         if self.max_loras is not None and self.max_loras < (1 if self.lora_modules else 0):
             raise ValueError(f"max_loras must be at least 1 to serve lora_modules (0: no LoRA), got {self.max_loras}")

@@ -51,7 +51,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config, self.block_size = config, config.block_size
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
-        self.model, self.model_config = load_model(model_dir, config.dtype, config.device)
+        self.model, self.model_config = load_model(model_dir, config.dtype, config.device, config.quantization)
         # before the KV cache is sized: the adapter slots take device memory too
         adapters = [read_adapter(name, path, self.model_id, self.model, self.model_config)
                     for name, path in config.lora_modules.items()]

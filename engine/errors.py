@@ -40,3 +40,15 @@ class CheckpointError(ValueError):
 
 class LoRAAdapterError(CheckpointError):
     """A LoRA adapter (``--lora-modules``) that cannot be loaded; the message names it and what is wrong."""
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint config this engine does not implement; ``field`` names the config.json key."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+    def __reduce__(self):
+        return type(self), (self.field, self.message)

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from engine.config import EngineConfig
+from engine.config import QUANTIZATION_METHODS, EngineConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.kv_format import FORMATS, RESIDUAL_HELP
@@ -64,6 +64,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="fp8: quantize a 16-bit checkpoint's projections as it loads (as tidepool serve does)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
                    help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
     p.add_argument("--kv-residual-blocks", type=int, default=None, metavar="N", help=RESIDUAL_HELP)
@@ -92,6 +94,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     try:
         engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+                                     quantization=args.quantization,
                                      kv_cache_dtype=args.kv_cache_dtype,
                                      kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window,
                                      kv_sinks=args.kv_sinks, num_speculative_tokens=args.num_speculative_tokens,

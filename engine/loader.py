@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.config import PACKED_ARCHITECTURES, ModelConfig
+from engine.config import ONLINE_FP8, PACKED_ARCHITECTURES, ModelConfig, WeightQuant
 from engine.errors import CheckpointError
 from engine.model import CausalLM
 from engine.tiny import write_tiny_checkpoint
+from engine.weight_quant import quantize_rows, row_scales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY = "tiny"
@@ -88,41 +90,97 @@ def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig) -> dict[st
     return renamed
 
 
-def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, tuple[torch.Tensor, tuple[int, ...]]]:
-    """Checkpoint tensor name -> (destination view in the model, expected shape)."""
+@dataclass
+class _Target:
+    """Where one checkpoint tensor goes: ``dest``, a view of a parameter, and the shape the config implies."""
+
+    dest: torch.Tensor
+    shape: tuple[int, ...]
+    codes: bool = False  # fp8 codes of a quantized projection: the checkpoint must hold them as such
+    scale_of: WeightQuant | None = None  # a checkpoint scale, expanded to ``dest``'s rows (``row_scales``)
+    online_scales: torch.Tensor | None = None  # --quantization fp8: a 16-bit weight, quantized into dest
+
+    def fill(self, tensor: torch.Tensor) -> None:
+        if self.scale_of is not None:
+            self.dest.copy_(row_scales(tensor, self.scale_of, self.dest.shape[0]))
+        elif self.online_scales is not None:
+            codes, scales = quantize_rows(tensor)
+            self.dest.copy_(codes)
+            self.online_scales.copy_(scales)
+        else:
+            self.dest.copy_(tensor)
+
+
+def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, scales: torch.Tensor | None,
+         quant: WeightQuant | None) -> None:
+    """The target of checkpoint weight ``name`` (rows ``view`` of a parameter), and of its scale when the
+    parameter is fp8 (``scales``: the same rows of its ``weight_scale``)."""
+    shape = tuple(view.shape)
+    if scales is None or quant is None:
+        targets[name] = _Target(view, shape)
+    elif quant.online:
+        targets[name] = _Target(view, shape, online_scales=scales)
+    else:
+        targets[name] = _Target(view, shape, codes=True)
+        targets[name.removesuffix("weight") + quant.scale_suffix] = _Target(
+            scales, quant.scale_shape(*shape), scale_of=quant)
+
+
+def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
+    """Checkpoint tensor name -> where it goes."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     packed = cfg.architecture in PACKED_ARCHITECTURES  # the checkpoint's q/k/v and gate/up are ours already
-    targets: dict[str, tuple[torch.Tensor, tuple[int, ...]]] = {}
-    for name, param in model.named_parameters():
+    quant = cfg.weight_quant
+    params = dict(model.named_parameters())
+    targets: dict[str, _Target] = {}
+    for name, param in params.items():
+        scales = params.get(name + "_scale")  # a quantized projection's rows' scales (engine/weight_quant.py)
+        if name.endswith(".weight_scale"):
+            continue  # filled with its weight
         if ".experts." in name:
             for key, view in _expert_targets(name, param, cfg).items():
-                targets[key] = (view, tuple(view.shape))
+                targets[key] = _Target(view, tuple(view.shape))
         elif ".mlp.gate." in name and cfg.architecture == "MixtralForCausalLM":  # the router
-            targets[name.replace(".mlp.", ".block_sparse_moe.")] = (param.data, tuple(param.shape))
+            targets[name.replace(".mlp.", ".block_sparse_moe.")] = _Target(param.data, tuple(param.shape))
         elif ".qkv_proj." in name and not packed:  # split the fused matrix back into the checkpoint's three
             for part, (lo, hi) in zip(("q_proj", "k_proj", "v_proj"),
                                       ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
-                view = param.data[lo:hi]
-                targets[name.replace("qkv_proj", part)] = (view, tuple(view.shape))
+                _add(targets, name.replace("qkv_proj", part), param.data[lo:hi],
+                     None if scales is None else scales.data[lo:hi], quant)
         elif ".gate_up_proj." in name and not packed:  # the dense MLP's, or a shared expert's
             inter = param.shape[0] // 2
             for part, (lo, hi) in zip(("gate_proj", "up_proj"), ((0, inter), (inter, 2 * inter)), strict=True):
-                view = param.data[lo:hi]
-                targets[name.replace("gate_up_proj", part)] = (view, tuple(view.shape))
+                _add(targets, name.replace("gate_up_proj", part), param.data[lo:hi],
+                     None if scales is None else scales.data[lo:hi], quant)
         else:
-            targets[name] = (param.data, tuple(param.shape))
+            _add(targets, name, param.data, None if scales is None else scales.data, quant)
     return targets
 
 
-def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu") -> tuple[CausalLM, ModelConfig]:
-    """Build the model for ``model_dir``'s config and fill it from its safetensors files."""
+def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) -> None:
+    """A checkpoint tensor must have the shape the config implies, and be fp8 exactly where the model is."""
+    shape = tuple(tensor.shape)
+    if shape != target.shape and not (target.shape == () and shape == (1,)):  # a per-tensor scale as [1]
+        raise CheckpointError(f"{path.name}: tensor {name!r} has shape {shape}, config.json implies {target.shape}")
+    if (tensor.dtype == torch.float8_e4m3fn) != target.codes:
+        raise CheckpointError(f"{path.name}: tensor {name!r} is {tensor.dtype}, config.json's quantization_config "
+                              f"implies {'float8_e4m3fn' if target.codes else 'a 16- or 32-bit float'}")
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+               quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
+    """Build the model for ``model_dir``'s config and fill it from its safetensors files; ``quantization``
+    "fp8" quantizes a 16-bit checkpoint's decoder projections as they load (``engine/weight_quant.py``)."""
     model_dir = Path(model_dir)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     cfg = ModelConfig.from_dir(model_dir)
+    if quantization is not None and cfg.weight_quant is None:
+        if cfg.moe is not None:
+            raise ValueError(f"--quantization {quantization} is not supported for {cfg.architecture}'s experts")
+        cfg = replace(cfg, weight_quant=ONLINE_FP8)
     with torch.device(device):
         model = CausalLM(cfg, dtype)
     targets = _targets(model, cfg)
@@ -132,14 +190,13 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32",
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue  # derived from the config, or the tied embedding already loaded
+                if name.endswith(".input_scale") and name.removesuffix("input_scale") + "weight" in targets:
+                    continue  # a static activation scale: activations stay in the model's dtype (W8A16)
                 if name not in targets:
                     raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
-                dest, shape = targets[name]
                 tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != shape:
-                    raise CheckpointError(f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {shape}")
-                dest.copy_(tensor)
+                _check_tensor(path, name, tensor, targets[name])
+                targets[name].fill(tensor)
                 seen.add(name)
     missing = sorted(set(targets) - seen - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if missing:

@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.config import ModelConfig, MoEConfig
+from engine.config import ModelConfig, MoEConfig, WeightQuant
 from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
 from engine.triton_attention import PagedAttentionMeta, paged_attention
+from engine.weight_quant import fp8_linear
 
 
 @dataclass
@@ -163,17 +164,29 @@ class Linear(nn.Module):
     """``nn.Linear`` minus its random init: the loader overwrites every weight, and skipping the init
     keeps model construction instant (even under ``torch.device``). ``lora_stacks``: every LoRA adapter slot's
     A and B (``engine/lora_slots.py``; None: no adapter may target this layer), and ``lora`` views of those of
-    the loaded adapters by slot, added on the rows of each adapter a step names."""
+    the loaded adapters by slot, added on the rows of each adapter a step names. With ``quant``
+    (``engine/weight_quant.py``) the weight is fp8 codes with float32 ``weight_scale`` ``[out, in / k_block]``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 quant: WeightQuant | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype if quant is None
+                                               else torch.float8_e4m3fn), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.weight_scale: nn.Parameter | None = None
+        self.k_block = 0
+        if quant is not None:
+            self.k_block = quant.k_block or in_features
+            self.weight_scale = nn.Parameter(torch.empty(out_features, -(-in_features // self.k_block)),
+                                             requires_grad=False)
         self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lora_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        if self.weight_scale is None:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = fp8_linear(x, self.weight, self.weight_scale, self.k_block, self.bias)
         if lora is None or self.lora_stacks is None:
             return out
         if lora.index is not None:  # a decode step on the Triton backend: every slot in two launches
@@ -214,8 +227,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5  # SDPA's default
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype)
+        quant = cfg.weight_quant
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, quant)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, quant)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -277,10 +291,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 quant: WeightQuant | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, quant)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, quant)
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
@@ -327,7 +342,7 @@ class DecoderLayer(nn.Module):
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.weight_quant)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv: PagedKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:

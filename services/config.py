@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from engine.config import ATTENTION_BACKENDS, EngineConfig
+from engine.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
 from kvstore.transfer.transports import TRANSPORTS as KV_TRANSPORTS
@@ -188,6 +188,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo-s", type=float, default=c.ttft_slo_s, help="time-to-first-token SLO")
     p.add_argument("--tbt-slo-ms", type=float, default=c.tbt_slo_s * 1000, help="time-between-tokens SLO")
     p.add_argument("--dtype", default=e.dtype, choices=DTYPES, help="weights and KV cache dtype")
+    p.add_argument("--quantization", default=e.quantization, choices=QUANTIZATION_METHODS,
+                   help="fp8: quantize a 16-bit checkpoint's projections as it loads (one scale per row; half "
+                        "the weight memory and bytes a decode step reads); an fp8 checkpoint runs as fp8 without it")
     p.add_argument("--num-blocks", type=int, default=e.num_blocks,
                    help="KV blocks per worker (default: from --gpu-memory-utilization on GPUs, else "
                         "from --kv-cache-bytes)")
@@ -273,7 +276,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     if max_loras is None and args.allow_runtime_lora_updating:
         max_loras = max(len(names), 1)
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,

@@ -119,6 +119,12 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
             kernels.lora_grouped(torch.empty(4, fan_out, dtype=dtype), torch.empty(4, fan_in, dtype=dtype),
                                  torch.empty(4, cap, fan_in, dtype=dtype), torch.empty(4, fan_out, cap, dtype=dtype),
                                  torch.full((4,), -1))
+    if kv_format == "auto":  # fp8 weights (W8A16): q/k/v at a decode batch and a prefill, 128 x 128 blocks and a
+        for tokens in (8, 512):  # scale per row (--quantization fp8); codes natively from sm_89, as bytes before
+            for k_block in (128, cfg.hidden_size):
+                kernels.fp8_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
+                                   torch.empty(qkv.shape[1], cfg.hidden_size, dtype=torch.float8_e4m3fn),
+                                   torch.empty(qkv.shape[1], cfg.hidden_size // k_block), k_block)
     if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
         k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
         paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,

@@ -1,8 +1,8 @@
 """benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
 sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s; with
-``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes; and benchmarks/speculative_gpu.py
-the same way (plain and drafted engines, the same tokens in float32); benchmarks/moe_gpu.py too, its fused
-kernels interpreted."""
+``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes, with ``--quantization fp8`` the fp8
+weights'; and benchmarks/speculative_gpu.py the same way (plain and drafted engines, the same tokens in
+float32); benchmarks/moe_gpu.py too, its fused kernels interpreted."""
 
 from __future__ import annotations
 
@@ -58,6 +58,19 @@ def test_a_quantized_cache_counts_its_own_bytes_in_the_roofline(tmp_path):
     # per layer and block of 16 tokens: K and V codes (16 x 2 heads x 16 bytes) + fp16 scales per token and
     # head, each field 16-byte aligned; 2 layers
     assert shape["kv_bytes_per_token"] == 2 * 2 * (16 * 2 * 16 + 16 * 2 * 2) / 16
+    assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
+
+
+@pytest.mark.timeout(120)
+def test_fp8_weights_count_their_own_bytes_in_the_roofline(tmp_path):
+    """--quantization fp8: the weights read per step are the codes (a byte each) and their scales, fewer than
+    float32's four bytes a parameter."""
+    result = engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "2", "--prompt-len", "32",
+                              "--new-tokens", "4", "--skip-hf", "--quantization", "fp8",
+                              "--json", str(tmp_path / "engine_gpu.json")])
+    shape = result["shapes"]["tiny-test"]
+    assert result["quantization"] == "fp8"
+    assert shape["weight_bytes"] < 4 * shape["parameters"]
     assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
 
 

@@ -1,6 +1,6 @@
 """On CUDA (skipped without it): KV leaving GPU memory over gRPC, the KV cache sized from device memory, and
-the Triton attention backend (with a sliding window too) and fused MoE kernels compiled for the device (the
-bf16 engine on CUDA is in test_engine_model)."""
+the Triton attention backend (with a sliding window too), fused MoE and fp8 weight kernels compiled for the
+device (the bf16 engine on CUDA is in test_engine_model)."""
 
 from __future__ import annotations
 
@@ -225,6 +225,30 @@ def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_pa
         runs[engine.attention_backend] = tokens
     assert runs["triton"] == runs["torch"] and all(len(t) == 24 for t in runs["torch"].values())
     assert sum(engine.runner.graphs.replays.values()) > 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["block", "online"])
+def test_fp8_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, layout):
+    """The fp8 matmul kernel compiled for the device, in prefill and in decode steps replayed from CUDA graphs
+    (a block-wise fp8 checkpoint, and --quantization fp8 on a 16-bit one): float32 greedy tokens equal the
+    CPU torch path's, which are transformers' (tests/test_weight_quant.py)."""
+    if ran_in_a_compiling_process(request.node.name):
+        return
+    from test_engine_model import BLOCK, build_hf_checkpoint, prompts
+    from test_weight_quant import engine_tokens, quantize_checkpoint
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    build_hf_checkpoint(tmp_path, "llama")
+    if layout == "block":
+        quantize_checkpoint(tmp_path, "block")
+    quantization = "fp8" if layout == "online" else None
+    batch = prompts((5, 19, 45))
+    runs = [engine_tokens(Engine(EngineConfig(model=str(tmp_path), device=device, block_size=BLOCK, num_blocks=64,
+                                              quantization=quantization)), batch) for device in ("cpu", "cuda")]
+    assert runs[0] == runs[1]
 
 
 @pytest.mark.timeout(60)

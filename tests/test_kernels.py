@@ -1,7 +1,7 @@
 """Triton paged-attention and KV-write kernels, run on CPU by the Triton interpreter, against the torch
 references in engine.kernels.reference (which are themselves checked against dense causal SDPA); the fused
 residual add + RMSNorm against the model's own add and RMSNorm; the fused mixture-of-experts matmuls against
-the torch path's expert loop (engine.moe)."""
+the torch path's expert loop (engine.moe); the fp8 weights' matmul against its dequantized weight."""
 
 from __future__ import annotations
 
@@ -665,3 +665,38 @@ def test_grouped_lora_rejects_mismatched_stacks():
         lora_grouped(out, x, a[:, :, :8], b, index)
     with pytest.raises(ValueError, match="contiguous"):
         lora_grouped(out, x, a, b.transpose(1, 2).contiguous().transpose(1, 2), index)
+
+
+def fp8_weight(n: int, k: int, k_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes spread over e4m3's range (subnormals to 448) and a scale per row and ``k_block`` columns, the
+    weights about unit-sized."""
+    codes = (torch.randn(n, k) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return codes, (torch.rand(n, -(-k // k_block)) + 0.01) / 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k, k_block", [(1, 48, 64, 64), (5, 96, 80, 32), (33, 40, 96, 16), (17, 70, 256, 128)])
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_fp8_matmul_matches_its_dequantized_weight(dtype, m, n, k, k_block, as_bytes, monkeypatch):
+    """One scale a row (k_block = K) and block scales, a last block narrower than the others (80 = 2 x 32 +
+    16), outputs and rows that are not multiples of the tiles; the codes read natively and, as on GPUs
+    before sm_89, as bytes."""
+    from engine.kernels.fp8_gemm import fp8_matmul
+
+    monkeypatch.setattr(common, "fp8_codes_as_bytes", lambda device: as_bytes)
+    x = torch.randn(m, k).to(dtype)
+    codes, scales = fp8_weight(n, k, k_block)
+    assert_close(fp8_matmul(x, codes, scales, k_block), ref.ref_fp8_matmul(x, codes, scales, k_block))
+
+
+def test_fp8_matmul_rejects_mismatched_operands():
+    from engine.kernels.fp8_gemm import fp8_matmul
+
+    x = torch.randn(2, 64)
+    codes, scales = fp8_weight(8, 64, 32)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_matmul(x, codes.float(), scales, 32)
+    with pytest.raises(ValueError, match=r"scales must be float32 \[8, 2\]"):
+        fp8_matmul(x, codes, scales[:, :1], 32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fp8_matmul(x, codes, torch.rand(8, 3), 24)

@@ -81,3 +81,9 @@ def ref_lora_grouped(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: tor
             delta = (x[t].float() @ a[slot].float().T) @ b[slot].float().T
             result[t] = (out[t].float() + delta).to(out.dtype)
     return result
+
+
+def ref_fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k_block: int) -> torch.Tensor:
+    """Same contract as ``fp8_matmul``: each code times its row's scale for its ``k_block`` columns, in float32."""
+    per_column = scales.repeat_interleave(k_block, dim=1)[:, :codes.shape[1]]
+    return (x.float() @ (codes.float() * per_column).T).to(x.dtype)

@@ -1,0 +1,59 @@
+"""FP8 weights: checkpoints published in fp8 (``quantization_config.quant_method: "fp8"``) and ``--quantization
+fp8`` on a 16-bit one, for the decoder's projections (q/k/v, o, gate/up, down).
+
+A projection holds e4m3 codes ``[out, in]`` and float32 scales ``[out, ceil(in / k_block)]``: one scale per
+output row and ``k_block`` input columns. Every checkpoint layout (``engine.config.read_quantization``) maps
+onto that one (the loader expands a block's scale to its rows), so packing q/k/v or gate/up into one matrix
+packs their scales row by row too:
+
+* block-wise (``weight_block_size: [n, k]``, ``weight_scale_inv`` ``[ceil(out / n), ceil(in / k)]``): Qwen3's
+  and DeepSeek's fp8 releases, transformers' ``FineGrainedFP8Config``;
+* per tensor (no block size, ``weight_scale`` a scalar): vLLM's and AutoFP8's fp8 format;
+* per output row (``--quantization fp8``, computed here at load: absmax / 448 per row).
+
+The matmul dequantizes the weight and keeps the activations in ``--dtype`` (W8A16, as vLLM's Marlin path runs
+fp8 checkpoints on GPUs without fp8 tensor cores): the torch path dequantizes into ``--dtype`` as
+transformers does when it loads such a checkpoint without a GPU (same numbers, token for token), the Triton
+kernel (``engine/kernels/fp8_gemm.py``) reads the codes and scales the partial sums, so a decode step reads
+one byte a weight. A per-tensor checkpoint's static ``input_scale`` is therefore not used.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.config import WeightQuant
+from engine.kv_quant import FP8_MAX
+
+
+def row_scales(scale: torch.Tensor, quant: WeightQuant, rows: int) -> torch.Tensor:
+    """A checkpoint's scale for a ``[rows, cols]`` weight -> the model's ``[rows, ceil(cols / k_block)]``."""
+    scale = scale.to(torch.float32)
+    if not quant.n_block:
+        return scale.reshape(1, 1).expand(rows, 1)
+    return scale.repeat_interleave(quant.n_block, dim=0)[:rows]
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` -> (e4m3 codes, float32 scales ``[out, 1]``): each row's absmax maps to 448."""
+    w = weight.to(torch.float32)
+    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    return (w / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, k_block: int, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scales in float32, then cast to ``dtype`` (the order transformers dequantizes in)."""
+    per_column = scales if scales.shape[1] == 1 else scales.repeat_interleave(k_block, dim=1)[:, :codes.shape[1]]
+    return (codes.to(torch.float32) * per_column).to(dtype)
+
+
+def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k_block: int,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize(codes).T + bias``: the Triton kernel on GPUs, the dequantized matrix elsewhere."""
+    if x.is_cuda and kernels.triton_available():
+        out = kernels.fp8_matmul(x.reshape(-1, x.shape[-1]), codes, scales, k_block)
+        out = out.view(*x.shape[:-1], codes.shape[0])
+        return out if bias is None else out + bias
+    return F.linear(x, dequantize(codes, scales, k_block, x.dtype), bias)

@@ -1,0 +1,212 @@
+"""FP8 weights (engine/weight_quant.py): block-wise fp8 checkpoints generate as transformers generates when it
+loads them, per-tensor ones and ``--quantization fp8`` as their dequantized weights do, and every checkpoint
+that does not say what it holds is refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from test_engine_model import BLOCK, build_hf_checkpoint, prompts
+
+from engine.capacity import plan, shape_from_dir
+from engine.config import EngineConfig, ModelConfig, read_quantization
+from engine.engine import Engine
+from engine.errors import CheckpointError, UnsupportedModelError
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.weight_quant import dequantize, row_scales
+
+pytestmark = pytest.mark.timeout(120)
+
+FP8_MAX = 448.0
+NEW_TOKENS = 16
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
+def is_projection(name: str) -> bool:
+    return name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+
+
+def quantize_blocks(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each ``rows x cols`` block's absmax to 448, as the fp8 releases are made: (codes, scale_inv)."""
+    r, c = w.shape
+    tiles = w.float().reshape(r // rows, rows, c // cols, cols)
+    scale = tiles.abs().amax(dim=(1, 3)) / FP8_MAX
+    codes = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes.reshape(r, c), scale
+
+
+def quantize_checkpoint(path, layout: str) -> dict[str, torch.Tensor]:
+    """Rewrites the checkpoint at ``path`` with fp8 projections (``block``: [32, 32] blocks; ``tensor``: one
+    scale a matrix, and a static input scale beside it); returns each projection's dequantized weight."""
+    tensors = load_file(path / "model.safetensors")
+    dequantized = {}
+    for name in [n for n in tensors if is_projection(n)]:
+        w = tensors[name]
+        stem = name.removesuffix("weight")
+        if layout == "block":
+            codes, scale = quantize_blocks(w, 32, 32)
+            tensors[stem + "weight_scale_inv"] = scale
+            per_weight = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
+        else:
+            codes, scale = quantize_blocks(w, *w.shape)
+            tensors[stem + "weight_scale"] = scale.reshape(())
+            tensors[stem + "input_scale"] = torch.tensor(0.02)
+            per_weight = scale
+        tensors[name] = codes
+        dequantized[name] = codes.float() * per_weight
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "weight_block_size": [32, 32]} if layout == "block" else
+                                     {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]})
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def with_weights(hf: transformers.PreTrainedModel, weights: dict[str, torch.Tensor]) -> transformers.PreTrainedModel:
+    hf.load_state_dict(weights, strict=False)
+    return hf
+
+
+def engine_tokens(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(batch):
+        engine.add_request(str(i), ids, params)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    return [got[str(i)] for i in range(len(batch))]
+
+
+def reference_tokens(hf: transformers.PreTrainedModel, batch: list[list[int]]) -> list[list[int]]:
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
+                for ids in batch]
+
+
+def projections(engine: Engine) -> list[torch.nn.Module]:
+    return [m for name, m in engine.model.named_modules() if name.split(".")[-1] in PROJECTIONS]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])
+def test_an_fp8_block_checkpoint_generates_as_transformers_loads_it(tmp_path, arch):
+    """Qwen3's and DeepSeek's layout: q/k/v (with Qwen2's biases) and gate/up packed into one matrix each,
+    their block scales packed row by row (Phi-3's checkpoint packs them itself); transformers dequantizes
+    the same files. Only the projections hold codes: one byte a weight."""
+    build_hf_checkpoint(tmp_path, arch)
+    quantize_checkpoint(tmp_path, "block")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
+    batch = prompts((5, 17, 40))
+    assert engine_tokens(engine, batch) == reference_tokens(hf, batch)
+    assert {p.weight.dtype for p in projections(engine)} == {torch.float8_e4m3fn}
+    assert engine.model.lm_head.weight.dtype == engine.model.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_a_per_tensor_fp8_checkpoint_runs_as_its_dequantized_weights(tmp_path):
+    """vLLM's and AutoFP8's layout: one scale a matrix; the static input scales are read past (activations
+    stay in the model's dtype)."""
+    hf = build_hf_checkpoint(tmp_path, "qwen3")
+    dequantized = quantize_checkpoint(tmp_path, "tensor")
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
+    batch = prompts((9, 33))
+    assert engine_tokens(engine, batch) == reference_tokens(with_weights(hf, dequantized), batch)
+
+
+def test_quantization_fp8_quantizes_a_16_bit_checkpoint_row_by_row(tmp_path):
+    """--quantization fp8: each projection row's absmax maps to 448 as the checkpoint loads; the tokens are
+    those of the model whose weights are quantized and dequantized so, and differ from the unquantized
+    model's (the flag does something)."""
+    hf = build_hf_checkpoint(tmp_path, "llama")
+    rowwise = {}
+    for name, w in hf.state_dict().items():
+        if is_projection(name):
+            scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+            rowwise[name] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    batch = prompts((5, 40))
+    unquantized = reference_tokens(hf, batch)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, quantization="fp8"))
+    got = engine_tokens(engine, batch)
+    assert got == reference_tokens(with_weights(hf, rowwise), batch)
+    assert got != unquantized
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float8_e4m3fn and tuple(qkv.weight_scale.shape) == (qkv.weight.shape[0], 1)
+
+
+def test_a_block_scale_covers_its_rows_and_columns_when_the_matrix_is_ragged():
+    """A [40, 80] weight in [32, 32] blocks has 2 x 3 scales, the last ones covering 8 rows and 16 columns."""
+    quant = read_quantization({"quant_method": "fp8", "weight_block_size": [32, 32]})
+    assert quant.scale_shape(40, 80) == (2, 3)
+    codes = torch.randn(40, 80).mul(50).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    got = dequantize(codes, row_scales(scale, quant, 40), quant.k_block, torch.float32)
+    want = torch.stack([torch.stack([codes[r, c].float() * scale[r // 32, c // 32] for c in range(80)])
+                        for r in range(40)])
+    assert torch.equal(got, want)
+
+
+def edit_checkpoint(path, drop: str | None = None, to_bf16: str | None = None) -> None:
+    tensors = load_file(path / "model.safetensors")
+    if drop:
+        del tensors[drop]
+    if to_bf16:
+        tensors[to_bf16] = tensors[to_bf16].float().to(torch.bfloat16)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refused_by_name(tmp_path):
+    build_hf_checkpoint(tmp_path, "llama")
+    quantize_checkpoint(tmp_path, "block")
+    config = EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64)
+    edit_checkpoint(tmp_path, drop="model.layers.1.mlp.up_proj.weight_scale_inv")
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model.layers.1.mlp.up_proj.weight_scale_inv"):
+        Engine(config)
+    edit_checkpoint(tmp_path, to_bf16="model.layers.0.self_attn.o_proj.weight")
+    with pytest.raises(CheckpointError, match="o_proj.weight' is torch.bfloat16, .*implies float8_e4m3fn"):
+        Engine(config)
+
+
+@pytest.mark.parametrize("quantization_config, field", [
+    ({"quant_method": "awq", "bits": 4}, "quantization_config.quant_method"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "quantization_config.weight_block_size"),
+])
+def test_a_quantization_config_other_than_fp8_e4m3_weights_is_refused_by_field(tmp_path, quantization_config, field):
+    build_hf_checkpoint(tmp_path, "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_dir(tmp_path)
+    assert err.value.field == field
+
+
+def test_fp8_weights_of_a_mixture_of_experts_are_refused(tmp_path):
+    build_hf_checkpoint(tmp_path, "qwen3_moe")
+    with pytest.raises(ValueError, match="--quantization fp8 is not supported for Qwen3MoeForCausalLM's experts"):
+        Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, quantization="fp8"))
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="experts"):
+        ModelConfig.from_dir(tmp_path)
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported; supported: fp8"):
+        EngineConfig(model="tiny", quantization="int4")
+
+
+@pytest.mark.parametrize("layout", ["bfloat16", "online", "block"])
+def test_kv_calc_weighs_the_weights_as_the_engine_holds_them(tmp_path, layout):
+    """tidepool kv-calc's weight bytes (what the KV cache is planned around): fp8 projections one byte a
+    weight plus their scales, tied embeddings once."""
+    build_hf_checkpoint(tmp_path, "qwen2")
+    if layout == "block":
+        quantize_checkpoint(tmp_path, "block")
+    quantization = "fp8" if layout == "online" else None
+    model, _ = load_model(tmp_path, "bfloat16", "cpu", quantization)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan(shape_from_dir(tmp_path, quantization), "bfloat16", 64, 1, None).weight_bytes == held
