@@ -14,7 +14,9 @@ makes SmolLM2-135M-Instruct one), against the full-precision cache in the same r
 - (c) a stream 10x longer than the attention window: full attention, window only (``kv_sinks=0``) and
   sinks + window (``kv_sinks=4``), bits per byte overall and past the trained context;
 - (d) KV bytes per token for each dtype (the engine's own block accounting) and how many sequences of
-  ``--seq-len`` tokens fit in ``--cache-bytes``, each with its windows (fp8, kivi2).
+  ``--seq-len`` tokens fit in ``--cache-bytes``, each with its windows (fp8, kivi2), and the bytes the
+  weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``: (a) and (b) then show what fp8
+  weights cost against the full-precision model).
 
 Options the engine does not have yet (EngineConfig fields, or values it refuses) print "not available"
 with the reason, so the script can be rerun as they land.
@@ -155,10 +157,12 @@ def memory(block_nbytes: float, cache_bytes: int, seq_len: int, window_nbytes: i
 
 
 def engine_options(spec: str) -> dict:
-    """EngineConfig fields of a ``--dtypes`` entry: ``FORMAT`` or ``FORMAT:RESIDUAL_BLOCKS``."""
+    """EngineConfig fields of a ``--dtypes`` entry: ``FORMAT``, ``FORMAT:RESIDUAL_BLOCKS``, either followed
+    by ``/QUANTIZATION`` for the weights (``auto/fp8``: the full cache, fp8 weights)."""
+    spec, _, weights = spec.partition("/")
     fmt, _, residual = spec.partition(":")
     return ({} if fmt == FULL else {"kv_cache_dtype": fmt}) | (
-        {"kv_residual_blocks": int(residual)} if residual else {})
+        {"kv_residual_blocks": int(residual)} if residual else {}) | ({"quantization": weights} if weights else {})
 
 
 def sequence_window_bytes(engine: Engine) -> int:
@@ -188,6 +192,7 @@ def evaluate_dtype(args: argparse.Namespace, dtype: str, docs: list[list[int]], 
     row = {"available": True, "residual_blocks": engine.config.residual_blocks,
            "bits_per_byte": score_documents(engine, docs, 1),
            "bits_per_byte_prefill": score_documents(engine, docs, args.chunk),
+           "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
            **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len, sequence_window_bytes(engine))}
     tokens = greedy_tokens(engine, prompts, args.new_tokens)  # after scoring: it allocates blocks itself
     row |= agreement(reference or tokens, tokens)
@@ -261,7 +266,7 @@ def print_report(report: dict) -> None:
         formula = [f"{r['formula_kv_bytes_per_token']:.0f}", str(r["formula_sequences_fit"])] \
             if "formula_kv_bytes_per_token" in r else ["n/a", "n/a"]
         if not r["available"]:
-            rows.append([dtype, "not available", "", "", "", "", "", "", *formula])
+            rows.append([dtype, "not available", "", "", "", "", "", "", *formula, ""])
             notes.append(f"{dtype}: not available: {r['note']}")
             continue
         label = f"{dtype} (residual {r['residual_blocks']})" if r["residual_blocks"] else dtype
@@ -270,12 +275,16 @@ def print_report(report: dict) -> None:
                      f"{r['token_agreement']:.3f}", f"{r['identical_sequences']}/{report['prompts']}",
                      f"{r['mean_first_divergence']:.1f}",
                      f"{r['kv_bytes_per_token']:.0f} ({r['kv_bytes_per_token'] / full['kv_bytes_per_token']:.3f}x)",
-                     str(r["sequences_fit"]), *formula])
+                     str(r["sequences_fit"]), *formula,
+                     f"{r['weight_bytes'] / 1e6:.1f} ({r['weight_bytes'] / full['weight_bytes']:.3f}x)"])
     fit = f"seqs of {report['seq_len']} in {report['cache_bytes'] >> 20} MiB"
     print(format_table(["kv_cache_dtype", "bits/byte (vs auto)", f"chunks of {report['chunk']} (vs auto)",
                         "greedy agree", "identical", "1st diverge",
-                        "KV B/token (vs auto)", fit, "formula B/token", "formula " + fit], rows))
+                        "KV B/token (vs auto)", fit, "formula B/token", "formula " + fit, "weights MB (vs auto)"],
+                       rows))
     print("\n".join(notes) + "\n")
+    if not report["stream"]:
+        return
     ref = report["stream"]["full"].get("bits_per_byte")
     rows = [[name, f"{r['bits_per_byte']:.4f}" + (f" ({r['bits_per_byte'] / ref - 1:+.3%})" if ref else ""),
              f"{r['bits_per_byte_past_trained_ctx']:.4f}", r.get("note", "")]
@@ -288,7 +297,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
-                   help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS; 'auto' = full precision")
+                   help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS, and /fp8 for fp8 weights "
+                        "(--quantization fp8); 'auto' = full precision")
+    p.add_argument("--skip-stream", action="store_true", help="leave (c) out")
     p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")
     p.add_argument("--doc-tokens", type=int, default=1024, help="(a): leading tokens of each document")
@@ -318,12 +329,14 @@ def main() -> None:
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seq_len": args.seq_len,
               "cache_bytes": args.cache_bytes, "trained_context": trained_ctx,
               "window": args.window, "sinks": args.sinks, "stream_tokens": len(stream),
-              "dtypes": run_dtypes(args, docs, prompts), "stream": run_stream(args, stream, trained_ctx),
+              "dtypes": run_dtypes(args, docs, prompts),
+              "stream": {} if args.skip_stream else run_stream(args, stream, trained_ctx),
               "load_average_before": load_before, "load_average_after": load_average(),
               "torch": torch.__version__, "threads": args.threads}
     print(f"model {args.model}; (a) {report['documents']} held-out documents, {report['scored_tokens']} "
           f"tokens teacher-forced one a step and in chunks of {args.chunk}; (b) {len(prompts)} prompts x {args.new_tokens} "
-          f"greedy tokens; (c) a {len(stream)}-token document, window {args.window}, {args.sinks} sinks; "
+          f"greedy tokens; " + ("" if args.skip_stream else f"(c) a {len(stream)}-token document, window "
+                                f"{args.window}, {args.sinks} sinks; ") +
           f"load average {load_before} -> {report['load_average_after']}\n")
     print_report(report)
     if args.json:

@@ -52,6 +52,8 @@ class Engine:
         self.config, self.block_size = config, config.block_size
         model_dir, self.model_id = resolve_model_dir(config.model), model_id_for(config.model)
         self.model, self.model_config = load_model(model_dir, config.dtype, config.device, config.quantization)
+        quant = self.model_config.weight_quant
+        self.quantized_at_load = config.quantization if quant is not None and quant.online else None  # hash salt
         # before the KV cache is sized: the adapter slots take device memory too
         adapters = [read_adapter(name, path, self.model_id, self.model, self.model_config)
                     for name, path in config.lora_modules.items()]
@@ -81,7 +83,7 @@ class Engine:
         self.window = StreamingWindow.from_config(config, self.model_config.max_position_embeddings, model_window)
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.window, backend,
                                   with_lora=self.lora_slots is not None)
-        self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id),
+        self.block_manager = BlockManager(num_blocks, config.block_size, salt_for(self.model_id, quantized_at_load=self.quantized_at_load),
                                           config.enable_prefix_caching, config.enable_block_events, residual,
                                           self.kv_cache.release_windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -455,7 +457,7 @@ class Engine:
         tokens' K/V is computed are hashed under, here and by the router, the pool and the peers
         (``kvstore.hashing.salt_for``: a LongRoPE model's sequence past the original context has its own)."""
         return salt_for(self.model_id, None if lora is None else self._adapter(lora).adapter_id,
-                        long_rope_applies(self.model_config.long_rope_from, num_tokens))
+                        long_rope_applies(self.model_config.long_rope_from, num_tokens), self.quantized_at_load)
 
     # -- LoRA adapters (engine/lora.py) -------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> PackedAdapter:
@@ -614,7 +616,7 @@ class Engine:
         (``Sequence.hash_salt``): None for the base model's short sequences, else ``prefix_salt``'s."""
         seq.long_rope = long_rope
         seq.hash_salt = salt_for(self.model_id, None if seq.lora is None else self.loras[seq.lora].adapter_id,
-                                 long_rope) if long_rope or seq.lora is not None else None
+                                 long_rope, self.quantized_at_load) if long_rope or seq.lora is not None else None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

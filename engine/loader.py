@@ -104,7 +104,7 @@ class _Target:
         if self.scale_of is not None:
             self.dest.copy_(row_scales(tensor, self.scale_of, self.dest.shape[0]))
         elif self.online_scales is not None:
-            codes, scales = quantize_rows(tensor)
+            codes, scales = quantize_rows(tensor.to(self.dest.device))  # on the GPU where there is one
             self.dest.copy_(codes)
             self.online_scales.copy_(scales)
         else:
@@ -163,8 +163,10 @@ def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) 
     if shape != target.shape and not (target.shape == () and shape == (1,)):  # a per-tensor scale as [1]
         raise CheckpointError(f"{path.name}: tensor {name!r} has shape {shape}, config.json implies {target.shape}")
     if (tensor.dtype == torch.float8_e4m3fn) != target.codes:
+        implied = ("float8_e4m3fn (a projection kept in 16 bits beside fp8 ones is not supported)" if target.codes
+                   else "a 16- or 32-bit float (only the decoder's projections may be fp8)")
         raise CheckpointError(f"{path.name}: tensor {name!r} is {tensor.dtype}, config.json's quantization_config "
-                              f"implies {'float8_e4m3fn' if target.codes else 'a 16- or 32-bit float'}")
+                              f"implies {implied}")
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",

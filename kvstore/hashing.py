@@ -14,11 +14,15 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def salt_for(model_id: str, adapter_id: str | None = None, long_rope: bool = False) -> bytes:
-    """The salt that namespaces hashes by model, by LoRA adapter (``engine/lora.py``), and for a LongRoPE
+def salt_for(model_id: str, adapter_id: str | None = None, long_rope: bool = False,
+             quantized_at_load: str | None = None) -> bytes:
+    """The salt that namespaces hashes by model, by LoRA adapter (``engine/lora.py``), for a LongRoPE
     model by the factors its keys rotate with: a sequence longer than the original context rotates every
-    position with the long ones (``engine.config.long_rope_applies``), so its blocks are not a short one's."""
-    model = f"{model_id}#long-rope" if long_rope else model_id
+    position with the long ones (``engine.config.long_rope_applies``), so its blocks are not a short one's;
+    and by ``--quantization`` when it changed the weights as they loaded (their K/V is not the checkpoint's,
+    so a pool or disk tier kept across a restart never mixes the two)."""
+    model = f"{model_id}#{quantized_at_load}" if quantized_at_load else model_id
+    model = f"{model}#long-rope" if long_rope else model
     return (model if adapter_id is None else f"{model}+{adapter_id}").encode()
 
 

@@ -73,7 +73,7 @@ class Dispatcher:
         self.model_id = first.model_id
         self.block_size = first.block_size
         self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
-        self.long_rope_from = first.long_rope_from
+        self.long_rope_from, self.quantized_at_load = first.long_rope_from, first.quantized_at_load
         # the LoRA adapters every worker serves: name -> adapter id (services/lora_updates.py changes it)
         self.loras = dict(first.loras)
         self.conductor = conductor
@@ -245,7 +245,8 @@ class Dispatcher:
                 if progress.output_ids and params.prompt_logprobs is not None:
                     params = dataclasses.replace(params, prompt_logprobs=None)
                 # (a LongRoPE prompt past the original context rotates with the long factors: its blocks too)
-                salt = salt_for(self.model_id, adapter_id, long_rope_applies(self.long_rope_from, len(tokens)))
+                salt = salt_for(self.model_id, adapter_id, long_rope_applies(self.long_rope_from, len(tokens)),
+                                self.quantized_at_load)
                 hashes = block_hashes(tokens, self.block_size, salt) if params.prompt_logprobs is None else []
                 route_req = RouteRequest(request_id, len(tokens), hashes,
                                          params.max_tokens - len(progress.output_ids), self.max_kv_tokens, lora)

@@ -84,6 +84,7 @@ class WorkerInfo:
     max_kv_tokens: int | None = None  # an attention window bounds one sequence's KV at this many tokens
     num_layers: int = 1  # the model's layers: a layer-wise hand-off streams in this many pieces
     long_rope_from: int | None = None  # LongRoPE's original context (``engine.config.long_rope_applies``)
+    quantized_at_load: str | None = None  # --quantization, when it changed the weights: part of the hash salt
     # The LoRA adapters it serves beside the base model: name -> adapter id (its blocks' hash salt, ``engine/lora.py``)
     loras: dict[str, str] = field(default_factory=dict)
 

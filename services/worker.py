@@ -98,7 +98,7 @@ class Worker:
             kv_bytes_per_token=self.engine.model_config.kv_bytes_per_token(self.spec.engine.dtype),
             total_blocks=self.engine.stats().total_blocks, profile=profile,
             max_kv_tokens=None if self.engine.window is None else self.engine.window.max_blocks * self.engine.block_size,
-            long_rope_from=self.engine.model_config.long_rope_from,
+            long_rope_from=self.engine.model_config.long_rope_from, quantized_at_load=self.engine.quantized_at_load,
             num_layers=self.engine.model_config.num_layers, prefix_address=self.copier.address,
             loras={name: adapter.adapter_id for name, adapter in self.engine.loras.items()},
         )

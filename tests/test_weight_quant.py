@@ -19,6 +19,7 @@ from engine.errors import CheckpointError, UnsupportedModelError
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.weight_quant import dequantize, row_scales
+from kvstore.hashing import salt_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,3 +211,19 @@ def test_kv_calc_weighs_the_weights_as_the_engine_holds_them(tmp_path, layout):
     model, _ = load_model(tmp_path, "bfloat16", "cpu", quantization)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan(shape_from_dir(tmp_path, quantization), "bfloat16", 64, 1, None).weight_bytes == held
+
+
+def test_blocks_of_weights_quantized_at_load_are_hashed_apart_from_the_checkpoints(tmp_path):
+    """--quantization fp8 changes the K/V a prompt gets, so its blocks hash under a salt of their own: a pool
+    or disk tier kept across a restart never hands one's blocks to the other. On an fp8 checkpoint the flag
+    changes nothing, the salt neither."""
+    build_hf_checkpoint(tmp_path / "bf16", "llama")
+    plain, online = (Engine(EngineConfig(model=str(tmp_path / "bf16"), block_size=BLOCK, num_blocks=64,
+                                         quantization=q)) for q in (None, "fp8"))
+    assert online.quantized_at_load == "fp8" and plain.quantized_at_load is None
+    assert online.prefix_salt(None) != plain.prefix_salt(None) == salt_for(plain.model_id)
+    assert online.block_manager.salt == online.prefix_salt(None)
+    build_hf_checkpoint(tmp_path / "fp8", "llama")
+    quantize_checkpoint(tmp_path / "fp8", "block")
+    checkpoint = Engine(EngineConfig(model=str(tmp_path / "fp8"), block_size=BLOCK, num_blocks=64, quantization="fp8"))
+    assert checkpoint.quantized_at_load is None and checkpoint.prefix_salt(None) == salt_for(checkpoint.model_id)
