@@ -65,8 +65,10 @@ def test_hot_prefix_replication_is_refused_with_a_policy_that_has_none():
 def test_gpu_engine_and_channel_options_reach_the_configs():
     parser = build_parser()
     cluster, _ = configs_from_args(parser.parse_args(
-        ["serve", "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--max-kv-channels", "4"]))
+        ["serve", "--gpu-memory-utilization", "0.8", "--attention-backend", "torch", "--max-kv-channels", "4",
+         "--quantization", "fp8"]))
     assert (cluster.engine.gpu_memory_utilization, cluster.engine.attention_backend) == (0.8, "torch")
+    assert cluster.engine.quantization == "fp8"
     assert cluster.max_kv_channels == 4
     with pytest.raises(ValueError, match="max-kv-channels must be at least 1"):
         configs_from_args(parser.parse_args(["serve", "--max-kv-channels", "0"]))

@@ -227,3 +227,19 @@ def test_blocks_of_weights_quantized_at_load_are_hashed_apart_from_the_checkpoin
     quantize_checkpoint(tmp_path / "fp8", "block")
     checkpoint = Engine(EngineConfig(model=str(tmp_path / "fp8"), block_size=BLOCK, num_blocks=64, quantization="fp8"))
     assert checkpoint.quantized_at_load is None and checkpoint.prefix_salt(None) == salt_for(checkpoint.model_id)
+
+
+def test_a_lora_adapter_on_fp8_weights_generates_as_peft_does_on_their_dequantized_copy(tmp_path):
+    """The adapter's rows add to the fp8 projections' output as to a 16-bit one's, beside the base model."""
+    from test_lora import ALL_PROJECTIONS, peft_adapter, reference, run
+
+    build_hf_checkpoint(tmp_path / "base", "llama")
+    quantize_checkpoint(tmp_path / "base", "block")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    adapted = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=8, seed=1, lora_alpha=16)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
+                                 lora_modules={"a": str(tmp_path / "a")}))
+    p, q = prompts((21, 9))
+    tokens, _ = run(engine, {"base": (p, None), "a": (p, "a"), "a-other": (q, "a")})
+    assert tokens == {"base": reference(hf, p), "a": reference(adapted, p), "a-other": reference(adapted, q)}
+    assert tokens["a"] != tokens["base"]
