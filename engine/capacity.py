@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.config import ONLINE_FP8, QUANTIZATION_METHODS, ModelConfig, UnsupportedModelError, dtype_bytes
+from engine.config import QUANTIZATION_METHODS, ModelConfig, UnsupportedModelError, dtype_bytes
 from engine.kv_format import FORMATS, RESIDUAL_HELP, block_layer_bytes, residual_blocks, window_layer_bytes
 
 GIB = 1024**3
@@ -80,9 +80,7 @@ class Capacity:
 
 def shape_from_dir(path: str | Path, quantization: str | None = None) -> ModelShape:
     """The checkpoint's shape; ``quantization`` "fp8": its projections as ``--quantization fp8`` loads them."""
-    cfg = ModelConfig.from_dir(path)
-    if quantization is not None and cfg.weight_quant is None:
-        cfg.weight_quant = ONLINE_FP8
+    cfg = ModelConfig.from_dir(path).with_quantization(quantization)
     return ModelShape(Path(path).resolve().name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim, cfg.num_parameters(), cfg.sliding_window, cfg)
 

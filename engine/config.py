@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -406,6 +406,15 @@ class ModelConfig:
             mlps += len(moe.layers) * (sparse - dense_mlp)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + mlps + embed + h
+
+    def with_quantization(self, quantization: str | None) -> ModelConfig:
+        """This config as ``--quantization`` loads it: a 16-bit checkpoint's projections quantized to fp8
+        (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged."""
+        if quantization is None or self.weight_quant is not None:
+            return self
+        if self.moe is not None:
+            raise ValueError(f"--quantization {quantization} is not supported for {self.architecture}'s experts")
+        return replace(self, weight_quant=ONLINE_FP8)
 
     def projection_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of one layer's packed projections (q/k/v, o, gate/up, down): what fp8 quantizes."""

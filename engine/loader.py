@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.config import ONLINE_FP8, PACKED_ARCHITECTURES, ModelConfig, WeightQuant
+from engine.config import PACKED_ARCHITECTURES, ModelConfig, WeightQuant
 from engine.errors import CheckpointError
 from engine.model import CausalLM
 from engine.tiny import write_tiny_checkpoint
@@ -178,11 +178,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    cfg = ModelConfig.from_dir(model_dir)
-    if quantization is not None and cfg.weight_quant is None:
-        if cfg.moe is not None:
-            raise ValueError(f"--quantization {quantization} is not supported for {cfg.architecture}'s experts")
-        cfg = replace(cfg, weight_quant=ONLINE_FP8)
+    cfg = ModelConfig.from_dir(model_dir).with_quantization(quantization)
     with torch.device(device):
         model = CausalLM(cfg, dtype)
     targets = _targets(model, cfg)
