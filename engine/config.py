@@ -215,7 +215,7 @@ class WeightQuant:
     """How a model's decoder projections are stored: fp8 codes and the layout of their scales."""
 
     k_block: int  # input columns one scale covers; 0: the whole row
-    n_block: int  # output rows one checkpoint scale covers; 0: every row (per tensor) or one (online)
+    n_block: int  # output rows one checkpoint scale covers; 0: all of them (per tensor), or online
     scale_suffix: str  # the checkpoint tensor beside each ``.weight``; "": computed at load (online)
 
     @property
@@ -226,7 +226,7 @@ class WeightQuant:
         """The checkpoint's scale tensor for a ``[rows, cols]`` weight (per tensor: a scalar)."""
         if not self.n_block:
             return ()
-        return -(-rows // self.n_block), -(-cols // self.k_block)
+        return -(-rows // self.n_block), -(-cols // self.k_block) if self.k_block else 1
 
 
 ONLINE_FP8 = WeightQuant(k_block=0, n_block=0, scale_suffix="")
@@ -239,9 +239,12 @@ def read_quantization(raw: dict | None) -> WeightQuant | None:
         return None
     key = "quantization_config"
     method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw, key)
     if method != "fp8":
         raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
-                                    "or per tensor), or an unquantized checkpoint with --quantization fp8")
+                                    "or per tensor), compressed-tensors' fp8 weights, or an unquantized checkpoint "
+                                    "with --quantization fp8")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
     if raw.get("scale_fmt") not in (None, "float32"):
@@ -249,11 +252,44 @@ def read_quantization(raw: dict | None) -> WeightQuant | None:
     block = raw.get("weight_block_size")
     if block is None:
         return WeightQuant(k_block=0, n_block=0, scale_suffix="weight_scale")
+    return _block_quant(block, f"{key}.weight_block_size", "weight_scale_inv")
+
+
+def _block_quant(block: Any, field: str, scale_suffix: str) -> WeightQuant:
+    """Block-wise scales of ``[rows, columns]`` (the columns a multiple of 16: the kernel's K slices)."""
     if (not isinstance(block, list) or len(block) != 2 or not all(isinstance(b, int) for b in block)
             or block[0] < 1 or block[1] < 16 or block[1] % 16):
-        raise UnsupportedModelError(f"{key}.weight_block_size",
-                                    f"{block!r}: must be [rows, columns], the columns a multiple of 16")
-    return WeightQuant(k_block=block[1], n_block=block[0], scale_suffix="weight_scale_inv")
+        raise UnsupportedModelError(field, f"{block!r}: must be [rows, columns], the columns a multiple of 16")
+    return WeightQuant(k_block=block[1], n_block=block[0], scale_suffix=scale_suffix)
+
+
+def _compressed_tensors(raw: dict, key: str) -> WeightQuant:
+    """llm-compressor's format (``quant_method: "compressed-tensors"``, as RedHat's and Neural Magic's FP8
+    releases): one config group of 8-bit float weights on the Linear layers, scaled per tensor, per output
+    row (``channel``) or per block, in ``weight_scale``; activation schemes are read past (W8A16)."""
+    if raw.get("format") not in ("float-quantized", "naive-quantized"):
+        raise UnsupportedModelError(f"{key}.format", f"{raw.get('format')!r} is not supported; supported: "
+                                    "float-quantized or naive-quantized fp8 weights")
+    if raw.get("kv_cache_scheme"):
+        raise UnsupportedModelError(f"{key}.kv_cache_scheme", "a quantized KV cache scheme is not supported "
+                                    "(serve with --kv-cache-dtype fp8 instead)")
+    groups = list((raw.get("config_groups") or {}).values())
+    if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
+        raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
+    weights = groups[0].get("weights") or {}
+    if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):
+        raise UnsupportedModelError(f"{key}.config_groups.weights", f"{weights!r}: only symmetric 8-bit float "
+                                    "(fp8 e4m3) weights are supported")
+    strategy = weights.get("strategy")
+    if strategy == "tensor":
+        return WeightQuant(k_block=0, n_block=0, scale_suffix="weight_scale")
+    if strategy == "channel":
+        return WeightQuant(k_block=0, n_block=1, scale_suffix="weight_scale")
+    if strategy == "block":
+        return _block_quant(weights.get("block_structure"), f"{key}.config_groups.weights.block_structure",
+                            "weight_scale")
+    raise UnsupportedModelError(f"{key}.config_groups.weights.strategy", f"{strategy!r} is not supported; "
+                                "supported: tensor, channel, block")
 
 
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:

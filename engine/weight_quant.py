@@ -1,5 +1,6 @@
-"""FP8 weights: checkpoints published in fp8 (``quantization_config.quant_method: "fp8"``) and ``--quantization
-fp8`` on a 16-bit one, for the decoder's projections (q/k/v, o, gate/up, down).
+"""FP8 weights: checkpoints published in fp8 (``quantization_config.quant_method`` ``"fp8"`` or
+``"compressed-tensors"``) and ``--quantization fp8`` on a 16-bit one, for the decoder's projections (q/k/v,
+o, gate/up, down).
 
 A projection holds e4m3 codes ``[out, in]`` and float32 scales ``[out, ceil(in / k_block)]``: one scale per
 output row and ``k_block`` input columns. Every checkpoint layout (``engine.config.read_quantization``) maps
@@ -9,13 +10,15 @@ packs their scales row by row too:
 * block-wise (``weight_block_size: [n, k]``, ``weight_scale_inv`` ``[ceil(out / n), ceil(in / k)]``): Qwen3's
   and DeepSeek's fp8 releases, transformers' ``FineGrainedFP8Config``;
 * per tensor (no block size, ``weight_scale`` a scalar): vLLM's and AutoFP8's fp8 format;
+* compressed-tensors' fp8 weights (llm-compressor, RedHat's and Neural Magic's releases): ``weight_scale``
+  per tensor, per output row (``channel``) or per block;
 * per output row (``--quantization fp8``, computed here at load: absmax / 448 per row).
 
 The matmul dequantizes the weight and keeps the activations in ``--dtype`` (W8A16, as vLLM's Marlin path runs
 fp8 checkpoints on GPUs without fp8 tensor cores): the torch path dequantizes into ``--dtype`` as
 transformers does when it loads such a checkpoint without a GPU (same numbers, token for token), the Triton
 kernel (``engine/kernels/fp8_gemm.py``) reads the codes and scales the partial sums, so a decode step reads
-one byte a weight. A per-tensor checkpoint's static ``input_scale`` is therefore not used.
+one byte a weight. A checkpoint's static ``input_scale`` (and any activation scheme) is therefore not used.
 """
 
 from __future__ import annotations

@@ -41,31 +41,50 @@ def quantize_blocks(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor
     return codes.reshape(r, c), scale
 
 
+def compressed_tensors_config(strategy: str) -> dict:
+    """llm-compressor's quantization_config for fp8 weights (dynamic per-token activations, as its FP8-dynamic
+    scheme writes it; the block scheme with [32, 32] blocks)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "block_structure": [32, 32] if strategy == "block" else None, "group_size": None}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": activations}},
+            "ignore": ["lm_head"], "kv_cache_scheme": None}
+
+
+# layout -> (block rows and columns, None: the whole matrix; scale tensor; quantization_config)
+LAYOUTS = {
+    "block": ((32, 32), "weight_scale_inv", {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                             "weight_block_size": [32, 32]}),
+    "tensor": (None, "weight_scale", {"quant_method": "fp8", "activation_scheme": "static",
+                                      "ignored_layers": ["lm_head"]}),
+    "compressed_channel": ((1, None), "weight_scale", compressed_tensors_config("channel")),
+    "compressed_block": ((32, 32), "weight_scale", compressed_tensors_config("block")),
+}
+
+
 def quantize_checkpoint(path, layout: str) -> dict[str, torch.Tensor]:
-    """Rewrites the checkpoint at ``path`` with fp8 projections (``block``: [32, 32] blocks; ``tensor``: one
-    scale a matrix, and a static input scale beside it); returns each projection's dequantized weight."""
+    """Rewrites the checkpoint at ``path`` with fp8 projections in one of ``LAYOUTS`` (``tensor``: with a
+    static input scale beside each, as vLLM's static fp8 checkpoints hold); returns each projection's
+    dequantized weight."""
+    block, scale_name, quantization_config = LAYOUTS[layout]
     tensors = load_file(path / "model.safetensors")
     dequantized = {}
     for name in [n for n in tensors if is_projection(n)]:
         w = tensors[name]
+        rows, cols = block or w.shape
+        codes, scale = quantize_blocks(w, rows, cols or w.shape[1])
         stem = name.removesuffix("weight")
-        if layout == "block":
-            codes, scale = quantize_blocks(w, 32, 32)
-            tensors[stem + "weight_scale_inv"] = scale
-            per_weight = scale.repeat_interleave(32, 0).repeat_interleave(32, 1)
-        else:
-            codes, scale = quantize_blocks(w, *w.shape)
-            tensors[stem + "weight_scale"] = scale.reshape(())
+        tensors[stem + scale_name] = scale.reshape(()) if block is None else scale
+        if block is None:
             tensors[stem + "input_scale"] = torch.tensor(0.02)
-            per_weight = scale
+        per_weight = scale.repeat_interleave(rows, 0).repeat_interleave(cols or w.shape[1], 1)
         tensors[name] = codes
         dequantized[name] = codes.float() * per_weight
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                                      "weight_block_size": [32, 32]} if layout == "block" else
-                                     {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]})
-    (path / "config.json").write_text(json.dumps(config))
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     return dequantized
 
 
@@ -110,11 +129,14 @@ def test_an_fp8_block_checkpoint_generates_as_transformers_loads_it(tmp_path, ar
     assert engine.model.lm_head.weight.dtype == engine.model.model.embed_tokens.weight.dtype == torch.float32
 
 
-def test_a_per_tensor_fp8_checkpoint_runs_as_its_dequantized_weights(tmp_path):
-    """vLLM's and AutoFP8's layout: one scale a matrix; the static input scales are read past (activations
-    stay in the model's dtype)."""
+@pytest.mark.parametrize("layout", ["tensor", "compressed_channel", "compressed_block"])
+def test_per_tensor_and_compressed_tensors_checkpoints_run_as_their_dequantized_weights(tmp_path, layout):
+    """vLLM's and AutoFP8's layout (one scale a matrix, the static input scales read past: activations stay
+    in the model's dtype) and llm-compressor's (compressed-tensors: a scale per output row, or per block),
+    which transformers cannot load without its own package: the reference is the model with the weights
+    those codes and scales stand for."""
     hf = build_hf_checkpoint(tmp_path, "qwen3")
-    dequantized = quantize_checkpoint(tmp_path, "tensor")
+    dequantized = quantize_checkpoint(tmp_path, layout)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
     batch = prompts((9, 33))
     assert engine_tokens(engine, batch) == reference_tokens(with_weights(hf, dequantized), batch)
@@ -177,6 +199,10 @@ def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refuse
     ({"quant_method": "awq", "bits": 4}, "quantization_config.quant_method"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt"),
     ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "quantization_config.weight_block_size"),
+    ({**compressed_tensors_config("group")}, "quantization_config.config_groups.weights.strategy"),
+    ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+     "quantization_config.kv_cache_scheme"),
+    ({**compressed_tensors_config("channel"), "format": "pack-quantized"}, "quantization_config.format"),
 ])
 def test_a_quantization_config_other_than_fp8_e4m3_weights_is_refused_by_field(tmp_path, quantization_config, field):
     build_hf_checkpoint(tmp_path, "llama")
