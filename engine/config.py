@@ -392,11 +392,6 @@ class ModelConfig:
         sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
         theta, scaling, rotary_dim = _rope(raw, arch)
         bos, eos = special_token_ids(raw, generation)
-        moe = _moe(arch, raw, num_layers)
-        weight_quant = read_quantization(raw.get("quantization_config"))
-        if weight_quant is not None and moe is not None:
-            raise UnsupportedModelError("quantization_config", f"fp8 weights are not supported for {arch}'s "
-                                                               "experts (a mixture of experts runs unquantized)")
         return cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
@@ -404,8 +399,8 @@ class ModelConfig:
             rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
-            bos_token_id=bos, eos_token_ids=eos, moe=moe, sliding_window=sliding_window,
-            layer_windows=layer_windows, weight_quant=weight_quant,
+            bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
+            layer_windows=layer_windows, weight_quant=read_quantization(raw.get("quantization_config")),
         )
 
     @classmethod
@@ -448,15 +443,22 @@ class ModelConfig:
         (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged."""
         if quantization is None or self.weight_quant is not None:
             return self
-        if self.moe is not None:
-            raise ValueError(f"--quantization {quantization} is not supported for {self.architecture}'s experts")
         return replace(self, weight_quant=ONLINE_FP8)
 
-    def projection_shapes(self) -> list[tuple[int, int]]:
-        """(out, in) of one layer's packed projections (q/k/v, o, gate/up, down): what fp8 quantizes."""
-        h, q, kv, inter = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
-        return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
+    def projection_shapes(self) -> list[tuple[int, int, int]]:
+        """(out, in, how many) of the model's packed projections, what fp8 quantizes: every layer's q/k/v and
+        o, the dense MLPs' gate/up and down, each expert's, and a shared expert's (not the routers)."""
+        h, q, kv, layers = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.num_layers
+        sparse = 0 if self.moe is None else len(self.moe.layers)
+        shapes = [(q + 2 * kv, h, layers), (h, q, layers), (2 * self.intermediate_size, h, layers - sparse),
+                  (h, self.intermediate_size, layers - sparse)]
+        if (moe := self.moe) is not None:
+            shapes += [(2 * moe.intermediate_size, h, sparse * moe.num_experts),
+                       (h, moe.intermediate_size, sparse * moe.num_experts)]
+            if shared := moe.shared_expert_intermediate_size:
+                shapes += [(2 * shared, h, sparse), (h, shared, sparse)]
+        return shapes
 
     def weight_bytes(self, dtype: Any) -> int:
         """Bytes the weights take in ``dtype``, the projections one a weight plus their float32 scales
@@ -464,9 +466,9 @@ class ModelConfig:
         total = self.num_parameters() * dtype_bytes(dtype)
         if self.weight_quant is None:
             return total
-        for out, inp in self.projection_shapes():
+        for out, inp, count in self.projection_shapes():
             k_block = self.weight_quant.k_block or inp
-            total -= self.num_layers * out * (inp * (dtype_bytes(dtype) - 1) - 4 * -(-inp // k_block))
+            total -= count * out * (inp * (dtype_bytes(dtype) - 1) - 4 * -(-inp // k_block))
         return total
 
 

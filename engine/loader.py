@@ -135,11 +135,12 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     targets: dict[str, _Target] = {}
     for name, param in params.items():
         scales = params.get(name + "_scale")  # a quantized projection's rows' scales (engine/weight_quant.py)
-        if name.endswith(".weight_scale"):
+        if name.endswith("_scale"):
             continue  # filled with its weight
         if ".experts." in name:
+            scale_views = {} if scales is None else _expert_targets(name, scales, cfg)
             for key, view in _expert_targets(name, param, cfg).items():
-                targets[key] = _Target(view, tuple(view.shape))
+                _add(targets, key, view, scale_views.get(key), quant)
         elif ".mlp.gate." in name and cfg.architecture == "MixtralForCausalLM":  # the router
             targets[name.replace(".mlp.", ".block_sparse_moe.")] = _Target(param.data, tuple(param.shape))
         elif ".qkv_proj." in name and not packed:  # split the fused matrix back into the checkpoint's three

@@ -26,6 +26,7 @@ from torch import nn
 
 from engine import kernels
 from engine.config import ModelConfig, MoEConfig, WeightQuant
+from engine.kernels.common import ExpertScales
 from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
@@ -307,17 +308,26 @@ class SparseMoE(nn.Module):
     follow transformers 5: ``gate`` is the router, ``experts.gate_up_proj`` ``[E, 2I, H]`` and
     ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype, quant: WeightQuant | None = None):
         super().__init__()
         self.config = moe
         e, i = moe.num_experts, moe.intermediate_size
-        self.gate = Linear(hidden_size, e, False, dtype)
+        self.gate = Linear(hidden_size, e, False, dtype)  # the router stays in dtype, as fp8 releases keep it
         self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), requires_grad=False)
-        self.experts.down_proj = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), requires_grad=False)
+        weights = dtype if quant is None else torch.float8_e4m3fn
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=weights),
+                                                 requires_grad=False)
+        self.experts.down_proj = nn.Parameter(torch.empty(e, hidden_size, i, dtype=weights), requires_grad=False)
+        self.k_blocks: tuple[int, int] | None = None  # fp8: each matrix's k-block (engine/weight_quant.py)
+        if quant is not None:
+            self.k_blocks = (quant.k_block or hidden_size, quant.k_block or i)
+            self.experts.gate_up_proj_scale = nn.Parameter(
+                torch.empty(e, 2 * i, -(-hidden_size // self.k_blocks[0])), requires_grad=False)
+            self.experts.down_proj_scale = nn.Parameter(
+                torch.empty(e, hidden_size, -(-i // self.k_blocks[1])), requires_grad=False)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype)
+            self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype, quant)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -327,7 +337,9 @@ class SparseMoE(nn.Module):
         if not self.config.float32_scores:
             scores = scores.to(x.dtype)
         experts = kernels.fused_moe if fused else routed_experts
-        out = experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        scales = None if self.k_blocks is None else ExpertScales(
+            self.experts.gate_up_proj_scale, self.experts.down_proj_scale, *self.k_blocks)
+        out = experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj, scales)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -340,7 +352,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, dtype, cfg.layer_windows[index] if cfg.layer_windows else 0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.moe is not None and index in cfg.moe.layers:
-            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype)
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype, cfg.weight_quant)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.weight_quant)
 

@@ -6,7 +6,8 @@ SwiGLU outputs scaled by the softmaxed scores (renormalized over the k for Mixtr
 
 Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and the down matrices into
 ``[E, H, I]`` (transformers 5's and vLLM's layout; the loader packs the checkpoint's per-expert tensors);
-the module holding them is ``engine.model.SparseMoE``.
+the module holding them is ``engine.model.SparseMoE``. With fp8 weights (``engine/weight_quant.py``) they are
+e4m3 codes with ``ExpertScales``.
 The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
 exactly its rows, and adds them up in ascending expert order as transformers does.
 That is the torch path (CPU, and the reference): it reads the expert counts back to the host once a layer.
@@ -19,6 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.common import ExpertScales
+from engine.weight_quant import dequantize
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores ``[T, k]`` in float32, expert ids ``[T, k]``): the top-k of the softmax over experts."""
@@ -30,10 +34,11 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor) -> torch.Tensor:
+                   down: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """Sum over each row's experts of ``score * down(silu(gate(x)) * up(x))``: ``x`` ``[T, H]``, ``scores``
-    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]``. Scores in float32 scale the
-    outputs in float32 (then cast); scores in ``x.dtype`` scale them in that dtype."""
+    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 codes with ``scales``: each
+    expert's matrices dequantized as it runs). Scores in float32 scale the outputs in float32 (then cast);
+    scores in ``x.dtype`` scale them in that dtype."""
     k = ids.shape[1]
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
@@ -47,7 +52,11 @@ def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gat
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down[expert]) * flat_scores[pairs, None]
+        w_gate_up, w_down = gate_up[expert], down[expert]
+        if scales is not None:
+            w_gate_up = dequantize(w_gate_up, scales.gate_up[expert], scales.gate_up_k_block, x.dtype)
+            w_down = dequantize(w_down, scales.down[expert], scales.down_k_block, x.dtype)
+        gate, up = F.linear(x[rows], w_gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down) * flat_scores[pairs, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out

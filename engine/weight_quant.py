@@ -1,6 +1,6 @@
 """FP8 weights: checkpoints published in fp8 (``quantization_config.quant_method`` ``"fp8"`` or
 ``"compressed-tensors"``) and ``--quantization fp8`` on a 16-bit one, for the decoder's projections (q/k/v,
-o, gate/up, down).
+o, gate/up, down; a mixture's experts and shared expert too, never its router).
 
 A projection holds e4m3 codes ``[out, in]`` and float32 scales ``[out, ceil(in / k_block)]``: one scale per
 output row and ``k_block`` input columns. Every checkpoint layout (``engine.config.read_quantization``) maps

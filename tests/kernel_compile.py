@@ -113,6 +113,12 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
             kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
                               torch.empty(experts, 2 * inter, hidden, dtype=dtype),
                               torch.empty(experts, hidden, inter, dtype=dtype))
+            fp8 = torch.float8_e4m3fn  # fp8 experts in 128 x 128 blocks (Qwen3-30B-A3B-FP8's)
+            kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
+                              torch.empty(experts, 2 * inter, hidden, dtype=fp8), torch.empty(experts, hidden, inter,
+                                                                                                dtype=fp8),
+                              common.ExpertScales(torch.empty(experts, 2 * inter, hidden // 128),
+                                                  torch.empty(experts, hidden, inter // 128), 128, 128))
     if kv_format == "auto" and dtype == torch.bfloat16:  # LoRA adapters of a decode batch: ranks 16 and 64, packed q/k/v
         fan_in, fan_out = cfg.hidden_size, qkv.shape[1]
         for cap in (48, 192):

@@ -619,6 +619,30 @@ def test_fused_moe_half_precision_within_tolerance(dtype: torch.dtype):
     assert_close(got, want.to(dtype))
 
 
+@pytest.mark.parametrize("k_block", [16, 0])  # 0: one scale a row
+@pytest.mark.parametrize("as_bytes", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_on_fp8_experts_matches_the_expert_loop(k_block: int, as_bytes: bool, dtype: torch.dtype,
+                                                          monkeypatch):
+    """fp8 codes with a scale per row and 16 columns (the last block of 40 narrower) or per row: the fused
+    kernels scale each slice's partial sums as the torch loop dequantizes each expert's matrices; the codes
+    read natively and as bytes (GPUs before sm_89)."""
+    from engine.kernels.common import ExpertScales
+    from engine.kernels.moe_experts import fused_moe
+    from engine.moe import routed_experts
+
+    monkeypatch.setattr(common, "fp8_codes_as_bytes", lambda device: as_bytes)
+    experts, hidden, inter = 4, 48, 40
+    x, scores, ids = route_randomly(11, hidden, experts, 2, skip=1)
+    (gate_up, gate_up_scales), (down, down_scales) = (
+        fp8_weight(experts * rows, cols, k_block or cols) for rows, cols in ((2 * inter, hidden), (hidden, inter)))
+    gate_up, down = gate_up.view(experts, 2 * inter, hidden), down.view(experts, hidden, inter)
+    scales = ExpertScales(gate_up_scales.view(experts, 2 * inter, -1) / 8, down_scales.view(experts, hidden, -1) / 8,
+                          k_block or hidden, k_block or inter)  # weights about 1/8, as the tests above
+    want = routed_experts(x, scores, ids, gate_up, down, scales).to(dtype)  # float32, as the half-precision test
+    assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, scales), want)
+
+
 def test_fused_moe_rejects_mismatched_operands():
     from engine.kernels.moe_experts import fused_moe
 

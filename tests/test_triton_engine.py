@@ -236,13 +236,16 @@ def test_adapters_drafts_verified_through_the_graph_buffers_equal_torch_decoding
 
 
 @needs_interpreter
-def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path, quantization):
     """Mixtral's experts through the fused MoE kernels, between the fused residual norms: the greedy tokens
     equal the torch path's (its loop over experts), with decode steps run eagerly and through the static
-    graph buffers (the kernels never read back to the host, so such steps can be captured)."""
+    graph buffers (the kernels never read back to the host, so such steps can be captured); with fp8
+    experts too (the kernels scale the codes' partial sums, the loop dequantizes each expert's matrices)."""
     build_hf_checkpoint(tmp_path, "mixtral")
     a, b, c = prompts((7, 20, 9))  # in its vocabulary of 128
-    runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 2: [("c", c)]}, 5, num_blocks=32)
+    runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 2: [("c", c)]}, 5, num_blocks=32,
+                              quantization=quantization)
     assert runs["triton"] == runs["graphs"] == runs["torch"]
     assert all(len(t) == 5 for t in runs["torch"].values())
 

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(120)
 
 FP8_MAX = 448.0
 NEW_TOKENS = 16
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj",
+               "w1", "w2", "w3")  # Mixtral's experts' gate, down and up
 
 
 def is_projection(name: str) -> bool:
@@ -88,6 +89,17 @@ def quantize_checkpoint(path, layout: str) -> dict[str, torch.Tensor]:
     return dequantized
 
 
+def rowwise(hf: transformers.PreTrainedModel) -> dict[str, torch.Tensor]:
+    """Each projection (transformers' packed experts' too) as --quantization fp8 holds it, dequantized: every
+    row's absmax mapped to 448."""
+    out = {}
+    for name, w in hf.state_dict().items():
+        if is_projection(name) or name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            scale = w.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+            out[name] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
 def with_weights(hf: transformers.PreTrainedModel, weights: dict[str, torch.Tensor]) -> transformers.PreTrainedModel:
     hf.load_state_dict(weights, strict=False)
     return hf
@@ -147,16 +159,11 @@ def test_quantization_fp8_quantizes_a_16_bit_checkpoint_row_by_row(tmp_path):
     those of the model whose weights are quantized and dequantized so, and differ from the unquantized
     model's (the flag does something)."""
     hf = build_hf_checkpoint(tmp_path, "llama")
-    rowwise = {}
-    for name, w in hf.state_dict().items():
-        if is_projection(name):
-            scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
-            rowwise[name] = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale
     batch = prompts((5, 40))
     unquantized = reference_tokens(hf, batch)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, quantization="fp8"))
     got = engine_tokens(engine, batch)
-    assert got == reference_tokens(with_weights(hf, rowwise), batch)
+    assert got == reference_tokens(with_weights(hf, rowwise(hf)), batch)
     assert got != unquantized
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.float8_e4m3fn and tuple(qkv.weight_scale.shape) == (qkv.weight.shape[0], 1)
@@ -213,24 +220,32 @@ def test_a_quantization_config_other_than_fp8_e4m3_weights_is_refused_by_field(t
     assert err.value.field == field
 
 
-def test_fp8_weights_of_a_mixture_of_experts_are_refused(tmp_path):
-    build_hf_checkpoint(tmp_path, "qwen3_moe")
-    with pytest.raises(ValueError, match="--quantization fp8 is not supported for Qwen3MoeForCausalLM's experts"):
-        Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, quantization="fp8"))
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [32, 32]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="experts"):
-        ModelConfig.from_dir(tmp_path)
-    with pytest.raises(ValueError, match="quantization 'int4' is not supported; supported: fp8"):
-        EngineConfig(model="tiny", quantization="int4")
+@pytest.mark.parametrize("arch, layout", [("qwen3_moe", "block"), ("mixtral", "block"), ("qwen2_moe", "online")])
+def test_a_mixture_of_experts_on_fp8_weights_generates_as_transformers_loads_it(tmp_path, arch, layout):
+    """Each expert's matrices (Mixtral's w1/w3/w2 too) packed as fp8 codes with their scales, and Qwen2-MoE's
+    shared expert; the routers stay in the model's dtype. A block-wise checkpoint against transformers loading
+    the same files, --quantization fp8 against the weights it stands for."""
+    hf = build_hf_checkpoint(tmp_path, arch)
+    if layout == "block":
+        quantize_checkpoint(tmp_path, layout)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    else:
+        hf = with_weights(hf, rowwise(hf))
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64,
+                                 quantization="fp8" if layout == "online" else None))
+    batch = prompts((9, 33))
+    assert engine_tokens(engine, batch) == reference_tokens(hf, batch)
+    moe = next(layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
+    assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.float8_e4m3fn
+    assert moe.gate.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("layout", ["bfloat16", "online", "block"])
-def test_kv_calc_weighs_the_weights_as_the_engine_holds_them(tmp_path, layout):
-    """tidepool kv-calc's weight bytes (what the KV cache is planned around): fp8 projections one byte a
-    weight plus their scales, tied embeddings once."""
-    build_hf_checkpoint(tmp_path, "qwen2")
+@pytest.mark.parametrize("arch, layout", [("qwen2", "bfloat16"), ("qwen2", "online"), ("qwen2", "block"),
+                                          ("qwen2_moe", "online"), ("qwen3_moe", "block")])
+def test_kv_calc_weighs_the_weights_as_the_engine_holds_them(tmp_path, arch, layout):
+    """tidepool kv-calc's weight bytes (what the KV cache is planned around): fp8 projections and experts one
+    byte a weight plus their scales, routers in the model's dtype, tied embeddings once."""
+    build_hf_checkpoint(tmp_path, arch)
     if layout == "block":
         quantize_checkpoint(tmp_path, "block")
     quantization = "fp8" if layout == "online" else None

@@ -13,6 +13,17 @@ import torch
 QUANTIZED_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes the attention kernels dequantize
 
 
+class ExpertScales(NamedTuple):
+    """The float32 scales of a mixture of experts' fp8 matrices (``engine/weight_quant.py``): ``gate_up``
+    ``[E, 2I, ceil(H / gate_up_k_block)]`` and ``down`` ``[E, H, ceil(I / down_k_block)]``, one per output
+    row and k-block of input columns."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_k_block: int
+    down_k_block: int
+
+
 def interpreting() -> bool:
     """True when ``@triton.jit`` builds interpreter functions (CPU emulation) instead of GPU kernels."""
     try:

@@ -18,19 +18,24 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dtype_flags, next_power_of_2
+from engine.kernels import common
+from engine.kernels._tile import _e4m3_bytes_as_half
+from engine.kernels.common import ExpertScales, dtype_flags, next_power_of_2
 
 
 @triton.jit
 def _expert_matmul_kernel(
-    A, B, C, SortedPairs, BlockExperts, Scores, num_pairs, N, K,
-    stride_am, stride_be, stride_bn, stride_cm,
-    PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr,
+    A, B, C, SortedPairs, BlockExperts, Scores, BScales, num_pairs, N, K,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn,
+    PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, CODES_AS_BYTES: tl.constexpr,
+    K_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert].T (times the pair's score with SCALE) for the
     BLOCK_M pairs of this program's block, all routed to the one expert BlockExperts names (-1: a block
-    past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding."""
+    past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding. With FP8, B holds e4m3
+    codes (bytes with CODES_AS_BYTES, 2^-8 of their value) and each ``BLOCK_K`` slice's partial sum is
+    scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``)."""
     expert = tl.load(BlockExperts + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,14 +46,23 @@ def _expert_matmul_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        s_ptrs = BScales + expert * stride_se + offs_n.to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             in_k = offs_k + k0 < K
             a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0)
             if UPCAST:
-                a, b = a.to(tl.float32), b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
+                a = a.to(tl.float32)
+            if FP8:
+                if CODES_AS_BYTES:
+                    b = _e4m3_bytes_as_half(b)
+                scale = tl.load(s_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0.0)
+                if CODES_AS_BYTES:
+                    scale = scale * 256.0
+                acc += tl.dot(a, b.to(a.dtype), input_precision=PREC) * scale[None, :]
+            else:
+                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PREC)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         if SCALE:
@@ -85,24 +99,33 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                    block_experts: torch.Tensor, scores: torch.Tensor | None, pairs_per_row: int,
-                   block_m: int) -> None:
+                   block_m: int, b_scales: torch.Tensor | None = None, k_block: int = 0) -> None:
+    """``b``: the experts' matrices in a's dtype, or fp8 codes with ``b_scales`` per row and ``k_block``."""
     n, k = b.shape[1], b.shape[2]
     block_n = 64
     block_k = 32 if a.dtype == torch.float32 else 64  # fp32 tiles: half the K slice, the same shared memory
+    fp8 = b_scales is not None
+    if fp8 and k_block < k:
+        block_k = min(block_k, k_block & -k_block)  # a slice within one scale's columns
+    as_bytes = fp8 and common.fp8_codes_as_bytes(b.device)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
-        a, b, out, sorted_pairs, block_experts, a if scores is None else scores, out.shape[0], n, k,
+        a, b.view(torch.uint8) if as_bytes else b, out, sorted_pairs, block_experts,
+        a if scores is None else scores, a if b_scales is None else b_scales, out.shape[0], n, k,
         a.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dtype_flags(a.dtype),
+        0 if b_scales is None else b_scales.stride(0), 0 if b_scales is None else b_scales.stride(1),
+        PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, FP8=fp8, CODES_AS_BYTES=as_bytes,
+        K_BLOCK=max(k_block, 1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dtype_flags(a.dtype),
+        num_warps=8 if fp8 and a.dtype == torch.float32 else 4,  # a second fp32 tile per slice spills at 4
     )
 
 
 def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor) -> torch.Tensor:
+              down: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """What ``engine.moe.routed_experts`` computes, in two launches: ``x`` ``[T, H]``, ``scores`` and ``ids``
     ``[T, k]`` (scores in float32 or x's dtype; each output row is scaled in float32), ``gate_up``
-    ``[E, 2I, H]`` and ``down`` ``[E, H, I]``, all contiguous on one device. Returns ``[T, H]``."""
+    ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``scales`` (W8A16), all
+    contiguous on one device. Returns ``[T, H]``."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
     if ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
@@ -110,8 +133,13 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     if gate_up.shape[2] != h or down.shape != (e, h, two_i // 2):
         raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be [E, 2I, {h}] "
                          f"and [E, {h}, I]")
-    if gate_up.dtype != x.dtype or down.dtype != x.dtype:
-        raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be in x's dtype {x.dtype}")
+    weight_dtype = x.dtype if scales is None else torch.float8_e4m3fn
+    if gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
+        raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be {weight_dtype} (x's dtype, or fp8 "
+                         "codes with their scales)")
+    if scales is not None and (scales.gate_up.shape[:2] != gate_up.shape[:2] or scales.down.shape[:2] != down.shape[:2]
+                               or min(scales.gate_up_k_block, scales.down_k_block) < 16):
+        raise ValueError("scales must be [E, N, K / k_block] for each matrix, k_block at least 16")
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("x and the expert weights must be contiguous")
     k = ids.shape[1]
@@ -120,9 +148,11 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     block_m = _block_m(t * k, e)
     sorted_pairs, block_experts = align_by_expert(ids, e, block_m)
     gate_and_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
-    _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m)
+    _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m,
+                   None if scales is None else scales.gate_up, 0 if scales is None else scales.gate_up_k_block)
     gate, up = gate_and_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
     per_pair = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
-    _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m)
+    _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m,
+                   None if scales is None else scales.down, 0 if scales is None else scales.down_k_block)
     return per_pair.view(t, k, h).sum(dim=1)
