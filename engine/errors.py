@@ -8,8 +8,8 @@ in the caller, which would then see Ray's "failed to deserialize" instead of the
 from __future__ import annotations
 
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses before it takes any resource; ``field`` names the bad parameter."""
+class FieldError(ValueError):
+    """A value refused for what one named ``field`` holds (the message says what to fix)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
@@ -18,6 +18,10 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self):
         return type(self), (self.field, self.message)
+
+
+class InvalidRequestError(FieldError):
+    """A request the engine refuses before it takes any resource; ``field`` names the bad parameter."""
 
 
 class OutOfBlocksError(RuntimeError):
@@ -42,13 +46,5 @@ class LoRAAdapterError(CheckpointError):
     """A LoRA adapter (``--lora-modules``) that cannot be loaded; the message names it and what is wrong."""
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(FieldError):
     """A checkpoint config this engine does not implement; ``field`` names the config.json key."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-    def __reduce__(self):
-        return type(self), (self.field, self.message)
