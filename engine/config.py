@@ -212,7 +212,7 @@ QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization, --quantization
 
 @dataclass(frozen=True)
 class WeightQuant:
-    """How a model's decoder projections are stored: fp8 codes and the layout of their scales."""
+    """How a model's projections and experts are stored: fp8 codes and the layout of their scales."""
 
     k_block: int  # input columns one scale covers; 0: the whole row
     n_block: int  # output rows one checkpoint scale covers; 0: all of them (per tensor), or online
@@ -357,8 +357,8 @@ class ModelConfig:
     # Qwen's use_sliding_window when only some layers slide: each layer's window (0: full attention). Every
     # block stays (the full layers read it); the sliding layers' attention is masked to their window.
     layer_windows: tuple[int, ...] | None = None
-    # fp8 decoder projections (engine/weight_quant.py): the checkpoint's quantization_config, or set by the
-    # loader for --quantization fp8; None: every weight in the engine's dtype
+    # fp8 projections and experts (engine/weight_quant.py): the checkpoint's quantization_config, or set by
+    # with_quantization for --quantization fp8; None: every weight in the engine's dtype
     weight_quant: WeightQuant | None = None
 
     @property
@@ -477,8 +477,8 @@ class EngineConfig:
     model: str  # "tiny" or a checkpoint directory
     dtype: str = "float32"
     device: str = "cpu"
-    # "fp8": a 16-bit checkpoint's decoder projections quantized at load (engine/weight_quant.py), one scale
-    # per output row; None: as the checkpoint holds them (an fp8 checkpoint is read as fp8 either way)
+    # "fp8": a 16-bit checkpoint's projections and experts quantized at load (engine/weight_quant.py), one
+    # scale per output row; None: as the checkpoint holds them (an fp8 checkpoint is read as fp8 either way)
     quantization: str | None = None
     block_size: int = 16
     num_blocks: int | None = None  # None: from gpu_memory_utilization on CUDA, else from kv_cache_bytes
