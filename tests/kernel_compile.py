@@ -52,6 +52,7 @@ MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 
 # and 7 (not a power of two: padded query rows). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
 SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128)}
 FORMATS = ("auto", "int8", "fp8", "kivi2")
+FP8_SHAPE = "qwen2.5-7b"  # the fp8 weight kernels depend on no head shape: compiled for one
 BLOCK_SIZE = 16
 
 
@@ -113,20 +114,22 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
             kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
                               torch.empty(experts, 2 * inter, hidden, dtype=dtype),
                               torch.empty(experts, hidden, inter, dtype=dtype))
-            fp8 = torch.float8_e4m3fn  # fp8 experts in 128 x 128 blocks (Qwen3-30B-A3B-FP8's)
-            kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
-                              torch.empty(experts, 2 * inter, hidden, dtype=fp8), torch.empty(experts, hidden, inter,
-                                                                                                dtype=fp8),
-                              common.ExpertScales(torch.empty(experts, 2 * inter, hidden // 128),
-                                                  torch.empty(experts, hidden, inter // 128), 128, 128))
+            if shape == FP8_SHAPE and dtype != torch.float16:  # fp8 experts in 128 x 128 blocks (Qwen3-30B-A3B-FP8)
+                fp8 = torch.float8_e4m3fn
+                kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
+                                  torch.empty(experts, 2 * inter, hidden, dtype=fp8),
+                                  torch.empty(experts, hidden, inter, dtype=fp8),
+                                  common.ExpertScales(torch.empty(experts, 2 * inter, hidden // 128),
+                                                      torch.empty(experts, hidden, inter // 128), 128, 128))
     if kv_format == "auto" and dtype == torch.bfloat16:  # LoRA adapters of a decode batch: ranks 16 and 64, packed q/k/v
         fan_in, fan_out = cfg.hidden_size, qkv.shape[1]
         for cap in (48, 192):
             kernels.lora_grouped(torch.empty(4, fan_out, dtype=dtype), torch.empty(4, fan_in, dtype=dtype),
                                  torch.empty(4, cap, fan_in, dtype=dtype), torch.empty(4, fan_out, cap, dtype=dtype),
                                  torch.full((4,), -1))
-    if kv_format == "auto":  # fp8 weights (W8A16): q/k/v at a decode batch and a prefill, 128 x 128 blocks and a
-        for tokens in (8, 512):  # scale per row (--quantization fp8); codes natively from sm_89, as bytes before
+    if kv_format == "auto" and shape == FP8_SHAPE and dtype != torch.float16:  # fp8 weights (W8A16): q/k/v at a
+        for tokens in (8, 512):  # decode batch and a prefill, 128 x 128 blocks and a scale per row (--quantization
+            # fp8); codes natively from sm_89, as bytes before. One shape, bf16 and fp32: fp16 compiles as bf16
             for k_block in (128, cfg.hidden_size):
                 kernels.fp8_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
                                    torch.empty(qkv.shape[1], cfg.hidden_size, dtype=torch.float8_e4m3fn),
