@@ -12,12 +12,12 @@ import transformers
 from safetensors.torch import load_file, save_file
 from test_engine_model import BLOCK, build_hf_checkpoint, prompts
 
+from benchmarks.kv_quality import greedy_tokens
 from engine.capacity import plan, shape_from_dir
 from engine.config import EngineConfig, ModelConfig, read_quantization
 from engine.engine import Engine
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.loader import load_model
-from engine.sampling_params import SamplingParams
 from engine.weight_quant import dequantize, row_scales
 from kvstore.hashing import salt_for
 
@@ -105,17 +105,6 @@ def with_weights(hf: transformers.PreTrainedModel, weights: dict[str, torch.Tens
     return hf
 
 
-def engine_tokens(engine: Engine, batch: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    for i, ids in enumerate(batch):
-        engine.add_request(str(i), ids, params)
-    got: dict[str, list[int]] = {str(i): [] for i in range(len(batch))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-    return [got[str(i)] for i in range(len(batch))]
-
-
 def reference_tokens(hf: transformers.PreTrainedModel, batch: list[list[int]]) -> list[list[int]]:
     with torch.no_grad():
         return [hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(ids):].tolist()
@@ -136,7 +125,7 @@ def test_an_fp8_block_checkpoint_generates_as_transformers_loads_it(tmp_path, ar
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
     batch = prompts((5, 17, 40))
-    assert engine_tokens(engine, batch) == reference_tokens(hf, batch)
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(hf, batch)
     assert {p.weight.dtype for p in projections(engine)} == {torch.float8_e4m3fn}
     assert engine.model.lm_head.weight.dtype == engine.model.model.embed_tokens.weight.dtype == torch.float32
 
@@ -151,7 +140,7 @@ def test_per_tensor_and_compressed_tensors_checkpoints_run_as_their_dequantized_
     dequantized = quantize_checkpoint(tmp_path, layout)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
     batch = prompts((9, 33))
-    assert engine_tokens(engine, batch) == reference_tokens(with_weights(hf, dequantized), batch)
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(with_weights(hf, dequantized), batch)
 
 
 def test_quantization_fp8_quantizes_a_16_bit_checkpoint_row_by_row(tmp_path):
@@ -162,7 +151,7 @@ def test_quantization_fp8_quantizes_a_16_bit_checkpoint_row_by_row(tmp_path):
     batch = prompts((5, 40))
     unquantized = reference_tokens(hf, batch)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64, quantization="fp8"))
-    got = engine_tokens(engine, batch)
+    got = greedy_tokens(engine, batch, NEW_TOKENS)
     assert got == reference_tokens(with_weights(hf, rowwise(hf)), batch)
     assert got != unquantized
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
@@ -234,7 +223,7 @@ def test_a_mixture_of_experts_on_fp8_weights_generates_as_transformers_loads_it(
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64,
                                  quantization="fp8" if layout == "online" else None))
     batch = prompts((9, 33))
-    assert engine_tokens(engine, batch) == reference_tokens(hf, batch)
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(hf, batch)
     moe = next(layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
     assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.float8_e4m3fn
     assert moe.gate.weight.dtype == torch.float32
