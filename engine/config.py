@@ -222,6 +222,10 @@ class WeightQuant:
     def online(self) -> bool:
         return not self.scale_suffix
 
+    def projection_bytes(self, rows: int, cols: int) -> int:
+        """A ``[rows, cols]`` projection as the model holds it: a byte a weight and float32 scales."""
+        return rows * cols + 4 * rows * -(-cols // (self.k_block or cols))
+
     def scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
         """The checkpoint's scale tensor for a ``[rows, cols]`` weight (per tensor: a scalar)."""
         if not self.n_block:
@@ -231,20 +235,43 @@ class WeightQuant:
 
 ONLINE_FP8 = WeightQuant(k_block=0, n_block=0, scale_suffix="")
 
+INT4_LAYOUTS = ("awq", "gptq")
 
-def read_quantization(raw: dict | None) -> WeightQuant | None:
+
+@dataclass(frozen=True)
+class Int4Quant:
+    """How an AWQ or GPTQ checkpoint stores its projections: 4-bit codes with a scale and a 4-bit zero point
+    per ``group_size`` input columns of each output row, packed eight to an int32 (``engine/int4_weights.py``)."""
+
+    layout: str  # one of INT4_LAYOUTS: how codes and zeros are packed into the checkpoint's int32 tensors
+    group_size: int  # input columns one scale and zero cover; 0: the whole row (GPTQ's group_size -1)
+    zero_offset: int = 0  # added to the stored zeros: GPTQ's original format stores each zero minus 1
+    online = False  # always read from the checkpoint, never quantized at load
+
+    def groups(self, cols: int) -> int:
+        return cols // self.group_size if self.group_size else 1
+
+    def projection_bytes(self, rows: int, cols: int) -> int:
+        """A ``[rows, cols]`` projection as the model holds it: half a byte a weight, a float32 scale and a
+        uint8 zero a group."""
+        return rows * cols // 2 + 5 * rows * self.groups(cols)
+
+
+def read_quantization(raw: dict | None) -> WeightQuant | Int4Quant | None:
     """A checkpoint's ``quantization_config`` -> its weight layout (None: not quantized); anything but fp8
-    e4m3 weights is refused, naming what is there."""
+    e4m3 weights and 4-bit AWQ or GPTQ ones is refused, naming what is there."""
     if raw is None:
         return None
     key = "quantization_config"
     method = raw.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(raw, key)
+    if method in INT4_LAYOUTS:
+        return _int4(raw, key, method)
     if method != "fp8":
         raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
-                                    "or per tensor), compressed-tensors' fp8 weights, or an unquantized checkpoint "
-                                    "with --quantization fp8")
+                                    "or per tensor), compressed-tensors' fp8 weights, awq and gptq 4-bit weights, or "
+                                    "an unquantized checkpoint with --quantization fp8")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
     if raw.get("scale_fmt") not in (None, "float32"):
@@ -261,6 +288,35 @@ def _block_quant(block: Any, field: str, scale_suffix: str) -> WeightQuant:
             or block[0] < 1 or block[1] < 16 or block[1] % 16):
         raise UnsupportedModelError(field, f"{block!r}: must be [rows, columns], the columns a multiple of 16")
     return WeightQuant(k_block=block[1], n_block=block[0], scale_suffix=scale_suffix)
+
+
+def _int4(raw: dict, key: str, method: str) -> Int4Quant:
+    """AutoAWQ's GEMM format (``quant_method: "awq"``) and GPTQ's (AutoGPTQ, GPTQModel, optimum; both
+    ``checkpoint_format``s): 4-bit weights, zero points and scales per group of input columns."""
+    bits = raw.get("bits", raw.get("w_bit"))
+    if bits != 4:
+        raise UnsupportedModelError(f"{key}.bits", f"{bits!r} is not supported; {method} weights must be 4-bit")
+    group = raw.get("group_size", raw.get("q_group_size"))
+    if not isinstance(group, int) or (group != -1 and (group < 16 or group % 16)):
+        raise UnsupportedModelError(f"{key}.group_size", f"{group!r}: must be a multiple of 16, or -1 (one group "
+                                                         "a row)")
+    if method == "awq":
+        if str(raw.get("version", "gemm")).lower() != "gemm":
+            raise UnsupportedModelError(f"{key}.version", f"{raw['version']!r} is not supported; supported: gemm "
+                                                          "(AutoAWQ's default)")
+        if raw.get("zero_point", True) is not True:
+            raise UnsupportedModelError(f"{key}.zero_point", "AWQ weights without zero points are not supported")
+        return Int4Quant("awq", max(group, 0))
+    if raw.get("desc_act"):
+        raise UnsupportedModelError(f"{key}.desc_act", "act-order GPTQ weights are not supported; use a checkpoint "
+                                                       "quantized with desc_act false")
+    if raw.get("lm_head"):
+        raise UnsupportedModelError(f"{key}.lm_head", "a quantized lm_head is not supported")
+    fmt = raw.get("checkpoint_format", "gptq")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise UnsupportedModelError(f"{key}.checkpoint_format", f"{fmt!r} is not supported; supported: gptq, "
+                                                                "gptq_v2")
+    return Int4Quant("gptq", max(group, 0), zero_offset=1 if fmt == "gptq" else 0)
 
 
 def _compressed_tensors(raw: dict, key: str) -> WeightQuant:
@@ -358,8 +414,9 @@ class ModelConfig:
     # block stays (the full layers read it); the sliding layers' attention is masked to their window.
     layer_windows: tuple[int, ...] | None = None
     # fp8 projections and experts (engine/weight_quant.py): the checkpoint's quantization_config, or set by
-    # with_quantization for --quantization fp8; None: every weight in the engine's dtype
-    weight_quant: WeightQuant | None = None
+    # with_quantization for --quantization fp8; AWQ or GPTQ int4 projections (engine/int4_weights.py); None:
+    # every weight in the engine's dtype
+    weight_quant: WeightQuant | Int4Quant | None = None
 
     @property
     def long_rope_from(self) -> int | None:
@@ -392,7 +449,7 @@ class ModelConfig:
         sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
         theta, scaling, rotary_dim = _rope(raw, arch)
         bos, eos = special_token_ids(raw, generation)
-        return cls(
+        config = cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
             num_heads=heads, num_kv_heads=kv_heads, head_dim=int(raw.get("head_dim") or hidden // heads),
@@ -402,6 +459,9 @@ class ModelConfig:
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
             layer_windows=layer_windows, weight_quant=read_quantization(raw.get("quantization_config")),
         )
+        if isinstance(config.weight_quant, Int4Quant):
+            config.check_int4_shapes()
+        return config
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -441,9 +501,24 @@ class ModelConfig:
     def with_quantization(self, quantization: str | None) -> ModelConfig:
         """This config as ``--quantization`` loads it: a 16-bit checkpoint's projections quantized to fp8
         (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged."""
+        if isinstance(self.weight_quant, Int4Quant) and quantization is not None:
+            raise UnsupportedModelError("quantization_config", f"this checkpoint holds {self.weight_quant.layout} "
+                                        f"4-bit weights already; load it without --quantization {quantization}")
         if quantization is None or self.weight_quant is not None:
             return self
         return replace(self, weight_quant=ONLINE_FP8)
+
+    def check_int4_shapes(self) -> None:
+        """AWQ and GPTQ pack 8 codes to an int32 along one dimension and group the input columns: every
+        projection's rows and columns must split so (and a mixture's experts are not read in int4)."""
+        quant = self.weight_quant
+        if self.moe is not None:
+            raise UnsupportedModelError("quantization_config", f"{quant.layout} 4-bit mixtures of experts are not "
+                                                               "supported (fp8 ones are)")
+        for out, inp, _ in self.projection_shapes():
+            if out % 8 or inp % 8 or (quant.group_size and inp % quant.group_size):
+                raise UnsupportedModelError("quantization_config.group_size", f"a [{out}, {inp}] projection does not "
+                                            f"split into 8-code words and groups of {quant.group_size or inp}")
 
     def projection_shapes(self) -> list[tuple[int, int, int]]:
         """(out, in, how many) of the model's packed projections, what fp8 quantizes: every layer's q/k/v and
@@ -461,14 +536,13 @@ class ModelConfig:
         return shapes
 
     def weight_bytes(self, dtype: Any) -> int:
-        """Bytes the weights take in ``dtype``, the projections one a weight plus their float32 scales
-        ([out, in / k_block] each, ``engine/weight_quant.py``) when they are fp8."""
+        """Bytes the weights take in ``dtype``, the projections as their quantization holds them when they are
+        fp8 or int4 (``projection_bytes``: codes and scales)."""
         total = self.num_parameters() * dtype_bytes(dtype)
         if self.weight_quant is None:
             return total
         for out, inp, count in self.projection_shapes():
-            k_block = self.weight_quant.k_block or inp
-            total -= count * out * (inp * (dtype_bytes(dtype) - 1) - 4 * -(-inp // k_block))
+            total -= count * (out * inp * dtype_bytes(dtype) - self.weight_quant.projection_bytes(out, inp))
         return total
 
 

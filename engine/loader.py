@@ -11,14 +11,22 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from engine.config import PACKED_ARCHITECTURES, ModelConfig, WeightQuant
+from engine.config import PACKED_ARCHITECTURES, Int4Quant, ModelConfig, WeightQuant
 from engine.errors import CheckpointError
+from engine.int4_weights import (
+    check_g_idx,
+    codes_from_checkpoint,
+    scales_from_checkpoint,
+    zeros_from_checkpoint,
+)
 from engine.model import CausalLM
 from engine.tiny import write_tiny_checkpoint
 from engine.weight_quant import quantize_rows, row_scales
@@ -90,40 +98,69 @@ def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig) -> dict[st
     return renamed
 
 
+# what a checkpoint tensor holds, by dtype (anything else counts as a float)
+_HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32"}
+_HOLDS_TEXT = {"float": "a 16- or 32-bit float (only the decoder's projections may be quantized)",
+               "fp8": "float8_e4m3fn (a projection kept in 16 bits beside fp8 ones is not supported)",
+               "int32": "int32 (4-bit codes packed eight a word, or GPTQ's g_idx)"}
+
+
 @dataclass
 class _Target:
-    """Where one checkpoint tensor goes: ``dest``, a view of a parameter, and the shape the config implies."""
+    """Where one checkpoint tensor goes: ``dest``, a view of a parameter (None: checked, not kept), the shape
+    the config implies and what the tensor must hold (``_HOLDS``)."""
 
-    dest: torch.Tensor
+    dest: torch.Tensor | None
     shape: tuple[int, ...]
-    codes: bool = False  # fp8 codes of a quantized projection: the checkpoint must hold them as such
-    scale_of: WeightQuant | None = None  # a checkpoint scale, expanded to ``dest``'s rows (``row_scales``)
+    holds: str = "float"
+    # the checkpoint's layout -> dest's (on dest's device: the GPU where there is one); with no dest, a check
+    convert: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     online_scales: torch.Tensor | None = None  # --quantization fp8: a 16-bit weight, quantized into dest
+    optional: bool = False  # a checkpoint may leave it out
 
     def fill(self, tensor: torch.Tensor) -> None:
-        if self.scale_of is not None:
-            self.dest.copy_(row_scales(tensor, self.scale_of, self.dest.shape[0]))
-        elif self.online_scales is not None:
+        if self.online_scales is not None:
             codes, scales = quantize_rows(tensor.to(self.dest.device))  # on the GPU where there is one
             self.dest.copy_(codes)
             self.online_scales.copy_(scales)
-        else:
-            self.dest.copy_(tensor)
+            return
+        if self.dest is None:  # checked only
+            self.convert(tensor)
+            return
+        self.dest.copy_(tensor if self.convert is None else self.convert(tensor.to(self.dest.device)))
 
 
-def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, scales: torch.Tensor | None,
-         quant: WeightQuant | None) -> None:
-    """The target of checkpoint weight ``name`` (rows ``view`` of a parameter), and of its scale when the
-    parameter is fp8 (``scales``: the same rows of its ``weight_scale``)."""
+def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
+         quant: WeightQuant | Int4Quant | None) -> None:
+    """The targets of checkpoint weight ``name`` (rows ``view`` of a parameter), and of what a quantized one
+    comes with (``companions``: the same rows of its ``weight_scale`` and ``weight_zero``)."""
     shape = tuple(view.shape)
-    if scales is None or quant is None:
+    if not companions or quant is None:
         targets[name] = _Target(view, shape)
+    elif isinstance(quant, Int4Quant):
+        _add_int4(targets, name.removesuffix("weight"), view, companions, quant)
     elif quant.online:
-        targets[name] = _Target(view, shape, online_scales=scales)
+        targets[name] = _Target(view, shape, online_scales=companions["weight_scale"])
     else:
-        targets[name] = _Target(view, shape, codes=True)
+        targets[name] = _Target(view, shape, holds="fp8")
         targets[name.removesuffix("weight") + quant.scale_suffix] = _Target(
-            scales, quant.scale_shape(*shape), scale_of=quant)
+            companions["weight_scale"], quant.scale_shape(*shape), convert=partial(row_scales, quant=quant,
+                                                                                  rows=shape[0]))
+
+
+def _add_int4(targets: dict[str, _Target], prefix: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
+              quant: Int4Quant) -> None:
+    """An AWQ or GPTQ projection's tensors for the rows ``view`` (``[out, in / 2]``) of the model's packed
+    weight (``engine/int4_weights.py``)."""
+    out, cols = view.shape[0], 2 * view.shape[1]
+    groups = quant.groups(cols)
+    words = (cols, out // 8) if quant.layout == "awq" else (cols // 8, out)
+    targets[prefix + "qweight"] = _Target(view, words, "int32", partial(codes_from_checkpoint, quant=quant))
+    targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32",
+                                         partial(zeros_from_checkpoint, quant=quant))
+    targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales_from_checkpoint)
+    if quant.layout == "gptq":
+        targets[prefix + "g_idx"] = _Target(None, (cols,), "int32", partial(check_g_idx, quant=quant), optional=True)
 
 
 def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
@@ -134,28 +171,31 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     params = dict(model.named_parameters())
     targets: dict[str, _Target] = {}
     for name, param in params.items():
-        scales = params.get(name + "_scale")  # a quantized projection's rows' scales (engine/weight_quant.py)
-        if name.endswith("_scale"):
+        if name.endswith(("_scale", "_zero")):
             continue  # filled with its weight
+        # a quantized projection's scales (and int4 zeros), row for row (engine/weight_quant.py, int4_weights.py)
+        companions = {"weight" + part: params[name + part] for part in ("_scale", "_zero") if name + part in params}
         if ".experts." in name:
-            scale_views = {} if scales is None else _expert_targets(name, scales, cfg)
+            views = {part: _expert_targets(name, companion, cfg) for part, companion in companions.items()}
             for key, view in _expert_targets(name, param, cfg).items():
-                _add(targets, key, view, scale_views.get(key), quant)
+                _add(targets, key, view, {part: by_key[key] for part, by_key in views.items()}, quant)
         elif ".mlp.gate." in name and cfg.architecture == "MixtralForCausalLM":  # the router
             targets[name.replace(".mlp.", ".block_sparse_moe.")] = _Target(param.data, tuple(param.shape))
         elif ".qkv_proj." in name and not packed:  # split the fused matrix back into the checkpoint's three
             for part, (lo, hi) in zip(("q_proj", "k_proj", "v_proj"),
                                       ((0, q), (q, q + kv), (q + kv, q + 2 * kv)), strict=True):
-                _add(targets, name.replace("qkv_proj", part), param.data[lo:hi],
-                     None if scales is None else scales.data[lo:hi], quant)
+                _add(targets, name.replace("qkv_proj", part), param.data[lo:hi], _rows(companions, lo, hi), quant)
         elif ".gate_up_proj." in name and not packed:  # the dense MLP's, or a shared expert's
             inter = param.shape[0] // 2
             for part, (lo, hi) in zip(("gate_proj", "up_proj"), ((0, inter), (inter, 2 * inter)), strict=True):
-                _add(targets, name.replace("gate_up_proj", part), param.data[lo:hi],
-                     None if scales is None else scales.data[lo:hi], quant)
+                _add(targets, name.replace("gate_up_proj", part), param.data[lo:hi], _rows(companions, lo, hi), quant)
         else:
-            _add(targets, name, param.data, None if scales is None else scales.data, quant)
+            _add(targets, name, param.data, {part: c.data for part, c in companions.items()}, quant)
     return targets
+
+
+def _rows(companions: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
+    return {part: companion.data[lo:hi] for part, companion in companions.items()}
 
 
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) -> None:
@@ -163,17 +203,16 @@ def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) 
     shape = tuple(tensor.shape)
     if shape != target.shape and not (target.shape == () and shape == (1,)):  # a per-tensor scale as [1]
         raise CheckpointError(f"{path.name}: tensor {name!r} has shape {shape}, config.json implies {target.shape}")
-    if (tensor.dtype == torch.float8_e4m3fn) != target.codes:
-        implied = ("float8_e4m3fn (a projection kept in 16 bits beside fp8 ones is not supported)" if target.codes
-                   else "a 16- or 32-bit float (only the decoder's projections may be fp8)")
+    if _HOLDS.get(tensor.dtype, "float") != target.holds:
         raise CheckpointError(f"{path.name}: tensor {name!r} is {tensor.dtype}, config.json's quantization_config "
-                              f"implies {implied}")
+                              f"implies {_HOLDS_TEXT[target.holds]}")
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Build the model for ``model_dir``'s config and fill it from its safetensors files; ``quantization``
-    "fp8" quantizes a 16-bit checkpoint's decoder projections as they load (``engine/weight_quant.py``)."""
+    "fp8" quantizes a 16-bit checkpoint's decoder projections as they load (``engine/weight_quant.py``); AWQ and
+    GPTQ projections are unpacked into the model's int4 layout (``engine/int4_weights.py``)."""
     model_dir = Path(model_dir)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -191,13 +230,20 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
                     continue  # derived from the config, or the tied embedding already loaded
                 if name.endswith(".input_scale") and name.removesuffix("input_scale") + "weight" in targets:
                     continue  # a static activation scale: activations stay in the model's dtype (W8A16)
+                if name.endswith(".bias") and name not in targets and name.removesuffix("bias") + "qweight" in targets \
+                        and not f.get_tensor(name).any():
+                    continue  # older AutoGPTQ writes a zero bias for every projection: nothing to add
                 if name not in targets:
                     raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
                 tensor = f.get_tensor(name)
                 _check_tensor(path, name, tensor, targets[name])
-                targets[name].fill(tensor)
+                try:
+                    targets[name].fill(tensor)
+                except CheckpointError as exc:  # a value the layout cannot hold (GPTQ's act-order g_idx)
+                    raise CheckpointError(f"{path.name}: tensor {name!r}: {exc}") from None
                 seen.add(name)
-    missing = sorted(set(targets) - seen - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
+    optional = {name for name, target in targets.items() if target.optional}
+    missing = sorted(set(targets) - seen - optional - ({"lm_head.weight"} if cfg.tie_word_embeddings else set()))
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))

@@ -48,7 +48,7 @@ class LoRASlots:
                     linear = model.get_submodule(name)
                 except AttributeError:  # a mixture of experts' MLP
                     continue
-                out_features, in_features = linear.weight.shape
+                out_features, in_features = linear.out_features, linear.in_features
                 cap = max_rank * parts
                 linear.lora_stacks = (torch.zeros(max_loras, cap, in_features, dtype=dtype, device=device),
                                       torch.zeros(max_loras, out_features, cap, dtype=dtype, device=device))

@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.config import ModelConfig, MoEConfig, WeightQuant
+from engine.config import Int4Quant, ModelConfig, MoEConfig, WeightQuant
+from engine.int4_weights import int4_linear
 from engine.kernels.common import ExpertScales
 from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
@@ -161,30 +162,45 @@ class PagedKV(Protocol):
         written into the front of ``buf`` (``[>= len(block_ids), block_size, kv_heads, head_dim]``)."""
 
 
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
 class Linear(nn.Module):
     """``nn.Linear`` minus its random init: the loader overwrites every weight, and skipping the init
     keeps model construction instant (even under ``torch.device``). ``lora_stacks``: every LoRA adapter slot's
     A and B (``engine/lora_slots.py``; None: no adapter may target this layer), and ``lora`` views of those of
-    the loaded adapters by slot, added on the rows of each adapter a step names. With ``quant``
-    (``engine/weight_quant.py``) the weight is fp8 codes with float32 ``weight_scale`` ``[out, in / k_block]``."""
+    the loaded adapters by slot, added on the rows of each adapter a step names. With an fp8 ``quant``
+    (``engine/weight_quant.py``) the weight is fp8 codes with float32 ``weight_scale`` ``[out, in / k_block]``;
+    with an int4 one (``engine/int4_weights.py``) two codes a byte ``[out, in / 2]``, with float32
+    ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 quant: WeightQuant | None = None):
+                 quant: WeightQuant | Int4Quant | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype if quant is None
-                                               else torch.float8_e4m3fn), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = _frozen(torch.empty(out_features, dtype=dtype)) if bias else None
         self.weight_scale: nn.Parameter | None = None
+        self.weight_zero: nn.Parameter | None = None
         self.k_block = 0
-        if quant is not None:
+        if quant is None:
+            self.weight = _frozen(torch.empty(out_features, in_features, dtype=dtype))
+        elif isinstance(quant, Int4Quant):
+            groups = quant.groups(in_features)
+            self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+            self.weight_scale = _frozen(torch.empty(out_features, groups))
+            self.weight_zero = _frozen(torch.empty(out_features, groups, dtype=torch.uint8))
+        else:
+            self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
             self.k_block = quant.k_block or in_features
-            self.weight_scale = nn.Parameter(torch.empty(out_features, -(-in_features // self.k_block)),
-                                             requires_grad=False)
+            self.weight_scale = _frozen(torch.empty(out_features, -(-in_features // self.k_block)))
         self.lora: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.lora_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
-        if self.weight_scale is None:
+        if self.weight_zero is not None:
+            out = int4_linear(x, self.weight, self.weight_scale, self.weight_zero, self.bias)
+        elif self.weight_scale is None:
             out = F.linear(x, self.weight, self.bias)
         else:
             out = fp8_linear(x, self.weight, self.weight_scale, self.k_block, self.bias)
@@ -198,7 +214,7 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+        self.weight = _frozen(torch.empty(dim, dtype=dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,16 +331,13 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden_size, e, False, dtype)  # the router stays in dtype, as fp8 releases keep it
         self.experts = nn.Module()
         weights = dtype if quant is None else torch.float8_e4m3fn
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=weights),
-                                                 requires_grad=False)
-        self.experts.down_proj = nn.Parameter(torch.empty(e, hidden_size, i, dtype=weights), requires_grad=False)
+        self.experts.gate_up_proj = _frozen(torch.empty(e, 2 * i, hidden_size, dtype=weights))
+        self.experts.down_proj = _frozen(torch.empty(e, hidden_size, i, dtype=weights))
         self.k_blocks: tuple[int, int] | None = None  # fp8: each matrix's k-block (engine/weight_quant.py)
         if quant is not None:
             self.k_blocks = (quant.k_block or hidden_size, quant.k_block or i)
-            self.experts.gate_up_proj_scale = nn.Parameter(
-                torch.empty(e, 2 * i, -(-hidden_size // self.k_blocks[0])), requires_grad=False)
-            self.experts.down_proj_scale = nn.Parameter(
-                torch.empty(e, hidden_size, -(-i // self.k_blocks[1])), requires_grad=False)
+            self.experts.gate_up_proj_scale = _frozen(torch.empty(e, 2 * i, -(-hidden_size // self.k_blocks[0])))
+            self.experts.down_proj_scale = _frozen(torch.empty(e, hidden_size, -(-i // self.k_blocks[1])))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype, quant)

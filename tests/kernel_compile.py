@@ -52,7 +52,7 @@ MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 
 # and 7 (not a power of two: padded query rows). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
 SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128)}
 FORMATS = ("auto", "int8", "fp8", "kivi2")
-FP8_SHAPE = "qwen2.5-7b"  # the fp8 weight kernels depend on no head shape: compiled for one
+FP8_SHAPE = "qwen2.5-7b"  # the fp8 and int4 weight kernels depend on no head shape: compiled for one
 BLOCK_SIZE = 16
 
 
@@ -134,6 +134,10 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
                 kernels.fp8_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
                                    torch.empty(qkv.shape[1], cfg.hidden_size, dtype=torch.float8_e4m3fn),
                                    torch.empty(qkv.shape[1], cfg.hidden_size // k_block), k_block)
+            groups = cfg.hidden_size // 128  # int4 weights (W4A16, AWQ and GPTQ in groups of 128)
+            kernels.int4_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
+                                torch.empty(qkv.shape[1], cfg.hidden_size // 2, dtype=torch.uint8),
+                                torch.empty(qkv.shape[1], groups), torch.empty(qkv.shape[1], groups, dtype=torch.uint8))
     if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
         k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
         paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,

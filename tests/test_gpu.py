@@ -228,14 +228,17 @@ def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_pa
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("arch, layout", [("llama", "block"), ("llama", "online"), ("qwen3_moe", "block")])
-def test_fp8_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, arch, layout):
-    """The fp8 matmul and fp8 MoE kernels compiled for the device, in prefill and in decode steps replayed
-    from CUDA graphs (block-wise fp8 checkpoints, and --quantization fp8 on a 16-bit one): float32 greedy
-    tokens equal the CPU torch path's, which are transformers' (tests/test_weight_quant.py)."""
+@pytest.mark.parametrize("arch, layout", [("llama", "block"), ("llama", "online"), ("qwen3_moe", "block"),
+                                          ("qwen2", "awq"), ("llama", "gptq")])
+def test_quantized_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, arch, layout):
+    """The fp8 and int4 matmuls and the fp8 MoE kernels compiled for the device, in prefill and in decode
+    steps replayed from CUDA graphs (block-wise fp8 checkpoints, --quantization fp8 on a 16-bit one, AWQ and
+    GPTQ checkpoints): float32 greedy tokens equal the CPU torch path's, which are transformers' on the same
+    weights (tests/test_weight_quant.py, tests/test_int4_weights.py)."""
     if ran_in_a_compiling_process(request.node.name):
         return
     from test_engine_model import BLOCK, build_hf_checkpoint, prompts
+    from test_int4_weights import quantize_checkpoint as quantize_int4
     from test_weight_quant import NEW_TOKENS, quantize_checkpoint
 
     from benchmarks.kv_quality import greedy_tokens
@@ -245,6 +248,8 @@ def test_fp8_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, ar
     build_hf_checkpoint(tmp_path, arch)
     if layout == "block":
         quantize_checkpoint(tmp_path, "block")
+    elif layout in ("awq", "gptq"):
+        quantize_int4(tmp_path, layout)
     quantization = "fp8" if layout == "online" else None
     batch = prompts((5, 19, 45))
     engines = [Engine(EngineConfig(model=str(tmp_path), device=device, block_size=BLOCK, num_blocks=64,

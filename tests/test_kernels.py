@@ -724,3 +724,34 @@ def test_fp8_matmul_rejects_mismatched_operands():
         fp8_matmul(x, codes, scales[:, :1], 32)
     with pytest.raises(ValueError, match="multiple of 16"):
         fp8_matmul(x, codes, torch.rand(8, 3), 24)
+
+
+def int4_weight(n: int, k: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed codes over 0..15, a zero (0..15) and a scale per row and group, the weights about unit-sized."""
+    return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), (torch.rand(n, groups) + 0.01) / 8,
+            torch.randint(0, 16, (n, groups), dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m, n, k, groups", [(1, 48, 256, 2), (5, 96, 80, 1), (33, 40, 96, 6), (17, 72, 512, 4)])
+def test_int4_matmul_matches_its_dequantized_weight(dtype, m, n, k, groups):
+    """Groups of 128 (slices narrower than a group in fp32), 16 and one a row (80 columns: a last slice
+    cut short), outputs and rows that are not multiples of the tiles."""
+    from engine.kernels.int4_gemm import int4_matmul
+
+    x = torch.randn(m, k).to(dtype)
+    packed, scales, zeros = int4_weight(n, k, groups)
+    assert_close(int4_matmul(x, packed, scales, zeros), ref.ref_int4_matmul(x, packed, scales, zeros))
+
+
+def test_int4_matmul_rejects_mismatched_operands():
+    from engine.kernels.int4_gemm import int4_matmul
+
+    x = torch.randn(2, 64)
+    packed, scales, zeros = int4_weight(8, 64, 2)
+    with pytest.raises(ValueError, match=r"packed must be uint8 \[8, 32\]"):
+        int4_matmul(x, packed.int(), scales, zeros)
+    with pytest.raises(ValueError, match="one shape"):
+        int4_matmul(x, packed, scales, zeros[:, :1])
+    with pytest.raises(ValueError, match="multiples of 16"):
+        int4_matmul(x, packed, torch.rand(8, 8), torch.zeros(8, 8, dtype=torch.uint8))

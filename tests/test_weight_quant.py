@@ -192,7 +192,7 @@ def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refuse
 
 
 @pytest.mark.parametrize("quantization_config, field", [
-    ({"quant_method": "awq", "bits": 4}, "quantization_config.quant_method"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization_config.quant_method"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt"),
     ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "quantization_config.weight_block_size"),
     ({**compressed_tensors_config("group")}, "quantization_config.config_groups.weights.strategy"),

@@ -87,3 +87,12 @@ def ref_fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k
     """Same contract as ``fp8_matmul``: each code times its row's scale for its ``k_block`` columns, in float32."""
     per_column = scales.repeat_interleave(k_block, dim=1)[:, :codes.shape[1]]
     return (x.float() @ (codes.float() * per_column).T).to(x.dtype)
+
+
+def ref_int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """Same contract as ``int4_matmul``: each byte's two codes (low nibble first) minus their group's zero,
+    times its scale, in float32."""
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).float()
+    group = codes.shape[1] // scales.shape[1]
+    weight = (codes - zeros.float().repeat_interleave(group, dim=1)) * scales.repeat_interleave(group, dim=1)
+    return (x.float() @ weight.T).to(x.dtype)

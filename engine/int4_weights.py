@@ -1,0 +1,183 @@
+"""4-bit weights: AWQ and GPTQ checkpoints (``quantization_config.quant_method`` ``"awq"`` or ``"gptq"``),
+for the decoder's projections (q/k/v, o, gate/up, down), W4A16.
+
+A projection ``[out, in]`` is held as ``weight`` uint8 ``[out, in / 2]`` (column 2j in the low nibble of byte j,
+2j + 1 in the high one), ``weight_scale`` float32 ``[out, groups]`` and ``weight_zero`` uint8 ``[out, groups]``:
+``w[n, k] = (code - zero) * scale`` of k's group of ``group_size`` columns. Both checkpoint layouts are
+converted into that one as they load (row by row, so q/k/v and gate/up pack as 16-bit ones do):
+
+* AWQ (AutoAWQ's GEMM version): ``qweight`` int32 ``[in, out / 8]``, eight output columns a word, nibble i
+  holding column ``AWQ_ORDER[i]`` of its eight; ``qzeros`` int32 ``[groups, out / 8]`` packed the same way;
+  ``scales`` ``[groups, out]``.
+* GPTQ: ``qweight`` int32 ``[in / 8, out]``, eight input rows a word in order; ``qzeros`` int32
+  ``[groups, out / 8]`` in order, each zero minus 1 in the original format (``Int4Quant.zero_offset``);
+  ``scales`` ``[groups, out]``; ``g_idx`` ``[in]``, each column's group, which must be ``k // group_size``
+  (act-order checkpoints are refused by ``engine.config``).
+
+The matmul dequantizes and keeps the activations in ``--dtype``: the torch path into ``--dtype``
+((code - zero) * scale in float32, then cast: transformers' AWQ and GPTQ modules compute the same product in
+fp16, exactly, as every fp16 scale times a 4-bit integer is), the Triton kernel
+(``engine/kernels/int4_gemm.py``) a tile at a time on the GPU, so a decode step reads half a byte a weight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from engine import kernels
+from engine.config import Int4Quant, ModelConfig
+from engine.errors import CheckpointError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
+_AWQ_COLUMNS = torch.tensor([AWQ_ORDER.index(c) for c in range(8)])  # column c's nibble
+
+
+def unpack_words(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words -> their eight 4-bit codes (int32), nibble i (bits 4i..4i+3) the i-th of eight along
+    ``dim`` (0 or 1), which grows eightfold."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    if dim == 1:
+        return ((words.unsqueeze(2) >> shifts) & 0xF).reshape(words.shape[0], -1)
+    return ((words.unsqueeze(1) >> shifts.view(1, 8, 1)) & 0xF).reshape(-1, words.shape[1])
+
+
+def pack_words(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of ``unpack_words``: 4-bit codes -> int32 words of eight along ``dim`` (for writing
+    checkpoints: tests and benchmarks)."""
+    c = codes.to(torch.int64)
+    c = c.reshape(-1, 8, c.shape[1]).transpose(1, 2) if dim == 0 else c.reshape(c.shape[0], -1, 8)
+    words = (c << torch.arange(0, 32, 4, device=c.device)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def awq_unpack(words: torch.Tensor) -> torch.Tensor:
+    """AWQ's words ``[rows, cols / 8]`` -> codes ``[rows, cols]`` in column order."""
+    codes = unpack_words(words, 1)
+    return codes.reshape(codes.shape[0], -1, 8)[:, :, _AWQ_COLUMNS.to(codes.device)].reshape(codes.shape)
+
+
+def awq_pack(codes: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``awq_unpack`` (for writing checkpoints: tests and benchmarks)."""
+    return pack_words(codes.reshape(codes.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(codes.shape), 1)
+
+
+def codes_from_checkpoint(qweight: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
+    """A checkpoint's ``qweight`` -> the model's ``weight`` (uint8 ``[out, in / 2]``)."""
+    codes = awq_unpack(qweight) if quant.layout == "awq" else unpack_words(qweight, 0)
+    return pack_nibbles(codes.T)
+
+
+def zeros_from_checkpoint(qzeros: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
+    """A checkpoint's ``qzeros`` -> the model's ``weight_zero`` (uint8 ``[out, groups]``)."""
+    zeros = awq_unpack(qzeros) if quant.layout == "awq" else unpack_words(qzeros, 1) + quant.zero_offset
+    return zeros.T.to(torch.uint8)
+
+
+def scales_from_checkpoint(scales: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's ``scales`` ``[groups, out]`` -> the model's ``weight_scale`` (float32 ``[out, groups]``)."""
+    return scales.T.to(torch.float32)
+
+
+def check_g_idx(g_idx: torch.Tensor, quant: Int4Quant) -> None:
+    """A GPTQ ``g_idx`` must put column k in group ``k // group_size`` (the groups in order, no act-order)."""
+    cols = g_idx.shape[0]
+    expected = torch.arange(cols) // (quant.group_size or cols)
+    if not torch.equal(g_idx.to(torch.int64), expected):
+        raise CheckpointError("g_idx is not k // group_size: act-order GPTQ weights are not supported")
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[rows, cols]`` (0..15) -> uint8 ``[rows, cols / 2]``, column 2j low, 2j + 1 high."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_nibbles``: uint8 ``[rows, cols / 2]`` -> codes uint8 ``[rows, cols]``."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+# Writing checkpoints (tests and benchmarks): the inverse of loading them.
+
+def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``weight`` ``[out, in]`` -> (codes uint8 ``[out, in]``, float32 scales and uint8 zeros ``[out, groups]``):
+    round to nearest with each group's range mapped onto 0..15, as AutoAWQ quantizes once it has scaled the
+    weights."""
+    out, cols = weight.shape
+    w = weight.to(torch.float32).reshape(out, -1, group_size or cols)
+    low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+    scales = (high - low).clamp_(min=1e-5) / 15
+    zeros = (-low / scales).round_().clamp_(0, 15)
+    codes = (w / scales).round_().add_(zeros).clamp_(0, 15)
+    return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), zeros.squeeze(2).to(torch.uint8)
+
+
+def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       quant: Int4Quant) -> dict[str, torch.Tensor]:
+    """A projection's codes ``[out, in]``, scales and zeros ``[out, groups]`` -> the tensors an AWQ or GPTQ
+    checkpoint holds for it, by suffix (``qweight``, ``qzeros``, fp16 ``scales``; GPTQ's ``g_idx``)."""
+    stored = zeros.to(torch.int32) - quant.zero_offset
+    if (stored < 0).any():
+        raise ValueError("a zero of 0 cannot be stored with zero_offset 1 (GPTQ's original format)")
+    tensors = {"scales": scales.T.to(torch.float16).contiguous()}
+    if quant.layout == "awq":
+        return {**tensors, "qweight": awq_pack(codes.T), "qzeros": awq_pack(stored.T)}
+    cols = codes.shape[1]
+    g_idx = (torch.arange(cols, device=codes.device) // (quant.group_size or cols)).to(torch.int32)
+    return {**tensors, "qweight": pack_words(codes.T, 0), "qzeros": pack_words(stored.T, 1), "g_idx": g_idx}
+
+
+def checkpoint_config(quant: Int4Quant) -> dict:
+    """The ``quantization_config`` AutoAWQ or GPTQModel writes for ``quant``'s layout."""
+    group = quant.group_size or -1
+    if quant.layout == "awq":
+        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False,
+            "checkpoint_format": "gptq" if quant.zero_offset else "gptq_v2"}
+
+
+def widest_group(config: ModelConfig, widest: int = 128) -> int:
+    """The largest power of two up to ``widest`` that divides every projection's input columns (AWQ's and
+    GPTQ's usual 128 where it can)."""
+    group = widest
+    while group > 16 and any(inp % group for _, inp, _ in config.projection_shapes()):
+        group //= 2
+    return group
+
+
+def write_int4_checkpoint(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict, quant: Int4Quant) -> None:
+    """A 16- or 32-bit checkpoint's ``tensors`` and ``config.json`` contents written to ``out_dir`` with every
+    decoder projection (``*_proj.weight``) quantized to 4 bits in ``quant``'s layout (``quantize_groups``, on
+    the tensors' device), as one ``model.safetensors``."""
+    out = {}
+    for name, tensor in tensors.items():
+        if not name.endswith("_proj.weight"):
+            out[name] = tensor.cpu()
+            continue
+        packed = checkpoint_tensors(*quantize_groups(tensor, quant.group_size), quant)
+        out.update({name.removesuffix("weight") + suffix: t.cpu() for suffix, t in packed.items()})
+    save_file(out, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps({**config, "quantization_config": checkpoint_config(quant)}))
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(code - zero) x scale in float32, then cast to ``dtype``: ``[out, in]``."""
+    codes = unpack_nibbles(packed).to(torch.float32)
+    group = codes.shape[1] // scales.shape[1]
+    weight = (codes - zeros.to(torch.float32).repeat_interleave(group, dim=1)) * scales.repeat_interleave(group, 1)
+    return weight.to(dtype)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ dequantize(...).T + bias``: the Triton kernel on GPUs, the dequantized matrix elsewhere."""
+    if x.is_cuda and kernels.triton_available():
+        out = kernels.int4_matmul(x.reshape(-1, x.shape[-1]), packed, scales, zeros)
+        out = out.view(*x.shape[:-1], packed.shape[0])
+        return out if bias is None else out + bias
+    return F.linear(x, dequantize(packed, scales, zeros, x.dtype), bias)

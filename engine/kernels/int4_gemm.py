@@ -1,0 +1,82 @@
+"""``x @ W.T`` for 4-bit weights (``engine/int4_weights.py``: AWQ and GPTQ checkpoints): W4A16, one Triton
+launch a projection.
+
+The weight stays packed, two codes a byte ``[N, K / 2]``, with float32 scales and uint8 zeros ``[N, groups]``, so
+a decode step reads half a byte a weight instead of two. A program computes a ``BLOCK_M x BLOCK_N`` tile of
+the output: each ``BLOCK_K`` slice of the weight is read a byte per two rows of the slice (each byte loaded for
+both of its codes, from the same cache line) and shifted to its nibble; code minus zero (-15..15, exact in
+every float type) goes into the tensor-core product in x's dtype, and the float32 partial sum is scaled by
+its rows' scale for that slice (``BLOCK_K`` divides the group, so one scale and zero per row cover it).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels.common import dtype_flags, next_power_of_2
+
+
+@triton.jit
+def _int4_matmul_kernel(
+    X, W, S, Z, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_zn, stride_ym,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_m, in_n = offs_m < M, offs_n < N
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wn + (offs_k // 2)[:, None]
+    shift = ((offs_k % 2) * 4)[:, None]  # even rows of the slice in the low nibble
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        in_k = offs_k + k0 < K
+        x = tl.load(x_ptrs, mask=in_m[:, None] & in_k[None, :], other=0.0)
+        packed = tl.load(w_ptrs, mask=in_k[:, None] & in_n[None, :], other=0)
+        group = k0 // GROUP
+        zero = tl.load(Z + offs_n.to(tl.int64) * stride_zn + group, mask=in_n, other=0)
+        scale = tl.load(S + offs_n.to(tl.int64) * stride_sn + group, mask=in_n, other=0.0)
+        codes = ((packed >> shift) & 0xF).to(tl.int16) - zero.to(tl.int16)[None, :]
+        if UPCAST:
+            x = x.to(tl.float32)
+        acc += tl.dot(x, codes.to(x.dtype), input_precision=PREC) * scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2
+    y_ptrs = Y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[M, K]`` (fp32, fp16 or bf16) times the dequantized weight ``[N, K]`` transposed: ``[M, N]`` in
+    x's dtype. ``packed`` uint8 ``[N, K / 2]`` (column 2j in byte j's low nibble), ``scales`` float32 and
+    ``zeros`` uint8 ``[N, groups]``, the groups splitting K evenly into multiples of 16 (or one group a row)."""
+    m, k = x.shape
+    n, groups = scales.shape
+    if packed.dtype != torch.uint8 or packed.shape != (n, k // 2) or k % 2 or packed.stride(1) != 1:
+        raise ValueError(f"packed must be uint8 [{n}, {k // 2}] with contiguous rows, got {packed.dtype} "
+                         f"{tuple(packed.shape)}")
+    if scales.dtype != torch.float32 or zeros.dtype != torch.uint8 or zeros.shape != scales.shape:
+        raise ValueError(f"scales must be float32 and zeros uint8 of one shape, got {scales.dtype} "
+                         f"{tuple(scales.shape)} and {zeros.dtype} {tuple(zeros.shape)}")
+    group = k // groups
+    if group * groups != k or (groups > 1 and group % 16):
+        raise ValueError(f"{groups} groups must split K = {k} into multiples of 16")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    widest = 32 if x.dtype == torch.float32 else 128
+    block_k = widest if groups == 1 else min(widest, group & -group)  # a power of two dividing the group
+    block_m = min(64, max(16, next_power_of_2(m)))
+    block_n = 64 if m > 16 else 32  # decode: narrower tiles, more programs streaming the weight
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int4_matmul_kernel[grid](
+        x, packed, scales, zeros, y, m, n, k, x.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0),
+        y.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        **dtype_flags(x.dtype), num_warps=8 if x.dtype == torch.float32 and block_m * block_n > 1024 else 4,
+    )
+    return y

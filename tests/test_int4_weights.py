@@ -1,0 +1,168 @@
+"""4-bit weights (engine/int4_weights.py): AWQ and GPTQ checkpoints generate as the weights their codes, zeros
+and scales stand for (transformers cannot load them without AutoAWQ or GPTQModel: the reference is the model
+with those weights), hold half a byte a weight, and every checkpoint the layout cannot hold is refused by
+name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_engine_model import BLOCK, build_hf_checkpoint, prompts
+from test_weight_quant import NEW_TOKENS, is_projection, reference_tokens, with_weights
+
+from benchmarks.kv_quality import greedy_tokens
+from engine.capacity import plan, shape_from_dir
+from engine.config import EngineConfig, Int4Quant, ModelConfig
+from engine.engine import Engine
+from engine.errors import CheckpointError, UnsupportedModelError
+from engine.int4_weights import (
+    awq_pack,
+    awq_unpack,
+    checkpoint_config,
+    checkpoint_tensors,
+    pack_words,
+    quantize_groups,
+    unpack_words,
+)
+from engine.loader import load_model
+
+pytestmark = pytest.mark.timeout(120)
+
+GROUP = 32
+
+
+def test_an_awq_word_holds_its_eight_columns_in_awq_order():
+    """AutoAWQ packs columns 0 2 4 6 1 3 5 7 into nibbles 0..7: columns holding 1..8 make 0x86427531."""
+    word = torch.tensor([[0x86427531 - 2**32]], dtype=torch.int32)
+    assert awq_unpack(word).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert torch.equal(awq_pack(torch.arange(1, 9).view(1, 8)), word)
+
+
+def test_a_gptq_word_holds_eight_input_rows_in_order():
+    word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
+    assert unpack_words(word, 0).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert torch.equal(pack_words(torch.arange(1, 9).view(8, 1), 0), word)
+
+
+def quantize_symmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's sym=True grid: zero 8, each group's absmax at 7.5 steps."""
+    out, cols = w.shape
+    g = w.reshape(out, -1, group or cols)
+    scales = g.abs().amax(dim=2, keepdim=True) * 2 / 15
+    codes = (g / scales).round().add(8).clamp(0, 15)
+    return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), torch.full_like(scales.squeeze(2), 8)
+
+
+# format -> (layout, the quantizer); the original GPTQ format as AutoGPTQ writes it with sym=True
+FORMATS = {
+    "awq": (Int4Quant("awq", GROUP), quantize_groups),
+    "gptq": (Int4Quant("gptq", GROUP, zero_offset=1), quantize_symmetric),
+    "gptq_v2": (Int4Quant("gptq", 0), quantize_groups),  # one group a row
+}
+
+
+def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
+    """Rewrites the checkpoint at ``path`` with 4-bit projections in ``fmt`` (the original GPTQ format with a
+    zero bias beside each projection, as older AutoGPTQ writes); returns each projection's dequantized
+    weight."""
+    quant, quantize = FORMATS[fmt]
+    tensors = load_file(path / "model.safetensors")
+    dequantized = {}
+    for name in [n for n in tensors if is_projection(n)]:
+        codes, scales, zeros = quantize(tensors.pop(name), quant.group_size)
+        stem = name.removesuffix("weight")
+        tensors.update({stem + suffix: t for suffix, t in checkpoint_tensors(codes, scales, zeros, quant).items()})
+        if quant.zero_offset:
+            tensors.setdefault(stem + "bias", torch.zeros(codes.shape[0], dtype=torch.float16))
+        per_column = codes.shape[1] // scales.shape[1]  # the weights they stand for, written out
+        dequantized[name] = ((codes.float() - zeros.float().repeat_interleave(per_column, 1))
+                             * scales.half().float().repeat_interleave(per_column, 1))
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    raw = json.loads((path / "config.json").read_text())
+    config = {**checkpoint_config(quant), **({"sym": True} if fmt == "gptq" else {})}
+    (path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    return dequantized
+
+
+@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("llama", "gptq"), ("mistral", "gptq_v2")])
+def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
+    """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
+    one, a zero bias beside every projection, read past) and GPTQ v2 on Mistral (one group a row): q/k/v and
+    gate/up packed row by row into the model's fused matrices, half a byte a weight."""
+    hf = build_hf_checkpoint(tmp_path, arch)
+    dequantized = quantize_checkpoint(tmp_path, fmt)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
+    batch = prompts((9, 33))
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(with_weights(hf, dequantized), batch)
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape[1] == qkv.in_features // 2
+
+
+def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path):
+    build_hf_checkpoint(tmp_path, "qwen2")
+    quantize_checkpoint(tmp_path, "awq")
+    model, _ = load_model(tmp_path, "bfloat16", "cpu")
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan(shape_from_dir(tmp_path), "bfloat16", 64, 1, None).weight_bytes == held
+
+
+def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequantized_copy(tmp_path):
+    """The adapter's stacks are sized from the projection's features, not its packed weight's columns."""
+    from test_lora import ALL_PROJECTIONS, peft_adapter, reference, run
+
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    hf = with_weights(hf, quantize_checkpoint(tmp_path / "base", "awq"))
+    adapted = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=8, seed=1, lora_alpha=16)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
+                                 lora_modules={"a": str(tmp_path / "a")}))
+    p = prompts((21,))[0]
+    tokens, _ = run(engine, {"base": (p, None), "a": (p, "a")})
+    assert tokens == {"base": reference(hf, p), "a": reference(adapted, p)}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"bits": 8}, "quantization_config.bits"),
+    ({"group_size": 100}, "quantization_config.group_size"),
+    ({"version": "gemv"}, "quantization_config.version"),
+    ({"zero_point": False}, "quantization_config.zero_point"),
+    ({"quant_method": "gptq", "desc_act": True}, "quantization_config.desc_act"),
+    ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "quantization_config.checkpoint_format"),
+    ({"group_size": 48}, "quantization_config.group_size"),  # a multiple of 16 that splits no projection
+])
+def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, change, field):
+    build_hf_checkpoint(tmp_path, "llama")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    config = {**checkpoint_config(FORMATS["awq"][0]), **change}
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_dir(tmp_path)
+    assert err.value.field == field
+
+
+def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
+    """An act-order g_idx under desc_act false, a nonzero bias a projection does not have, --quantization
+    fp8 on top of int4 weights, and a mixture of experts in int4."""
+    build_hf_checkpoint(tmp_path, "llama")
+    quantize_checkpoint(tmp_path, "gptq")
+    config = EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64)
+    tensors = load_file(tmp_path / "model.safetensors")
+    g_idx = "model.layers.1.mlp.down_proj.g_idx"
+    tensors[g_idx] = tensors[g_idx].flip(0).contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{g_idx}'.*act-order GPTQ weights are not supported"):
+        Engine(config)
+    tensors[g_idx] = tensors[g_idx].flip(0).contiguous()
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.ones(64, dtype=torch.float16)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"):
+        Engine(config)
+    with pytest.raises(UnsupportedModelError, match="4-bit weights already; load it without --quantization fp8"):
+        ModelConfig.from_dir(tmp_path).with_quantization("fp8")
+    build_hf_checkpoint(tmp_path / "moe", "qwen3_moe")
+    raw = json.loads((tmp_path / "moe" / "config.json").read_text())
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({**raw, "quantization_config": checkpoint_config(FORMATS["awq"][0])}))
+    with pytest.raises(UnsupportedModelError, match="mixtures of experts are not supported"):
+        ModelConfig.from_dir(tmp_path / "moe")
