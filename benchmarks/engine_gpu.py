@@ -21,13 +21,15 @@ and Llama-3-8B (hidden 4096, 32 layers, 32 / 8, intermediate 14336, vocab 128256
 
 The engine sizes its KV cache from the device (``gpu_memory_utilization``) with the transformers model
 resident, and is freed before ``generate`` runs; with a quantized ``--kv-cache-dtype`` the roofline counts
-that format's bytes per token, scales included. Writes one JSON object (``--json``). ``--device cpu
+that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int4 awq|gptq`` (the
+checkpoint rewritten with 4-bit projections in groups of 128 before the engine loads it; transformers still
+runs the 16-bit weights) the weights' own bytes. Writes one JSON object (``--json``). ``--device cpu
 --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
-        [--kv-cache-dtype auto|int8|fp8|kivi2]
+        [--kv-cache-dtype auto|int8|fp8|kivi2] [--quantization fp8 | --int4 awq|gptq]
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig  # noqa: E402
+from engine.config import INT4_LAYOUTS, QUANTIZATION_METHODS, EngineConfig, Int4Quant, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.int4_weights import widest_group, write_int4_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES: dict[str, dict] = {
@@ -115,6 +118,16 @@ def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.d
     model.generation_config.pad_token_id = 0
     model.save_pretrained(path)
     return model
+
+
+def rewrite_in_int4(path: Path, model: transformers.PreTrainedModel, layout: str) -> None:
+    """Replaces the checkpoint at ``path`` with ``model``'s weights, its projections quantized to 4 bits in
+    ``layout`` (round to nearest in groups of 128, the tiny shape's of 32, on the model's device)."""
+    config = json.loads((path / "config.json").read_text())
+    for old in path.glob("model*.safetensors*"):
+        old.unlink()
+    quant = Int4Quant(layout, widest_group(ModelConfig.from_dict(config)))
+    write_int4_checkpoint(path, model.state_dict(), config, quant)
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -200,6 +213,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
     with tempfile.TemporaryDirectory(prefix=f"engine-gpu-{shape}-") as tmp:
         t = time.perf_counter()
         hf = write_checkpoint(Path(tmp), shape, dtype, device)
+        if args.int4:
+            rewrite_in_int4(Path(tmp), hf, args.int4)
         result["checkpoint_s"] = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(EngineConfig(
@@ -268,8 +283,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--skip-hf", action="store_true", help="the engine and the device limits only")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "kivi2"))
-    parser.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                        help="fp8: the projections quantized as they load (the roofline counts their bytes)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
+                         help="fp8: the projections quantized as they load (the roofline counts their bytes)")
+    weights.add_argument("--int4", default=None, choices=INT4_LAYOUTS,
+                         help="the checkpoint's projections written in 4 bits in this layout, groups of 128")
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -287,7 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
-        "quantization": args.quantization,
+        "quantization": args.quantization, "int4": args.int4,
         "shapes": {shape: bench_shape(shape, args, device, dtype, bandwidth, peak)
                    for shape in args.shapes.split(",")},
     }

@@ -15,8 +15,10 @@ makes SmolLM2-135M-Instruct one), against the full-precision cache in the same r
   sinks + window (``kv_sinks=4``), bits per byte overall and past the trained context;
 - (d) KV bytes per token for each dtype (the engine's own block accounting) and how many sequences of
   ``--seq-len`` tokens fit in ``--cache-bytes``, each with its windows (fp8, kivi2), and the bytes the
-  weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``: (a) and (b) then show what fp8
-  weights cost against the full-precision model).
+  weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``, ``FORMAT/awq`` or ``FORMAT/gptq``
+  on a copy of the checkpoint with its projections written in 4 bits in that layout, round to nearest in
+  groups of 128 or the widest dividing them: (a) and (b) then show what those weights cost against the
+  full-precision model).
 
 Options the engine does not have yet (EngineConfig fields, or values it refuses) print "not available"
 with the reason, so the script can be rerun as they land.
@@ -29,19 +31,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import format_table, load_average  # noqa: E402
 from benchmarks.held_out import held_out_documents, token_bytes  # noqa: E402
 from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out  # noqa: E402
-from engine.config import EngineConfig, ModelConfig  # noqa: E402
+from engine.config import INT4_LAYOUTS, EngineConfig, Int4Quant, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
+from engine.int4_weights import widest_group, write_int4_checkpoint  # noqa: E402
 from engine.kv_format import window_layer_bytes  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
 from engine.runner import SeqChunk  # noqa: E402
@@ -165,6 +173,26 @@ def engine_options(spec: str) -> dict:
         {"kv_residual_blocks": int(residual)} if residual else {}) | ({"quantization": weights} if weights else {})
 
 
+@contextmanager
+def weights_as(model: str, options: dict) -> Iterator[str]:
+    """The checkpoint ``options`` load: ``model``, or for ``quantization`` awq or gptq (taken out of
+    ``options``) a copy of it in a temporary directory with its projections written in 4 bits."""
+    layout = options.get("quantization")
+    if layout not in INT4_LAYOUTS:
+        yield model
+        return
+    del options["quantization"]
+    source = Path(model)
+    with tempfile.TemporaryDirectory(prefix="kv-quality-int4-") as tmp:
+        for file in source.iterdir():  # the tokenizer, chat template and generation config
+            if file.is_file() and file.name != "config.json" and not file.name.startswith("model.safetensors"):
+                shutil.copy(file, tmp)
+        config = json.loads((source / "config.json").read_text())
+        tensors = {name: t for file in sorted(source.glob("*.safetensors")) for name, t in load_file(file).items()}
+        write_int4_checkpoint(Path(tmp), tensors, config, Int4Quant(layout, widest_group(ModelConfig.from_dict(config))))
+        yield tmp
+
+
 def sequence_window_bytes(engine: Engine) -> int:
     """Bytes of one sequence's windows across all layers (0 unless fp8/kivi2)."""
     c, cfg = engine.config, engine.model_config
@@ -188,12 +216,14 @@ def evaluate_dtype(args: argparse.Namespace, dtype: str, docs: list[list[int]], 
     """((a), (b), (d) figures, greedy tokens) with the cache in ``dtype``."""
     start = time.perf_counter()
     room = max(room_for(docs), len(prompts) * BLOCK_SIZE * blocks_for(args.prompt_len + args.new_tokens))
-    engine = make_engine(args.model, room, **engine_options(dtype))
-    row = {"available": True, "residual_blocks": engine.config.residual_blocks,
-           "bits_per_byte": score_documents(engine, docs, 1),
-           "bits_per_byte_prefill": score_documents(engine, docs, args.chunk),
-           "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
-           **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len, sequence_window_bytes(engine))}
+    options = engine_options(dtype)
+    with weights_as(args.model, options) as model:  # scoring reads the model directory's tokenizer
+        engine = make_engine(model, room, **options)
+        row = {"available": True, "residual_blocks": engine.config.residual_blocks,
+               "bits_per_byte": score_documents(engine, docs, 1),
+               "bits_per_byte_prefill": score_documents(engine, docs, args.chunk),
+               "weight_bytes": sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+               **memory(engine.kv_cache.block_nbytes, args.cache_bytes, args.seq_len, sequence_window_bytes(engine))}
     tokens = greedy_tokens(engine, prompts, args.new_tokens)  # after scoring: it allocates blocks itself
     row |= agreement(reference or tokens, tokens)
     row["seconds"] = round(time.perf_counter() - start, 1)
@@ -298,7 +328,7 @@ def main() -> None:
     p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS, and /fp8 for fp8 weights "
-                        "(--quantization fp8); 'auto' = full precision")
+                        "(--quantization fp8) or /awq, /gptq for 4-bit ones; 'auto' = full precision")
     p.add_argument("--skip-stream", action="store_true", help="leave (c) out")
     p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")

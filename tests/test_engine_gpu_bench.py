@@ -1,7 +1,7 @@
 """benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
 sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s; with
-``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes, with ``--quantization fp8`` the fp8
-weights'; and benchmarks/speculative_gpu.py the same way (plain and drafted engines, the same tokens in
+``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes, with ``--quantization fp8`` and
+``--int4 awq`` the quantized weights'; and benchmarks/speculative_gpu.py the same way (plain and drafted engines, the same tokens in
 float32); benchmarks/moe_gpu.py too, its fused kernels interpreted."""
 
 from __future__ import annotations
@@ -62,15 +62,17 @@ def test_a_quantized_cache_counts_its_own_bytes_in_the_roofline(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_fp8_weights_count_their_own_bytes_in_the_roofline(tmp_path):
-    """--quantization fp8: the weights read per step are the codes (a byte each) and their scales, fewer than
-    float32's four bytes a parameter."""
+@pytest.mark.parametrize("flag, value, bytes_a_parameter", [("--quantization", "fp8", 4), ("--int4", "awq", 2)])
+def test_quantized_weights_count_their_own_bytes_in_the_roofline(tmp_path, flag, value, bytes_a_parameter):
+    """--quantization fp8 and --int4 awq (the checkpoint rewritten in 4 bits): the weights read per step are
+    the codes (a byte or half a byte each) and their scales, fewer than float32's four bytes a parameter (the
+    float32 embedding and lm_head count in full)."""
     result = engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "2", "--prompt-len", "32",
-                              "--new-tokens", "4", "--skip-hf", "--quantization", "fp8",
+                              "--new-tokens", "4", "--skip-hf", flag, value,
                               "--json", str(tmp_path / "engine_gpu.json")])
     shape = result["shapes"]["tiny-test"]
-    assert result["quantization"] == "fp8"
-    assert shape["weight_bytes"] < 4 * shape["parameters"]
+    assert result[flag.removeprefix("--")] == value
+    assert shape["weight_bytes"] < bytes_a_parameter * shape["parameters"]
     assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
 
 
