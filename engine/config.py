@@ -235,7 +235,7 @@ class WeightQuant:
 
 ONLINE_FP8 = WeightQuant(k_block=0, n_block=0, scale_suffix="")
 
-INT4_LAYOUTS = ("awq", "gptq")
+INT4_LAYOUTS = ("awq", "gptq", "compressed-tensors")
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,7 @@ class Int4Quant:
     layout: str  # one of INT4_LAYOUTS: how codes and zeros are packed into the checkpoint's int32 tensors
     group_size: int  # input columns one scale and zero cover; 0: the whole row (GPTQ's group_size -1)
     zero_offset: int = 0  # added to the stored zeros: GPTQ's original format stores each zero minus 1
+    zero_points: bool = True  # False: symmetric, no zeros stored (compressed-tensors'): every zero is 8
     online = False  # always read from the checkpoint, never quantized at load
 
     def groups(self, cols: int) -> int:
@@ -266,12 +267,12 @@ def read_quantization(raw: dict | None) -> WeightQuant | Int4Quant | None:
     method = raw.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(raw, key)
-    if method in INT4_LAYOUTS:
+    if method in ("awq", "gptq"):
         return _int4(raw, key, method)
     if method != "fp8":
         raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
-                                    "or per tensor), compressed-tensors' fp8 weights, awq and gptq 4-bit weights, or "
-                                    "an unquantized checkpoint with --quantization fp8")
+                                    "or per tensor), awq and gptq 4-bit weights, compressed-tensors' fp8 and 4-bit "
+                                    "weights, or an unquantized checkpoint with --quantization fp8")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
     if raw.get("scale_fmt") not in (None, "float32"):
@@ -296,17 +297,14 @@ def _int4(raw: dict, key: str, method: str) -> Int4Quant:
     bits = raw.get("bits", raw.get("w_bit"))
     if bits != 4:
         raise UnsupportedModelError(f"{key}.bits", f"{bits!r} is not supported; {method} weights must be 4-bit")
-    group = raw.get("group_size", raw.get("q_group_size"))
-    if not isinstance(group, int) or (group != -1 and (group < 16 or group % 16)):
-        raise UnsupportedModelError(f"{key}.group_size", f"{group!r}: must be a multiple of 16, or -1 (one group "
-                                                         "a row)")
+    group = _group_size(raw.get("group_size", raw.get("q_group_size")), f"{key}.group_size")
     if method == "awq":
         if str(raw.get("version", "gemm")).lower() != "gemm":
             raise UnsupportedModelError(f"{key}.version", f"{raw['version']!r} is not supported; supported: gemm "
                                                           "(AutoAWQ's default)")
         if raw.get("zero_point", True) is not True:
             raise UnsupportedModelError(f"{key}.zero_point", "AWQ weights without zero points are not supported")
-        return Int4Quant("awq", max(group, 0))
+        return Int4Quant("awq", group)
     if raw.get("desc_act"):
         raise UnsupportedModelError(f"{key}.desc_act", "act-order GPTQ weights are not supported; use a checkpoint "
                                                        "quantized with desc_act false")
@@ -316,16 +314,25 @@ def _int4(raw: dict, key: str, method: str) -> Int4Quant:
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"{key}.checkpoint_format", f"{fmt!r} is not supported; supported: gptq, "
                                                                 "gptq_v2")
-    return Int4Quant("gptq", max(group, 0), zero_offset=1 if fmt == "gptq" else 0)
+    return Int4Quant("gptq", group, zero_offset=1 if fmt == "gptq" else 0)
 
 
-def _compressed_tensors(raw: dict, key: str) -> WeightQuant:
-    """llm-compressor's format (``quant_method: "compressed-tensors"``, as RedHat's and Neural Magic's FP8
-    releases): one config group of 8-bit float weights on the Linear layers, scaled per tensor, per output
-    row (``channel``) or per block, in ``weight_scale``; activation schemes are read past (W8A16)."""
-    if raw.get("format") not in ("float-quantized", "naive-quantized"):
-        raise UnsupportedModelError(f"{key}.format", f"{raw.get('format')!r} is not supported; supported: "
-                                    "float-quantized or naive-quantized fp8 weights")
+def _group_size(group: Any, field: str) -> int:
+    """A group size of input columns: a multiple of 16, or -1 (one group a row, returned as 0)."""
+    if not isinstance(group, int) or (group != -1 and (group < 16 or group % 16)):
+        raise UnsupportedModelError(field, f"{group!r}: must be a multiple of 16, or -1 (one group a row)")
+    return max(group, 0)
+
+
+def _compressed_tensors(raw: dict, key: str) -> WeightQuant | Int4Quant:
+    """llm-compressor's format (``quant_method: "compressed-tensors"``, as RedHat's and Neural Magic's
+    releases): one config group on the Linear layers, of 8-bit float weights scaled per tensor, per output
+    row (``channel``) or per block in ``weight_scale`` (FP8 releases), or of 4-bit integers packed eight a
+    word (``pack-quantized``: the w4a16 releases); activation schemes are read past (W8A16, W4A16)."""
+    fmt = raw.get("format")
+    if fmt not in ("float-quantized", "naive-quantized", "pack-quantized"):
+        raise UnsupportedModelError(f"{key}.format", f"{fmt!r} is not supported; supported: float-quantized or "
+                                    "naive-quantized fp8 weights, pack-quantized 4-bit integer weights")
     if raw.get("kv_cache_scheme"):
         raise UnsupportedModelError(f"{key}.kv_cache_scheme", "a quantized KV cache scheme is not supported "
                                     "(serve with --kv-cache-dtype fp8 instead)")
@@ -333,6 +340,8 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant:
     if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
         raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
     weights = groups[0].get("weights") or {}
+    if fmt == "pack-quantized":
+        return _compressed_int4(weights, f"{key}.config_groups.weights")
     if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):
         raise UnsupportedModelError(f"{key}.config_groups.weights", f"{weights!r}: only symmetric 8-bit float "
                                     "(fp8 e4m3) weights are supported")
@@ -346,6 +355,20 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant:
                             "weight_scale")
     raise UnsupportedModelError(f"{key}.config_groups.weights.strategy", f"{strategy!r} is not supported; "
                                 "supported: tensor, channel, block")
+
+
+def _compressed_int4(weights: dict, field: str) -> Int4Quant:
+    """compressed-tensors' pack-quantized weights: 4-bit integers in groups or per output row (``channel``),
+    symmetric (no zero points stored) or not."""
+    if (weights.get("num_bits"), weights.get("type")) != (4, "int"):
+        raise UnsupportedModelError(field, f"{weights!r}: pack-quantized weights must be 4-bit integers")
+    if weights.get("actorder"):
+        raise UnsupportedModelError(f"{field}.actorder", "act-order weights are not supported")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise UnsupportedModelError(f"{field}.strategy", f"{strategy!r} is not supported; supported: group, channel")
+    group = _group_size(weights.get("group_size"), f"{field}.group_size") if strategy == "group" else 0
+    return Int4Quant("compressed-tensors", group, zero_points=not weights.get("symmetric", True))
 
 
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:

@@ -1,5 +1,6 @@
-"""4-bit weights: AWQ and GPTQ checkpoints (``quantization_config.quant_method`` ``"awq"`` or ``"gptq"``),
-for the decoder's projections (q/k/v, o, gate/up, down), W4A16.
+"""4-bit weights: AWQ, GPTQ and compressed-tensors checkpoints (``quantization_config.quant_method`` ``"awq"``,
+``"gptq"``, or ``"compressed-tensors"`` with ``format: "pack-quantized"``), for the decoder's projections
+(q/k/v, o, gate/up, down), W4A16.
 
 A projection ``[out, in]`` is held as ``weight`` uint8 ``[out, in / 2]`` (column 2j in the low nibble of byte j,
 2j + 1 in the high one), ``weight_scale`` float32 ``[out, groups]`` and ``weight_zero`` uint8 ``[out, groups]``:
@@ -13,6 +14,10 @@ converted into that one as they load (row by row, so q/k/v and gate/up pack as 1
   ``[groups, out / 8]`` in order, each zero minus 1 in the original format (``Int4Quant.zero_offset``);
   ``scales`` ``[groups, out]``; ``g_idx`` ``[in]``, each column's group, which must be ``k // group_size``
   (act-order checkpoints are refused by ``engine.config``).
+* compressed-tensors (llm-compressor, RedHat's w4a16 releases): ``weight_packed`` int32 ``[out, in / 8]``,
+  eight input columns a word in order, each code the signed value plus 8; ``weight_scale`` ``[out, groups]``;
+  ``weight_shape`` ``[out, in]``; ``weight_zero_point`` int32 ``[out / 8, groups]`` (eight rows a word, plus 8
+  too) only when asymmetric: a symmetric checkpoint's zeros are all 8.
 
 The matmul dequantizes and keeps the activations in ``--dtype``: the torch path into ``--dtype``
 ((code - zero) * scale in float32, then cast: transformers' AWQ and GPTQ modules compute the same product in
@@ -66,21 +71,33 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
     return pack_words(codes.reshape(codes.shape[0], -1, 8)[:, :, list(AWQ_ORDER)].reshape(codes.shape), 1)
 
 
-def codes_from_checkpoint(qweight: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
-    """A checkpoint's ``qweight`` -> the model's ``weight`` (uint8 ``[out, in / 2]``)."""
-    codes = awq_unpack(qweight) if quant.layout == "awq" else unpack_words(qweight, 0)
-    return pack_nibbles(codes.T)
+def codes_from_checkpoint(words: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
+    """A checkpoint's packed codes (``qweight``, ``weight_packed``) -> the model's ``weight`` (uint8
+    ``[out, in / 2]``)."""
+    if quant.layout == "compressed-tensors":
+        return pack_nibbles(unpack_words(words, 1))
+    return pack_nibbles((awq_unpack(words) if quant.layout == "awq" else unpack_words(words, 0)).T)
 
 
-def zeros_from_checkpoint(qzeros: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
-    """A checkpoint's ``qzeros`` -> the model's ``weight_zero`` (uint8 ``[out, groups]``)."""
-    zeros = awq_unpack(qzeros) if quant.layout == "awq" else unpack_words(qzeros, 1) + quant.zero_offset
+def zeros_from_checkpoint(words: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
+    """A checkpoint's packed zeros (``qzeros``, ``weight_zero_point``) -> the model's ``weight_zero`` (uint8
+    ``[out, groups]``)."""
+    if quant.layout == "compressed-tensors":
+        return unpack_words(words, 0).to(torch.uint8)
+    zeros = awq_unpack(words) if quant.layout == "awq" else unpack_words(words, 1) + quant.zero_offset
     return zeros.T.to(torch.uint8)
 
 
-def scales_from_checkpoint(scales: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's ``scales`` ``[groups, out]`` -> the model's ``weight_scale`` (float32 ``[out, groups]``)."""
-    return scales.T.to(torch.float32)
+def scales_from_checkpoint(scales: torch.Tensor, quant: Int4Quant) -> torch.Tensor:
+    """A checkpoint's scales (AWQ's and GPTQ's ``[groups, out]``, compressed-tensors' ``[out, groups]``) -> the
+    model's ``weight_scale`` (float32 ``[out, groups]``)."""
+    return (scales if quant.layout == "compressed-tensors" else scales.T).to(torch.float32)
+
+
+def check_weight_shape(shape: torch.Tensor, rows: int, cols: int) -> None:
+    """compressed-tensors' ``weight_shape`` must be the projection's ``[rows, cols]``."""
+    if shape.tolist() != [rows, cols]:
+        raise CheckpointError(f"weight_shape is {shape.tolist()}, config.json implies {[rows, cols]}")
 
 
 def check_g_idx(g_idx: torch.Tensor, quant: Int4Quant) -> None:
@@ -119,11 +136,19 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
 
 def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                        quant: Int4Quant) -> dict[str, torch.Tensor]:
-    """A projection's codes ``[out, in]``, scales and zeros ``[out, groups]`` -> the tensors an AWQ or GPTQ
-    checkpoint holds for it, by suffix (``qweight``, ``qzeros``, fp16 ``scales``; GPTQ's ``g_idx``)."""
+    """A projection's codes ``[out, in]``, scales and zeros ``[out, groups]`` -> the tensors a checkpoint in
+    ``quant``'s layout holds for it, by suffix (AWQ's and GPTQ's ``qweight``, ``qzeros``, fp16 ``scales``, GPTQ's
+    ``g_idx``; compressed-tensors' ``weight_packed``, ``weight_scale``, ``weight_shape`` and, asymmetric,
+    ``weight_zero_point``)."""
     stored = zeros.to(torch.int32) - quant.zero_offset
     if (stored < 0).any():
         raise ValueError("a zero of 0 cannot be stored with zero_offset 1 (GPTQ's original format)")
+    if quant.layout == "compressed-tensors":
+        if not quant.zero_points and (zeros != 8).any():
+            raise ValueError("a symmetric compressed-tensors checkpoint stores no zeros: each must be 8")
+        tensors = {"weight_packed": pack_words(codes, 1), "weight_scale": scales.to(torch.float16),
+                   "weight_shape": torch.tensor(list(codes.shape))}
+        return {**tensors, "weight_zero_point": pack_words(stored, 0)} if quant.zero_points else tensors
     tensors = {"scales": scales.T.to(torch.float16).contiguous()}
     if quant.layout == "awq":
         return {**tensors, "qweight": awq_pack(codes.T), "qzeros": awq_pack(stored.T)}
@@ -133,8 +158,14 @@ def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 
 
 def checkpoint_config(quant: Int4Quant) -> dict:
-    """The ``quantization_config`` AutoAWQ or GPTQModel writes for ``quant``'s layout."""
+    """The ``quantization_config`` AutoAWQ, GPTQModel or llm-compressor writes for ``quant``'s layout."""
     group = quant.group_size or -1
+    if quant.layout == "compressed-tensors":
+        weights = {"num_bits": 4, "type": "int", "symmetric": not quant.zero_points, "group_size": quant.group_size
+                   or None, "strategy": "group" if quant.group_size else "channel", "actorder": None}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+                "ignore": ["lm_head"], "kv_cache_scheme": None}
     if quant.layout == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
     return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False,

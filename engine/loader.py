@@ -23,6 +23,7 @@ from engine.config import PACKED_ARCHITECTURES, Int4Quant, ModelConfig, WeightQu
 from engine.errors import CheckpointError
 from engine.int4_weights import (
     check_g_idx,
+    check_weight_shape,
     codes_from_checkpoint,
     scales_from_checkpoint,
     zeros_from_checkpoint,
@@ -99,10 +100,11 @@ def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig) -> dict[st
 
 
 # what a checkpoint tensor holds, by dtype (anything else counts as a float)
-_HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32"}
+_HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32", torch.int64: "int64"}
 _HOLDS_TEXT = {"float": "a 16- or 32-bit float (only the decoder's projections may be quantized)",
                "fp8": "float8_e4m3fn (a projection kept in 16 bits beside fp8 ones is not supported)",
-               "int32": "int32 (4-bit codes packed eight a word, or GPTQ's g_idx)"}
+               "int32": "int32 (4-bit codes packed eight a word, or GPTQ's g_idx)",
+               "int64": "int64 (compressed-tensors' weight_shape)"}
 
 
 @dataclass
@@ -150,15 +152,27 @@ def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions:
 
 def _add_int4(targets: dict[str, _Target], prefix: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
               quant: Int4Quant) -> None:
-    """An AWQ or GPTQ projection's tensors for the rows ``view`` (``[out, in / 2]``) of the model's packed
-    weight (``engine/int4_weights.py``)."""
+    """A 4-bit projection's tensors for the rows ``view`` (``[out, in / 2]``) of the model's packed weight, in
+    the checkpoint's layout (``engine/int4_weights.py``)."""
     out, cols = view.shape[0], 2 * view.shape[1]
     groups = quant.groups(cols)
+    codes, zeros = partial(codes_from_checkpoint, quant=quant), partial(zeros_from_checkpoint, quant=quant)
+    scales = partial(scales_from_checkpoint, quant=quant)
+    if quant.layout == "compressed-tensors":
+        targets[prefix + "weight_packed"] = _Target(view, (out, cols // 8), "int32", codes)
+        targets[prefix + "weight_scale"] = _Target(companions["weight_scale"], (out, groups), convert=scales)
+        targets[prefix + "weight_shape"] = _Target(None, (2,), "int64", partial(check_weight_shape, rows=out,
+                                                                                 cols=cols))
+        if quant.zero_points:
+            targets[prefix + "weight_zero_point"] = _Target(companions["weight_zero"], (out // 8, groups), "int32",
+                                                            zeros)
+        else:
+            companions["weight_zero"].fill_(8)  # symmetric: codes are the signed values plus 8
+        return
     words = (cols, out // 8) if quant.layout == "awq" else (cols // 8, out)
-    targets[prefix + "qweight"] = _Target(view, words, "int32", partial(codes_from_checkpoint, quant=quant))
-    targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32",
-                                         partial(zeros_from_checkpoint, quant=quant))
-    targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales_from_checkpoint)
+    targets[prefix + "qweight"] = _Target(view, words, "int32", codes)
+    targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32", zeros)
+    targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales)
     if quant.layout == "gptq":
         targets[prefix + "g_idx"] = _Target(None, (cols,), "int32", partial(check_g_idx, quant=quant), optional=True)
 

@@ -1,7 +1,7 @@
-"""4-bit weights (engine/int4_weights.py): AWQ and GPTQ checkpoints generate as the weights their codes, zeros
-and scales stand for (transformers cannot load them without AutoAWQ or GPTQModel: the reference is the model
-with those weights), hold half a byte a weight, and every checkpoint the layout cannot hold is refused by
-name."""
+"""4-bit weights (engine/int4_weights.py): AWQ, GPTQ and compressed-tensors checkpoints generate as the weights
+their codes, zeros and scales stand for (transformers cannot load them without AutoAWQ, GPTQModel or
+compressed-tensors: the reference is the model with those weights), hold half a byte a weight, and every
+checkpoint the layout cannot hold is refused by name."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ def test_an_awq_word_holds_its_eight_columns_in_awq_order():
     assert torch.equal(awq_pack(torch.arange(1, 9).view(1, 8)), word)
 
 
-def test_a_gptq_word_holds_eight_input_rows_in_order():
+def test_a_gptq_word_holds_eight_input_rows_in_order_and_a_compressed_tensors_one_eight_columns():
     word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
     assert unpack_words(word, 0).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
     assert torch.equal(pack_words(torch.arange(1, 9).view(8, 1), 0), word)
+    assert unpack_words(word, 1).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 def quantize_symmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -61,6 +62,8 @@ FORMATS = {
     "awq": (Int4Quant("awq", GROUP), quantize_groups),
     "gptq": (Int4Quant("gptq", GROUP, zero_offset=1), quantize_symmetric),
     "gptq_v2": (Int4Quant("gptq", 0), quantize_groups),  # one group a row
+    "compressed": (Int4Quant("compressed-tensors", GROUP, zero_points=False), quantize_symmetric),
+    "compressed_asym": (Int4Quant("compressed-tensors", 0), quantize_groups),  # a zero point a row
 }
 
 
@@ -87,11 +90,14 @@ def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
     return dequantized
 
 
-@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("llama", "gptq"), ("mistral", "gptq_v2")])
+@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("llama", "gptq"), ("mistral", "gptq_v2"),
+                                       ("qwen3", "compressed"), ("phi3", "compressed_asym")])
 def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
-    one, a zero bias beside every projection, read past) and GPTQ v2 on Mistral (one group a row): q/k/v and
-    gate/up packed row by row into the model's fused matrices, half a byte a weight."""
+    one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row) and
+    compressed-tensors on Qwen3 (symmetric: no zeros stored) and Phi-3 (a zero point a row, its checkpoint's
+    q/k/v and gate/up packed already): q/k/v and gate/up packed row by row into the model's fused matrices,
+    half a byte a weight."""
     hf = build_hf_checkpoint(tmp_path, arch)
     dequantized = quantize_checkpoint(tmp_path, fmt)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
@@ -131,11 +137,20 @@ def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequanti
     ({"quant_method": "gptq", "desc_act": True}, "quantization_config.desc_act"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "quantization_config.checkpoint_format"),
     ({"group_size": 48}, "quantization_config.group_size"),  # a multiple of 16 that splits no projection
+    ({"weights": {"num_bits": 8, "type": "int"}}, "quantization_config.config_groups.weights"),
+    ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": "group"}},
+     "quantization_config.config_groups.weights.actorder"),
+    ({"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}},
+     "quantization_config.config_groups.weights.strategy"),
 ])
 def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, change, field):
     build_hf_checkpoint(tmp_path, "llama")
     raw = json.loads((tmp_path / "config.json").read_text())
-    config = {**checkpoint_config(FORMATS["awq"][0]), **change}
+    if "weights" in change:  # a compressed-tensors config group's weights
+        config = checkpoint_config(FORMATS["compressed"][0])
+        config["config_groups"]["group_0"]["weights"] = change["weights"]
+    else:
+        config = {**checkpoint_config(FORMATS["awq"][0]), **change}
     (tmp_path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
     with pytest.raises(UnsupportedModelError) as err:
         ModelConfig.from_dir(tmp_path)
@@ -143,8 +158,9 @@ def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, cha
 
 
 def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
-    """An act-order g_idx under desc_act false, a nonzero bias a projection does not have, --quantization
-    fp8 on top of int4 weights, and a mixture of experts in int4."""
+    """An act-order g_idx under desc_act false, a nonzero bias a projection does not have, a weight_shape
+    other than the projection's, --quantization fp8 on top of int4 weights, and a mixture of experts in
+    int4."""
     build_hf_checkpoint(tmp_path, "llama")
     quantize_checkpoint(tmp_path, "gptq")
     config = EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64)
@@ -159,6 +175,13 @@ def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.bias'"):
         Engine(config)
+    build_hf_checkpoint(tmp_path / "ct", "llama")
+    quantize_checkpoint(tmp_path / "ct", "compressed")
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight_shape"] = torch.tensor([128, 32])
+    save_file(tensors, tmp_path / "ct" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"up_proj.weight_shape'.*is \[128, 32\], config.json implies \[128, 64\]"):
+        Engine(EngineConfig(model=str(tmp_path / "ct"), block_size=BLOCK, num_blocks=64))
     with pytest.raises(UnsupportedModelError, match="4-bit weights already; load it without --quantization fp8"):
         ModelConfig.from_dir(tmp_path).with_quantization("fp8")
     build_hf_checkpoint(tmp_path / "moe", "qwen3_moe")

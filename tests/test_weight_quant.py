@@ -198,7 +198,7 @@ def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refuse
     ({**compressed_tensors_config("group")}, "quantization_config.config_groups.weights.strategy"),
     ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
      "quantization_config.kv_cache_scheme"),
-    ({**compressed_tensors_config("channel"), "format": "pack-quantized"}, "quantization_config.format"),
+    ({**compressed_tensors_config("channel"), "format": "marlin-24"}, "quantization_config.format"),
 ])
 def test_a_quantization_config_other_than_fp8_e4m3_weights_is_refused_by_field(tmp_path, quantization_config, field):
     build_hf_checkpoint(tmp_path, "llama")
