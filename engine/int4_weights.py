@@ -31,12 +31,12 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from engine import kernels
 from engine.config import Int4Quant, ModelConfig
 from engine.errors import CheckpointError
+from engine.weight_quant import quantized_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its eight
 _AWQ_COLUMNS = torch.tensor([AWQ_ORDER.index(c) for c in range(8)])  # column c's nibble
@@ -206,9 +206,6 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantize(...).T + bias``: the Triton kernel on GPUs, the dequantized matrix elsewhere."""
-    if x.is_cuda and kernels.triton_available():
-        out = kernels.int4_matmul(x.reshape(-1, x.shape[-1]), packed, scales, zeros)
-        out = out.view(*x.shape[:-1], packed.shape[0])
-        return out if bias is None else out + bias
-    return F.linear(x, dequantize(packed, scales, zeros, x.dtype), bias)
+    """``x @ dequantize(...).T + bias`` (``weight_quant.quantized_linear``)."""
+    return quantized_linear(x, bias, packed.shape[0], lambda rows: kernels.int4_matmul(rows, packed, scales, zeros),
+                            lambda dtype: dequantize(packed, scales, zeros, dtype))

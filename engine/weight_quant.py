@@ -23,6 +23,8 @@ one byte a weight. A checkpoint's static ``input_scale`` (and any activation sch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -52,11 +54,20 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, k_block: int, dtype: t
     return (codes.to(torch.float32) * per_column).to(dtype)
 
 
+def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                     kernel: Callable[[torch.Tensor], torch.Tensor],
+                     dequantized: Callable[[torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """``x @ W.T + bias`` for a quantized W (fp8 here, int4 in ``engine/int4_weights.py``): on GPUs ``kernel``
+    (a Triton matmul reading the codes) on x's rows, elsewhere ``F.linear`` on the matrix ``dequantized`` into
+    x's dtype."""
+    if x.is_cuda and kernels.triton_available():
+        out = kernel(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], out_features)
+        return out if bias is None else out + bias
+    return F.linear(x, dequantized(x.dtype), bias)
+
+
 def fp8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k_block: int,
                bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantize(codes).T + bias``: the Triton kernel on GPUs, the dequantized matrix elsewhere."""
-    if x.is_cuda and kernels.triton_available():
-        out = kernels.fp8_matmul(x.reshape(-1, x.shape[-1]), codes, scales, k_block)
-        out = out.view(*x.shape[:-1], codes.shape[0])
-        return out if bias is None else out + bias
-    return F.linear(x, dequantize(codes, scales, k_block, x.dtype), bias)
+    """``x @ dequantize(codes).T + bias`` (``quantized_linear``)."""
+    return quantized_linear(x, bias, codes.shape[0], lambda rows: kernels.fp8_matmul(rows, codes, scales, k_block),
+                            lambda dtype: dequantize(codes, scales, k_block, dtype))

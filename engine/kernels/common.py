@@ -73,6 +73,22 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def weight_matmul_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict]:
+    """What the quantized-weight matmul launchers (fp8, int4) share for ``x`` ``[M, K]`` times a weight ``[N, K]``:
+    x with contiguous rows, the output ``[M, N]`` in x's dtype, the grid of ``BLOCK_M x BLOCK_N`` output tiles
+    and the launch options (a decode batch's narrower tiles: more programs streaming the weight; 8 warps for
+    large fp32 tiles, which spill at 4; the dtype flags)."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    block_m = min(64, max(16, next_power_of_2(m)))
+    block_n = 64 if m > 16 else 32
+    options = {"BLOCK_M": block_m, "BLOCK_N": block_n, **dtype_flags(x.dtype),
+               "num_warps": 8 if x.dtype == torch.float32 and block_m * block_n > 1024 else 4}
+    grid = (-(-m // block_m), -(-n // block_n))
+    return x, torch.empty(m, n, dtype=x.dtype, device=x.device), grid, options
+
+
 @cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)

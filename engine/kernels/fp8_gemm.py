@@ -18,7 +18,7 @@ import triton.language as tl
 
 from engine.kernels import common
 from engine.kernels._tile import _e4m3_bytes_as_half
-from engine.kernels.common import dtype_flags, next_power_of_2
+from engine.kernels.common import weight_matmul_launch
 
 
 @triton.jit
@@ -80,20 +80,14 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k_blo
         raise ValueError(f"scales must be float32 [{n}, {-(-k // k_block)}], got {scales.dtype} {tuple(scales.shape)}")
     if k_block < k and k_block % 16:
         raise ValueError(f"k_block {k_block} must be a multiple of 16 (or cover the whole row, {k})")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x, y, grid, options = weight_matmul_launch(x, n)
     if m == 0:
         return y
-    block_m = min(64, max(16, next_power_of_2(m)))
-    block_n = 64 if m > 16 else 32  # decode: narrower tiles, more programs streaming the weight
     as_bytes = common.fp8_codes_as_bytes(codes.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _fp8_matmul_kernel[grid](
         x, codes.view(torch.uint8) if as_bytes else codes, scales, y, m, n, k,
         x.stride(0), codes.stride(0), scales.stride(0), y.stride(0),
         K_BLOCK=k_block, SCALE_AT_END=k_block >= k, CODES_AS_BYTES=as_bytes,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_block_k(k_block, k, x.dtype), **dtype_flags(x.dtype),
-        num_warps=8 if x.dtype == torch.float32 and block_m * block_n > 1024 else 4,  # fp32 tiles spill at 4
+        BLOCK_K=_block_k(k_block, k, x.dtype), **options,
     )
     return y

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import dtype_flags, next_power_of_2
+from engine.kernels.common import weight_matmul_launch
 
 
 @triton.jit
@@ -64,19 +64,13 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     group = k // groups
     if group * groups != k or (groups > 1 and group % 16):
         raise ValueError(f"{groups} groups must split K = {k} into multiples of 16")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x, y, grid, options = weight_matmul_launch(x, n)
     if m == 0:
         return y
     widest = 32 if x.dtype == torch.float32 else 128
     block_k = widest if groups == 1 else min(widest, group & -group)  # a power of two dividing the group
-    block_m = min(64, max(16, next_power_of_2(m)))
-    block_n = 64 if m > 16 else 32  # decode: narrower tiles, more programs streaming the weight
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_matmul_kernel[grid](
         x, packed, scales, zeros, y, m, n, k, x.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0),
-        y.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        **dtype_flags(x.dtype), num_warps=8 if x.dtype == torch.float32 and block_m * block_n > 1024 else 4,
+        y.stride(0), GROUP=group, BLOCK_K=block_k, **options,
     )
     return y
