@@ -21,15 +21,15 @@ and Llama-3-8B (hidden 4096, 32 layers, 32 / 8, intermediate 14336, vocab 128256
 
 The engine sizes its KV cache from the device (``gpu_memory_utilization``) with the transformers model
 resident, and is freed before ``generate`` runs; with a quantized ``--kv-cache-dtype`` the roofline counts
-that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int4 awq|gptq`` (the
-checkpoint rewritten with 4-bit projections in groups of 128 before the engine loads it; transformers still
-runs the 16-bit weights) the weights' own bytes. Writes one JSON object (``--json``). ``--device cpu
+that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int4 LAYOUT`` (the
+checkpoint rewritten with 4-bit projections, AWQ's, GPTQ's or compressed-tensors' layout, in groups of 128
+before the engine loads it; transformers still runs the 16-bit weights) the weights' own bytes. Writes one JSON object (``--json``). ``--device cpu
 --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
-        [--kv-cache-dtype auto|int8|fp8|kivi2] [--quantization fp8 | --int4 awq|gptq]
+        [--kv-cache-dtype auto|int8|fp8|kivi2] [--quantization fp8 | --int4 awq|gptq|compressed-tensors]
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.d
 
 def rewrite_in_int4(path: Path, model: transformers.PreTrainedModel, layout: str) -> None:
     """Replaces the checkpoint at ``path`` with ``model``'s weights, its projections quantized to 4 bits in
-    ``layout`` (round to nearest in groups of 128, the tiny shape's of 32, on the model's device)."""
+    ``layout`` (round to nearest in groups of 128, or the widest dividing the tiny shape's, on the model's
+    device)."""
     config = json.loads((path / "config.json").read_text())
     for old in path.glob("model*.safetensors*"):
         old.unlink()

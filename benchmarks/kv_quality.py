@@ -15,8 +15,8 @@ makes SmolLM2-135M-Instruct one), against the full-precision cache in the same r
   sinks + window (``kv_sinks=4``), bits per byte overall and past the trained context;
 - (d) KV bytes per token for each dtype (the engine's own block accounting) and how many sequences of
   ``--seq-len`` tokens fit in ``--cache-bytes``, each with its windows (fp8, kivi2), and the bytes the
-  weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``, ``FORMAT/awq`` or ``FORMAT/gptq``
-  on a copy of the checkpoint with its projections written in 4 bits in that layout, round to nearest in
+  weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``, ``FORMAT/awq``, ``FORMAT/gptq`` or
+  ``FORMAT/compressed-tensors`` on a copy of the checkpoint with its projections written in 4 bits in that layout, round to nearest in
   groups of 128 or the widest dividing them: (a) and (b) then show what those weights cost against the
   full-precision model).
 
@@ -328,7 +328,8 @@ def main() -> None:
     p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS, and /fp8 for fp8 weights "
-                        "(--quantization fp8) or /awq, /gptq for 4-bit ones; 'auto' = full precision")
+                        "(--quantization fp8) or /awq, /gptq, /compressed-tensors for 4-bit ones; 'auto' = full "
+                        "precision")
     p.add_argument("--skip-stream", action="store_true", help="leave (c) out")
     p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")

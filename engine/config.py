@@ -240,8 +240,9 @@ INT4_LAYOUTS = ("awq", "gptq", "compressed-tensors")
 
 @dataclass(frozen=True)
 class Int4Quant:
-    """How an AWQ or GPTQ checkpoint stores its projections: 4-bit codes with a scale and a 4-bit zero point
-    per ``group_size`` input columns of each output row, packed eight to an int32 (``engine/int4_weights.py``)."""
+    """How an AWQ, GPTQ or compressed-tensors checkpoint stores its projections: 4-bit codes with a scale and a
+    4-bit zero point per ``group_size`` input columns of each output row, packed eight to an int32
+    (``engine/int4_weights.py``)."""
 
     layout: str  # one of INT4_LAYOUTS: how codes and zeros are packed into the checkpoint's int32 tensors
     group_size: int  # input columns one scale and zero cover; 0: the whole row (GPTQ's group_size -1)
@@ -260,7 +261,7 @@ class Int4Quant:
 
 def read_quantization(raw: dict | None) -> WeightQuant | Int4Quant | None:
     """A checkpoint's ``quantization_config`` -> its weight layout (None: not quantized); anything but fp8
-    e4m3 weights and 4-bit AWQ or GPTQ ones is refused, naming what is there."""
+    e4m3 weights and 4-bit AWQ, GPTQ or compressed-tensors ones is refused, naming what is there."""
     if raw is None:
         return None
     key = "quantization_config"
@@ -437,8 +438,8 @@ class ModelConfig:
     # block stays (the full layers read it); the sliding layers' attention is masked to their window.
     layer_windows: tuple[int, ...] | None = None
     # fp8 projections and experts (engine/weight_quant.py): the checkpoint's quantization_config, or set by
-    # with_quantization for --quantization fp8; AWQ or GPTQ int4 projections (engine/int4_weights.py); None:
-    # every weight in the engine's dtype
+    # with_quantization for --quantization fp8; 4-bit projections of an AWQ, GPTQ or compressed-tensors
+    # checkpoint (engine/int4_weights.py); None: every weight in the engine's dtype
     weight_quant: WeightQuant | Int4Quant | None = None
 
     @property
@@ -523,7 +524,7 @@ class ModelConfig:
 
     def with_quantization(self, quantization: str | None) -> ModelConfig:
         """This config as ``--quantization`` loads it: a 16-bit checkpoint's projections quantized to fp8
-        (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged."""
+        (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged; a 4-bit checkpoint is refused."""
         if isinstance(self.weight_quant, Int4Quant) and quantization is not None:
             raise UnsupportedModelError("quantization_config", f"this checkpoint holds {self.weight_quant.layout} "
                                         f"4-bit weights already; load it without --quantization {quantization}")
@@ -532,7 +533,7 @@ class ModelConfig:
         return replace(self, weight_quant=ONLINE_FP8)
 
     def check_int4_shapes(self) -> None:
-        """AWQ and GPTQ pack 8 codes to an int32 along one dimension and group the input columns: every
+        """4-bit checkpoints pack 8 codes to an int32 along one dimension and group the input columns: every
         projection's rows and columns must split so (and a mixture's experts are not read in int4)."""
         quant = self.weight_quant
         if self.moe is not None:
