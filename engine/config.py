@@ -248,6 +248,9 @@ class Int4Quant:
     group_size: int  # input columns one scale and zero cover; 0: the whole row (GPTQ's group_size -1)
     zero_offset: int = 0  # added to the stored zeros: GPTQ's original format stores each zero minus 1
     zero_points: bool = True  # False: symmetric, no zeros stored (compressed-tensors'): every zero is 8
+    # GPTQ's desc_act / compressed-tensors' group actorder: a projection's groups are columns scattered in
+    # activation order (its g_idx); the model sorts them into place and gathers its input to match
+    act_order: bool = False
     online = False  # always read from the checkpoint, never quantized at load
 
     def groups(self, cols: int) -> int:
@@ -255,8 +258,8 @@ class Int4Quant:
 
     def projection_bytes(self, rows: int, cols: int) -> int:
         """A ``[rows, cols]`` projection as the model holds it: half a byte a weight, a float32 scale and a
-        uint8 zero a group."""
-        return rows * cols // 2 + 5 * rows * self.groups(cols)
+        uint8 zero a group, and with act-order an int64 input order."""
+        return rows * cols // 2 + 5 * rows * self.groups(cols) + (8 * cols if self.act_order else 0)
 
 
 def read_quantization(raw: dict | None) -> WeightQuant | Int4Quant | None:
@@ -306,16 +309,14 @@ def _int4(raw: dict, key: str, method: str) -> Int4Quant:
         if raw.get("zero_point", True) is not True:
             raise UnsupportedModelError(f"{key}.zero_point", "AWQ weights without zero points are not supported")
         return Int4Quant("awq", group)
-    if raw.get("desc_act"):
-        raise UnsupportedModelError(f"{key}.desc_act", "act-order GPTQ weights are not supported; use a checkpoint "
-                                                       "quantized with desc_act false")
     if raw.get("lm_head"):
         raise UnsupportedModelError(f"{key}.lm_head", "a quantized lm_head is not supported")
     fmt = raw.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"{key}.checkpoint_format", f"{fmt!r} is not supported; supported: gptq, "
                                                                 "gptq_v2")
-    return Int4Quant("gptq", group, zero_offset=1 if fmt == "gptq" else 0)
+    return Int4Quant("gptq", group, zero_offset=1 if fmt == "gptq" else 0,
+                     act_order=bool(raw.get("desc_act")) and group > 0)
 
 
 def _group_size(group: Any, field: str) -> int:
@@ -363,13 +364,16 @@ def _compressed_int4(weights: dict, field: str) -> Int4Quant:
     symmetric (no zero points stored) or not."""
     if (weights.get("num_bits"), weights.get("type")) != (4, "int"):
         raise UnsupportedModelError(field, f"{weights!r}: pack-quantized weights must be 4-bit integers")
-    if weights.get("actorder"):
-        raise UnsupportedModelError(f"{field}.actorder", "act-order weights are not supported")
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise UnsupportedModelError(f"{field}.strategy", f"{strategy!r} is not supported; supported: group, channel")
     group = _group_size(weights.get("group_size"), f"{field}.group_size") if strategy == "group" else 0
-    return Int4Quant("compressed-tensors", group, zero_points=not weights.get("symmetric", True))
+    # "weight": columns quantized in activation order into groups kept in place (nothing to undo)
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, "weight", "group", True):
+        raise UnsupportedModelError(f"{field}.actorder", f"{actorder!r} is not supported; supported: group, weight")
+    return Int4Quant("compressed-tensors", group, zero_points=not weights.get("symmetric", True),
+                     act_order=actorder in ("group", True) and group > 0)
 
 
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:

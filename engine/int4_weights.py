@@ -12,12 +12,18 @@ converted into that one as they load (row by row, so q/k/v and gate/up pack as 1
   ``scales`` ``[groups, out]``.
 * GPTQ: ``qweight`` int32 ``[in / 8, out]``, eight input rows a word in order; ``qzeros`` int32
   ``[groups, out / 8]`` in order, each zero minus 1 in the original format (``Int4Quant.zero_offset``);
-  ``scales`` ``[groups, out]``; ``g_idx`` ``[in]``, each column's group, which must be ``k // group_size``
-  (act-order checkpoints are refused by ``engine.config``).
+  ``scales`` ``[groups, out]``; ``g_idx`` ``[in]``, each column's group: ``k // group_size``, or with
+  ``desc_act`` (act-order) the groups of ``group_size`` columns each in the order GPTQ quantized them.
 * compressed-tensors (llm-compressor, RedHat's w4a16 releases): ``weight_packed`` int32 ``[out, in / 8]``,
   eight input columns a word in order, each code the signed value plus 8; ``weight_scale`` ``[out, groups]``;
   ``weight_shape`` ``[out, in]``; ``weight_zero_point`` int32 ``[out / 8, groups]`` (eight rows a word, plus 8
-  too) only when asymmetric: a symmetric checkpoint's zeros are all 8.
+  too) only when asymmetric: a symmetric checkpoint's zeros are all 8; ``weight_g_idx`` ``[in]`` with
+  ``actorder: group``, as GPTQ's.
+
+Act-order groups are put in place once a model has loaded (``sort_columns``): each projection's columns
+sorted by group, and its input gathered the same way (``input_perm``) before the matmul, as vLLM's GPTQ
+kernels do. The projections packed into one matrix share their input, so q/k/v (and gate/up) must share
+their g_idx, which GPTQ's order (from the input's statistics) gives them.
 
 The matmul dequantizes and keeps the activations in ``--dtype``: the torch path into ``--dtype``
 ((code - zero) * scale in float32, then cast: transformers' AWQ and GPTQ modules compute the same product in
@@ -101,11 +107,34 @@ def check_weight_shape(shape: torch.Tensor, rows: int, cols: int) -> None:
 
 
 def check_g_idx(g_idx: torch.Tensor, quant: Int4Quant) -> None:
-    """A GPTQ ``g_idx`` must put column k in group ``k // group_size`` (the groups in order, no act-order)."""
+    """Without act-order a ``g_idx`` must put column k in group ``k // group_size``."""
     cols = g_idx.shape[0]
-    expected = torch.arange(cols) // (quant.group_size or cols)
+    expected = torch.arange(cols, device=g_idx.device) // (quant.group_size or cols)
     if not torch.equal(g_idx.to(torch.int64), expected):
-        raise CheckpointError("g_idx is not k // group_size: act-order GPTQ weights are not supported")
+        raise CheckpointError("g_idx is not k // group_size, and quantization_config does not say act-order "
+                              "(desc_act, actorder)")
+
+
+def act_order_perm(g_idx: torch.Tensor, quant: Int4Quant, current: torch.Tensor) -> torch.Tensor:
+    """An act-order ``g_idx`` -> the input permutation that puts each group's columns together, in group
+    order. ``current``: what an earlier projection of the same packed matrix set (-1s: none), which it must
+    equal."""
+    cols = g_idx.shape[0]
+    groups = g_idx.to(torch.int64)
+    if groups.min() < 0 or not torch.equal(torch.bincount(groups, minlength=quant.groups(cols)),
+                                           torch.full((quant.groups(cols),), quant.group_size, device=g_idx.device)):
+        raise CheckpointError(f"g_idx must put {quant.group_size} columns in each of {quant.groups(cols)} groups")
+    perm = torch.argsort(groups, stable=True)
+    if current[0] >= 0 and not torch.equal(current, perm):
+        raise CheckpointError("g_idx differs from another projection's on the same input (q/k/v or gate/up): "
+                              "they cannot share one input order")
+    return perm
+
+
+def sort_columns(packed: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """A loaded act-order weight (uint8 ``[out, in / 2]``, columns in the checkpoint's order) with its columns
+    in ``perm``'s order."""
+    return pack_nibbles(unpack_nibbles(packed)[:, perm])
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -134,12 +163,17 @@ def quantize_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor
     return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), zeros.squeeze(2).to(torch.uint8)
 
 
-def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                       quant: Int4Quant) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, quant: Int4Quant,
+                       g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """A projection's codes ``[out, in]``, scales and zeros ``[out, groups]`` -> the tensors a checkpoint in
     ``quant``'s layout holds for it, by suffix (AWQ's and GPTQ's ``qweight``, ``qzeros``, fp16 ``scales``, GPTQ's
     ``g_idx``; compressed-tensors' ``weight_packed``, ``weight_scale``, ``weight_shape`` and, asymmetric,
-    ``weight_zero_point``)."""
+    ``weight_zero_point``, with act-order ``weight_g_idx``). ``g_idx``: each column's group with act-order
+    (default: ``k // group_size``)."""
+    cols = codes.shape[1]
+    if g_idx is None:
+        g_idx = torch.arange(cols, device=codes.device) // (quant.group_size or cols)
+    g_idx = g_idx.to(torch.int32)
     stored = zeros.to(torch.int32) - quant.zero_offset
     if (stored < 0).any():
         raise ValueError("a zero of 0 cannot be stored with zero_offset 1 (GPTQ's original format)")
@@ -148,12 +182,11 @@ def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
             raise ValueError("a symmetric compressed-tensors checkpoint stores no zeros: each must be 8")
         tensors = {"weight_packed": pack_words(codes, 1), "weight_scale": scales.to(torch.float16),
                    "weight_shape": torch.tensor(list(codes.shape))}
+        tensors |= {"weight_g_idx": g_idx} if quant.act_order else {}
         return {**tensors, "weight_zero_point": pack_words(stored, 0)} if quant.zero_points else tensors
     tensors = {"scales": scales.T.to(torch.float16).contiguous()}
     if quant.layout == "awq":
         return {**tensors, "qweight": awq_pack(codes.T), "qzeros": awq_pack(stored.T)}
-    cols = codes.shape[1]
-    g_idx = (torch.arange(cols, device=codes.device) // (quant.group_size or cols)).to(torch.int32)
     return {**tensors, "qweight": pack_words(codes.T, 0), "qzeros": pack_words(stored.T, 1), "g_idx": g_idx}
 
 
@@ -162,13 +195,14 @@ def checkpoint_config(quant: Int4Quant) -> dict:
     group = quant.group_size or -1
     if quant.layout == "compressed-tensors":
         weights = {"num_bits": 4, "type": "int", "symmetric": not quant.zero_points, "group_size": quant.group_size
-                   or None, "strategy": "group" if quant.group_size else "channel", "actorder": None}
+                   or None, "strategy": "group" if quant.group_size else "channel",
+                   "actorder": "group" if quant.act_order else None}
         return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
                 "ignore": ["lm_head"], "kv_cache_scheme": None}
     if quant.layout == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False, "sym": False,
+    return {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": quant.act_order, "sym": False,
             "checkpoint_format": "gptq" if quant.zero_offset else "gptq_v2"}
 
 

@@ -22,13 +22,15 @@ from safetensors import safe_open
 from engine.config import PACKED_ARCHITECTURES, Int4Quant, ModelConfig, WeightQuant
 from engine.errors import CheckpointError
 from engine.int4_weights import (
+    act_order_perm,
     check_g_idx,
     check_weight_shape,
     codes_from_checkpoint,
     scales_from_checkpoint,
+    sort_columns,
     zeros_from_checkpoint,
 )
-from engine.model import CausalLM
+from engine.model import CausalLM, Linear
 from engine.tiny import write_tiny_checkpoint
 from engine.weight_quant import quantize_rows, row_scales
 
@@ -159,6 +161,7 @@ def _add_int4(targets: dict[str, _Target], prefix: str, view: torch.Tensor, comp
     codes, zeros = partial(codes_from_checkpoint, quant=quant), partial(zeros_from_checkpoint, quant=quant)
     scales = partial(scales_from_checkpoint, quant=quant)
     if quant.layout == "compressed-tensors":
+        g_idx = prefix + "weight_g_idx"
         targets[prefix + "weight_packed"] = _Target(view, (out, cols // 8), "int32", codes)
         targets[prefix + "weight_scale"] = _Target(companions["weight_scale"], (out, groups), convert=scales)
         targets[prefix + "weight_shape"] = _Target(None, (2,), "int64", partial(check_weight_shape, rows=out,
@@ -168,13 +171,17 @@ def _add_int4(targets: dict[str, _Target], prefix: str, view: torch.Tensor, comp
                                                             zeros)
         else:
             companions["weight_zero"].fill_(8)  # symmetric: codes are the signed values plus 8
-        return
-    words = (cols, out // 8) if quant.layout == "awq" else (cols // 8, out)
-    targets[prefix + "qweight"] = _Target(view, words, "int32", codes)
-    targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32", zeros)
-    targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales)
-    if quant.layout == "gptq":
-        targets[prefix + "g_idx"] = _Target(None, (cols,), "int32", partial(check_g_idx, quant=quant), optional=True)
+    else:
+        g_idx = prefix + "g_idx"
+        words = (cols, out // 8) if quant.layout == "awq" else (cols // 8, out)
+        targets[prefix + "qweight"] = _Target(view, words, "int32", codes)
+        targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32", zeros)
+        targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales)
+    if quant.act_order:  # the input order, which load_model then sorts the columns into
+        perm = companions["input_perm"]
+        targets[g_idx] = _Target(perm, (cols,), "int32", partial(act_order_perm, quant=quant, current=perm))
+    elif quant.layout == "gptq":
+        targets[g_idx] = _Target(None, (cols,), "int32", partial(check_g_idx, quant=quant), optional=True)
 
 
 def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
@@ -185,10 +192,13 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     params = dict(model.named_parameters())
     targets: dict[str, _Target] = {}
     for name, param in params.items():
-        if name.endswith(("_scale", "_zero")):
+        if name.endswith(("_scale", "_zero", ".input_perm")):
             continue  # filled with its weight
-        # a quantized projection's scales (and int4 zeros), row for row (engine/weight_quant.py, int4_weights.py)
+        # a quantized projection's scales (and int4 zeros), row for row, and an act-order one's input order
+        # (engine/weight_quant.py, int4_weights.py)
         companions = {"weight" + part: params[name + part] for part in ("_scale", "_zero") if name + part in params}
+        if (perm := name.removesuffix("weight") + "input_perm") in params:
+            companions["input_perm"] = params[perm]
         if ".experts." in name:
             views = {part: _expert_targets(name, companion, cfg) for part, companion in companions.items()}
             for key, view in _expert_targets(name, param, cfg).items():
@@ -209,7 +219,9 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
 
 
 def _rows(companions: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
-    return {part: companion.data[lo:hi] for part, companion in companions.items()}
+    """Rows ``lo:hi`` of each companion; the input order, which spans columns, whole."""
+    return {part: companion.data if part == "input_perm" else companion.data[lo:hi]
+            for part, companion in companions.items()}
 
 
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) -> None:
@@ -261,5 +273,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+    for module in model.modules():
+        if isinstance(module, Linear) and module.input_perm is not None:  # act-order: each group's columns together
+            module.weight.copy_(sort_columns(module.weight, module.input_perm))
     model.init_rope(device)
     return model.eval(), cfg

@@ -64,25 +64,44 @@ FORMATS = {
     "gptq_v2": (Int4Quant("gptq", 0), quantize_groups),  # one group a row
     "compressed": (Int4Quant("compressed-tensors", GROUP, zero_points=False), quantize_symmetric),
     "compressed_asym": (Int4Quant("compressed-tensors", 0), quantize_groups),  # a zero point a row
+    # act-order: each group's columns scattered over the input, in GPTQ's order
+    "gptq_act_order": (Int4Quant("gptq", GROUP, act_order=True), quantize_groups),
+    "compressed_act_order": (Int4Quant("compressed-tensors", GROUP, zero_points=False, act_order=True),
+                             quantize_symmetric),
 }
+
+
+def input_order(name: str, cols: int, orders: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The order act-order GPTQ quantizes ``name``'s input columns in: one per input (q/k/v share the
+    attention's, gate/up the MLP's), as GPTQ derives it from the input's statistics."""
+    key = name.rsplit(".", 2)[0] + (".attn" if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") else
+                                    ".mlp" if name.split(".")[-2] in ("gate_proj", "up_proj") else name)
+    if key not in orders:
+        orders[key] = torch.randperm(cols, generator=torch.Generator().manual_seed(len(orders)))
+    return orders[key]
 
 
 def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
     """Rewrites the checkpoint at ``path`` with 4-bit projections in ``fmt`` (the original GPTQ format with a
-    zero bias beside each projection, as older AutoGPTQ writes); returns each projection's dequantized
-    weight."""
+    zero bias beside each projection, as older AutoGPTQ writes; act-order formats with their columns
+    grouped in a random order per input); returns each projection's dequantized weight."""
     quant, quantize = FORMATS[fmt]
     tensors = load_file(path / "model.safetensors")
-    dequantized = {}
+    dequantized, orders = {}, {}
     for name in [n for n in tensors if is_projection(n)]:
-        codes, scales, zeros = quantize(tensors.pop(name), quant.group_size)
+        weight = tensors.pop(name)
+        cols = weight.shape[1]
+        order = input_order(name, cols, orders) if quant.act_order else torch.arange(cols)
+        sorted_codes, scales, zeros = quantize(weight[:, order], quant.group_size)
+        codes, g_idx = torch.empty_like(sorted_codes), torch.empty(cols, dtype=torch.int64)
+        codes[:, order], g_idx[order] = sorted_codes, torch.arange(cols) // (quant.group_size or cols)
         stem = name.removesuffix("weight")
-        tensors.update({stem + suffix: t for suffix, t in checkpoint_tensors(codes, scales, zeros, quant).items()})
+        tensors.update({stem + suffix: t for suffix, t in checkpoint_tensors(codes, scales, zeros, quant,
+                                                                             g_idx).items()})
         if quant.zero_offset:
             tensors.setdefault(stem + "bias", torch.zeros(codes.shape[0], dtype=torch.float16))
-        per_column = codes.shape[1] // scales.shape[1]  # the weights they stand for, written out
-        dequantized[name] = ((codes.float() - zeros.float().repeat_interleave(per_column, 1))
-                             * scales.half().float().repeat_interleave(per_column, 1))
+        # the weights they stand for, written out: each column with its group's zero and scale
+        dequantized[name] = (codes.float() - zeros.float()[:, g_idx]) * scales.half().float()[:, g_idx]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
     config = {**checkpoint_config(quant), **({"sym": True} if fmt == "gptq" else {})}
@@ -91,13 +110,15 @@ def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("llama", "gptq"), ("mistral", "gptq_v2"),
-                                       ("qwen3", "compressed"), ("phi3", "compressed_asym")])
+                                       ("qwen3", "compressed"), ("phi3", "compressed_asym"),
+                                       ("qwen2", "gptq_act_order"), ("llama", "compressed_act_order")])
 def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
-    one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row) and
+    one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row),
     compressed-tensors on Qwen3 (symmetric: no zeros stored) and Phi-3 (a zero point a row, its checkpoint's
-    q/k/v and gate/up packed already): q/k/v and gate/up packed row by row into the model's fused matrices,
-    half a byte a weight."""
+    q/k/v and gate/up packed already), and act-order GPTQ and compressed-tensors (groups scattered over the
+    columns by g_idx: sorted into place at load, the input gathered to match): q/k/v and gate/up packed row
+    by row into the model's fused matrices, half a byte a weight."""
     hf = build_hf_checkpoint(tmp_path, arch)
     dequantized = quantize_checkpoint(tmp_path, fmt)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
@@ -107,20 +128,24 @@ def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch,
     assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape[1] == qkv.in_features // 2
 
 
-def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path):
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, fmt):
+    """Codes, scales and zeros, and an act-order projection's input order."""
     build_hf_checkpoint(tmp_path, "qwen2")
-    quantize_checkpoint(tmp_path, "awq")
+    quantize_checkpoint(tmp_path, fmt)
     model, _ = load_model(tmp_path, "bfloat16", "cpu")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert plan(shape_from_dir(tmp_path), "bfloat16", 64, 1, None).weight_bytes == held
 
 
-def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequantized_copy(tmp_path):
-    """The adapter's stacks are sized from the projection's features, not its packed weight's columns."""
+@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
+def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequantized_copy(tmp_path, fmt):
+    """The adapter's stacks are sized from the projection's features, not its packed weight's columns, and
+    read the input in its own order when the base projection gathers it in act-order."""
     from test_lora import ALL_PROJECTIONS, peft_adapter, reference, run
 
     hf = build_hf_checkpoint(tmp_path / "base", "llama")
-    hf = with_weights(hf, quantize_checkpoint(tmp_path / "base", "awq"))
+    hf = with_weights(hf, quantize_checkpoint(tmp_path / "base", fmt))
     adapted = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=8, seed=1, lora_alpha=16)
     engine = Engine(EngineConfig(model=str(tmp_path / "base"), block_size=BLOCK, num_blocks=64,
                                  lora_modules={"a": str(tmp_path / "a")}))
@@ -134,11 +159,10 @@ def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequanti
     ({"group_size": 100}, "quantization_config.group_size"),
     ({"version": "gemv"}, "quantization_config.version"),
     ({"zero_point": False}, "quantization_config.zero_point"),
-    ({"quant_method": "gptq", "desc_act": True}, "quantization_config.desc_act"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "quantization_config.checkpoint_format"),
     ({"group_size": 48}, "quantization_config.group_size"),  # a multiple of 16 that splits no projection
     ({"weights": {"num_bits": 8, "type": "int"}}, "quantization_config.config_groups.weights"),
-    ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": "group"}},
+    ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": "dynamic"}},
      "quantization_config.config_groups.weights.actorder"),
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}},
      "quantization_config.config_groups.weights.strategy"),
@@ -158,9 +182,9 @@ def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, cha
 
 
 def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
-    """An act-order g_idx under desc_act false, a nonzero bias a projection does not have, a weight_shape
-    other than the projection's, --quantization fp8 on top of int4 weights, and a mixture of experts in
-    int4."""
+    """An act-order g_idx under desc_act false, q and k act-order g_idx that differ (one input cannot be in
+    two orders), a nonzero bias a projection does not have, a weight_shape other than the projection's,
+    --quantization fp8 on top of int4 weights, and a mixture of experts in int4."""
     build_hf_checkpoint(tmp_path, "llama")
     quantize_checkpoint(tmp_path, "gptq")
     config = EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64)
@@ -168,8 +192,16 @@ def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
     g_idx = "model.layers.1.mlp.down_proj.g_idx"
     tensors[g_idx] = tensors[g_idx].flip(0).contiguous()
     save_file(tensors, tmp_path / "model.safetensors")
-    with pytest.raises(CheckpointError, match=f"{g_idx}'.*act-order GPTQ weights are not supported"):
+    with pytest.raises(CheckpointError, match=f"{g_idx}'.*quantization_config does not say act-order"):
         Engine(config)
+    build_hf_checkpoint(tmp_path / "act", "llama")
+    quantize_checkpoint(tmp_path / "act", "gptq_act_order")
+    act = load_file(tmp_path / "act" / "model.safetensors")
+    k_g_idx = "model.layers.0.self_attn.k_proj.g_idx"
+    act[k_g_idx] = (torch.arange(64) // GROUP).int()
+    save_file(act, tmp_path / "act" / "model.safetensors")
+    with pytest.raises(CheckpointError, match="g_idx differs from another projection's on the same input"):
+        Engine(EngineConfig(model=str(tmp_path / "act"), block_size=BLOCK, num_blocks=64))
     tensors[g_idx] = tensors[g_idx].flip(0).contiguous()
     tensors["model.layers.0.self_attn.o_proj.bias"] = torch.ones(64, dtype=torch.float16)
     save_file(tensors, tmp_path / "model.safetensors")
