@@ -106,9 +106,11 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / best_seconds(lambda: a @ b, device)
 
 
-def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.device):
+def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.device, int4: str | None = None):
     """A random-weight Llama of ``shape`` saved to ``path``; returns the transformers model (on ``device``).
-    Built on the device, so initializing 8B parameters takes seconds (it is the disk write that costs)."""
+    Built on the device, so initializing 8B parameters takes seconds (it is the disk write that costs).
+    ``int4``: the checkpoint written with its projections in 4 bits in that layout (``write_int4``) instead,
+    its 16-bit weights never written."""
     config = transformers.LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, bos_token_id=1,
                                       eos_token_id=2)
     with torch.device(device):
@@ -116,17 +118,19 @@ def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.d
     model.eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    model.save_pretrained(path)
+    if int4 is None:
+        model.save_pretrained(path)
+        return model
+    model.config.architectures = [type(model).__name__]  # what save_pretrained would record
+    model.generation_config.save_pretrained(path)
+    write_int4(path, model, int4)
     return model
 
 
-def rewrite_in_int4(path: Path, model: transformers.PreTrainedModel, layout: str) -> None:
-    """Replaces the checkpoint at ``path`` with ``model``'s weights, its projections quantized to 4 bits in
-    ``layout`` (round to nearest in groups of 128, or the widest dividing the tiny shape's, on the model's
-    device)."""
-    config = json.loads((path / "config.json").read_text())
-    for old in path.glob("model*.safetensors*"):
-        old.unlink()
+def write_int4(path: Path, model: transformers.PreTrainedModel, layout: str) -> None:
+    """``model``'s config and weights to ``path``, its projections quantized to 4 bits in ``layout`` (round to
+    nearest in groups of 128, or the widest dividing the tiny shape's, on the model's device)."""
+    config = model.config.to_dict()
     quant = Int4Quant(layout, widest_group(ModelConfig.from_dict(config)))
     write_int4_checkpoint(path, model.state_dict(), config, quant)
 
@@ -213,9 +217,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
     result: dict = {"batches": {}}
     with tempfile.TemporaryDirectory(prefix=f"engine-gpu-{shape}-") as tmp:
         t = time.perf_counter()
-        hf = write_checkpoint(Path(tmp), shape, dtype, device)
-        if args.int4:
-            rewrite_in_int4(Path(tmp), hf, args.int4)
+        hf = write_checkpoint(Path(tmp), shape, dtype, device, args.int4)
         result["checkpoint_s"] = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(EngineConfig(
