@@ -231,11 +231,11 @@ def write_int4_checkpoint(out_dir: Path, tensors: dict[str, torch.Tensor], confi
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(code - zero) x scale in float32, then cast to ``dtype``: ``[out, in]``."""
-    codes = unpack_nibbles(packed).to(torch.float32)
-    group = codes.shape[1] // scales.shape[1]
-    weight = (codes - zeros.to(torch.float32).repeat_interleave(group, dim=1)) * scales.repeat_interleave(group, 1)
-    return weight.to(dtype)
+    """(code - zero) x scale in float32, then cast to ``dtype``: ``[out, in]`` (each group's zero and scale
+    broadcast over its columns: this runs every step on the CPU path)."""
+    rows, groups = scales.shape
+    codes = unpack_nibbles(packed).to(torch.float32).view(rows, groups, -1)
+    return ((codes - zeros.to(torch.float32)[:, :, None]) * scales[:, :, None]).view(rows, -1).to(dtype)
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

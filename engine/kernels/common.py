@@ -73,6 +73,16 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def slice_k(span: int, k: int, dtype: torch.dtype) -> int:
+    """The K slice of one iteration of a quantized-weight matmul: at most 128 (32 for fp32), dividing the
+    columns one scale covers (``span``: an fp8 k-block, an int4 group; a multiple of 16) unless one covers
+    the row."""
+    widest = 32 if dtype == torch.float32 else 128
+    if span >= k:
+        return widest
+    return min(widest, span & -span)  # the largest power of two dividing span
+
+
 def weight_matmul_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict]:
     """What the quantized-weight matmul launchers (fp8, int4) share for ``x`` ``[M, K]`` times a weight ``[N, K]``:
     x with contiguous rows, the output ``[M, N]`` in x's dtype, the grid of ``BLOCK_M x BLOCK_N`` output tiles

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from engine.kernels import common
 from engine.kernels._tile import _e4m3_bytes_as_half
-from engine.kernels.common import weight_matmul_launch
+from engine.kernels.common import slice_k, weight_matmul_launch
 
 
 @triton.jit
@@ -58,15 +58,6 @@ def _fp8_matmul_kernel(
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
-def _block_k(k_block: int, k: int, dtype: torch.dtype) -> int:
-    """The K slice of one iteration: at most 128 (32 for fp32), a divisor of the
-    scale's span ``k_block`` unless one scale covers the row."""
-    widest = 32 if dtype == torch.float32 else 128
-    if k_block >= k:
-        return widest
-    return min(widest, k_block & -k_block)  # the largest power of two dividing k_block (>= 16, weight_quant)
-
-
 def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k_block: int) -> torch.Tensor:
     """``x`` ``[M, K]`` (fp32, fp16 or bf16) times the dequantized ``codes`` ``[N, K]`` (float8 e4m3) transposed:
     ``[M, N]`` in x's dtype. ``scales`` ``[N, ceil(K / k_block)]`` float32; a ``k_block`` below K must be a
@@ -88,6 +79,6 @@ def fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k_blo
         x, codes.view(torch.uint8) if as_bytes else codes, scales, y, m, n, k,
         x.stride(0), codes.stride(0), scales.stride(0), y.stride(0),
         K_BLOCK=k_block, SCALE_AT_END=k_block >= k, CODES_AS_BYTES=as_bytes,
-        BLOCK_K=_block_k(k_block, k, x.dtype), **options,
+        BLOCK_K=slice_k(k_block, k, x.dtype), **options,
     )
     return y

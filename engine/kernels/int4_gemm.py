@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.common import weight_matmul_launch
+from engine.kernels.common import slice_k, weight_matmul_launch
 
 
 @triton.jit
@@ -67,10 +67,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zer
     x, y, grid, options = weight_matmul_launch(x, n)
     if m == 0:
         return y
-    widest = 32 if x.dtype == torch.float32 else 128
-    block_k = widest if groups == 1 else min(widest, group & -group)  # a power of two dividing the group
     _int4_matmul_kernel[grid](
         x, packed, scales, zeros, y, m, n, k, x.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0),
-        y.stride(0), GROUP=group, BLOCK_K=block_k, **options,
+        y.stride(0), GROUP=group, BLOCK_K=slice_k(group, k, x.dtype), **options,
     )
     return y
