@@ -39,6 +39,8 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"tidepool serve: --lora-modules: {exc}") from None
         except (CheckpointError, UnsupportedModelError) as exc:
             raise SystemExit(f"tidepool serve: --model {cluster.engine.model}: {exc}") from None
+        except OSError as exc:  # e.g. --http-port taken
+            raise SystemExit(f"tidepool serve: {exc}") from None
         print(server.cluster.describe_placement(), flush=True)
         print(f"tidepool: serving {server.cluster.dispatcher.model_id} on {server.http_url} (OpenAI HTTP) "
               f"and {server.grpc_target} (gRPC); Ctrl-C stops", flush=True)

@@ -88,7 +88,7 @@ class Server:
                                     log_level="warning", lifespan="off",
                                     timeout_graceful_shutdown=self.gateway.shutdown_timeout_s + _BACKSTOP_S)
             self._http = _Uvicorn(config)
-            self._http_task = asyncio.create_task(self._http.serve())
+            self._http_task = asyncio.create_task(self._serve_http())
             while not self._http.started:
                 if self._http_task.done():
                     self._http_task.result()  # surfaces a bind error
@@ -98,6 +98,15 @@ class Server:
         except BaseException:
             await self.stop()
             raise
+
+    async def _serve_http(self) -> None:
+        """uvicorn's serve, its startup failure (the port taken: it logs the error and calls ``sys.exit``) as
+        an OSError. A SystemExit leaving a task ends the event loop running it, not the task alone: in a
+        ``ThreadedServer`` that loop's thread died and ``start`` waited out its timeout."""
+        try:
+            await self._http.serve()
+        except SystemExit:
+            raise OSError(f"the HTTP gateway could not bind {self.http_url}: the port is taken") from None
 
     async def serve_until_stopped(self) -> None:
         """Serve until Ctrl-C/SIGTERM (or until the HTTP server ends), then stop everything this server
