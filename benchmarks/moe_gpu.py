@@ -17,11 +17,15 @@ token count (a decode batch up to a prefill chunk):
   reads back to the host, which is what lets the engine capture MoE decode steps), and its time;
 - the largest difference between the two paths' outputs, relative to the largest output.
 
+``--weights fp8`` holds the experts as e4m3 codes with a scale a row (what ``--quantization fp8`` loads),
+``--weights int4`` as 4-bit codes with a scale and zero per group of 128 columns (what an AWQ, GPTQ or
+compressed-tensors checkpoint loads into): both paths then read those, and the roofline counts their bytes.
+
 Writes one JSON object (``--json``). ``--device cpu --shapes tiny-test`` runs the same code on a tiny float32
 shape on CPU, under ``TRITON_INTERPRET=1`` (a smoke test). Imports only torch, triton and the engine.
 
     python benchmarks/moe_gpu.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,64,256,2048]
-        [--json moe_gpu.json] [--device cuda]
+        [--weights dtype|fp8|int4] [--json moe_gpu.json] [--device cuda]
 """
 
 from __future__ import annotations
@@ -37,8 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine_gpu import best_seconds, copy_bandwidth, matmul_rate, run_device, write_result  # noqa: E402
+from engine.int4_weights import pack_nibbles, quantize_groups  # noqa: E402
 from engine.kernels import fused_moe  # noqa: E402
+from engine.kernels.common import ExpertScales  # noqa: E402
 from engine.moe import route, routed_experts  # noqa: E402
+from engine.weight_quant import quantize_rows  # noqa: E402
 
 # hidden, experts, expert intermediate size, experts per token, top-k scores renormalized
 SHAPES: dict[str, tuple[int, int, int, int, bool]] = {
@@ -63,19 +70,42 @@ def graph_seconds(fn, device: torch.device) -> float | None:
     return best_seconds(graph.replay, device)
 
 
+def held_experts(gate_up: torch.Tensor, down: torch.Tensor, weights: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
+    """The experts as the engine holds them for ``weights``: as they are ("dtype"), e4m3 codes with a scale a
+    row ("fp8"), or 4-bit codes two a byte with a scale and zero per group of 128 columns ("int4"; narrower
+    groups where 128 does not split a row)."""
+    if weights == "dtype":
+        return gate_up, down, None
+    experts = gate_up.shape[0]
+    group = next(g for g in (128, 64, 32, 16) if gate_up.shape[2] % g == 0 and down.shape[2] % g == 0)
+    held = []
+    for w in (gate_up, down):
+        rows = w.reshape(-1, w.shape[2])
+        parts = quantize_rows(rows) if weights == "fp8" else quantize_groups(rows, group)
+        if weights == "int4":
+            parts = (pack_nibbles(parts[0]), *parts[1:])
+        held.append([p.reshape(experts, w.shape[1], -1) for p in parts])
+    (gate_up, gate_up_scales, *gate_up_zeros), (down, down_scales, *down_zeros) = held
+    k_blocks = (group, group) if weights == "int4" else (gate_up.shape[2], down.shape[2])
+    return gate_up, down, ExpertScales(gate_up_scales, down_scales, *k_blocks, *gate_up_zeros, *down_zeros)
+
+
 def run_shape(shape: str, tokens: list[int], device: torch.device, dtype: torch.dtype, bandwidth: float,
-              flops: float) -> dict:
+              flops: float, weights: str = "dtype") -> dict:
     hidden, experts, inter, top_k, renormalize = SHAPES[shape]
     gen = torch.Generator(device).manual_seed(0)
     gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype, generator=gen) / hidden**0.5
     down = torch.randn(experts, hidden, inter, device=device, dtype=dtype, generator=gen) / inter**0.5
-    expert_bytes = 3 * hidden * inter * gate_up.element_size()
+    gate_up, down, scales = held_experts(gate_up, down, weights)
+    held = [gate_up, down] + ([] if scales is None else [t for t in scales if isinstance(t, torch.Tensor)])
+    expert_bytes = sum(t.numel() * t.element_size() for t in held) // experts  # what a chosen expert reads
     rows = {}
     for t in tokens:
         x = torch.randn(t, hidden, device=device, dtype=dtype, generator=gen)
         scores, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, renormalize)
-        fused_call = partial(fused_moe, x, scores, ids, gate_up, down)
-        loop_call = partial(routed_experts, x, scores, ids, gate_up, down)
+        fused_call = partial(fused_moe, x, scores, ids, gate_up, down, scales)
+        loop_call = partial(routed_experts, x, scores, ids, gate_up, down, scales)
         fused_s, loop_s = best_seconds(fused_call, device), best_seconds(loop_call, device)
         fused, loop = fused_call().float(), loop_call().float()
         touched = int(torch.unique(ids).numel())
@@ -101,16 +131,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", default="1,16,64,256,2048")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--weights", default="dtype", choices=("dtype", "fp8", "int4"),
+                        help="the experts in --dtype, fp8 codes (W8A16) or 4-bit codes (W4A16)")
     parser.add_argument("--json", default="moe_gpu.json")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     device, dtype, name = run_device(args.device, args.dtype)
     bandwidth, flops = copy_bandwidth(device), matmul_rate(device, dtype)
-    result = {"device": name, "dtype": str(dtype).removeprefix("torch."), "copy_bandwidth_bytes_per_s": bandwidth,
-              "matmul_flops_per_s": flops, "shapes": {}}
+    result = {"device": name, "dtype": str(dtype).removeprefix("torch."), "weights": args.weights,
+              "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops, "shapes": {}}
     for shape in args.shapes.split(","):
         result["shapes"][shape] = run_shape(shape, [int(t) for t in args.tokens.split(",")], device, dtype,
-                                            bandwidth, flops)
+                                            bandwidth, flops, args.weights)
     return write_result(result, start, Path(args.json))
 
 

@@ -217,11 +217,11 @@ def widest_group(config: ModelConfig, widest: int = 128) -> int:
 
 def write_int4_checkpoint(out_dir: Path, tensors: dict[str, torch.Tensor], config: dict, quant: Int4Quant) -> None:
     """A 16- or 32-bit checkpoint's ``tensors`` and ``config.json`` contents written to ``out_dir`` with every
-    decoder projection (``*_proj.weight``) quantized to 4 bits in ``quant``'s layout (``quantize_groups``, on
-    the tensors' device), as one ``model.safetensors``."""
+    decoder projection (``*_proj.weight``, and Mixtral's experts' ``w1``/``w2``/``w3``) quantized to 4 bits in
+    ``quant``'s layout (``quantize_groups``, on the tensors' device), as one ``model.safetensors``."""
     out = {}
     for name, tensor in tensors.items():
-        if not name.endswith("_proj.weight"):
+        if not (name.endswith("_proj.weight") or name.endswith((".w1.weight", ".w2.weight", ".w3.weight"))):
             out[name] = tensor.cpu()
             continue
         packed = checkpoint_tensors(*quantize_groups(tensor, quant.group_size), quant)

@@ -329,20 +329,27 @@ class SparseMoE(nn.Module):
     follow transformers 5: ``gate`` is the router, ``experts.gate_up_proj`` ``[E, 2I, H]`` and
     ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype, quant: WeightQuant | None = None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype,
+                 quant: WeightQuant | Int4Quant | None = None):
         super().__init__()
         self.config = moe
         e, i = moe.num_experts, moe.intermediate_size
         self.gate = Linear(hidden_size, e, False, dtype)  # the router stays in dtype, as fp8 releases keep it
         self.experts = nn.Module()
-        weights = dtype if quant is None else torch.float8_e4m3fn
-        self.experts.gate_up_proj = _frozen(torch.empty(e, 2 * i, hidden_size, dtype=weights))
-        self.experts.down_proj = _frozen(torch.empty(e, hidden_size, i, dtype=weights))
-        self.k_blocks: tuple[int, int] | None = None  # fp8: each matrix's k-block (engine/weight_quant.py)
+        int4 = isinstance(quant, Int4Quant)
+        weights, per_byte = (dtype, 1) if quant is None else (torch.uint8, 2) if int4 else (torch.float8_e4m3fn, 1)
+        self.experts.gate_up_proj = _frozen(torch.empty(e, 2 * i, hidden_size // per_byte, dtype=weights))
+        self.experts.down_proj = _frozen(torch.empty(e, hidden_size, i // per_byte, dtype=weights))
+        # each matrix's k-block: fp8's (engine/weight_quant.py), int4's group (engine/int4_weights.py)
+        self.k_blocks: tuple[int, int] | None = None
         if quant is not None:
-            self.k_blocks = (quant.k_block or hidden_size, quant.k_block or i)
-            self.experts.gate_up_proj_scale = _frozen(torch.empty(e, 2 * i, -(-hidden_size // self.k_blocks[0])))
-            self.experts.down_proj_scale = _frozen(torch.empty(e, hidden_size, -(-i // self.k_blocks[1])))
+            block = quant.group_size if int4 else quant.k_block
+            self.k_blocks = (block or hidden_size, block or i)
+            shapes = ((e, 2 * i, -(-hidden_size // self.k_blocks[0])), (e, hidden_size, -(-i // self.k_blocks[1])))
+            self.experts.gate_up_proj_scale, self.experts.down_proj_scale = (_frozen(torch.empty(s)) for s in shapes)
+            if int4:
+                self.experts.gate_up_proj_zero, self.experts.down_proj_zero = (
+                    _frozen(torch.empty(s, dtype=torch.uint8)) for s in shapes)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype, quant)
@@ -356,7 +363,8 @@ class SparseMoE(nn.Module):
             scores = scores.to(x.dtype)
         experts = kernels.fused_moe if fused else routed_experts
         scales = None if self.k_blocks is None else ExpertScales(
-            self.experts.gate_up_proj_scale, self.experts.down_proj_scale, *self.k_blocks)
+            self.experts.gate_up_proj_scale, self.experts.down_proj_scale, *self.k_blocks,
+            getattr(self.experts, "gate_up_proj_zero", None), getattr(self.experts, "down_proj_zero", None))
         out = experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj, scales)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

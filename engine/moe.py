@@ -7,7 +7,8 @@ SwiGLU outputs scaled by the softmaxed scores (renormalized over the k for Mixtr
 Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and the down matrices into
 ``[E, H, I]`` (transformers 5's and vLLM's layout; the loader packs the checkpoint's per-expert tensors);
 the module holding them is ``engine.model.SparseMoE``. With fp8 weights (``engine/weight_quant.py``) they are
-e4m3 codes with ``ExpertScales``.
+e4m3 codes with ``ExpertScales``; with 4-bit ones (``engine/int4_weights.py``: AWQ, GPTQ, compressed-tensors)
+two codes a byte, ``[E, 2I, H / 2]`` and ``[E, H, I / 2]``, with scales and zeros per group.
 The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
 exactly its rows, and adds them up in ascending expert order as transformers does.
 That is the torch path (CPU, and the reference): it reads the expert counts back to the host once a layer.
@@ -20,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import int4_weights, weight_quant
 from engine.kernels.common import ExpertScales
-from engine.weight_quant import dequantize
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +37,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """Sum over each row's experts of ``score * down(silu(gate(x)) * up(x))``: ``x`` ``[T, H]``, ``scores``
-    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 codes with ``scales``: each
+    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 or 4-bit codes with ``scales``: each
     expert's matrices dequantized as it runs). Scores in float32 scale the outputs in float32 (then cast);
     scores in ``x.dtype`` scale them in that dtype."""
     k = ids.shape[1]
@@ -52,11 +53,20 @@ def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gat
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        w_gate_up, w_down = gate_up[expert], down[expert]
-        if scales is not None:
-            w_gate_up = dequantize(w_gate_up, scales.gate_up[expert], scales.gate_up_k_block, x.dtype)
-            w_down = dequantize(w_down, scales.down[expert], scales.down_k_block, x.dtype)
+        w_gate_up, w_down = _expert_weights(gate_up, down, scales, expert, x.dtype)
         gate, up = F.linear(x[rows], w_gate_up).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w_down) * flat_scores[pairs, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
+
+
+def _expert_weights(gate_up: torch.Tensor, down: torch.Tensor, scales: ExpertScales | None, expert: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's gate/up and down matrices in ``dtype``: as held, or dequantized from fp8 or 4-bit codes."""
+    if scales is None:
+        return gate_up[expert], down[expert]
+    if scales.gate_up_zero is None:
+        return (weight_quant.dequantize(gate_up[expert], scales.gate_up[expert], scales.gate_up_k_block, dtype),
+                weight_quant.dequantize(down[expert], scales.down[expert], scales.down_k_block, dtype))
+    return (int4_weights.dequantize(gate_up[expert], scales.gate_up[expert], scales.gate_up_zero[expert], dtype),
+            int4_weights.dequantize(down[expert], scales.down[expert], scales.down_zero[expert], dtype))

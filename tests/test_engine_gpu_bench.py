@@ -101,15 +101,20 @@ def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp
 
 
 @pytest.mark.timeout(120)
-def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path):
+@pytest.mark.parametrize("weights", ["dtype", "int4"])
+def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, weights):
     """benchmarks/moe_gpu.py in a process of its own (its fused kernels under TRITON_INTERPRET=1): both paths
-    agree in float32, every figure is there, and the experts touched are those the routing can reach."""
+    agree in float32, every figure is there, and the experts touched are those the routing can reach; 4-bit
+    experts weigh about a quarter of their float32 bytes (codes, and a scale and zero per group)."""
     out = tmp_path / "moe_gpu.json"
     run = subprocess.run([sys.executable, "benchmarks/moe_gpu.py", "--device", "cpu", "--shapes", "tiny-test",
-                          "--tokens", "1,40", "--json", str(out)], cwd=Path(__file__).parents[1],
+                          "--tokens", "1,40", "--weights", weights, "--json", str(out)], cwd=Path(__file__).parents[1],
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stderr[-3000:]
     shape = json.loads(out.read_text())["shapes"]["tiny-test"]
+    float32_bytes = 3 * shape["experts"] * shape["hidden"] * shape["intermediate"] * 4
+    assert shape["weight_bytes"] == float32_bytes if weights == "dtype" else \
+        float32_bytes / 8 < shape["weight_bytes"] < float32_bytes / 4
     assert set(shape["tokens"]) == {"1", "40"}
     for t, row in shape["tokens"].items():
         assert row["max_rel_diff"] < 1e-5 and row["graph_replay_ms"] is None  # no CUDA graph on CPU

@@ -6,9 +6,11 @@ checkpoint the layout cannot hold is refused by name."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from test_engine_model import BLOCK, build_hf_checkpoint, prompts
 from test_weight_quant import NEW_TOKENS, is_projection, reference_tokens, with_weights
@@ -109,29 +111,53 @@ def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
     return dequantized
 
 
+def transformers_with(path, tensors: dict[str, torch.Tensor]) -> transformers.PreTrainedModel:
+    """transformers loading ``tensors`` (by checkpoint name: the weights the codes stand for) with ``path``'s
+    config minus its quantization_config; its own conversion packs a mixture's experts as it loads."""
+    out = path / "dequantized"
+    out.mkdir()
+    raw = json.loads((path / "config.json").read_text())
+    raw.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(raw))
+    if (path / "generation_config.json").exists():
+        shutil.copy(path / "generation_config.json", out)
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("llama", "gptq"), ("mistral", "gptq_v2"),
                                        ("qwen3", "compressed"), ("phi3", "compressed_asym"),
-                                       ("qwen2", "gptq_act_order"), ("llama", "compressed_act_order")])
+                                       ("qwen2", "gptq_act_order"), ("llama", "compressed_act_order"),
+                                       ("qwen3_moe", "gptq"), ("mixtral", "awq"), ("qwen2_moe", "compressed_asym")])
 def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
     one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row),
     compressed-tensors on Qwen3 (symmetric: no zeros stored) and Phi-3 (a zero point a row, its checkpoint's
     q/k/v and gate/up packed already), and act-order GPTQ and compressed-tensors (groups scattered over the
-    columns by g_idx: sorted into place at load, the input gathered to match): q/k/v and gate/up packed row
-    by row into the model's fused matrices, half a byte a weight."""
-    hf = build_hf_checkpoint(tmp_path, arch)
-    dequantized = quantize_checkpoint(tmp_path, fmt)
+    columns by g_idx: sorted into place at load, the input gathered to match), and mixtures of experts in
+    GPTQ (Qwen3-MoE), AWQ (Mixtral's w1/w3/w2) and compressed-tensors with a zero point a row (Qwen2-MoE, its
+    shared expert too): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's
+    into the packed experts, half a byte a weight; the routers stay in the model's dtype. The reference is
+    transformers on the weights the codes stand for."""
+    build_hf_checkpoint(tmp_path, arch)
+    original = load_file(tmp_path / "model.safetensors")
+    reference = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, fmt)})
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
     batch = prompts((9, 33))
-    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(with_weights(hf, dequantized), batch)
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(reference, batch)
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape[1] == qkv.in_features // 2
+    if "moe" in arch or arch == "mixtral":
+        moe = next(layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
+        assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.uint8
+        assert moe.gate.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, fmt):
-    """Codes, scales and zeros, and an act-order projection's input order."""
-    build_hf_checkpoint(tmp_path, "qwen2")
+@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq_act_order"), ("qwen3_moe", "gptq")])
+def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, arch, fmt):
+    """Codes, scales and zeros (a mixture's experts' too, its routers in the model's dtype), and an act-order
+    projection's input order."""
+    build_hf_checkpoint(tmp_path, arch)
     quantize_checkpoint(tmp_path, fmt)
     model, _ = load_model(tmp_path, "bfloat16", "cpu")
     held = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -218,6 +244,7 @@ def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
         ModelConfig.from_dir(tmp_path).with_quantization("fp8")
     build_hf_checkpoint(tmp_path / "moe", "qwen3_moe")
     raw = json.loads((tmp_path / "moe" / "config.json").read_text())
-    (tmp_path / "moe" / "config.json").write_text(json.dumps({**raw, "quantization_config": checkpoint_config(FORMATS["awq"][0])}))
-    with pytest.raises(UnsupportedModelError, match="mixtures of experts are not supported"):
+    act_order = checkpoint_config(FORMATS["gptq_act_order"][0])
+    (tmp_path / "moe" / "config.json").write_text(json.dumps({**raw, "quantization_config": act_order}))
+    with pytest.raises(UnsupportedModelError, match="act-order .* mixtures of experts are not supported"):
         ModelConfig.from_dir(tmp_path / "moe")

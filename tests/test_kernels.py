@@ -643,6 +643,31 @@ def test_fused_moe_on_fp8_experts_matches_the_expert_loop(k_block: int, as_bytes
     assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, scales), want)
 
 
+@pytest.mark.parametrize("group", [16, 0])  # 0: one group a row
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, dtype: torch.dtype):
+    """4-bit codes two a byte with a zero and a scale per row and 16 columns (slices of a group) or per row:
+    the fused kernels subtract each slice's zeros and scale its partial sums as the torch loop dequantizes
+    each expert's matrices."""
+    from engine.kernels.common import ExpertScales
+    from engine.kernels.moe_experts import fused_moe
+    from engine.moe import routed_experts
+
+    experts, hidden, inter = 4, 64, 48
+    x, scores, ids = route_randomly(11, hidden, experts, 2, skip=1)
+    (gate_up, gate_up_scales, gate_up_zeros), (down, down_scales, down_zeros) = (
+        [t.view(experts, rows, -1) for t in int4_weight(experts * rows, cols, cols // (group or cols))]
+        for rows, cols in ((2 * inter, hidden), (hidden, inter)))
+    scales = ExpertScales(gate_up_scales / 8, down_scales / 8, group or hidden, group or inter, gate_up_zeros,
+                          down_zeros)  # weights about 1/8, as the tests above
+    want = routed_experts(x, scores, ids, gate_up, down, scales).to(dtype)
+    assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, scales), want)
+    with pytest.raises(ValueError, match="zeros must be uint8, shaped and strided as their scales"):
+        fused_moe(x, scores, ids, gate_up, down, scales._replace(down_zero=down_zeros[:, 1:]))
+    with pytest.raises(ValueError, match=r"\[E, 2I, 64\].*half the columns"):
+        fused_moe(x, scores, ids, gate_up[:, :, :8], down, scales)
+
+
 def test_fused_moe_rejects_mismatched_operands():
     from engine.kernels.moe_experts import fused_moe
 

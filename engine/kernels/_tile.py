@@ -18,6 +18,9 @@ attention dtype as the torch path's gather rounds them (``engine/kv_quant.decode
 
 With ``WINDOWED`` (fp8, kivi2), a block that still has a window (``SlotOf[block] >= 0``: the block a
 sequence is filling) is read from the window, in the attention dtype, instead of its record.
+
+The weight tile helpers the quantized matmuls share (dense and experts) are here too: ``_e4m3_bytes_as_half``
+and ``_int4_minus_zero``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,14 @@ def _e4m3_bytes_as_half(bits):
     writes, reads as 1.875); four integer ops, for GPUs without Triton's e4m3 type (before sm_89)."""
     b = bits.to(tl.uint16)
     return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _int4_minus_zero(packed, shift, zero):
+    """A ``[BLOCK_K, BLOCK_N]`` slice of 4-bit weights (``engine/int4_weights.py``), each row read from the byte
+    that holds it and two rows (``shift`` 0 or 4 a row: its nibble), minus its column's ``zero``: -15..15 in
+    int16, exact in every float type the product takes."""
+    return ((packed >> shift) & 0xF).to(tl.int16) - zero.to(tl.int16)[None, :]
 
 
 @triton.jit

@@ -14,14 +14,17 @@ QUANTIZED_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes the attention
 
 
 class ExpertScales(NamedTuple):
-    """The float32 scales of a mixture of experts' fp8 matrices (``engine/weight_quant.py``): ``gate_up``
+    """The float32 scales of a mixture of experts' quantized matrices: ``gate_up``
     ``[E, 2I, ceil(H / gate_up_k_block)]`` and ``down`` ``[E, H, ceil(I / down_k_block)]``, one per output
-    row and k-block of input columns."""
+    row and k-block of input columns. fp8 codes (``engine/weight_quant.py``) have no zeros; 4-bit ones
+    (``engine/int4_weights.py``: the k-block is the group) have uint8 zeros shaped as their scales."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
     gate_up_k_block: int
     down_k_block: int
+    gate_up_zero: torch.Tensor | None = None
+    down_zero: torch.Tensor | None = None
 
 
 def interpreting() -> bool:

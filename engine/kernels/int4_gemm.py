@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels._tile import _int4_minus_zero
 from engine.kernels.common import slice_k, weight_matmul_launch
 
 
@@ -39,7 +40,7 @@ def _int4_matmul_kernel(
         group = k0 // GROUP
         zero = tl.load(Z + offs_n.to(tl.int64) * stride_zn + group, mask=in_n, other=0)
         scale = tl.load(S + offs_n.to(tl.int64) * stride_sn + group, mask=in_n, other=0.0)
-        codes = ((packed >> shift) & 0xF).to(tl.int16) - zero.to(tl.int16)[None, :]
+        codes = _int4_minus_zero(packed, shift, zero)
         if UPCAST:
             x = x.to(tl.float32)
         acc += tl.dot(x, codes.to(x.dtype), input_precision=PREC) * scale[None, :]

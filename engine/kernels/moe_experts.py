@@ -9,6 +9,10 @@ output, and multiplies the rows it gathers by that expert's matrix. The first la
 ``[2I]`` gate and up rows, the activation runs in torch, the second launch multiplies by the down matrix
 and the pair's router score, and the k pairs of a token are summed. Every shape depends only on the
 token count, so a decode step holding it can be captured in a CUDA graph.
+
+Quantized experts (W8A16 fp8, W4A16 int4) stay packed: each ``BLOCK_K`` slice of codes is read as the dense
+matmuls read it (``_tile``'s helpers) and its partial sum scaled by its rows' scale, so a decode step reads
+one byte, or half a byte, a weight of every expert it touches.
 """
 
 from __future__ import annotations
@@ -19,23 +23,24 @@ import triton
 import triton.language as tl
 
 from engine.kernels import common
-from engine.kernels._tile import _e4m3_bytes_as_half
+from engine.kernels._tile import _e4m3_bytes_as_half, _int4_minus_zero
 from engine.kernels.common import ExpertScales, dtype_flags, next_power_of_2
 
 
 @triton.jit
 def _expert_matmul_kernel(
-    A, B, C, SortedPairs, BlockExperts, Scores, BScales, num_pairs, N, K,
+    A, B, C, SortedPairs, BlockExperts, Scores, BScales, BZeros, num_pairs, N, K,
     stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn,
-    PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr, FP8: tl.constexpr, CODES_AS_BYTES: tl.constexpr,
+    PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr, QUANT: tl.constexpr, CODES_AS_BYTES: tl.constexpr,
     K_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert].T (times the pair's score with SCALE) for the
     BLOCK_M pairs of this program's block, all routed to the one expert BlockExperts names (-1: a block
-    past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding. With FP8, B holds e4m3
-    codes (bytes with CODES_AS_BYTES, 2^-8 of their value) and each ``BLOCK_K`` slice's partial sum is
-    scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``)."""
+    past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding. With ``QUANT`` 1, B holds
+    e4m3 codes (bytes with CODES_AS_BYTES, 2^-8 of their value); with 2, two 4-bit codes a byte ``[E, N, K / 2]``
+    and BZeros their uint8 zeros, shaped and strided as the scales. Each ``BLOCK_K`` slice's partial sum is
+    then scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``)."""
     expert = tl.load(BlockExperts + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -45,8 +50,14 @@ def _expert_matmul_kernel(
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+        b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+        if QUANT == 2:  # a byte per two rows of the slice, even rows in the low nibble
+            b_ptrs += (offs_k // 2)[:, None]
+            shift = ((offs_k % 2) * 4)[:, None]
+        else:
+            b_ptrs += offs_k[:, None]
         s_ptrs = BScales + expert * stride_se + offs_n.to(tl.int64) * stride_sn
+        z_ptrs = BZeros + expert * stride_se + offs_n.to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             in_k = offs_k + k0 < K
@@ -54,17 +65,18 @@ def _expert_matmul_kernel(
             b = tl.load(b_ptrs, mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
-            if FP8:
-                if CODES_AS_BYTES:
-                    b = _e4m3_bytes_as_half(b)
+            if QUANT == 0:
+                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PREC)
+            else:
                 scale = tl.load(s_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0.0)
-                if CODES_AS_BYTES:
+                if QUANT == 2:
+                    b = _int4_minus_zero(b, shift, tl.load(z_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0))
+                elif CODES_AS_BYTES:
+                    b = _e4m3_bytes_as_half(b)
                     scale = scale * 256.0
                 acc += tl.dot(a, b.to(a.dtype), input_precision=PREC) * scale[None, :]
-            else:
-                acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PREC)
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K // 2 if QUANT == 2 else BLOCK_K
         if SCALE:
             acc = acc * tl.load(Scores + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
         c_ptrs = C + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -99,24 +111,27 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 
 def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                    block_experts: torch.Tensor, scores: torch.Tensor | None, pairs_per_row: int,
-                   block_m: int, b_scales: torch.Tensor | None = None, k_block: int = 0) -> None:
-    """``b``: the experts' matrices in a's dtype, or fp8 codes with ``b_scales`` per row and ``k_block``."""
-    n, k = b.shape[1], b.shape[2]
+                   block_m: int, b_scales: torch.Tensor | None = None, k_block: int = 0,
+                   b_zeros: torch.Tensor | None = None) -> None:
+    """``b``: the experts' matrices in a's dtype, or fp8 codes with ``b_scales`` per row and ``k_block``, or
+    4-bit codes two a byte with ``b_zeros`` too."""
+    quant = 0 if b_scales is None else 1 if b_zeros is None else 2
+    n, k = b.shape[1], b.shape[2] * (2 if quant == 2 else 1)
     block_n = 64
     block_k = 32 if a.dtype == torch.float32 else 64  # fp32 tiles: half the K slice, the same shared memory
-    fp8 = b_scales is not None
-    if fp8 and k_block < k:
+    if quant and k_block < k:
         block_k = min(block_k, k_block & -k_block)  # a slice within one scale's columns
-    as_bytes = fp8 and common.fp8_codes_as_bytes(b.device)
+    as_bytes = quant == 1 and common.fp8_codes_as_bytes(b.device)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
         a, b.view(torch.uint8) if as_bytes else b, out, sorted_pairs, block_experts,
-        a if scores is None else scores, a if b_scales is None else b_scales, out.shape[0], n, k,
-        a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        a if scores is None else scores, a if b_scales is None else b_scales, a if b_zeros is None else b_zeros,
+        out.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         0 if b_scales is None else b_scales.stride(0), 0 if b_scales is None else b_scales.stride(1),
-        PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, FP8=fp8, CODES_AS_BYTES=as_bytes,
+        PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, QUANT=quant, CODES_AS_BYTES=as_bytes,
         K_BLOCK=max(k_block, 1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dtype_flags(a.dtype),
-        num_warps=8 if fp8 and a.dtype == torch.float32 else 4,  # a second fp32 tile per slice spills at 4
+        # at 4 warps a second fp32 tile per slice spills, and so do 4-bit down matrices at decode batches
+        num_warps=8 if quant == 2 or (quant and a.dtype == torch.float32) else 4,
     )
 
 
@@ -124,22 +139,24 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
               down: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
     """What ``engine.moe.routed_experts`` computes, in two launches: ``x`` ``[T, H]``, ``scores`` and ``ids``
     ``[T, k]`` (scores in float32 or x's dtype; each output row is scaled in float32), ``gate_up``
-    ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``scales`` (W8A16), all
-    contiguous on one device. Returns ``[T, H]``."""
+    ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``scales`` (W8A16), or 4-bit
+    codes two a byte (``[E, 2I, H / 2]``, ``[E, H, I / 2]``) with scales and zeros (W4A16), all contiguous on
+    one device. Returns ``[T, H]``."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
+    int4 = scales is not None and scales.gate_up_zero is not None
+    per_byte = 2 if int4 else 1
     if ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
         raise ValueError(f"scores {tuple(scores.shape)} and ids {tuple(ids.shape)} must both be [{t}, top_k]")
-    if gate_up.shape[2] != h or down.shape != (e, h, two_i // 2):
+    if gate_up.shape[2] * per_byte != h or down.shape != (e, h, two_i // 2 // per_byte):
         raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be [E, 2I, {h}] "
-                         f"and [E, {h}, I]")
-    weight_dtype = x.dtype if scales is None else torch.float8_e4m3fn
+                         f"and [E, {h}, I]" + (" (4-bit codes: half the columns, two a byte)" if int4 else ""))
+    weight_dtype = x.dtype if scales is None else torch.uint8 if int4 else torch.float8_e4m3fn
     if gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
         raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be {weight_dtype} (x's dtype, or fp8 "
-                         "codes with their scales)")
-    if scales is not None and (scales.gate_up.shape[:2] != gate_up.shape[:2] or scales.down.shape[:2] != down.shape[:2]
-                               or min(scales.gate_up_k_block, scales.down_k_block) < 16):
-        raise ValueError("scales must be [E, N, K / k_block] for each matrix, k_block at least 16")
+                         "codes with their scales, or uint8 4-bit codes with their scales and zeros)")
+    if scales is not None:
+        _check_scales(scales, gate_up, down)
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("x and the expert weights must be contiguous")
     k = ids.shape[1]
@@ -149,10 +166,27 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     sorted_pairs, block_experts = align_by_expert(ids, e, block_m)
     gate_and_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
     _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m,
-                   None if scales is None else scales.gate_up, 0 if scales is None else scales.gate_up_k_block)
+                   *(() if scales is None else (scales.gate_up, scales.gate_up_k_block, scales.gate_up_zero)))
     gate, up = gate_and_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
     per_pair = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
     _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m,
-                   None if scales is None else scales.down, 0 if scales is None else scales.down_k_block)
+                   *(() if scales is None else (scales.down, scales.down_k_block, scales.down_zero)))
     return per_pair.view(t, k, h).sum(dim=1)
+
+
+def _check_scales(scales: ExpertScales, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+    """Scales ``[E, N, K / k_block]`` for each matrix, k_block at least 16; 4-bit zeros shaped and strided as
+    their scales (the kernel reads both with one set of strides), each group a whole slice of K."""
+    if (scales.gate_up.shape[:2] != gate_up.shape[:2] or scales.down.shape[:2] != down.shape[:2]
+            or min(scales.gate_up_k_block, scales.down_k_block) < 16):
+        raise ValueError("scales must be [E, N, K / k_block] for each matrix, k_block at least 16")
+    if scales.gate_up_zero is None:
+        return
+    for codes, scale, zeros, k_block in ((gate_up, scales.gate_up, scales.gate_up_zero, scales.gate_up_k_block),
+                                         (down, scales.down, scales.down_zero, scales.down_k_block)):
+        if zeros is None or zeros.dtype != torch.uint8 or zeros.shape != scale.shape or zeros.stride() != scale.stride():
+            raise ValueError("4-bit zeros must be uint8, shaped and strided as their scales")
+        if scale.shape[2] * k_block != 2 * codes.shape[2]:
+            raise ValueError(f"{scale.shape[2]} groups of {k_block} columns must split each row's "
+                             f"{2 * codes.shape[2]}")
