@@ -183,11 +183,11 @@ class DecodeWorker(Worker):
     async def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
         """The address of the collective channel ``prefill_id``'s next transfer uses (opened on demand),
         held for that transfer (``HandoffReceiver.collective_address``)."""
-        return self.receiver.collective_address(prefill_id, hold_s, fresh)
+        return await self.receiver.collective_address(prefill_id, hold_s, fresh)
 
     async def close_collective(self, prefill_id: str) -> None:
         """``prefill_id`` closed its end of our collective channel: close ours."""
-        self.receiver.close_collective(prefill_id)
+        await self.receiver.close_collective(prefill_id)
 
     async def kv_channels(self) -> ChannelUse:
         """Collective channels open to prefill workers, and the threads receiving over them."""

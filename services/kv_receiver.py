@@ -14,6 +14,7 @@ same bound, so N x M pairs never pin more groups or threads than that.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import threading
@@ -162,10 +163,22 @@ class HandoffReceiver:
         lease = self._claim(header)
         return _LeaseWriter(self, lease, BlockImport(self.engine.kv_cache, lease.block_ids))
 
-    def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
+    async def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
         """The ``tcp://`` address of the channel ``prefill_id``'s next transfer uses, held for it until the
         transfer ends or ``hold_s`` passes. ``fresh``: the prefill side has no channel to us (first use, or
-        it closed its end), so any channel we still hold for it is replaced."""
+        it closed its end), so any channel we still hold for it is replaced.
+
+        In a thread: a new channel's listening store connects to itself, and torch formats that socket's
+        address with a reverse DNS lookup (seconds where DNS is slow); an evicted one's group is torn down.
+        On this worker's event loop that would stall every stream it serves."""
+        return await asyncio.to_thread(self._hold_channel, prefill_id, hold_s, fresh)
+
+    async def close_collective(self, prefill_id: str) -> None:
+        """The prefill side closed its end of our pair (its pool evicted it): close ours (in a thread, as
+        ``collective_address`` tears channels down)."""
+        await asyncio.to_thread(self._close_channel, prefill_id)
+
+    def _hold_channel(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
         channel = self.channels.get(prefill_id)
         if channel is None or channel.broken or fresh:
             channel = CollectiveChannel("decode", f"tcp://{self._node}:0", backend_for(self.engine.device),
@@ -173,8 +186,7 @@ class HandoffReceiver:
         self.channels.hold(prefill_id, channel, time.monotonic() + hold_s)  # may close the LRU idle one
         return channel.init_method
 
-    def close_collective(self, prefill_id: str) -> None:
-        """The prefill side closed its end of our pair (its pool evicted it): close ours."""
+    def _close_channel(self, prefill_id: str) -> None:
         channel = self.channels.pop(prefill_id)
         if channel is not None:
             channel.close()
@@ -199,7 +211,7 @@ class HandoffReceiver:
         finally:
             self.channels.release(prefill_id, channel)
             if channel.broken and self.channels.get(prefill_id) is channel:
-                self.close_collective(prefill_id)  # out of step after a failure: the next transfer opens a new pair
+                self._close_channel(prefill_id)  # out of step after a failure: the next transfer opens a new pair
         return header.total_bytes
 
     def _receive_into_lease(self, channel: CollectiveChannel, header: TransferHeader, timeout_s: float) -> None:

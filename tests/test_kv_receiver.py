@@ -41,7 +41,7 @@ def test_a_refused_collective_transfer_is_drained_and_the_pair_carries_the_next(
             shape = engine.kv_cache.payload_shape(len(blocks))
             payload = torch.randn(shape)
             before = engine.kv_cache.data.clone()
-            address = receiver.collective_address("prefill-0", 30, fresh=True)
+            address = await receiver.collective_address("prefill-0", 30, fresh=True)
             stray = TransferHeader.describe("no-lease", engine.model_id, shape, payload.dtype)
             sender = CollectiveChannel("prefill", address, timeout_s=60)  # the prefill worker's end
             thread, outcome = send_in_thread(sender, stray, payload)
@@ -51,7 +51,8 @@ def test_a_refused_collective_transfer_is_drained_and_the_pair_carries_the_next(
             assert not thread.is_alive() and outcome == ["sent"]
             assert torch.equal(engine.kv_cache.data, before)  # the refused bytes went nowhere
 
-            assert not receiver.channels.get("prefill-0").broken and receiver.collective_address("prefill-0", 30, fresh=False) == address
+            assert not receiver.channels.get("prefill-0").broken
+            assert await receiver.collective_address("prefill-0", 30, fresh=False) == address
             header = TransferHeader.describe("leased", engine.model_id, shape, payload.dtype)
             thread, outcome = send_in_thread(sender, header, payload)  # the same pair, still in step
             assert await asyncio.to_thread(receiver.receive_collective, "prefill-0", header, 30) == header.total_bytes
@@ -95,5 +96,33 @@ def test_a_lease_released_mid_transfer_keeps_its_blocks_until_the_transfer_ends(
             assert receiver.drop_lease("leased") is True
             await loop.acall(engine.release, "leased")
             assert await loop.acall(free) == free_before + len(blocks)
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(40)
+def test_a_channel_slow_to_open_leaves_the_event_loop_serving(tiny, monkeypatch):
+    """Opening a channel creates a listening store, whose connect torch formats with a reverse DNS lookup
+    (seconds where DNS is slow): the decode worker's event loop, which streams every sequence it serves,
+    keeps running meanwhile. Here the store's creation waits for the event loop to run a callback."""
+    from services import kv_receiver
+
+    loop_ran = threading.Event()
+    waited: list[bool] = []
+
+    class SlowToOpen(CollectiveChannel):
+        def __init__(self, *args, **kwargs) -> None:
+            waited.append(loop_ran.wait(10))  # set only by the event loop: never, if this blocked it
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(kv_receiver, "CollectiveChannel", SlowToOpen)
+
+    async def main() -> None:
+        async with leased_receiver("leased", 20) as leased:
+            asyncio.get_running_loop().call_later(0.05, loop_ran.set)
+            address = await leased.receiver.collective_address("prefill-0", 30, fresh=True)
+            assert waited == [True] and address.startswith("tcp://")
+            await leased.receiver.close_collective("prefill-0")
+            assert leased.receiver.channels.get("prefill-0") is None
 
     asyncio.run(main())
