@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.engine_gpu import best_seconds, copy_bandwidth, matmul_rate, run_device, write_result  # noqa: E402
 from engine.int4_weights import pack_nibbles, quantize_groups  # noqa: E402
 from engine.kernels import fused_moe  # noqa: E402
-from engine.kernels.common import ExpertScales  # noqa: E402
+from engine.kernels.common import ExpertQuant  # noqa: E402
 from engine.moe import route, routed_experts  # noqa: E402
 from engine.weight_quant import quantize_rows  # noqa: E402
 
@@ -71,7 +71,7 @@ def graph_seconds(fn, device: torch.device) -> float | None:
 
 
 def held_experts(gate_up: torch.Tensor, down: torch.Tensor, weights: str
-                 ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales | None]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, ExpertQuant | None]:
     """The experts as the engine holds them for ``weights``: as they are ("dtype"), e4m3 codes with a scale a
     row ("fp8"), or 4-bit codes two a byte with a scale and zero per group of 128 columns ("int4"; narrower
     groups where 128 does not split a row)."""
@@ -88,7 +88,7 @@ def held_experts(gate_up: torch.Tensor, down: torch.Tensor, weights: str
         held.append([p.reshape(experts, w.shape[1], -1) for p in parts])
     (gate_up, gate_up_scales, *gate_up_zeros), (down, down_scales, *down_zeros) = held
     k_blocks = (group, group) if weights == "int4" else (gate_up.shape[2], down.shape[2])
-    return gate_up, down, ExpertScales(gate_up_scales, down_scales, *k_blocks, *gate_up_zeros, *down_zeros)
+    return gate_up, down, ExpertQuant(gate_up_scales, down_scales, *k_blocks, *gate_up_zeros, *down_zeros)
 
 
 def run_shape(shape: str, tokens: list[int], device: torch.device, dtype: torch.dtype, bandwidth: float,

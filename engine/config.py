@@ -538,12 +538,8 @@ class ModelConfig:
 
     def check_int4_shapes(self) -> None:
         """4-bit checkpoints pack 8 codes to an int32 along one dimension and group the input columns: every
-        projection's rows and columns must split so (and a mixture's experts cannot gather their inputs in
-        act-order: each expert would need its own order inside the fused kernels)."""
+        projection's rows and columns must split so."""
         quant = self.weight_quant
-        if self.moe is not None and quant.act_order:
-            raise UnsupportedModelError("quantization_config", f"act-order (desc_act, actorder) {quant.layout} "
-                                        "4-bit mixtures of experts are not supported; quantize without act-order")
         for out, inp, _ in self.projection_shapes():
             if out % 8 or inp % 8 or (quant.group_size and inp % quant.group_size):
                 raise UnsupportedModelError("quantization_config.group_size", f"a [{out}, {inp}] projection does not "

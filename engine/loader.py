@@ -30,7 +30,7 @@ from engine.int4_weights import (
     sort_columns,
     zeros_from_checkpoint,
 )
-from engine.model import CausalLM, Linear
+from engine.model import CausalLM, Linear, SparseMoE
 from engine.tiny import write_tiny_checkpoint
 from engine.weight_quant import quantize_rows, row_scales
 
@@ -79,16 +79,19 @@ def _weight_files(model_dir: Path) -> list[Path]:
 MIXTRAL_EXPERT_NAMES = {"mlp.": "block_sparse_moe.", "gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
-def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Checkpoint names of each expert's matrices packed in ``param`` (``...mlp.experts.gate_up_proj``
-    ``[E, 2I, H]`` or ``...mlp.experts.down_proj`` ``[E, H, I]``) -> its view for them."""
+def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig, columns: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Checkpoint names of each expert's matrices packed in ``name`` (``...mlp.experts.gate_up_proj``
+    ``[E, 2I, H]`` or ``...mlp.experts.down_proj`` ``[E, H, I]``) -> ``param``'s view for them: the
+    matrix's, or a companion's row for row; with ``columns`` an act-order input order ``[E, in]``, which an
+    expert's gate and up share whole."""
     prefix, packed = name.rsplit(".", 1)
     inter = param.shape[1] // 2
     views = {}
     for e in range(param.shape[0]):
         if packed == "gate_up_proj":
-            views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e, :inter]
-            views[f"{prefix}.{e}.up_proj.weight"] = param.data[e, inter:]
+            views[f"{prefix}.{e}.gate_proj.weight"] = param.data[e] if columns else param.data[e, :inter]
+            views[f"{prefix}.{e}.up_proj.weight"] = param.data[e] if columns else param.data[e, inter:]
         else:
             views[f"{prefix}.{e}.down_proj.weight"] = param.data[e]
     if cfg.architecture != "MixtralForCausalLM":
@@ -192,15 +195,17 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     params = dict(model.named_parameters())
     targets: dict[str, _Target] = {}
     for name, param in params.items():
-        if name.endswith(("_scale", "_zero", ".input_perm")):
+        if name.endswith(("_scale", "_zero", "input_perm")):
             continue  # filled with its weight
         # a quantized projection's scales (and int4 zeros), row for row, and an act-order one's input order
         # (engine/weight_quant.py, int4_weights.py)
         companions = {"weight" + part: params[name + part] for part in ("_scale", "_zero") if name + part in params}
-        if (perm := name.removesuffix("weight") + "input_perm") in params:
+        perm = name.removesuffix("weight") + "input_perm" if name.endswith("weight") else name + "_input_perm"
+        if perm in params:
             companions["input_perm"] = params[perm]
         if ".experts." in name:
-            views = {part: _expert_targets(name, companion, cfg) for part, companion in companions.items()}
+            views = {part: _expert_targets(name, companion, cfg, columns=part == "input_perm")
+                     for part, companion in companions.items()}
             for key, view in _expert_targets(name, param, cfg).items():
                 _add(targets, key, view, {part: by_key[key] for part, by_key in views.items()}, quant)
         elif ".mlp.gate." in name and cfg.architecture == "MixtralForCausalLM":  # the router
@@ -222,6 +227,20 @@ def _rows(companions: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, to
     """Rows ``lo:hi`` of each companion; the input order, which spans columns, whole."""
     return {part: companion.data if part == "input_perm" else companion.data[lo:hi]
             for part, companion in companions.items()}
+
+
+def _sort_act_order_columns(model: CausalLM) -> None:
+    """Act-order: each 4-bit matrix's columns sorted into group order (its input gathered to match), the
+    projections' and each expert's (``int4_weights.sort_columns``)."""
+    for module in model.modules():
+        if isinstance(module, Linear) and module.input_perm is not None:
+            module.weight.copy_(sort_columns(module.weight, module.input_perm))
+        elif isinstance(module, SparseMoE) and (quant := module.expert_quant()) is not None and quant.gate_up_perm \
+                is not None:
+            for matrix, perms in ((module.experts.gate_up_proj, quant.gate_up_perm),
+                                  (module.experts.down_proj, quant.down_perm)):
+                for expert, perm in enumerate(perms):
+                    matrix[expert].copy_(sort_columns(matrix[expert], perm))
 
 
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) -> None:
@@ -273,8 +292,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     if missing:
         raise CheckpointError(f"{model_dir}: missing tensor(s) {', '.join(missing[:5])}"
                               + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
-    for module in model.modules():
-        if isinstance(module, Linear) and module.input_perm is not None:  # act-order: each group's columns together
-            module.weight.copy_(sort_columns(module.weight, module.input_perm))
+    _sort_act_order_columns(model)
     model.init_rope(device)
     return model.eval(), cfg

@@ -27,7 +27,7 @@ from torch import nn
 from engine import kernels
 from engine.config import Int4Quant, ModelConfig, MoEConfig, WeightQuant
 from engine.int4_weights import int4_linear
-from engine.kernels.common import ExpertScales
+from engine.kernels.common import ExpertQuant
 from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
@@ -327,7 +327,8 @@ class MLP(nn.Module):
 class SparseMoE(nn.Module):
     """A layer's experts (``engine/moe.py``), with Qwen2-MoE's gated shared expert when configured. Names
     follow transformers 5: ``gate`` is the router, ``experts.gate_up_proj`` ``[E, 2I, H]`` and
-    ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices."""
+    ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices; quantized, each comes with ``_scale``
+    (and 4-bit ``_zero``, and act-order ``_input_perm`` ``[E, in]``) as ``Linear``'s weight does."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype,
                  quant: WeightQuant | Int4Quant | None = None):
@@ -350,6 +351,9 @@ class SparseMoE(nn.Module):
             if int4:
                 self.experts.gate_up_proj_zero, self.experts.down_proj_zero = (
                     _frozen(torch.empty(s, dtype=torch.uint8)) for s in shapes)
+            if int4 and quant.act_order:  # -1s until the checkpoint's g_idx sets them (int4_weights.act_order_perm)
+                self.experts.gate_up_proj_input_perm, self.experts.down_proj_input_perm = (
+                    _frozen(torch.full((e, cols), -1, dtype=torch.int64)) for cols in (hidden_size, i))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype, quant)
@@ -362,13 +366,19 @@ class SparseMoE(nn.Module):
         if not self.config.float32_scores:
             scores = scores.to(x.dtype)
         experts = kernels.fused_moe if fused else routed_experts
-        scales = None if self.k_blocks is None else ExpertScales(
-            self.experts.gate_up_proj_scale, self.experts.down_proj_scale, *self.k_blocks,
-            getattr(self.experts, "gate_up_proj_zero", None), getattr(self.experts, "down_proj_zero", None))
-        out = experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj, scales)
+        out = experts(x, scores, ids, self.experts.gate_up_proj, self.experts.down_proj, self.expert_quant())
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+    def expert_quant(self) -> ExpertQuant | None:
+        """The quantized experts' scales (and 4-bit zeros and act-order input orders); None in ``dtype``."""
+        if self.k_blocks is None:
+            return None
+        experts = self.experts
+        zeros = getattr(experts, "gate_up_proj_zero", None), getattr(experts, "down_proj_zero", None)
+        perms = getattr(experts, "gate_up_proj_input_perm", None), getattr(experts, "down_proj_input_perm", None)
+        return ExpertQuant(experts.gate_up_proj_scale, experts.down_proj_scale, *self.k_blocks, *zeros, *perms)
 
 
 class DecoderLayer(nn.Module):

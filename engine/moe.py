@@ -7,7 +7,7 @@ SwiGLU outputs scaled by the softmaxed scores (renormalized over the k for Mixtr
 Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and the down matrices into
 ``[E, H, I]`` (transformers 5's and vLLM's layout; the loader packs the checkpoint's per-expert tensors);
 the module holding them is ``engine.model.SparseMoE``. With fp8 weights (``engine/weight_quant.py``) they are
-e4m3 codes with ``ExpertScales``; with 4-bit ones (``engine/int4_weights.py``: AWQ, GPTQ, compressed-tensors)
+e4m3 codes with ``ExpertQuant``; with 4-bit ones (``engine/int4_weights.py``: AWQ, GPTQ, compressed-tensors)
 two codes a byte, ``[E, 2I, H / 2]`` and ``[E, H, I / 2]``, with scales and zeros per group.
 The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
 exactly its rows, and adds them up in ascending expert order as transformers does.
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import int4_weights, weight_quant
-from engine.kernels.common import ExpertScales
+from engine.kernels.common import ExpertQuant
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,16 +35,18 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
+                   down: torch.Tensor, quant: ExpertQuant | None = None) -> torch.Tensor:
     """Sum over each row's experts of ``score * down(silu(gate(x)) * up(x))``: ``x`` ``[T, H]``, ``scores``
-    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 or 4-bit codes with ``scales``: each
-    expert's matrices dequantized as it runs). Scores in float32 scale the outputs in float32 (then cast);
-    scores in ``x.dtype`` scale them in that dtype."""
+    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 or 4-bit codes with
+    ``quant``: each expert's matrices dequantized as it runs, its inputs gathered into their act-order).
+    Scores in float32 scale the outputs in float32 (then cast); scores in ``x.dtype`` scale them in that
+    dtype."""
     k = ids.shape[1]
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)  # (row, slot) pairs grouped by expert, rows ascending
     counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
     flat_scores = scores.flatten()
+    gate_up_perm, down_perm = (None, None) if quant is None else (quant.gate_up_perm, quant.down_perm)
     out = torch.zeros_like(x)
     start = 0
     for expert, n in enumerate(counts):
@@ -53,20 +55,26 @@ def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gat
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        w_gate_up, w_down = _expert_weights(gate_up, down, scales, expert, x.dtype)
-        gate, up = F.linear(x[rows], w_gate_up).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down) * flat_scores[pairs, None]
+        w_gate_up, w_down = _expert_weights(gate_up, down, quant, expert, x.dtype)
+        gate, up = F.linear(_in_order(x[rows], gate_up_perm, expert), w_gate_up).chunk(2, dim=-1)
+        y = F.linear(_in_order(F.silu(gate) * up, down_perm, expert), w_down) * flat_scores[pairs, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
 
 
-def _expert_weights(gate_up: torch.Tensor, down: torch.Tensor, scales: ExpertScales | None, expert: int,
+def _expert_weights(gate_up: torch.Tensor, down: torch.Tensor, quant: ExpertQuant | None, expert: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert's gate/up and down matrices in ``dtype``: as held, or dequantized from fp8 or 4-bit codes."""
-    if scales is None:
+    if quant is None:
         return gate_up[expert], down[expert]
-    if scales.gate_up_zero is None:
-        return (weight_quant.dequantize(gate_up[expert], scales.gate_up[expert], scales.gate_up_k_block, dtype),
-                weight_quant.dequantize(down[expert], scales.down[expert], scales.down_k_block, dtype))
-    return (int4_weights.dequantize(gate_up[expert], scales.gate_up[expert], scales.gate_up_zero[expert], dtype),
-            int4_weights.dequantize(down[expert], scales.down[expert], scales.down_zero[expert], dtype))
+    if quant.gate_up_zero is None:
+        return (weight_quant.dequantize(gate_up[expert], quant.gate_up[expert], quant.gate_up_k_block, dtype),
+                weight_quant.dequantize(down[expert], quant.down[expert], quant.down_k_block, dtype))
+    return (int4_weights.dequantize(gate_up[expert], quant.gate_up[expert], quant.gate_up_zero[expert], dtype),
+            int4_weights.dequantize(down[expert], quant.down[expert], quant.down_zero[expert], dtype))
+
+
+def _in_order(rows: torch.Tensor, orders: torch.Tensor | None, expert: int) -> torch.Tensor:
+    """``rows``' columns in the expert's act-order input order (of ``orders`` ``[E, in]``; None: as they
+    are), the order its matrix holds its columns in."""
+    return rows if orders is None else rows.index_select(-1, orders[expert])

@@ -119,15 +119,16 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
                 kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
                                   torch.empty(experts, 2 * inter, hidden, dtype=fp8),
                                   torch.empty(experts, hidden, inter, dtype=fp8),
-                                  common.ExpertScales(torch.empty(experts, 2 * inter, hidden // 128),
+                                  common.ExpertQuant(torch.empty(experts, 2 * inter, hidden // 128),
                                                       torch.empty(experts, hidden, inter // 128), 128, 128))
                 # 4-bit experts in groups of 128 (Qwen3-30B-A3B-GPTQ-Int4): scales and zeros of one shape each
                 groups = ((experts, 2 * inter, hidden // 128), (experts, hidden, inter // 128))
                 scales, zeros = ([torch.empty(g, dtype=t) for g in groups] for t in (torch.float32, torch.uint8))
-                kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
-                                  torch.empty(experts, 2 * inter, hidden // 2, dtype=torch.uint8),
-                                  torch.empty(experts, hidden, inter // 2, dtype=torch.uint8),
-                                  common.ExpertScales(*scales, 128, 128, *zeros))
+                for perms in ([None, None], [torch.zeros(experts, cols, dtype=torch.long) for cols in (hidden, inter)]):
+                    kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,  # act-order: perms
+                                      torch.empty(experts, 2 * inter, hidden // 2, dtype=torch.uint8),
+                                      torch.empty(experts, hidden, inter // 2, dtype=torch.uint8),
+                                      common.ExpertQuant(*scales, 128, 128, *zeros, *perms))
     if kv_format == "auto" and dtype == torch.bfloat16:  # LoRA adapters of a decode batch: ranks 16 and 64, packed q/k/v
         fan_in, fan_out = cfg.hidden_size, qkv.shape[1]
         for cap in (48, 192):

@@ -230,11 +230,11 @@ def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_pa
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch, layout", [("llama", "block"), ("llama", "online"), ("qwen3_moe", "block"),
                                           ("qwen2", "awq"), ("llama", "gptq"), ("llama", "gptq_act_order"),
-                                          ("qwen3_moe", "gptq")])
+                                          ("qwen3_moe", "gptq"), ("qwen3_moe", "gptq_act_order_16")])
 def test_quantized_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, arch, layout):
     """The fp8 and int4 matmuls and the fp8 and int4 MoE kernels compiled for the device, in prefill and in
     decode steps replayed from CUDA graphs (block-wise fp8 checkpoints, --quantization fp8 on a 16-bit one, AWQ
-    and GPTQ checkpoints, act-order's input gather inside the graphs): float32 greedy tokens equal the CPU torch
+    and GPTQ checkpoints, act-order's input gathers inside the graphs, each expert's too): float32 greedy tokens equal the CPU torch
     path's, which are transformers' on the same weights (tests/test_weight_quant.py,
     tests/test_int4_weights.py)."""
     if ran_in_a_compiling_process(request.node.name):

@@ -68,6 +68,8 @@ FORMATS = {
     "compressed_asym": (Int4Quant("compressed-tensors", 0), quantize_groups),  # a zero point a row
     # act-order: each group's columns scattered over the input, in GPTQ's order
     "gptq_act_order": (Int4Quant("gptq", GROUP, act_order=True), quantize_groups),
+    # groups of 16: the tiny mixtures' experts (intermediate size 32) get two groups in their down matrices
+    "gptq_act_order_16": (Int4Quant("gptq", 16, act_order=True), quantize_groups),
     "compressed_act_order": (Int4Quant("compressed-tensors", GROUP, zero_points=False, act_order=True),
                              quantize_symmetric),
 }
@@ -128,15 +130,16 @@ def transformers_with(path, tensors: dict[str, torch.Tensor]) -> transformers.Pr
 @pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("llama", "gptq"), ("mistral", "gptq_v2"),
                                        ("qwen3", "compressed"), ("phi3", "compressed_asym"),
                                        ("qwen2", "gptq_act_order"), ("llama", "compressed_act_order"),
-                                       ("qwen3_moe", "gptq"), ("mixtral", "awq"), ("qwen2_moe", "compressed_asym")])
+                                       ("qwen3_moe", "gptq"), ("mixtral", "awq"), ("qwen2_moe", "compressed_asym"),
+                                       ("qwen3_moe", "gptq_act_order_16")])
 def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
     one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row),
     compressed-tensors on Qwen3 (symmetric: no zeros stored) and Phi-3 (a zero point a row, its checkpoint's
     q/k/v and gate/up packed already), and act-order GPTQ and compressed-tensors (groups scattered over the
     columns by g_idx: sorted into place at load, the input gathered to match), and mixtures of experts in
-    GPTQ (Qwen3-MoE), AWQ (Mixtral's w1/w3/w2) and compressed-tensors with a zero point a row (Qwen2-MoE, its
-    shared expert too): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's
+    GPTQ (Qwen3-MoE, act-order too: each expert's own input orders), AWQ (Mixtral's w1/w3/w2) and
+    compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's
     into the packed experts, half a byte a weight; the routers stay in the model's dtype. The reference is
     transformers on the weights the codes stand for."""
     build_hf_checkpoint(tmp_path, arch)
@@ -153,10 +156,10 @@ def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch,
         assert moe.gate.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq_act_order"), ("qwen3_moe", "gptq")])
+@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq_act_order"), ("qwen3_moe", "gptq_act_order_16")])
 def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, arch, fmt):
     """Codes, scales and zeros (a mixture's experts' too, its routers in the model's dtype), and an act-order
-    projection's input order."""
+    projection's, or expert's, input order."""
     build_hf_checkpoint(tmp_path, arch)
     quantize_checkpoint(tmp_path, fmt)
     model, _ = load_model(tmp_path, "bfloat16", "cpu")
@@ -210,7 +213,7 @@ def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, cha
 def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
     """An act-order g_idx under desc_act false, q and k act-order g_idx that differ (one input cannot be in
     two orders), a nonzero bias a projection does not have, a weight_shape other than the projection's,
-    --quantization fp8 on top of int4 weights, and a mixture of experts in int4."""
+    --quantization fp8 on top of int4 weights, and an act-order expert whose gate and up g_idx differ."""
     build_hf_checkpoint(tmp_path, "llama")
     quantize_checkpoint(tmp_path, "gptq")
     config = EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64)
@@ -243,8 +246,10 @@ def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
     with pytest.raises(UnsupportedModelError, match="4-bit weights already; load it without --quantization fp8"):
         ModelConfig.from_dir(tmp_path).with_quantization("fp8")
     build_hf_checkpoint(tmp_path / "moe", "qwen3_moe")
-    raw = json.loads((tmp_path / "moe" / "config.json").read_text())
-    act_order = checkpoint_config(FORMATS["gptq_act_order"][0])
-    (tmp_path / "moe" / "config.json").write_text(json.dumps({**raw, "quantization_config": act_order}))
-    with pytest.raises(UnsupportedModelError, match="act-order .* mixtures of experts are not supported"):
-        ModelConfig.from_dir(tmp_path / "moe")
+    quantize_checkpoint(tmp_path / "moe", "gptq_act_order_16")
+    tensors = load_file(tmp_path / "moe" / "model.safetensors")
+    up_g_idx = "model.layers.0.mlp.experts.2.up_proj.g_idx"
+    tensors[up_g_idx] = tensors[up_g_idx].flip(0).contiguous()
+    save_file(tensors, tmp_path / "moe" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{up_g_idx}'.*differs from another projection's on the same input"):
+        Engine(EngineConfig(model=str(tmp_path / "moe"), block_size=BLOCK, num_blocks=64))

@@ -627,7 +627,7 @@ def test_fused_moe_on_fp8_experts_matches_the_expert_loop(k_block: int, as_bytes
     """fp8 codes with a scale per row and 16 columns (the last block of 40 narrower) or per row: the fused
     kernels scale each slice's partial sums as the torch loop dequantizes each expert's matrices; the codes
     read natively and as bytes (GPUs before sm_89)."""
-    from engine.kernels.common import ExpertScales
+    from engine.kernels.common import ExpertQuant
     from engine.kernels.moe_experts import fused_moe
     from engine.moe import routed_experts
 
@@ -637,19 +637,19 @@ def test_fused_moe_on_fp8_experts_matches_the_expert_loop(k_block: int, as_bytes
     (gate_up, gate_up_scales), (down, down_scales) = (
         fp8_weight(experts * rows, cols, k_block or cols) for rows, cols in ((2 * inter, hidden), (hidden, inter)))
     gate_up, down = gate_up.view(experts, 2 * inter, hidden), down.view(experts, hidden, inter)
-    scales = ExpertScales(gate_up_scales.view(experts, 2 * inter, -1) / 8, down_scales.view(experts, hidden, -1) / 8,
+    scales = ExpertQuant(gate_up_scales.view(experts, 2 * inter, -1) / 8, down_scales.view(experts, hidden, -1) / 8,
                           k_block or hidden, k_block or inter)  # weights about 1/8, as the tests above
     want = routed_experts(x, scores, ids, gate_up, down, scales).to(dtype)  # float32, as the half-precision test
     assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, scales), want)
 
 
-@pytest.mark.parametrize("group", [16, 0])  # 0: one group a row
+@pytest.mark.parametrize("group, act_order", [(16, False), (0, False), (16, True)])  # 0: one group a row
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, dtype: torch.dtype):
+def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, act_order: bool, dtype: torch.dtype):
     """4-bit codes two a byte with a zero and a scale per row and 16 columns (slices of a group) or per row:
     the fused kernels subtract each slice's zeros and scale its partial sums as the torch loop dequantizes
-    each expert's matrices."""
-    from engine.kernels.common import ExpertScales
+    each expert's matrices; with act-order each expert gathers its input columns in its own order."""
+    from engine.kernels.common import ExpertQuant
     from engine.kernels.moe_experts import fused_moe
     from engine.moe import routed_experts
 
@@ -658,14 +658,23 @@ def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, dtype: to
     (gate_up, gate_up_scales, gate_up_zeros), (down, down_scales, down_zeros) = (
         [t.view(experts, rows, -1) for t in int4_weight(experts * rows, cols, cols // (group or cols))]
         for rows, cols in ((2 * inter, hidden), (hidden, inter)))
-    scales = ExpertScales(gate_up_scales / 8, down_scales / 8, group or hidden, group or inter, gate_up_zeros,
-                          down_zeros)  # weights about 1/8, as the tests above
-    want = routed_experts(x, scores, ids, gate_up, down, scales).to(dtype)
-    assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, scales), want)
+    perms = [torch.stack([torch.randperm(cols) for _ in range(experts)]) for cols in (hidden, inter)] if act_order \
+        else [None, None]
+    quant = ExpertQuant(gate_up_scales / 8, down_scales / 8, group or hidden, group or inter, gate_up_zeros,
+                        down_zeros, *perms)  # weights about 1/8, as the tests above
+    want = routed_experts(x, scores, ids, gate_up, down, quant).to(dtype)
+    assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, quant), want)
+    if act_order:  # the orders matter: without them the output is another
+        assert not torch.allclose(routed_experts(x, scores, ids, gate_up, down, quant._replace(
+            gate_up_perm=None, down_perm=None)).to(dtype), want, atol=1e-2)
+        with pytest.raises(ValueError, match="both matrices' input orders"):
+            fused_moe(x, scores, ids, gate_up, down, quant._replace(down_perm=None))
+        with pytest.raises(ValueError, match=r"int64 \[E, 48\]"):
+            fused_moe(x, scores, ids, gate_up, down, quant._replace(down_perm=perms[1].int()))
     with pytest.raises(ValueError, match="zeros must be uint8, shaped and strided as their scales"):
-        fused_moe(x, scores, ids, gate_up, down, scales._replace(down_zero=down_zeros[:, 1:]))
+        fused_moe(x, scores, ids, gate_up, down, quant._replace(down_zero=down_zeros[:, 1:]))
     with pytest.raises(ValueError, match=r"\[E, 2I, 64\].*half the columns"):
-        fused_moe(x, scores, ids, gate_up[:, :, :8], down, scales)
+        fused_moe(x, scores, ids, gate_up[:, :, :8], down, quant)
 
 
 def test_fused_moe_rejects_mismatched_operands():

@@ -13,11 +13,13 @@ import torch
 QUANTIZED_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes the attention kernels dequantize
 
 
-class ExpertScales(NamedTuple):
-    """The float32 scales of a mixture of experts' quantized matrices: ``gate_up``
+class ExpertQuant(NamedTuple):
+    """What a mixture of experts' quantized matrices come with. The float32 scales ``gate_up``
     ``[E, 2I, ceil(H / gate_up_k_block)]`` and ``down`` ``[E, H, ceil(I / down_k_block)]``, one per output
     row and k-block of input columns. fp8 codes (``engine/weight_quant.py``) have no zeros; 4-bit ones
-    (``engine/int4_weights.py``: the k-block is the group) have uint8 zeros shaped as their scales."""
+    (``engine/int4_weights.py``: the k-block is the group) have uint8 zeros shaped as their scales, and with
+    act-order each expert's input orders (int64 ``[E, H]`` and ``[E, I]``): its columns sorted into group
+    order at load, its input gathered to match."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -25,6 +27,8 @@ class ExpertScales(NamedTuple):
     down_k_block: int
     gate_up_zero: torch.Tensor | None = None
     down_zero: torch.Tensor | None = None
+    gate_up_perm: torch.Tensor | None = None
+    down_perm: torch.Tensor | None = None
 
 
 def interpreting() -> bool:

@@ -24,15 +24,15 @@ import triton.language as tl
 
 from engine.kernels import common
 from engine.kernels._tile import _e4m3_bytes_as_half, _int4_minus_zero
-from engine.kernels.common import ExpertScales, dtype_flags, next_power_of_2
+from engine.kernels.common import ExpertQuant, dtype_flags, next_power_of_2
 
 
 @triton.jit
 def _expert_matmul_kernel(
-    A, B, C, SortedPairs, BlockExperts, Scores, BScales, BZeros, num_pairs, N, K,
-    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn,
+    A, B, C, SortedPairs, BlockExperts, Scores, BScales, BZeros, APerm, num_pairs, N, K,
+    stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_pe,
     PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr, QUANT: tl.constexpr, CODES_AS_BYTES: tl.constexpr,
-    K_BLOCK: tl.constexpr,
+    K_BLOCK: tl.constexpr, PERMUTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert].T (times the pair's score with SCALE) for the
@@ -40,7 +40,8 @@ def _expert_matmul_kernel(
     past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding. With ``QUANT`` 1, B holds
     e4m3 codes (bytes with CODES_AS_BYTES, 2^-8 of their value); with 2, two 4-bit codes a byte ``[E, N, K / 2]``
     and BZeros their uint8 zeros, shaped and strided as the scales. Each ``BLOCK_K`` slice's partial sum is
-    then scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``)."""
+    then scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``).
+    With PERMUTED (4-bit act-order), column k of B multiplies column ``APerm[expert, k]`` of A."""
     expert = tl.load(BlockExperts + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -61,7 +62,12 @@ def _expert_matmul_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             in_k = offs_k + k0 < K
-            a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
+            if PERMUTED:  # the expert's input order: a gather of each row's columns
+                cols = tl.load(APerm + expert * stride_pe + k0 + offs_k, mask=in_k, other=0)
+                a = tl.load(A + rows[:, None] * stride_am + cols[None, :], mask=valid[:, None] & in_k[None, :],
+                            other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=valid[:, None] & in_k[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=in_k[:, None] & (offs_n[None, :] < N), other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
@@ -112,51 +118,54 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                    block_experts: torch.Tensor, scores: torch.Tensor | None, pairs_per_row: int,
                    block_m: int, b_scales: torch.Tensor | None = None, k_block: int = 0,
-                   b_zeros: torch.Tensor | None = None) -> None:
+                   b_zeros: torch.Tensor | None = None, a_perm: torch.Tensor | None = None) -> None:
     """``b``: the experts' matrices in a's dtype, or fp8 codes with ``b_scales`` per row and ``k_block``, or
-    4-bit codes two a byte with ``b_zeros`` too."""
+    4-bit codes two a byte with ``b_zeros`` too, and with act-order each expert's input order ``a_perm``."""
     quant = 0 if b_scales is None else 1 if b_zeros is None else 2
     n, k = b.shape[1], b.shape[2] * (2 if quant == 2 else 1)
     block_n = 64
     block_k = 32 if a.dtype == torch.float32 else 64  # fp32 tiles: half the K slice, the same shared memory
     if quant and k_block < k:
         block_k = min(block_k, k_block & -k_block)  # a slice within one scale's columns
+    if a_perm is not None and a.dtype == torch.float32:
+        block_k = min(block_k, 16)  # a gathered fp32 tile of 32 columns spills at prefill blocks (sm_90, sm_100)
     as_bytes = quant == 1 and common.fp8_codes_as_bytes(b.device)
     grid = (block_experts.numel(), triton.cdiv(n, block_n))
     _expert_matmul_kernel[grid](
         a, b.view(torch.uint8) if as_bytes else b, out, sorted_pairs, block_experts,
         a if scores is None else scores, a if b_scales is None else b_scales, a if b_zeros is None else b_zeros,
-        out.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        a if a_perm is None else a_perm, out.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
         0 if b_scales is None else b_scales.stride(0), 0 if b_scales is None else b_scales.stride(1),
+        0 if a_perm is None else a_perm.stride(0),
         PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, QUANT=quant, CODES_AS_BYTES=as_bytes,
-        K_BLOCK=max(k_block, 1), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dtype_flags(a.dtype),
+        K_BLOCK=max(k_block, 1), PERMUTED=a_perm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **dtype_flags(a.dtype),
         # at 4 warps a second fp32 tile per slice spills, and so do 4-bit down matrices at decode batches
         num_warps=8 if quant == 2 or (quant and a.dtype == torch.float32) else 4,
     )
 
 
 def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
-              down: torch.Tensor, scales: ExpertScales | None = None) -> torch.Tensor:
+              down: torch.Tensor, quant: ExpertQuant | None = None) -> torch.Tensor:
     """What ``engine.moe.routed_experts`` computes, in two launches: ``x`` ``[T, H]``, ``scores`` and ``ids``
     ``[T, k]`` (scores in float32 or x's dtype; each output row is scaled in float32), ``gate_up``
-    ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``scales`` (W8A16), or 4-bit
-    codes two a byte (``[E, 2I, H / 2]``, ``[E, H, I / 2]``) with scales and zeros (W4A16), all contiguous on
-    one device. Returns ``[T, H]``."""
+    ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``quant``'s scales (W8A16), or
+    4-bit codes two a byte (``[E, 2I, H / 2]``, ``[E, H, I / 2]``) with scales, zeros and, with act-order,
+    input orders (W4A16), all contiguous on one device. Returns ``[T, H]``."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
-    int4 = scales is not None and scales.gate_up_zero is not None
+    int4 = quant is not None and quant.gate_up_zero is not None
     per_byte = 2 if int4 else 1
     if ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
         raise ValueError(f"scores {tuple(scores.shape)} and ids {tuple(ids.shape)} must both be [{t}, top_k]")
     if gate_up.shape[2] * per_byte != h or down.shape != (e, h, two_i // 2 // per_byte):
         raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be [E, 2I, {h}] "
                          f"and [E, {h}, I]" + (" (4-bit codes: half the columns, two a byte)" if int4 else ""))
-    weight_dtype = x.dtype if scales is None else torch.uint8 if int4 else torch.float8_e4m3fn
+    weight_dtype = x.dtype if quant is None else torch.uint8 if int4 else torch.float8_e4m3fn
     if gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
         raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be {weight_dtype} (x's dtype, or fp8 "
                          "codes with their scales, or uint8 4-bit codes with their scales and zeros)")
-    if scales is not None:
-        _check_scales(scales, gate_up, down)
+    if quant is not None:
+        _check_quant(quant, gate_up, down)
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("x and the expert weights must be contiguous")
     k = ids.shape[1]
@@ -166,27 +175,38 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     sorted_pairs, block_experts = align_by_expert(ids, e, block_m)
     gate_and_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
     _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m,
-                   *(() if scales is None else (scales.gate_up, scales.gate_up_k_block, scales.gate_up_zero)))
+                   *(() if quant is None else (quant.gate_up, quant.gate_up_k_block, quant.gate_up_zero,
+                                               quant.gate_up_perm)))
     gate, up = gate_and_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
     per_pair = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
     _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m,
-                   *(() if scales is None else (scales.down, scales.down_k_block, scales.down_zero)))
+                   *(() if quant is None else (quant.down, quant.down_k_block, quant.down_zero, quant.down_perm)))
     return per_pair.view(t, k, h).sum(dim=1)
 
 
-def _check_scales(scales: ExpertScales, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+def _check_quant(quant: ExpertQuant, gate_up: torch.Tensor, down: torch.Tensor) -> None:
     """Scales ``[E, N, K / k_block]`` for each matrix, k_block at least 16; 4-bit zeros shaped and strided as
-    their scales (the kernel reads both with one set of strides), each group a whole slice of K."""
-    if (scales.gate_up.shape[:2] != gate_up.shape[:2] or scales.down.shape[:2] != down.shape[:2]
-            or min(scales.gate_up_k_block, scales.down_k_block) < 16):
+    their scales (the kernel reads both with one set of strides), each group a whole slice of K; input orders,
+    both or neither, int64 ``[E, K]`` with contiguous rows."""
+    if (quant.gate_up.shape[:2] != gate_up.shape[:2] or quant.down.shape[:2] != down.shape[:2]
+            or min(quant.gate_up_k_block, quant.down_k_block) < 16):
         raise ValueError("scales must be [E, N, K / k_block] for each matrix, k_block at least 16")
-    if scales.gate_up_zero is None:
+    if quant.gate_up_zero is None:
+        if quant.gate_up_perm is not None or quant.down_perm is not None:
+            raise ValueError("input orders (act-order) come with 4-bit codes only")
         return
-    for codes, scale, zeros, k_block in ((gate_up, scales.gate_up, scales.gate_up_zero, scales.gate_up_k_block),
-                                         (down, scales.down, scales.down_zero, scales.down_k_block)):
+    if (quant.gate_up_perm is None) != (quant.down_perm is None):
+        raise ValueError("act-order needs both matrices' input orders")
+    for codes, scale, zeros, k_block, perm in (
+            (gate_up, quant.gate_up, quant.gate_up_zero, quant.gate_up_k_block, quant.gate_up_perm),
+            (down, quant.down, quant.down_zero, quant.down_k_block, quant.down_perm)):
+        cols = 2 * codes.shape[2]
         if zeros is None or zeros.dtype != torch.uint8 or zeros.shape != scale.shape or zeros.stride() != scale.stride():
             raise ValueError("4-bit zeros must be uint8, shaped and strided as their scales")
-        if scale.shape[2] * k_block != 2 * codes.shape[2]:
-            raise ValueError(f"{scale.shape[2]} groups of {k_block} columns must split each row's "
-                             f"{2 * codes.shape[2]}")
+        if scale.shape[2] * k_block != cols:
+            raise ValueError(f"{scale.shape[2]} groups of {k_block} columns must split each row's {cols}")
+        if perm is not None and (perm.dtype != torch.int64 or perm.shape != (codes.shape[0], cols)
+                                 or perm.stride(1) != 1):
+            raise ValueError(f"input orders must be int64 [E, {cols}] with contiguous rows, got {perm.dtype} "
+                             f"{tuple(perm.shape)}")
