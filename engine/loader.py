@@ -235,8 +235,8 @@ def _sort_act_order_columns(model: CausalLM) -> None:
     for module in model.modules():
         if isinstance(module, Linear) and module.input_perm is not None:
             module.weight.copy_(sort_columns(module.weight, module.input_perm))
-        elif isinstance(module, SparseMoE) and (quant := module.expert_quant()) is not None and quant.gate_up_perm \
-                is not None:
+        elif isinstance(module, SparseMoE) and getattr(module.experts, "gate_up_proj_input_perm", None) is not None:
+            quant = module.expert_quant()
             for matrix, perms in ((module.experts.gate_up_proj, quant.gate_up_perm),
                                   (module.experts.down_proj, quant.down_perm)):
                 for expert, perm in enumerate(perms):
