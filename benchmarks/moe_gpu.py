@@ -97,15 +97,15 @@ def run_shape(shape: str, tokens: list[int], device: torch.device, dtype: torch.
     gen = torch.Generator(device).manual_seed(0)
     gate_up = torch.randn(experts, 2 * inter, hidden, device=device, dtype=dtype, generator=gen) / hidden**0.5
     down = torch.randn(experts, hidden, inter, device=device, dtype=dtype, generator=gen) / inter**0.5
-    gate_up, down, scales = held_experts(gate_up, down, weights)
-    held = [gate_up, down] + ([] if scales is None else [t for t in scales if isinstance(t, torch.Tensor)])
+    gate_up, down, quant = held_experts(gate_up, down, weights)
+    held = [gate_up, down] + ([] if quant is None else [t for t in quant if isinstance(t, torch.Tensor)])
     expert_bytes = sum(t.numel() * t.element_size() for t in held) // experts  # what a chosen expert reads
     rows = {}
     for t in tokens:
         x = torch.randn(t, hidden, device=device, dtype=dtype, generator=gen)
         scores, ids = route(torch.randn(t, experts, device=device, generator=gen), top_k, renormalize)
-        fused_call = partial(fused_moe, x, scores, ids, gate_up, down, scales)
-        loop_call = partial(routed_experts, x, scores, ids, gate_up, down, scales)
+        fused_call = partial(fused_moe, x, scores, ids, gate_up, down, quant)
+        loop_call = partial(routed_experts, x, scores, ids, gate_up, down, quant)
         fused_s, loop_s = best_seconds(fused_call, device), best_seconds(loop_call, device)
         fused, loop = fused_call().float(), loop_call().float()
         touched = int(torch.unique(ids).numel())

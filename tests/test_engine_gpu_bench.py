@@ -108,7 +108,8 @@ def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, w
     experts weigh about a quarter of their float32 bytes (codes, and a scale and zero per group)."""
     out = tmp_path / "moe_gpu.json"
     run = subprocess.run([sys.executable, "benchmarks/moe_gpu.py", "--device", "cpu", "--shapes", "tiny-test",
-                          "--tokens", "1,40", "--weights", weights, "--json", str(out)], cwd=Path(__file__).parents[1],
+                          "--tokens", "1,40", "--weights", weights, "--json", str(out)],
+                         cwd=Path(__file__).parents[1],
                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stderr[-3000:]
     shape = json.loads(out.read_text())["shapes"]["tiny-test"]

@@ -234,9 +234,9 @@ def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_pa
 def test_quantized_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, arch, layout):
     """The fp8 and int4 matmuls and the fp8 and int4 MoE kernels compiled for the device, in prefill and in
     decode steps replayed from CUDA graphs (block-wise fp8 checkpoints, --quantization fp8 on a 16-bit one, AWQ
-    and GPTQ checkpoints, act-order's input gathers inside the graphs, each expert's too): float32 greedy tokens equal the CPU torch
-    path's, which are transformers' on the same weights (tests/test_weight_quant.py,
-    tests/test_int4_weights.py)."""
+    and GPTQ checkpoints, act-order's input gathers inside the graphs, each expert's too): float32 greedy
+    tokens equal the CPU torch path's, which are transformers' on the same weights
+    (tests/test_weight_quant.py, tests/test_int4_weights.py)."""
     if ran_in_a_compiling_process(request.node.name):
         return
     from test_engine_model import BLOCK, build_hf_checkpoint, prompts

@@ -123,7 +123,8 @@ def transformers_with(path, tensors: dict[str, torch.Tensor]) -> transformers.Pr
     (out / "config.json").write_text(json.dumps(raw))
     if (path / "generation_config.json").exists():
         shutil.copy(path / "generation_config.json", out)
-    save_file({name: t.contiguous() for name, t in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({name: t.contiguous() for name, t in tensors.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
     return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
 
 
@@ -139,9 +140,9 @@ def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch,
     q/k/v and gate/up packed already), and act-order GPTQ and compressed-tensors (groups scattered over the
     columns by g_idx: sorted into place at load, the input gathered to match), and mixtures of experts in
     GPTQ (Qwen3-MoE, act-order too: each expert's own input orders), AWQ (Mixtral's w1/w3/w2) and
-    compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's
-    into the packed experts, half a byte a weight; the routers stay in the model's dtype. The reference is
-    transformers on the weights the codes stand for."""
+    compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too): q/k/v and gate/up packed
+    row by row into the model's fused matrices, each expert's into the packed experts, half a byte a weight;
+    the routers stay in the model's dtype. The reference is transformers on the weights the codes stand for."""
     build_hf_checkpoint(tmp_path, arch)
     original = load_file(tmp_path / "model.safetensors")
     reference = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, fmt)})
@@ -156,7 +157,8 @@ def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch,
         assert moe.gate.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq_act_order"), ("qwen3_moe", "gptq_act_order_16")])
+@pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq_act_order"),
+                                       ("qwen3_moe", "gptq_act_order_16")])
 def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, arch, fmt):
     """Codes, scales and zeros (a mixture's experts' too, its routers in the model's dtype), and an act-order
     projection's, or expert's, input order."""

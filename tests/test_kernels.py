@@ -637,10 +637,10 @@ def test_fused_moe_on_fp8_experts_matches_the_expert_loop(k_block: int, as_bytes
     (gate_up, gate_up_scales), (down, down_scales) = (
         fp8_weight(experts * rows, cols, k_block or cols) for rows, cols in ((2 * inter, hidden), (hidden, inter)))
     gate_up, down = gate_up.view(experts, 2 * inter, hidden), down.view(experts, hidden, inter)
-    scales = ExpertQuant(gate_up_scales.view(experts, 2 * inter, -1) / 8, down_scales.view(experts, hidden, -1) / 8,
-                          k_block or hidden, k_block or inter)  # weights about 1/8, as the tests above
-    want = routed_experts(x, scores, ids, gate_up, down, scales).to(dtype)  # float32, as the half-precision test
-    assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, scales), want)
+    quant = ExpertQuant(gate_up_scales.view(experts, 2 * inter, -1) / 8, down_scales.view(experts, hidden, -1) / 8,
+                        k_block or hidden, k_block or inter)  # weights about 1/8, as the tests above
+    want = routed_experts(x, scores, ids, gate_up, down, quant).to(dtype)  # float32, as the half-precision test
+    assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, quant), want)
 
 
 @pytest.mark.parametrize("group, act_order", [(16, False), (0, False), (16, True)])  # 0: one group a row
