@@ -21,7 +21,7 @@ converted into that one as they load (row by row, so q/k/v and gate/up pack as 1
   ``actorder: group``, as GPTQ's.
 
 Act-order groups are put in place once a model has loaded (``sort_columns``): each projection's columns
-sorted by group, and its input gathered the same way (``input_perm``) before the matmul, as vLLM's GPTQ
+sorted by group, and its input gathered the same way (``weight_input_perm``) before the matmul, as vLLM's GPTQ
 kernels do. The projections packed into one matrix share their input, so q/k/v (and gate/up) must share
 their g_idx, which GPTQ's order (from the input's statistics) gives them.
 

@@ -104,6 +104,9 @@ def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig, columns: b
     return renamed
 
 
+# what a quantized weight comes with, named after it: ``...weight_scale``, ``...experts.down_proj_zero``
+COMPANIONS = ("_scale", "_zero", "_input_perm")
+
 # what a checkpoint tensor holds, by dtype (anything else counts as a float)
 _HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32", torch.int64: "int64"}
 _HOLDS_TEXT = {"float": "a 16- or 32-bit float (only the decoder's projections may be quantized)",
@@ -181,7 +184,7 @@ def _add_int4(targets: dict[str, _Target], prefix: str, view: torch.Tensor, comp
         targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32", zeros)
         targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales)
     if quant.act_order:  # the input order, which load_model then sorts the columns into
-        perm = companions["input_perm"]
+        perm = companions["weight_input_perm"]
         targets[g_idx] = _Target(perm, (cols,), "int32", partial(act_order_perm, quant=quant, current=perm))
     elif quant.layout == "gptq":
         targets[g_idx] = _Target(None, (cols,), "int32", partial(check_g_idx, quant=quant), optional=True)
@@ -195,16 +198,13 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     params = dict(model.named_parameters())
     targets: dict[str, _Target] = {}
     for name, param in params.items():
-        if name.endswith(("_scale", "_zero", "input_perm")):
+        if name.endswith(COMPANIONS):
             continue  # filled with its weight
         # a quantized projection's scales (and int4 zeros), row for row, and an act-order one's input order
-        # (engine/weight_quant.py, int4_weights.py)
-        companions = {"weight" + part: params[name + part] for part in ("_scale", "_zero") if name + part in params}
-        perm = name.removesuffix("weight") + "input_perm" if name.endswith("weight") else name + "_input_perm"
-        if perm in params:
-            companions["input_perm"] = params[perm]
+        # (engine/weight_quant.py, int4_weights.py): named after its weight, as an expert stack's are
+        companions = {"weight" + part: params[name + part] for part in COMPANIONS if name + part in params}
         if ".experts." in name:
-            views = {part: _expert_targets(name, companion, cfg, columns=part == "input_perm")
+            views = {part: _expert_targets(name, companion, cfg, columns=part == "weight_input_perm")
                      for part, companion in companions.items()}
             for key, view in _expert_targets(name, param, cfg).items():
                 _add(targets, key, view, {part: by_key[key] for part, by_key in views.items()}, quant)
@@ -225,7 +225,7 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
 
 def _rows(companions: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, torch.Tensor]:
     """Rows ``lo:hi`` of each companion; the input order, which spans columns, whole."""
-    return {part: companion.data if part == "input_perm" else companion.data[lo:hi]
+    return {part: companion.data if part == "weight_input_perm" else companion.data[lo:hi]
             for part, companion in companions.items()}
 
 
@@ -233,8 +233,8 @@ def _sort_act_order_columns(model: CausalLM) -> None:
     """Act-order: each 4-bit matrix's columns sorted into group order (its input gathered to match), the
     projections' and each expert's (``int4_weights.sort_columns``)."""
     for module in model.modules():
-        if isinstance(module, Linear) and module.input_perm is not None:
-            module.weight.copy_(sort_columns(module.weight, module.input_perm))
+        if isinstance(module, Linear) and module.weight_input_perm is not None:
+            module.weight.copy_(sort_columns(module.weight, module.weight_input_perm))
         elif isinstance(module, SparseMoE) and getattr(module.experts, "gate_up_proj_input_perm", None) is not None:
             quant = module.expert_quant()
             for matrix, perms in ((module.experts.gate_up_proj, quant.gate_up_perm),

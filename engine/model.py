@@ -173,7 +173,7 @@ class Linear(nn.Module):
     the loaded adapters by slot, added on the rows of each adapter a step names. With an fp8 ``quant``
     (``engine/weight_quant.py``) the weight is fp8 codes with float32 ``weight_scale`` ``[out, in / k_block]``;
     with an int4 one (``engine/int4_weights.py``) two codes a byte ``[out, in / 2]``, with float32
-    ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``, and with act-order ``input_perm`` ``[in]``,
+    ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``, and with act-order ``weight_input_perm`` ``[in]``,
     the order the columns are sorted into (the input is gathered to match)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
@@ -183,7 +183,7 @@ class Linear(nn.Module):
         self.bias = _frozen(torch.empty(out_features, dtype=dtype)) if bias else None
         self.weight_scale: nn.Parameter | None = None
         self.weight_zero: nn.Parameter | None = None
-        self.input_perm: nn.Parameter | None = None
+        self.weight_input_perm: nn.Parameter | None = None
         self.k_block = 0
         if quant is None:
             self.weight = _frozen(torch.empty(out_features, in_features, dtype=dtype))
@@ -193,7 +193,7 @@ class Linear(nn.Module):
             self.weight_scale = _frozen(torch.empty(out_features, groups))
             self.weight_zero = _frozen(torch.empty(out_features, groups, dtype=torch.uint8))
             if quant.act_order:  # -1s until the checkpoint's g_idx sets it (int4_weights.act_order_perm)
-                self.input_perm = _frozen(torch.full((in_features,), -1, dtype=torch.int64))
+                self.weight_input_perm = _frozen(torch.full((in_features,), -1, dtype=torch.int64))
         else:
             self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
             self.k_block = quant.k_block or in_features
@@ -203,7 +203,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if self.weight_zero is not None:
-            rows = x if self.input_perm is None else x.index_select(-1, self.input_perm)
+            rows = x if self.weight_input_perm is None else x.index_select(-1, self.weight_input_perm)
             out = int4_linear(rows, self.weight, self.weight_scale, self.weight_zero, self.bias)
         elif self.weight_scale is None:
             out = F.linear(x, self.weight, self.bias)
