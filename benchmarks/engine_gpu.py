@@ -21,15 +21,17 @@ and Llama-3-8B (hidden 4096, 32 layers, 32 / 8, intermediate 14336, vocab 128256
 
 The engine sizes its KV cache from the device (``gpu_memory_utilization``) with the transformers model
 resident, and is freed before ``generate`` runs; with a quantized ``--kv-cache-dtype`` the roofline counts
-that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int4 LAYOUT`` (the
-checkpoint rewritten with 4-bit projections, AWQ's, GPTQ's or compressed-tensors' layout, in groups of 128
-before the engine loads it; transformers still runs the 16-bit weights) the weights' own bytes. Writes one JSON object (``--json``). ``--device cpu
+that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int-weights LAYOUT``
+(the checkpoint rewritten with integer projections of ``--int-bits`` 4 or 8, AWQ's (4-bit only), GPTQ's or
+compressed-tensors' layout, in groups of 128 before the engine loads it; transformers still runs the 16-bit
+weights) the weights' own bytes. Writes one JSON object (``--json``). ``--device cpu
 --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
-        [--kv-cache-dtype auto|int8|fp8|kivi2] [--quantization fp8 | --int4 awq|gptq|compressed-tensors]
+        [--kv-cache-dtype auto|int8|fp8|kivi2]
+        [--quantization fp8 | --int-weights awq|gptq|compressed-tensors [--int-bits 4|8]]
 """
 
 from __future__ import annotations
@@ -50,9 +52,16 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import INT4_LAYOUTS, QUANTIZATION_METHODS, EngineConfig, Int4Quant, ModelConfig  # noqa: E402
+from engine.config import (  # noqa: E402
+    INT_BITS,
+    INT_LAYOUTS,
+    QUANTIZATION_METHODS,
+    EngineConfig,
+    IntQuant,
+    ModelConfig,
+)
 from engine.engine import Engine  # noqa: E402
-from engine.int4_weights import widest_group, write_int4_checkpoint  # noqa: E402
+from engine.int_weights import widest_group, write_int_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES: dict[str, dict] = {
@@ -106,11 +115,12 @@ def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
     return 2 * n**3 / best_seconds(lambda: a @ b, device)
 
 
-def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.device, int4: str | None = None):
+def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.device,
+                     int_weights: tuple[str, int] | None = None):
     """A random-weight Llama of ``shape`` saved to ``path``; returns the transformers model (on ``device``).
     Built on the device, so initializing 8B parameters takes seconds (it is the disk write that costs).
-    ``int4``: the checkpoint written with its projections in 4 bits in that layout (``write_int4``) instead,
-    its 16-bit weights never written."""
+    ``int_weights``: (layout, bits), the checkpoint written with its projections as integers of ``bits`` in
+    that layout (``write_int_weights``) instead, its 16-bit weights never written."""
     config = transformers.LlamaConfig(**SHAPES[shape], tie_word_embeddings=False, bos_token_id=1,
                                       eos_token_id=2)
     with torch.device(device):
@@ -118,21 +128,21 @@ def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.d
     model.eval().requires_grad_(False)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    if int4 is None:
+    if int_weights is None:
         model.save_pretrained(path)
         return model
     model.config.architectures = [type(model).__name__]  # what save_pretrained would record
     model.generation_config.save_pretrained(path)
-    write_int4(path, model, int4)
+    write_int_weights(path, model, *int_weights)
     return model
 
 
-def write_int4(path: Path, model: transformers.PreTrainedModel, layout: str) -> None:
-    """``model``'s config and weights to ``path``, its projections quantized to 4 bits in ``layout`` (round to
+def write_int_weights(path: Path, model: transformers.PreTrainedModel, layout: str, bits: int) -> None:
+    """``model``'s config and weights to ``path``, its projections quantized to ``bits`` in ``layout`` (round to
     nearest in groups of 128, or the widest dividing the tiny shape's, on the model's device)."""
     config = model.config.to_dict()
-    quant = Int4Quant(layout, widest_group(ModelConfig.from_dict(config)))
-    write_int4_checkpoint(path, model.state_dict(), config, quant)
+    quant = IntQuant(layout, widest_group(ModelConfig.from_dict(config)), bits=bits)
+    write_int_checkpoint(path, model.state_dict(), config, quant)
 
 
 def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -217,7 +227,8 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
     result: dict = {"batches": {}}
     with tempfile.TemporaryDirectory(prefix=f"engine-gpu-{shape}-") as tmp:
         t = time.perf_counter()
-        hf = write_checkpoint(Path(tmp), shape, dtype, device, args.int4)
+        hf = write_checkpoint(Path(tmp), shape, dtype, device,
+                              None if args.int_weights is None else (args.int_weights, args.int_bits))
         result["checkpoint_s"] = time.perf_counter() - t
         t = time.perf_counter()
         engine = Engine(EngineConfig(
@@ -289,10 +300,14 @@ def main(argv: list[str] | None = None) -> dict:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                          help="fp8: the projections quantized as they load (the roofline counts their bytes)")
-    weights.add_argument("--int4", default=None, choices=INT4_LAYOUTS,
-                         help="the checkpoint's projections written in 4 bits in this layout, groups of 128")
+    weights.add_argument("--int-weights", default=None, choices=INT_LAYOUTS,
+                         help="the checkpoint's projections written as integers in this layout, groups of 128")
+    parser.add_argument("--int-bits", type=int, default=4, choices=INT_BITS,
+                        help="--int-weights' code width (AWQ's is 4)")
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
+    if args.int_weights == "awq" and args.int_bits != 4:
+        parser.error("--int-weights awq holds 4-bit codes only (--int-bits 4)")
     start = time.perf_counter()
     device, dtype, name = run_device(args.device, args.dtype)
     bandwidth, peak = copy_bandwidth(device), matmul_rate(device, dtype)
@@ -308,7 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
-        "quantization": args.quantization, "int4": args.int4,
+        "quantization": args.quantization, "int_weights": args.int_weights,
+        "int_bits": None if args.int_weights is None else args.int_bits,
         "shapes": {shape: bench_shape(shape, args, device, dtype, bandwidth, peak)
                    for shape in args.shapes.split(",")},
     }

@@ -18,8 +18,9 @@
 #   moe-gpu           benchmarks/moe_gpu.py: the fused MoE kernels against the expert loop and the roofline
 #   lora-gpu          benchmarks/lora_batch.py on the GPU: a decode batch of 8 adapters against the base model
 #   engine-gpu-fp8    benchmarks/engine_gpu.py with --quantization fp8: the 8B shape's decode step on fp8 weights
-#   engine-gpu-int4   benchmarks/engine_gpu.py with --int4 awq: the 8B shape's decode step on 4-bit weights
+#   engine-gpu-int4   benchmarks/engine_gpu.py with --int-weights awq: the 8B shape's decode step on 4-bit weights
 #   moe-gpu-int4      benchmarks/moe_gpu.py with --weights int4: the fused MoE kernels on 4-bit experts
+#   engine-gpu-int8   benchmarks/engine_gpu.py with --int-weights gptq --int-bits 8: the 8B shape on 8-bit weights
 #   sinks-train       benchmarks/train_tiny.py on the GPU with a 65,536-token batch (issue 16)
 #   sinks-attention   benchmarks/attention_mass.py on that model: the weight its first tokens get
 #   sinks-quality     benchmarks/kv_quality.py on that model: KV formats, window-only vs sinks + window
@@ -75,9 +76,11 @@ for name in "$@"; do
     engine-gpu-fp8) step "$name" 180 "$py" benchmarks/engine_gpu.py --shapes llama-3-8b --batches 1,64 --skip-hf \
       --quantization fp8 --json "$out/engine_gpu_fp8.json" ;;
     engine-gpu-int4) step "$name" 240 "$py" benchmarks/engine_gpu.py --shapes llama-3-8b --batches 1,64 --skip-hf \
-      --int4 awq --json "$out/engine_gpu_int4.json" ;;
+      --int-weights awq --json "$out/engine_gpu_int4.json" ;;
     moe-gpu-int4) step "$name" 120 "$py" benchmarks/moe_gpu.py --weights int4 --tokens 1,16,64,256 \
       --json "$out/moe_gpu_int4.json" ;;
+    engine-gpu-int8) step "$name" 240 "$py" benchmarks/engine_gpu.py --shapes llama-3-8b --batches 1,64 --skip-hf \
+      --int-weights gptq --int-bits 8 --json "$out/engine_gpu_int8.json" ;;
     sinks-train) step "$name" $((sinks_minutes * 60 + 120)) "$py" benchmarks/train_tiny.py --device cuda \
       --minutes "$sinks_minutes" --tokens-per-step 65536 --lr 0.004 --threads 8 --force \
       --out "$out/trained-stdlib" --json "$out/train_tiny.json" ;;

@@ -47,9 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._report import format_table, load_average  # noqa: E402
 from benchmarks.held_out import held_out_documents, token_bytes  # noqa: E402
 from benchmarks.train_tiny import REPORT_FILE, bits_per_byte, default_out  # noqa: E402
-from engine.config import INT4_LAYOUTS, EngineConfig, Int4Quant, ModelConfig  # noqa: E402
+from engine.config import INT_LAYOUTS, EngineConfig, IntQuant, ModelConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.int4_weights import widest_group, write_int4_checkpoint  # noqa: E402
+from engine.int_weights import widest_group, write_int_checkpoint  # noqa: E402
 from engine.kv_format import window_layer_bytes  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
 from engine.runner import SeqChunk  # noqa: E402
@@ -178,7 +178,7 @@ def weights_as(model: str, options: dict) -> Iterator[str]:
     """The checkpoint ``options`` load: ``model``, or for ``quantization`` awq or gptq (taken out of
     ``options``) a copy of it in a temporary directory with its projections written in 4 bits."""
     layout = options.get("quantization")
-    if layout not in INT4_LAYOUTS:
+    if layout not in INT_LAYOUTS:
         yield model
         return
     del options["quantization"]
@@ -189,7 +189,7 @@ def weights_as(model: str, options: dict) -> Iterator[str]:
                 shutil.copy(file, tmp)
         config = json.loads((source / "config.json").read_text())
         tensors = {name: t for file in sorted(source.glob("*.safetensors")) for name, t in load_file(file).items()}
-        write_int4_checkpoint(Path(tmp), tensors, config, Int4Quant(layout, widest_group(ModelConfig.from_dict(config))))
+        write_int_checkpoint(Path(tmp), tensors, config, IntQuant(layout, widest_group(ModelConfig.from_dict(config))))
         yield tmp
 
 

@@ -186,7 +186,7 @@ def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive(int), default=1, help="concurrent requests")
     p.add_argument("--dtype", default="float16", help="KV and weight dtype (float16, bfloat16, float32, fp8)")
     p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
-                   help="weights as tidepool serve --quantization loads them (an fp8 or 4-bit checkpoint is "
+                   help="weights as tidepool serve --quantization loads them (an fp8 or integer checkpoint is "
                         "counted as it is stored without it)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
                    help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit), scales included")

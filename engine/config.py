@@ -235,36 +235,54 @@ class WeightQuant:
 
 ONLINE_FP8 = WeightQuant(k_block=0, n_block=0, scale_suffix="")
 
-INT4_LAYOUTS = ("awq", "gptq", "compressed-tensors")
+INT_LAYOUTS = ("awq", "gptq", "compressed-tensors")
+INT_BITS = (4, 8)  # integer code widths: AWQ's 4, GPTQ's and compressed-tensors' 4 or 8
 
 
 @dataclass(frozen=True)
-class Int4Quant:
-    """How an AWQ, GPTQ or compressed-tensors checkpoint stores its projections: 4-bit codes with a scale and a
-    4-bit zero point per ``group_size`` input columns of each output row, packed eight to an int32
-    (``engine/int4_weights.py``)."""
+class IntQuant:
+    """How an AWQ, GPTQ or compressed-tensors checkpoint stores its projections: 4- or 8-bit integer codes with
+    a scale and a zero point of as many bits per ``group_size`` input columns of each output row, packed eight
+    (or four) to an int32 (``engine/int_weights.py``)."""
 
-    layout: str  # one of INT4_LAYOUTS: how codes and zeros are packed into the checkpoint's int32 tensors
+    layout: str  # one of INT_LAYOUTS: how codes and zeros are packed into the checkpoint's int32 tensors
     group_size: int  # input columns one scale and zero cover; 0: the whole row (GPTQ's group_size -1)
     zero_offset: int = 0  # added to the stored zeros: GPTQ's original format stores each zero minus 1
-    zero_points: bool = True  # False: symmetric, no zeros stored (compressed-tensors'): every zero is 8
+    zero_points: bool = True  # False: symmetric, no zeros stored (compressed-tensors'): every zero is mid_code
     # GPTQ's desc_act / compressed-tensors' group actorder: a projection's groups are columns scattered in
     # activation order (its g_idx); the model sorts them into place and gathers its input to match
     act_order: bool = False
+    bits: int = 4  # one of INT_BITS
     online = False  # always read from the checkpoint, never quantized at load
+
+    @property
+    def per_byte(self) -> int:
+        """Codes the model packs into a byte (two 4-bit ones, or one)."""
+        return 8 // self.bits
+
+    @property
+    def per_word(self) -> int:
+        """Codes a checkpoint packs into an int32."""
+        return 32 // self.bits
+
+    @property
+    def mid_code(self) -> int:
+        """The zero of a symmetric checkpoint: the codes are the signed values plus this."""
+        return 1 << (self.bits - 1)
 
     def groups(self, cols: int) -> int:
         return cols // self.group_size if self.group_size else 1
 
     def projection_bytes(self, rows: int, cols: int) -> int:
-        """A ``[rows, cols]`` projection as the model holds it: half a byte a weight, a float32 scale and a
-        uint8 zero a group, and with act-order an int64 input order."""
-        return rows * cols // 2 + 5 * rows * self.groups(cols) + (8 * cols if self.act_order else 0)
+        """A ``[rows, cols]`` projection as the model holds it: ``bits`` / 8 bytes a weight, a float32 scale and
+        a uint8 zero a group, and with act-order an int64 input order."""
+        return rows * cols // self.per_byte + 5 * rows * self.groups(cols) + (8 * cols if self.act_order else 0)
 
 
-def read_quantization(raw: dict | None) -> WeightQuant | Int4Quant | None:
+def read_quantization(raw: dict | None) -> WeightQuant | IntQuant | None:
     """A checkpoint's ``quantization_config`` -> its weight layout (None: not quantized); anything but fp8
-    e4m3 weights and 4-bit AWQ, GPTQ or compressed-tensors ones is refused, naming what is there."""
+    e4m3 weights, 4-bit AWQ and 4- or 8-bit GPTQ or compressed-tensors integer ones is refused, naming what is
+    there."""
     if raw is None:
         return None
     key = "quantization_config"
@@ -272,11 +290,11 @@ def read_quantization(raw: dict | None) -> WeightQuant | Int4Quant | None:
     if method == "compressed-tensors":
         return _compressed_tensors(raw, key)
     if method in ("awq", "gptq"):
-        return _int4(raw, key, method)
+        return _int_codes(raw, key, method)
     if method != "fp8":
         raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
-                                    "or per tensor), awq and gptq 4-bit weights, compressed-tensors' fp8 and 4-bit "
-                                    "weights, or an unquantized checkpoint with --quantization fp8")
+                                    "or per tensor), awq 4-bit and gptq 4- or 8-bit weights, compressed-tensors' fp8 "
+                                    "and 4- or 8-bit integer weights, or an unquantized checkpoint with --quantization fp8")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
     if raw.get("scale_fmt") not in (None, "float32"):
@@ -295,12 +313,14 @@ def _block_quant(block: Any, field: str, scale_suffix: str) -> WeightQuant:
     return WeightQuant(k_block=block[1], n_block=block[0], scale_suffix=scale_suffix)
 
 
-def _int4(raw: dict, key: str, method: str) -> Int4Quant:
-    """AutoAWQ's GEMM format (``quant_method: "awq"``) and GPTQ's (AutoGPTQ, GPTQModel, optimum; both
-    ``checkpoint_format``s): 4-bit weights, zero points and scales per group of input columns."""
+def _int_codes(raw: dict, key: str, method: str) -> IntQuant:
+    """AutoAWQ's GEMM format (``quant_method: "awq"``, 4-bit) and GPTQ's (AutoGPTQ, GPTQModel, optimum; both
+    ``checkpoint_format``s; 4- or 8-bit): integer weights, zero points and scales per group of input columns."""
     bits = raw.get("bits", raw.get("w_bit"))
-    if bits != 4:
-        raise UnsupportedModelError(f"{key}.bits", f"{bits!r} is not supported; {method} weights must be 4-bit")
+    widths = (4,) if method == "awq" else INT_BITS
+    if bits not in widths:
+        raise UnsupportedModelError(f"{key}.bits", f"{bits!r} is not supported; {method} weights must be "
+                                    + " or ".join(f"{b}-bit" for b in widths))
     group = _group_size(raw.get("group_size", raw.get("q_group_size")), f"{key}.group_size")
     if method == "awq":
         if str(raw.get("version", "gemm")).lower() != "gemm":
@@ -308,15 +328,15 @@ def _int4(raw: dict, key: str, method: str) -> Int4Quant:
                                                           "(AutoAWQ's default)")
         if raw.get("zero_point", True) is not True:
             raise UnsupportedModelError(f"{key}.zero_point", "AWQ weights without zero points are not supported")
-        return Int4Quant("awq", group)
+        return IntQuant("awq", group)
     if raw.get("lm_head"):
         raise UnsupportedModelError(f"{key}.lm_head", "a quantized lm_head is not supported")
     fmt = raw.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"{key}.checkpoint_format", f"{fmt!r} is not supported; supported: gptq, "
                                                                 "gptq_v2")
-    return Int4Quant("gptq", group, zero_offset=1 if fmt == "gptq" else 0,
-                     act_order=bool(raw.get("desc_act")) and group > 0)
+    return IntQuant("gptq", group, zero_offset=1 if fmt == "gptq" else 0,
+                    act_order=bool(raw.get("desc_act")) and group > 0, bits=bits)
 
 
 def _group_size(group: Any, field: str) -> int:
@@ -326,15 +346,15 @@ def _group_size(group: Any, field: str) -> int:
     return max(group, 0)
 
 
-def _compressed_tensors(raw: dict, key: str) -> WeightQuant | Int4Quant:
+def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
     """llm-compressor's format (``quant_method: "compressed-tensors"``, as RedHat's and Neural Magic's
     releases): one config group on the Linear layers, of 8-bit float weights scaled per tensor, per output
     row (``channel``) or per block in ``weight_scale`` (FP8 releases), or of 4-bit integers packed eight a
-    word (``pack-quantized``: the w4a16 releases); activation schemes are read past (W8A16, W4A16)."""
+    word (``pack-quantized``: the w4a16 releases, or 8-bit ones four a word: w8a16); activation schemes are read past (W8A16, W4A16)."""
     fmt = raw.get("format")
     if fmt not in ("float-quantized", "naive-quantized", "pack-quantized"):
         raise UnsupportedModelError(f"{key}.format", f"{fmt!r} is not supported; supported: float-quantized or "
-                                    "naive-quantized fp8 weights, pack-quantized 4-bit integer weights")
+                                    "naive-quantized fp8 weights, pack-quantized 4- or 8-bit integer weights")
     if raw.get("kv_cache_scheme"):
         raise UnsupportedModelError(f"{key}.kv_cache_scheme", "a quantized KV cache scheme is not supported "
                                     "(serve with --kv-cache-dtype fp8 instead)")
@@ -343,7 +363,7 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | Int4Quant:
         raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
     weights = groups[0].get("weights") or {}
     if fmt == "pack-quantized":
-        return _compressed_int4(weights, f"{key}.config_groups.weights")
+        return _compressed_int(weights, f"{key}.config_groups.weights")
     if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):
         raise UnsupportedModelError(f"{key}.config_groups.weights", f"{weights!r}: only symmetric 8-bit float "
                                     "(fp8 e4m3) weights are supported")
@@ -359,11 +379,11 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | Int4Quant:
                                 "supported: tensor, channel, block")
 
 
-def _compressed_int4(weights: dict, field: str) -> Int4Quant:
-    """compressed-tensors' pack-quantized weights: 4-bit integers in groups or per output row (``channel``),
-    symmetric (no zero points stored) or not."""
-    if (weights.get("num_bits"), weights.get("type")) != (4, "int"):
-        raise UnsupportedModelError(field, f"{weights!r}: pack-quantized weights must be 4-bit integers")
+def _compressed_int(weights: dict, field: str) -> IntQuant:
+    """compressed-tensors' pack-quantized weights: 4- or 8-bit integers in groups or per output row
+    (``channel``), symmetric (no zero points stored) or not."""
+    if weights.get("type") != "int" or weights.get("num_bits") not in INT_BITS:
+        raise UnsupportedModelError(field, f"{weights!r}: pack-quantized weights must be 4- or 8-bit integers")
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise UnsupportedModelError(f"{field}.strategy", f"{strategy!r} is not supported; supported: group, channel")
@@ -372,8 +392,8 @@ def _compressed_int4(weights: dict, field: str) -> Int4Quant:
     actorder = weights.get("actorder")
     if actorder not in (None, False, "weight", "group", True):
         raise UnsupportedModelError(f"{field}.actorder", f"{actorder!r} is not supported; supported: group, weight")
-    return Int4Quant("compressed-tensors", group, zero_points=not weights.get("symmetric", True),
-                     act_order=actorder in ("group", True) and group > 0)
+    return IntQuant("compressed-tensors", group, zero_points=not weights.get("symmetric", True),
+                    act_order=actorder in ("group", True) and group > 0, bits=weights["num_bits"])
 
 
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:
@@ -442,9 +462,9 @@ class ModelConfig:
     # block stays (the full layers read it); the sliding layers' attention is masked to their window.
     layer_windows: tuple[int, ...] | None = None
     # fp8 projections and experts (engine/weight_quant.py): the checkpoint's quantization_config, or set by
-    # with_quantization for --quantization fp8; 4-bit projections of an AWQ, GPTQ or compressed-tensors
-    # checkpoint (engine/int4_weights.py); None: every weight in the engine's dtype
-    weight_quant: WeightQuant | Int4Quant | None = None
+    # with_quantization for --quantization fp8; 4- or 8-bit integer projections of an AWQ, GPTQ or compressed-tensors
+    # checkpoint (engine/int_weights.py); None: every weight in the engine's dtype
+    weight_quant: WeightQuant | IntQuant | None = None
 
     @property
     def long_rope_from(self) -> int | None:
@@ -487,8 +507,8 @@ class ModelConfig:
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
             layer_windows=layer_windows, weight_quant=read_quantization(raw.get("quantization_config")),
         )
-        if isinstance(config.weight_quant, Int4Quant):
-            config.check_int4_shapes()
+        if isinstance(config.weight_quant, IntQuant):
+            config.check_int_shapes()
         return config
 
     @classmethod
@@ -528,22 +548,23 @@ class ModelConfig:
 
     def with_quantization(self, quantization: str | None) -> ModelConfig:
         """This config as ``--quantization`` loads it: a 16-bit checkpoint's projections quantized to fp8
-        (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged; a 4-bit checkpoint is refused."""
-        if isinstance(self.weight_quant, Int4Quant) and quantization is not None:
+        (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged; an integer one is refused."""
+        if isinstance(self.weight_quant, IntQuant) and quantization is not None:
             raise UnsupportedModelError("quantization_config", f"this checkpoint holds {self.weight_quant.layout} "
-                                        f"4-bit weights already; load it without --quantization {quantization}")
+                                        f"{self.weight_quant.bits}-bit weights already; load it without --quantization {quantization}")
         if quantization is None or self.weight_quant is not None:
             return self
         return replace(self, weight_quant=ONLINE_FP8)
 
-    def check_int4_shapes(self) -> None:
-        """4-bit checkpoints pack 8 codes to an int32 along one dimension and group the input columns: every
-        projection's rows and columns must split so."""
+    def check_int_shapes(self) -> None:
+        """Integer checkpoints pack 8 (or 4) codes to an int32 along one dimension and group the input columns:
+        every projection's rows and columns must split so."""
         quant = self.weight_quant
         for out, inp, _ in self.projection_shapes():
-            if out % 8 or inp % 8 or (quant.group_size and inp % quant.group_size):
+            if out % quant.per_word or inp % quant.per_word or (quant.group_size and inp % quant.group_size):
                 raise UnsupportedModelError("quantization_config.group_size", f"a [{out}, {inp}] projection does not "
-                                            f"split into 8-code words and groups of {quant.group_size or inp}")
+                                            f"split into {quant.per_word}-code words and groups of "
+                                            f"{quant.group_size or inp}")
 
     def projection_shapes(self) -> list[tuple[int, int, int]]:
         """(out, in, how many) of the model's packed projections, what fp8 quantizes: every layer's q/k/v and
@@ -562,7 +583,7 @@ class ModelConfig:
 
     def weight_bytes(self, dtype: Any) -> int:
         """Bytes the weights take in ``dtype``, the projections as their quantization holds them when they are
-        fp8 or int4 (``projection_bytes``: codes and scales)."""
+        fp8 or integers (``projection_bytes``: codes and scales)."""
         total = self.num_parameters() * dtype_bytes(dtype)
         if self.weight_quant is None:
             return total

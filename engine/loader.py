@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import PACKED_ARCHITECTURES, Int4Quant, ModelConfig, WeightQuant
+from engine.config import PACKED_ARCHITECTURES, IntQuant, ModelConfig, WeightQuant
 from engine.errors import CheckpointError
-from engine.int4_weights import (
+from engine.int_weights import (
     act_order_perm,
     check_g_idx,
     check_weight_shape,
@@ -111,7 +111,7 @@ COMPANIONS = ("_scale", "_zero", "_input_perm")
 _HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32", torch.int64: "int64"}
 _HOLDS_TEXT = {"float": "a 16- or 32-bit float (only the decoder's projections may be quantized)",
                "fp8": "float8_e4m3fn (a projection kept in 16 bits beside fp8 ones is not supported)",
-               "int32": "int32 (4-bit codes packed eight a word, or GPTQ's g_idx)",
+               "int32": "int32 (integer codes packed eight or four a word, or GPTQ's g_idx)",
                "int64": "int64 (compressed-tensors' weight_shape)"}
 
 
@@ -141,14 +141,14 @@ class _Target:
 
 
 def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
-         quant: WeightQuant | Int4Quant | None) -> None:
+         quant: WeightQuant | IntQuant | None) -> None:
     """The targets of checkpoint weight ``name`` (rows ``view`` of a parameter), and of what a quantized one
     comes with (``companions``: the same rows of its ``weight_scale`` and ``weight_zero``)."""
     shape = tuple(view.shape)
     if not companions or quant is None:
         targets[name] = _Target(view, shape)
-    elif isinstance(quant, Int4Quant):
-        _add_int4(targets, name.removesuffix("weight"), view, companions, quant)
+    elif isinstance(quant, IntQuant):
+        _add_int(targets, name.removesuffix("weight"), view, companions, quant)
     elif quant.online:
         targets[name] = _Target(view, shape, online_scales=companions["weight_scale"])
     else:
@@ -158,30 +158,30 @@ def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions:
                                                                                   rows=shape[0]))
 
 
-def _add_int4(targets: dict[str, _Target], prefix: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
-              quant: Int4Quant) -> None:
-    """A 4-bit projection's tensors for the rows ``view`` (``[out, in / 2]``) of the model's packed weight, in
-    the checkpoint's layout (``engine/int4_weights.py``)."""
-    out, cols = view.shape[0], 2 * view.shape[1]
+def _add_int(targets: dict[str, _Target], prefix: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
+             quant: IntQuant) -> None:
+    """An integer projection's tensors for the rows ``view`` (``[out, in / per_byte]``) of the model's packed
+    weight, in the checkpoint's layout (``engine/int_weights.py``)."""
+    out, cols, per_word = view.shape[0], quant.per_byte * view.shape[1], quant.per_word
     groups = quant.groups(cols)
     codes, zeros = partial(codes_from_checkpoint, quant=quant), partial(zeros_from_checkpoint, quant=quant)
     scales = partial(scales_from_checkpoint, quant=quant)
     if quant.layout == "compressed-tensors":
         g_idx = prefix + "weight_g_idx"
-        targets[prefix + "weight_packed"] = _Target(view, (out, cols // 8), "int32", codes)
+        targets[prefix + "weight_packed"] = _Target(view, (out, cols // per_word), "int32", codes)
         targets[prefix + "weight_scale"] = _Target(companions["weight_scale"], (out, groups), convert=scales)
         targets[prefix + "weight_shape"] = _Target(None, (2,), "int64", partial(check_weight_shape, rows=out,
                                                                                  cols=cols))
         if quant.zero_points:
-            targets[prefix + "weight_zero_point"] = _Target(companions["weight_zero"], (out // 8, groups), "int32",
-                                                            zeros)
+            targets[prefix + "weight_zero_point"] = _Target(companions["weight_zero"], (out // per_word, groups),
+                                                            "int32", zeros)
         else:
-            companions["weight_zero"].fill_(8)  # symmetric: codes are the signed values plus 8
+            companions["weight_zero"].fill_(quant.mid_code)  # symmetric: codes are the signed values plus it
     else:
         g_idx = prefix + "g_idx"
-        words = (cols, out // 8) if quant.layout == "awq" else (cols // 8, out)
+        words = (cols, out // 8) if quant.layout == "awq" else (cols // per_word, out)
         targets[prefix + "qweight"] = _Target(view, words, "int32", codes)
-        targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // 8), "int32", zeros)
+        targets[prefix + "qzeros"] = _Target(companions["weight_zero"], (groups, out // per_word), "int32", zeros)
         targets[prefix + "scales"] = _Target(companions["weight_scale"], (groups, out), convert=scales)
     if quant.act_order:  # the input order, which load_model then sorts the columns into
         perm = companions["weight_input_perm"]
@@ -200,8 +200,8 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
     for name, param in params.items():
         if name.endswith(COMPANIONS):
             continue  # filled with its weight
-        # a quantized projection's scales (and int4 zeros), row for row, and an act-order one's input order
-        # (engine/weight_quant.py, int4_weights.py): named after its weight, as an expert stack's are
+        # a quantized projection's scales (and integer zeros), row for row, and an act-order one's input order
+        # (engine/weight_quant.py, int_weights.py): named after its weight, as an expert stack's are
         companions = {"weight" + part: params[name + part] for part in COMPANIONS if name + part in params}
         if ".experts." in name:
             views = {part: _expert_targets(name, companion, cfg, columns=part == "weight_input_perm")
@@ -230,17 +230,17 @@ def _rows(companions: dict[str, torch.Tensor], lo: int, hi: int) -> dict[str, to
 
 
 def _sort_act_order_columns(model: CausalLM) -> None:
-    """Act-order: each 4-bit matrix's columns sorted into group order (its input gathered to match), the
-    projections' and each expert's (``int4_weights.sort_columns``)."""
+    """Act-order: each integer matrix's columns sorted into group order (its input gathered to match), the
+    projections' and each expert's (``int_weights.sort_columns``)."""
     for module in model.modules():
         if isinstance(module, Linear) and module.weight_input_perm is not None:
-            module.weight.copy_(sort_columns(module.weight, module.weight_input_perm))
+            module.weight.copy_(sort_columns(module.weight, module.weight_input_perm, module.weight_bits))
         elif isinstance(module, SparseMoE) and getattr(module.experts, "gate_up_proj_input_perm", None) is not None:
             quant = module.expert_quant()
             for matrix, perms in ((module.experts.gate_up_proj, quant.gate_up_perm),
                                   (module.experts.down_proj, quant.down_perm)):
                 for expert, perm in enumerate(perms):
-                    matrix[expert].copy_(sort_columns(matrix[expert], perm))
+                    matrix[expert].copy_(sort_columns(matrix[expert], perm, quant.bits))
 
 
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) -> None:
@@ -256,8 +256,9 @@ def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
                quantization: str | None = None) -> tuple[CausalLM, ModelConfig]:
     """Build the model for ``model_dir``'s config and fill it from its safetensors files; ``quantization``
-    "fp8" quantizes a 16-bit checkpoint's decoder projections as they load (``engine/weight_quant.py``); AWQ and
-    GPTQ projections are unpacked into the model's int4 layout (``engine/int4_weights.py``)."""
+    "fp8" quantizes a 16-bit checkpoint's decoder projections as they load (``engine/weight_quant.py``); AWQ,
+    GPTQ and compressed-tensors integer projections are unpacked into the model's layout
+    (``engine/int_weights.py``)."""
     model_dir = Path(model_dir)
     if isinstance(dtype, str):
         if dtype not in DTYPES:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.config import Int4Quant, ModelConfig, MoEConfig, WeightQuant
-from engine.int4_weights import int4_linear
+from engine.config import IntQuant, ModelConfig, MoEConfig, WeightQuant
+from engine.int_weights import int_linear
 from engine.kernels.common import ExpertQuant
 from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
@@ -172,12 +172,12 @@ class Linear(nn.Module):
     A and B (``engine/lora_slots.py``; None: no adapter may target this layer), and ``lora`` views of those of
     the loaded adapters by slot, added on the rows of each adapter a step names. With an fp8 ``quant``
     (``engine/weight_quant.py``) the weight is fp8 codes with float32 ``weight_scale`` ``[out, in / k_block]``;
-    with an int4 one (``engine/int4_weights.py``) two codes a byte ``[out, in / 2]``, with float32
-    ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``, and with act-order ``weight_input_perm`` ``[in]``,
+    with an integer one (``engine/int_weights.py``) 4-bit codes two a byte ``[out, in / 2]`` or 8-bit ones
+    ``[out, in]`` (``weight_bits``), with float32 ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``, and with act-order ``weight_input_perm`` ``[in]``,
     the order the columns are sorted into (the input is gathered to match)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 quant: WeightQuant | Int4Quant | None = None):
+                 quant: WeightQuant | IntQuant | None = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = _frozen(torch.empty(out_features, dtype=dtype)) if bias else None
@@ -185,14 +185,15 @@ class Linear(nn.Module):
         self.weight_zero: nn.Parameter | None = None
         self.weight_input_perm: nn.Parameter | None = None
         self.k_block = 0
+        self.weight_bits = 0  # integer codes' width (4 or 8)
         if quant is None:
             self.weight = _frozen(torch.empty(out_features, in_features, dtype=dtype))
-        elif isinstance(quant, Int4Quant):
-            groups = quant.groups(in_features)
-            self.weight = _frozen(torch.empty(out_features, in_features // 2, dtype=torch.uint8))
+        elif isinstance(quant, IntQuant):
+            groups, self.weight_bits = quant.groups(in_features), quant.bits
+            self.weight = _frozen(torch.empty(out_features, in_features // quant.per_byte, dtype=torch.uint8))
             self.weight_scale = _frozen(torch.empty(out_features, groups))
             self.weight_zero = _frozen(torch.empty(out_features, groups, dtype=torch.uint8))
-            if quant.act_order:  # -1s until the checkpoint's g_idx sets it (int4_weights.act_order_perm)
+            if quant.act_order:  # -1s until the checkpoint's g_idx sets it (int_weights.act_order_perm)
                 self.weight_input_perm = _frozen(torch.full((in_features,), -1, dtype=torch.int64))
         else:
             self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn))
@@ -204,7 +205,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         if self.weight_zero is not None:
             rows = x if self.weight_input_perm is None else x.index_select(-1, self.weight_input_perm)
-            out = int4_linear(rows, self.weight, self.weight_scale, self.weight_zero, self.bias)
+            out = int_linear(rows, self.weight, self.weight_scale, self.weight_zero, self.weight_bits, self.bias)
         elif self.weight_scale is None:
             out = F.linear(x, self.weight, self.bias)
         else:
@@ -328,30 +329,32 @@ class SparseMoE(nn.Module):
     """A layer's experts (``engine/moe.py``), with Qwen2-MoE's gated shared expert when configured. Names
     follow transformers 5: ``gate`` is the router, ``experts.gate_up_proj`` ``[E, 2I, H]`` and
     ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices; quantized, each comes with ``_scale``
-    (and 4-bit ``_zero``, and act-order ``_input_perm`` ``[E, in]``) as ``Linear``'s weight does."""
+    (and integer codes' ``_zero``, and act-order ``_input_perm`` ``[E, in]``) as ``Linear``'s weight does."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype,
-                 quant: WeightQuant | Int4Quant | None = None):
+                 quant: WeightQuant | IntQuant | None = None):
         super().__init__()
         self.config = moe
         e, i = moe.num_experts, moe.intermediate_size
         self.gate = Linear(hidden_size, e, False, dtype)  # the router stays in dtype, as fp8 releases keep it
         self.experts = nn.Module()
-        int4 = isinstance(quant, Int4Quant)
-        weights, per_byte = (dtype, 1) if quant is None else (torch.uint8, 2) if int4 else (torch.float8_e4m3fn, 1)
+        integer = isinstance(quant, IntQuant)
+        self.code_bits = quant.bits if integer else 8
+        per_byte = quant.per_byte if integer else 1
+        weights = dtype if quant is None else torch.uint8 if integer else torch.float8_e4m3fn
         self.experts.gate_up_proj = _frozen(torch.empty(e, 2 * i, hidden_size // per_byte, dtype=weights))
         self.experts.down_proj = _frozen(torch.empty(e, hidden_size, i // per_byte, dtype=weights))
-        # each matrix's k-block: fp8's (engine/weight_quant.py), int4's group (engine/int4_weights.py)
+        # each matrix's k-block: fp8's (engine/weight_quant.py), integer codes' group (engine/int_weights.py)
         self.k_blocks: tuple[int, int] | None = None
         if quant is not None:
-            block = quant.group_size if int4 else quant.k_block
+            block = quant.group_size if integer else quant.k_block
             self.k_blocks = (block or hidden_size, block or i)
             shapes = ((e, 2 * i, -(-hidden_size // self.k_blocks[0])), (e, hidden_size, -(-i // self.k_blocks[1])))
             self.experts.gate_up_proj_scale, self.experts.down_proj_scale = (_frozen(torch.empty(s)) for s in shapes)
-            if int4:
+            if integer:
                 self.experts.gate_up_proj_zero, self.experts.down_proj_zero = (
                     _frozen(torch.empty(s, dtype=torch.uint8)) for s in shapes)
-            if int4 and quant.act_order:  # -1s until the checkpoint's g_idx sets them (int4_weights.act_order_perm)
+            if integer and quant.act_order:  # -1s until the checkpoint's g_idx sets them (int_weights.act_order_perm)
                 self.experts.gate_up_proj_input_perm, self.experts.down_proj_input_perm = (
                     _frozen(torch.full((e, cols), -1, dtype=torch.int64)) for cols in (hidden_size, i))
         self.shared_expert = self.shared_expert_gate = None
@@ -372,13 +375,15 @@ class SparseMoE(nn.Module):
         return out
 
     def expert_quant(self) -> ExpertQuant | None:
-        """The quantized experts' scales (and 4-bit zeros and act-order input orders); None in ``dtype``."""
+        """The quantized experts' scales (and integer codes' zeros and act-order input orders); None in
+        ``dtype``."""
         if self.k_blocks is None:
             return None
         experts = self.experts
         zeros = getattr(experts, "gate_up_proj_zero", None), getattr(experts, "down_proj_zero", None)
         perms = getattr(experts, "gate_up_proj_input_perm", None), getattr(experts, "down_proj_input_perm", None)
-        return ExpertQuant(experts.gate_up_proj_scale, experts.down_proj_scale, *self.k_blocks, *zeros, *perms)
+        return ExpertQuant(experts.gate_up_proj_scale, experts.down_proj_scale, *self.k_blocks, *zeros, *perms,
+                           bits=self.code_bits)
 
 
 class DecoderLayer(nn.Module):

@@ -7,8 +7,9 @@ SwiGLU outputs scaled by the softmaxed scores (renormalized over the k for Mixtr
 Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and the down matrices into
 ``[E, H, I]`` (transformers 5's and vLLM's layout; the loader packs the checkpoint's per-expert tensors);
 the module holding them is ``engine.model.SparseMoE``. With fp8 weights (``engine/weight_quant.py``) they are
-e4m3 codes with ``ExpertQuant``; with 4-bit ones (``engine/int4_weights.py``: AWQ, GPTQ, compressed-tensors)
-two codes a byte, ``[E, 2I, H / 2]`` and ``[E, H, I / 2]``, with scales and zeros per group.
+e4m3 codes with ``ExpertQuant``; with integer ones (``engine/int_weights.py``: AWQ, GPTQ, compressed-tensors)
+4-bit codes two a byte, ``[E, 2I, H / 2]`` and ``[E, H, I / 2]``, or 8-bit ones a byte each, with scales and
+zeros per group.
 The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
 exactly its rows, and adds them up in ascending expert order as transformers does.
 That is the torch path (CPU, and the reference): it reads the expert counts back to the host once a layer.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine import int4_weights, weight_quant
+from engine import int_weights, weight_quant
 from engine.kernels.common import ExpertQuant
 
 
@@ -37,7 +38,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, quant: ExpertQuant | None = None) -> torch.Tensor:
     """Sum over each row's experts of ``score * down(silu(gate(x)) * up(x))``: ``x`` ``[T, H]``, ``scores``
-    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 or 4-bit codes with
+    and ``ids`` ``[T, k]``, ``gate_up`` ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (fp8 or integer codes with
     ``quant``: each expert's matrices dequantized as it runs, its inputs gathered into their act-order).
     Scores in float32 scale the outputs in float32 (then cast); scores in ``x.dtype`` scale them in that
     dtype."""
@@ -64,14 +65,15 @@ def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gat
 
 def _expert_weights(gate_up: torch.Tensor, down: torch.Tensor, quant: ExpertQuant | None, expert: int,
                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's gate/up and down matrices in ``dtype``: as held, or dequantized from fp8 or 4-bit codes."""
+    """One expert's gate/up and down matrices in ``dtype``: as held, or dequantized from fp8 or integer codes."""
     if quant is None:
         return gate_up[expert], down[expert]
     if quant.gate_up_zero is None:
         return (weight_quant.dequantize(gate_up[expert], quant.gate_up[expert], quant.gate_up_k_block, dtype),
                 weight_quant.dequantize(down[expert], quant.down[expert], quant.down_k_block, dtype))
-    return (int4_weights.dequantize(gate_up[expert], quant.gate_up[expert], quant.gate_up_zero[expert], dtype),
-            int4_weights.dequantize(down[expert], quant.down[expert], quant.down_zero[expert], dtype))
+    return (int_weights.dequantize(gate_up[expert], quant.gate_up[expert], quant.gate_up_zero[expert], quant.bits,
+                                   dtype),
+            int_weights.dequantize(down[expert], quant.down[expert], quant.down_zero[expert], quant.bits, dtype))
 
 
 def _in_order(rows: torch.Tensor, orders: torch.Tensor | None, expert: int) -> torch.Tensor:

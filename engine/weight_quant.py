@@ -57,7 +57,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, k_block: int, dtype: t
 def quantized_linear(x: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                      kernel: Callable[[torch.Tensor], torch.Tensor],
                      dequantized: Callable[[torch.dtype], torch.Tensor]) -> torch.Tensor:
-    """``x @ W.T + bias`` for a quantized W (fp8 here, int4 in ``engine/int4_weights.py``): on GPUs ``kernel``
+    """``x @ W.T + bias`` for a quantized W (fp8 here, integers in ``engine/int_weights.py``): on GPUs ``kernel``
     (a Triton matmul reading the codes) on x's rows, elsewhere ``F.linear`` on the matrix ``dequantized`` into
     x's dtype."""
     if x.is_cuda and kernels.triton_available():

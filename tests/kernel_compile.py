@@ -121,14 +121,16 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
                                   torch.empty(experts, hidden, inter, dtype=fp8),
                                   common.ExpertQuant(torch.empty(experts, 2 * inter, hidden // 128),
                                                       torch.empty(experts, hidden, inter // 128), 128, 128))
-                # 4-bit experts in groups of 128 (Qwen3-30B-A3B-GPTQ-Int4): scales and zeros of one shape each
+                # 4-bit experts in groups of 128 (Qwen3-30B-A3B-GPTQ-Int4), with act-order or not, and 8-bit ones:
+                # scales and zeros of one shape each
                 groups = ((experts, 2 * inter, hidden // 128), (experts, hidden, inter // 128))
                 scales, zeros = ([torch.empty(g, dtype=t) for g in groups] for t in (torch.float32, torch.uint8))
-                for perms in ([None, None], [torch.zeros(experts, cols, dtype=torch.long) for cols in (hidden, inter)]):
-                    kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,  # act-order: perms
-                                      torch.empty(experts, 2 * inter, hidden // 2, dtype=torch.uint8),
-                                      torch.empty(experts, hidden, inter // 2, dtype=torch.uint8),
-                                      common.ExpertQuant(*scales, 128, 128, *zeros, *perms))
+                act_order = [torch.zeros(experts, cols, dtype=torch.long) for cols in (hidden, inter)]
+                for bits, perms in ((4, [None, None]), (4, act_order), (8, [None, None])):
+                    kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
+                                      torch.empty(experts, 2 * inter, hidden * bits // 8, dtype=torch.uint8),
+                                      torch.empty(experts, hidden, inter * bits // 8, dtype=torch.uint8),
+                                      common.ExpertQuant(*scales, 128, 128, *zeros, *perms, bits=bits))
     if kv_format == "auto" and dtype == torch.bfloat16:  # LoRA adapters of a decode batch: ranks 16 and 64, packed q/k/v
         fan_in, fan_out = cfg.hidden_size, qkv.shape[1]
         for cap in (48, 192):
@@ -142,10 +144,12 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
                 kernels.fp8_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
                                    torch.empty(qkv.shape[1], cfg.hidden_size, dtype=torch.float8_e4m3fn),
                                    torch.empty(qkv.shape[1], cfg.hidden_size // k_block), k_block)
-            groups = cfg.hidden_size // 128  # int4 weights (W4A16, AWQ and GPTQ in groups of 128)
-            kernels.int4_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
-                                torch.empty(qkv.shape[1], cfg.hidden_size // 2, dtype=torch.uint8),
-                                torch.empty(qkv.shape[1], groups), torch.empty(qkv.shape[1], groups, dtype=torch.uint8))
+            groups = cfg.hidden_size // 128  # integer weights (W4A16 and W8A16, AWQ and GPTQ in groups of 128)
+            for bits in (4, 8):
+                kernels.int_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
+                                   torch.empty(qkv.shape[1], cfg.hidden_size * bits // 8, dtype=torch.uint8),
+                                   torch.empty(qkv.shape[1], groups), torch.empty(qkv.shape[1], groups, dtype=torch.uint8),
+                                   bits)
     if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
         k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
         paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,

@@ -1,8 +1,8 @@
 """benchmarks/engine_gpu.py end to end on its tiny CPU shape: the JSON it writes has every figure, each a
 sane positive number, and in float32 the engine's greedy tokens equal transformers ``generate``'s; with
 ``--kv-cache-dtype int8`` the roofline counts the int8 cache's own bytes, with ``--quantization fp8`` and
-``--int4 awq`` the quantized weights'; and benchmarks/speculative_gpu.py the same way (plain and drafted engines, the same tokens in
-float32); benchmarks/moe_gpu.py too, its fused kernels interpreted."""
+``--int-weights`` the quantized weights'; and benchmarks/speculative_gpu.py the same way (plain and drafted
+engines, the same tokens in float32); benchmarks/moe_gpu.py too, its fused kernels interpreted."""
 
 from __future__ import annotations
 
@@ -62,16 +62,18 @@ def test_a_quantized_cache_counts_its_own_bytes_in_the_roofline(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("flag, value, bytes_a_parameter", [("--quantization", "fp8", 4), ("--int4", "awq", 2)])
-def test_quantized_weights_count_their_own_bytes_in_the_roofline(tmp_path, flag, value, bytes_a_parameter):
-    """--quantization fp8 and --int4 awq (the checkpoint rewritten in 4 bits): the weights read per step are
-    the codes (a byte or half a byte each) and their scales, fewer than float32's four bytes a parameter (the
-    float32 embedding and lm_head count in full)."""
+@pytest.mark.parametrize("flags, bytes_a_parameter, int_bits", [(["--quantization", "fp8"], 4, None),
+                                                                (["--int-weights", "awq"], 2, 4),
+                                                                (["--int-weights", "gptq", "--int-bits", "8"], 4, 8)])
+def test_quantized_weights_count_their_own_bytes_in_the_roofline(tmp_path, flags, bytes_a_parameter, int_bits):
+    """--quantization fp8 and --int-weights awq or gptq (the checkpoint rewritten in 4 or 8 bits): the weights
+    read per step are the codes (a byte or half a byte each) and their scales, fewer than float32's four bytes
+    a parameter (the float32 embedding and lm_head count in full)."""
     result = engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "2", "--prompt-len", "32",
-                              "--new-tokens", "4", "--skip-hf", flag, value,
-                              "--json", str(tmp_path / "engine_gpu.json")])
+                              "--new-tokens", "4", "--skip-hf", *flags, "--json", str(tmp_path / "engine_gpu.json")])
     shape = result["shapes"]["tiny-test"]
-    assert result[flag.removeprefix("--")] == value
+    assert result[flags[0].removeprefix("--").replace("-", "_")] == flags[1]
+    assert result["int_bits"] == int_bits
     assert shape["weight_bytes"] < bytes_a_parameter * shape["parameters"]
     assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
 
@@ -101,11 +103,12 @@ def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("weights", ["dtype", "int4"])
-def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, weights):
+@pytest.mark.parametrize("weights, fraction", [("dtype", (1, 1)), ("int4", (1 / 8, 1 / 4)), ("int8", (1 / 4, 1 / 2))])
+def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, weights, fraction):
     """benchmarks/moe_gpu.py in a process of its own (its fused kernels under TRITON_INTERPRET=1): both paths
     agree in float32, every figure is there, and the experts touched are those the routing can reach; 4-bit
-    experts weigh about a quarter of their float32 bytes (codes, and a scale and zero per group)."""
+    experts weigh about a quarter of their float32 bytes, 8-bit ones about a third (codes, and a scale and
+    zero per group)."""
     out = tmp_path / "moe_gpu.json"
     run = subprocess.run([sys.executable, "benchmarks/moe_gpu.py", "--device", "cpu", "--shapes", "tiny-test",
                           "--tokens", "1,40", "--weights", weights, "--json", str(out)],
@@ -114,8 +117,9 @@ def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, w
     assert run.returncode == 0, run.stderr[-3000:]
     shape = json.loads(out.read_text())["shapes"]["tiny-test"]
     float32_bytes = 3 * shape["experts"] * shape["hidden"] * shape["intermediate"] * 4
+    low, high = fraction
     assert shape["weight_bytes"] == float32_bytes if weights == "dtype" else \
-        float32_bytes / 8 < shape["weight_bytes"] < float32_bytes / 4
+        float32_bytes * low < shape["weight_bytes"] < float32_bytes * high
     assert set(shape["tokens"]) == {"1", "40"}
     for t, row in shape["tokens"].items():
         assert row["max_rel_diff"] < 1e-5 and row["graph_replay_ms"] is None  # no CUDA graph on CPU

@@ -230,17 +230,19 @@ def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_pa
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch, layout", [("llama", "block"), ("llama", "online"), ("qwen3_moe", "block"),
                                           ("qwen2", "awq"), ("llama", "gptq"), ("llama", "gptq_act_order"),
-                                          ("qwen3_moe", "gptq"), ("qwen3_moe", "gptq_act_order_16")])
+                                          ("qwen3_moe", "gptq"), ("qwen3_moe", "gptq_act_order_16"),
+                                          ("qwen2", "gptq_int8"), ("qwen3_moe", "compressed_int8_act_order_16")])
 def test_quantized_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, arch, layout):
-    """The fp8 and int4 matmuls and the fp8 and int4 MoE kernels compiled for the device, in prefill and in
-    decode steps replayed from CUDA graphs (block-wise fp8 checkpoints, --quantization fp8 on a 16-bit one, AWQ
-    and GPTQ checkpoints, act-order's input gathers inside the graphs, each expert's too): float32 greedy
+    """The fp8 and integer matmuls and the fp8 and integer MoE kernels compiled for the device, in prefill and
+    in decode steps replayed from CUDA graphs (block-wise fp8 checkpoints, --quantization fp8 on a 16-bit one,
+    AWQ and 4- and 8-bit GPTQ and compressed-tensors checkpoints, act-order's input gathers inside the graphs,
+    each expert's too): float32 greedy
     tokens equal the CPU torch path's, which are transformers' on the same weights
-    (tests/test_weight_quant.py, tests/test_int4_weights.py)."""
+    (tests/test_weight_quant.py, tests/test_int_weights.py)."""
     if ran_in_a_compiling_process(request.node.name):
         return
     from test_engine_model import BLOCK, build_hf_checkpoint, prompts
-    from test_int4_weights import quantize_checkpoint as quantize_int4
+    from test_int_weights import quantize_checkpoint as quantize_integers
     from test_weight_quant import NEW_TOKENS, quantize_checkpoint
 
     from benchmarks.kv_quality import greedy_tokens
@@ -250,8 +252,8 @@ def test_quantized_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, reque
     build_hf_checkpoint(tmp_path, arch)
     if layout == "block":
         quantize_checkpoint(tmp_path, "block")
-    elif layout != "online":  # a 4-bit format of tests/test_int4_weights.py
-        quantize_int4(tmp_path, layout)
+    elif layout != "online":  # an integer format of tests/test_int_weights.py
+        quantize_integers(tmp_path, layout)
     quantization = "fp8" if layout == "online" else None
     batch = prompts((5, 19, 45))
     engines = [Engine(EngineConfig(model=str(tmp_path), device=device, block_size=BLOCK, num_blocks=64,

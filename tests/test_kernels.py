@@ -643,12 +643,14 @@ def test_fused_moe_on_fp8_experts_matches_the_expert_loop(k_block: int, as_bytes
     assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, quant), want)
 
 
-@pytest.mark.parametrize("group, act_order", [(16, False), (0, False), (16, True)])  # 0: one group a row
+@pytest.mark.parametrize("bits, group, act_order", [(4, 16, False), (4, 0, False), (4, 16, True), (8, 16, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, act_order: bool, dtype: torch.dtype):
-    """4-bit codes two a byte with a zero and a scale per row and 16 columns (slices of a group) or per row:
-    the fused kernels subtract each slice's zeros and scale its partial sums as the torch loop dequantizes
-    each expert's matrices; with act-order each expert gathers its input columns in its own order."""
+def test_fused_moe_on_integer_experts_matches_the_expert_loop(bits: int, group: int, act_order: bool,
+                                                              dtype: torch.dtype):
+    """4-bit codes two a byte (or 8-bit ones) with a zero and a scale per row and 16 columns (slices of a
+    group; 0: one group a row): the fused kernels subtract each slice's zeros and scale its partial sums as
+    the torch loop dequantizes each expert's matrices; with act-order each expert gathers its input columns
+    in its own order."""
     from engine.kernels.common import ExpertQuant
     from engine.kernels.moe_experts import fused_moe
     from engine.moe import routed_experts
@@ -656,12 +658,12 @@ def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, act_order
     experts, hidden, inter = 4, 64, 48
     x, scores, ids = route_randomly(11, hidden, experts, 2, skip=1)
     (gate_up, gate_up_scales, gate_up_zeros), (down, down_scales, down_zeros) = (
-        [t.view(experts, rows, -1) for t in int4_weight(experts * rows, cols, cols // (group or cols))]
+        [t.view(experts, rows, -1) for t in int_weight(experts * rows, cols, cols // (group or cols), bits)]
         for rows, cols in ((2 * inter, hidden), (hidden, inter)))
     perms = [torch.stack([torch.randperm(cols) for _ in range(experts)]) for cols in (hidden, inter)] if act_order \
         else [None, None]
     quant = ExpertQuant(gate_up_scales / 8, down_scales / 8, group or hidden, group or inter, gate_up_zeros,
-                        down_zeros, *perms)  # weights about 1/8, as the tests above
+                        down_zeros, *perms, bits=bits)  # weights about 1/8, as the tests above
     want = routed_experts(x, scores, ids, gate_up, down, quant).to(dtype)
     assert_close(fused_moe(x.to(dtype), scores, ids, gate_up, down, quant), want)
     if act_order:  # the orders matter: without them the output is another
@@ -673,7 +675,7 @@ def test_fused_moe_on_int4_experts_matches_the_expert_loop(group: int, act_order
             fused_moe(x, scores, ids, gate_up, down, quant._replace(down_perm=perms[1].int()))
     with pytest.raises(ValueError, match="zeros must be uint8, shaped and strided as their scales"):
         fused_moe(x, scores, ids, gate_up, down, quant._replace(down_zero=down_zeros[:, 1:]))
-    with pytest.raises(ValueError, match=r"\[E, 2I, 64\].*half the columns"):
+    with pytest.raises(ValueError, match=r"\[E, 2I, 64\]" + (".*half the columns" if bits == 4 else "")):
         fused_moe(x, scores, ids, gate_up[:, :, :8], down, quant)
 
 
@@ -760,32 +762,38 @@ def test_fp8_matmul_rejects_mismatched_operands():
         fp8_matmul(x, codes, torch.rand(8, 3), 24)
 
 
-def int4_weight(n: int, k: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed codes over 0..15, a zero (0..15) and a scale per row and group, the weights about unit-sized."""
-    return (torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), (torch.rand(n, groups) + 0.01) / 8,
-            torch.randint(0, 16, (n, groups), dtype=torch.uint8))
+def int_weight(n: int, k: int, groups: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes over 0 .. 2^bits - 1 (4-bit ones two a byte), a zero in that range and a scale per row and group,
+    the weights about unit-sized."""
+    return (torch.randint(0, 256, (n, k * bits // 8), dtype=torch.uint8), (torch.rand(n, groups) + 0.01) / 8
+            / 2 ** (bits - 4), torch.randint(0, 1 << bits, (n, groups), dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("m, n, k, groups", [(1, 48, 256, 2), (5, 96, 80, 1), (33, 40, 96, 6), (17, 72, 512, 4)])
-def test_int4_matmul_matches_its_dequantized_weight(dtype, m, n, k, groups):
-    """Groups of 128 (slices narrower than a group in fp32), 16 and one a row (80 columns: a last slice
-    cut short), outputs and rows that are not multiples of the tiles."""
-    from engine.kernels.int4_gemm import int4_matmul
+@pytest.mark.parametrize("m, n, k, groups, bits", [(1, 48, 256, 2, 4), (5, 96, 80, 1, 4), (33, 40, 96, 6, 4),
+                                                   (17, 72, 512, 4, 4), (1, 48, 256, 2, 8), (33, 40, 96, 6, 8)])
+def test_int_matmul_matches_its_dequantized_weight(dtype, m, n, k, groups, bits):
+    """4- and 8-bit codes; groups of 128 (slices narrower than a group in fp32), 16 and one a row (80
+    columns: a last slice cut short), outputs and rows that are not multiples of the tiles."""
+    from engine.kernels.int_gemm import int_matmul
 
     x = torch.randn(m, k).to(dtype)
-    packed, scales, zeros = int4_weight(n, k, groups)
-    assert_close(int4_matmul(x, packed, scales, zeros), ref.ref_int4_matmul(x, packed, scales, zeros))
+    packed, scales, zeros = int_weight(n, k, groups, bits)
+    assert_close(int_matmul(x, packed, scales, zeros, bits), ref.ref_int_matmul(x, packed, scales, zeros, bits))
 
 
-def test_int4_matmul_rejects_mismatched_operands():
-    from engine.kernels.int4_gemm import int4_matmul
+def test_int_matmul_rejects_mismatched_operands():
+    from engine.kernels.int_gemm import int_matmul
 
     x = torch.randn(2, 64)
-    packed, scales, zeros = int4_weight(8, 64, 2)
-    with pytest.raises(ValueError, match=r"packed must be uint8 \[8, 32\]"):
-        int4_matmul(x, packed.int(), scales, zeros)
+    packed, scales, zeros = int_weight(8, 64, 2, 4)
+    with pytest.raises(ValueError, match=r"packed 4-bit codes must be uint8 \[8, 32\]"):
+        int_matmul(x, packed.int(), scales, zeros, 4)
+    with pytest.raises(ValueError, match=r"packed 8-bit codes must be uint8 \[8, 64\]"):
+        int_matmul(x, packed, scales, zeros, 8)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        int_matmul(x, packed, scales, zeros, 2)
     with pytest.raises(ValueError, match="one shape"):
-        int4_matmul(x, packed, scales, zeros[:, :1])
+        int_matmul(x, packed, scales, zeros[:, :1], 4)
     with pytest.raises(ValueError, match="multiples of 16"):
-        int4_matmul(x, packed, torch.rand(8, 8), torch.zeros(8, 8, dtype=torch.uint8))
+        int_matmul(x, packed, torch.rand(8, 8), torch.zeros(8, 8, dtype=torch.uint8), 4)

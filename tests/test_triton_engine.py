@@ -24,11 +24,11 @@ from safetensors.torch import load_file  # noqa: E402
 from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
 from test_engine_model import build_hf_checkpoint, longrope, prompts  # noqa: E402
 
-from engine.config import EngineConfig, Int4Quant  # noqa: E402
+from engine.config import EngineConfig, IntQuant  # noqa: E402
 from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
 from engine.device_memory import GIB, engine_num_blocks, kv_cache_bytes_for_device  # noqa: E402
 from engine.engine import Engine  # noqa: E402
-from engine.int4_weights import write_int4_checkpoint  # noqa: E402
+from engine.int_weights import write_int_checkpoint  # noqa: E402
 from engine.kernels import common, triton_available  # noqa: E402
 from engine.kv_cache import KVCache, num_blocks_for  # noqa: E402
 from engine.loader import load_model  # noqa: E402
@@ -239,23 +239,24 @@ def test_adapters_drafts_verified_through_the_graph_buffers_equal_torch_decoding
 
 
 @needs_interpreter
-@pytest.mark.parametrize("quantization", [None, "fp8", "awq"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "awq", "gptq_int8"])
 def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path, quantization):
     """Mixtral's experts through the fused MoE kernels, between the fused residual norms: the greedy tokens
     equal the torch path's (its loop over experts), with decode steps run eagerly and through the static
     graph buffers (the kernels never read back to the host, so such steps can be captured); with fp8
-    experts too (quantized as they load) and an AWQ checkpoint's 4-bit ones (the kernels scale the codes'
-    partial sums, the loop dequantizes each expert's matrices)."""
+    experts too (quantized as they load), an AWQ checkpoint's 4-bit ones and a GPTQ one's 8-bit ones (the
+    kernels scale the codes' partial sums, the loop dequantizes each expert's matrices)."""
     build_hf_checkpoint(tmp_path, "mixtral")
-    if quantization == "awq":
+    if quantization in ("awq", "gptq_int8"):
         raw = json.loads((tmp_path / "config.json").read_text())
-        write_int4_checkpoint(tmp_path, load_file(tmp_path / "model.safetensors"), raw, Int4Quant("awq", 16))
+        quant = IntQuant("awq", 16) if quantization == "awq" else IntQuant("gptq", 16, bits=8)
+        write_int_checkpoint(tmp_path, load_file(tmp_path / "model.safetensors"), raw, quant)
     a, b, c = prompts((7, 20, 9))  # in its vocabulary of 128
     runs, engine = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 2: [("c", c)]}, 5, num_blocks=32,
                                    quantization=quantization if quantization == "fp8" else None)
     experts = next(layer.mlp.experts for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
-    assert experts.gate_up_proj.dtype == {None: torch.float32, "fp8": torch.float8_e4m3fn, "awq": torch.uint8}[
-        quantization]
+    assert experts.gate_up_proj.dtype == {None: torch.float32, "fp8": torch.float8_e4m3fn, "awq": torch.uint8,
+                                          "gptq_int8": torch.uint8}[quantization]
     assert runs["triton"] == runs["graphs"] == runs["torch"]
     assert all(len(t) == 5 for t in runs["torch"].values())
 

@@ -20,7 +20,7 @@ With ``WINDOWED`` (fp8, kivi2), a block that still has a window (``SlotOf[block]
 sequence is filling) is read from the window, in the attention dtype, instead of its record.
 
 The weight tile helpers the quantized matmuls share (dense and experts) are here too: ``_e4m3_bytes_as_half``
-and ``_int4_minus_zero``.
+and ``_codes_minus_zero``.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ def _e4m3_bytes_as_half(bits):
 
 
 @triton.jit
-def _int4_minus_zero(packed, shift, zero):
-    """A ``[BLOCK_K, BLOCK_N]`` slice of 4-bit weights (``engine/int4_weights.py``), each row read from the byte
-    that holds it and two rows (``shift`` 0 or 4 a row: its nibble), minus its column's ``zero``: -15..15 in
-    int16, exact in every float type the product takes."""
-    return ((packed >> shift) & 0xF).to(tl.int16) - zero.to(tl.int16)[None, :]
+def _codes_minus_zero(packed, shift, zero, BITS: tl.constexpr):
+    """A ``[BLOCK_K, BLOCK_N]`` slice of ``BITS``-bit integer weights (``engine/int_weights.py``), each row read
+    from the byte that holds it (4-bit: two rows a byte, ``shift`` 0 or 4 a row for its nibble; 8-bit: one,
+    ``shift`` 0), minus its column's ``zero``: -255..255 in int16, exact in every float type the product
+    takes."""
+    return ((packed >> shift) & ((1 << BITS) - 1)).to(tl.int16) - zero.to(tl.int16)[None, :]
 
 
 @triton.jit

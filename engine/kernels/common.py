@@ -16,10 +16,10 @@ QUANTIZED_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # codes the attention
 class ExpertQuant(NamedTuple):
     """What a mixture of experts' quantized matrices come with. The float32 scales ``gate_up``
     ``[E, 2I, ceil(H / gate_up_k_block)]`` and ``down`` ``[E, H, ceil(I / down_k_block)]``, one per output
-    row and k-block of input columns. fp8 codes (``engine/weight_quant.py``) have no zeros; 4-bit ones
-    (``engine/int4_weights.py``: the k-block is the group) have uint8 zeros shaped as their scales, and with
-    act-order each expert's input orders (int64 ``[E, H]`` and ``[E, I]``): its columns sorted into group
-    order at load, its input gathered to match."""
+    row and k-block of input columns. fp8 codes (``engine/weight_quant.py``) have no zeros; integer ones
+    (``engine/int_weights.py``: the k-block is the group; ``bits`` 4, two codes a byte, or 8) have uint8 zeros
+    shaped as their scales, and with act-order each expert's input orders (int64 ``[E, H]`` and ``[E, I]``):
+    its columns sorted into group order at load, its input gathered to match."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -29,6 +29,7 @@ class ExpertQuant(NamedTuple):
     down_zero: torch.Tensor | None = None
     gate_up_perm: torch.Tensor | None = None
     down_perm: torch.Tensor | None = None
+    bits: int = 8  # the codes' width: fp8's 8, integer codes' 4 or 8
 
 
 def interpreting() -> bool:
@@ -82,7 +83,7 @@ def next_power_of_2(n: int) -> int:
 
 def slice_k(span: int, k: int, dtype: torch.dtype) -> int:
     """The K slice of one iteration of a quantized-weight matmul: at most 128 (32 for fp32), dividing the
-    columns one scale covers (``span``: an fp8 k-block, an int4 group; a multiple of 16) unless one covers
+    columns one scale covers (``span``: an fp8 k-block, an integer codes' group; a multiple of 16) unless one covers
     the row."""
     widest = 32 if dtype == torch.float32 else 128
     if span >= k:
@@ -91,7 +92,7 @@ def slice_k(span: int, k: int, dtype: torch.dtype) -> int:
 
 
 def weight_matmul_launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int], dict]:
-    """What the quantized-weight matmul launchers (fp8, int4) share for ``x`` ``[M, K]`` times a weight ``[N, K]``:
+    """What the quantized-weight matmul launchers (fp8, integer) share for ``x`` ``[M, K]`` times a weight ``[N, K]``:
     x with contiguous rows, the output ``[M, N]`` in x's dtype, the grid of ``BLOCK_M x BLOCK_N`` output tiles
     and the launch options (a decode batch's narrower tiles: more programs streaming the weight; 8 warps for
     large fp32 tiles, which spill at 4; the dtype flags)."""

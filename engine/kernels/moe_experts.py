@@ -10,9 +10,9 @@ output, and multiplies the rows it gathers by that expert's matrix. The first la
 and the pair's router score, and the k pairs of a token are summed. Every shape depends only on the
 token count, so a decode step holding it can be captured in a CUDA graph.
 
-Quantized experts (W8A16 fp8, W4A16 int4) stay packed: each ``BLOCK_K`` slice of codes is read as the dense
-matmuls read it (``_tile``'s helpers) and its partial sum scaled by its rows' scale, so a decode step reads
-one byte, or half a byte, a weight of every expert it touches.
+Quantized experts (W8A16 fp8, W4A16 and W8A16 integers) stay packed: each ``BLOCK_K`` slice of codes is read as
+the dense matmuls read it (``_tile``'s helpers) and its partial sum scaled by its rows' scale, so a decode step
+reads one byte, or half a byte, a weight of every expert it touches.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels import common
-from engine.kernels._tile import _e4m3_bytes_as_half, _int4_minus_zero
+from engine.kernels._tile import _codes_minus_zero, _e4m3_bytes_as_half
 from engine.kernels.common import ExpertQuant, dtype_flags, next_power_of_2
 
 
@@ -32,16 +32,17 @@ def _expert_matmul_kernel(
     A, B, C, SortedPairs, BlockExperts, Scores, BScales, BZeros, APerm, num_pairs, N, K,
     stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_pe,
     PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr, QUANT: tl.constexpr, CODES_AS_BYTES: tl.constexpr,
-    K_BLOCK: tl.constexpr, PERMUTED: tl.constexpr,
+    K_BLOCK: tl.constexpr, PERMUTED: tl.constexpr, BITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):
     """C[pair] = A[pair // PAIRS_PER_ROW] @ B[expert].T (times the pair's score with SCALE) for the
     BLOCK_M pairs of this program's block, all routed to the one expert BlockExperts names (-1: a block
     past the last expert's, nothing to do). Pairs >= num_pairs are a run's padding. With ``QUANT`` 1, B holds
-    e4m3 codes (bytes with CODES_AS_BYTES, 2^-8 of their value); with 2, two 4-bit codes a byte ``[E, N, K / 2]``
-    and BZeros their uint8 zeros, shaped and strided as the scales. Each ``BLOCK_K`` slice's partial sum is
+    e4m3 codes (bytes with CODES_AS_BYTES, 2^-8 of their value); with 2, ``BITS``-bit integer codes, two 4-bit
+    ones a byte ``[E, N, K / 2]`` or 8-bit ones ``[E, N, K]``, and BZeros their uint8 zeros, shaped and strided
+    as the scales. Each ``BLOCK_K`` slice's partial sum is
     then scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``).
-    With PERMUTED (4-bit act-order), column k of B multiplies column ``APerm[expert, k]`` of A."""
+    With PERMUTED (integer act-order), column k of B multiplies column ``APerm[expert, k]`` of A."""
     expert = tl.load(BlockExperts + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,9 +53,10 @@ def _expert_matmul_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = A + rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = B + expert * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
-        if QUANT == 2:  # a byte per two rows of the slice, even rows in the low nibble
-            b_ptrs += (offs_k // 2)[:, None]
-            shift = ((offs_k % 2) * 4)[:, None]
+        per_byte: tl.constexpr = 8 // BITS  # rows of the slice a byte (an element) of B holds: 2 at 4 bits, else 1
+        if QUANT == 2:  # a byte per 8 / BITS rows of the slice (4-bit: even rows in the low nibble)
+            b_ptrs += (offs_k // per_byte)[:, None]
+            shift = ((offs_k % per_byte) * BITS)[:, None]
         else:
             b_ptrs += offs_k[:, None]
         s_ptrs = BScales + expert * stride_se + offs_n.to(tl.int64) * stride_sn
@@ -76,13 +78,13 @@ def _expert_matmul_kernel(
             else:
                 scale = tl.load(s_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0.0)
                 if QUANT == 2:
-                    b = _int4_minus_zero(b, shift, tl.load(z_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0))
+                    b = _codes_minus_zero(b, shift, tl.load(z_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0), BITS)
                 elif CODES_AS_BYTES:
                     b = _e4m3_bytes_as_half(b)
                     scale = scale * 256.0
                 acc += tl.dot(a, b.to(a.dtype), input_precision=PREC) * scale[None, :]
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K // 2 if QUANT == 2 else BLOCK_K
+            b_ptrs += BLOCK_K // per_byte
         if SCALE:
             acc = acc * tl.load(Scores + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
         c_ptrs = C + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -118,11 +120,12 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                    block_experts: torch.Tensor, scores: torch.Tensor | None, pairs_per_row: int,
                    block_m: int, b_scales: torch.Tensor | None = None, k_block: int = 0,
-                   b_zeros: torch.Tensor | None = None, a_perm: torch.Tensor | None = None) -> None:
+                   b_zeros: torch.Tensor | None = None, a_perm: torch.Tensor | None = None, bits: int = 8) -> None:
     """``b``: the experts' matrices in a's dtype, or fp8 codes with ``b_scales`` per row and ``k_block``, or
-    4-bit codes two a byte with ``b_zeros`` too, and with act-order each expert's input order ``a_perm``."""
+    ``bits``-bit integer codes (4-bit two a byte) with ``b_zeros`` too, and with act-order each expert's input
+    order ``a_perm``."""
     quant = 0 if b_scales is None else 1 if b_zeros is None else 2
-    n, k = b.shape[1], b.shape[2] * (2 if quant == 2 else 1)
+    n, k = b.shape[1], b.shape[2] * (8 // bits if quant == 2 else 1)
     block_n = 64
     block_k = 32 if a.dtype == torch.float32 else 64  # fp32 tiles: half the K slice, the same shared memory
     if quant and k_block < k:
@@ -138,9 +141,9 @@ def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_p
         0 if b_scales is None else b_scales.stride(0), 0 if b_scales is None else b_scales.stride(1),
         0 if a_perm is None else a_perm.stride(0),
         PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, QUANT=quant, CODES_AS_BYTES=as_bytes,
-        K_BLOCK=max(k_block, 1), PERMUTED=a_perm is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        K_BLOCK=max(k_block, 1), PERMUTED=a_perm is not None, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         **dtype_flags(a.dtype),
-        # at 4 warps a second fp32 tile per slice spills, and so do 4-bit down matrices at decode batches
+        # at 4 warps a second fp32 tile per slice spills, and so do integer down matrices at decode batches
         num_warps=8 if quant == 2 or (quant and a.dtype == torch.float32) else 4,
     )
 
@@ -150,21 +153,23 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     """What ``engine.moe.routed_experts`` computes, in two launches: ``x`` ``[T, H]``, ``scores`` and ``ids``
     ``[T, k]`` (scores in float32 or x's dtype; each output row is scaled in float32), ``gate_up``
     ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``quant``'s scales (W8A16), or
-    4-bit codes two a byte (``[E, 2I, H / 2]``, ``[E, H, I / 2]``) with scales, zeros and, with act-order,
-    input orders (W4A16), all contiguous on one device. Returns ``[T, H]``."""
+    integer codes of ``quant.bits``, 4-bit ones two a byte (``[E, 2I, H / 2]``, ``[E, H, I / 2]``), with scales,
+    zeros and, with act-order, input orders (W4A16, W8A16), all contiguous on one device. Returns ``[T, H]``."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
-    int4 = quant is not None and quant.gate_up_zero is not None
-    per_byte = 2 if int4 else 1
+    integer = quant is not None and quant.gate_up_zero is not None
+    if integer and quant.bits not in (4, 8):
+        raise ValueError(f"integer expert codes must be 4- or 8-bit, got {quant.bits}")
+    per_byte = 8 // quant.bits if integer else 1
     if ids.shape != scores.shape or ids.dim() != 2 or ids.shape[0] != t:
         raise ValueError(f"scores {tuple(scores.shape)} and ids {tuple(ids.shape)} must both be [{t}, top_k]")
     if gate_up.shape[2] * per_byte != h or down.shape != (e, h, two_i // 2 // per_byte):
         raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be [E, 2I, {h}] "
-                         f"and [E, {h}, I]" + (" (4-bit codes: half the columns, two a byte)" if int4 else ""))
-    weight_dtype = x.dtype if quant is None else torch.uint8 if int4 else torch.float8_e4m3fn
+                         f"and [E, {h}, I]" + (" (4-bit codes: half the columns, two a byte)" if per_byte == 2 else ""))
+    weight_dtype = x.dtype if quant is None else torch.uint8 if integer else torch.float8_e4m3fn
     if gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
         raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be {weight_dtype} (x's dtype, or fp8 "
-                         "codes with their scales, or uint8 4-bit codes with their scales and zeros)")
+                         "codes with their scales, or uint8 integer codes with their scales and zeros)")
     if quant is not None:
         _check_quant(quant, gate_up, down)
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
@@ -177,17 +182,18 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     gate_and_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
     _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m,
                    *(() if quant is None else (quant.gate_up, quant.gate_up_k_block, quant.gate_up_zero,
-                                               quant.gate_up_perm)))
+                                               quant.gate_up_perm, quant.bits)))
     gate, up = gate_and_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
     per_pair = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
     _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m,
-                   *(() if quant is None else (quant.down, quant.down_k_block, quant.down_zero, quant.down_perm)))
+                   *(() if quant is None else (quant.down, quant.down_k_block, quant.down_zero, quant.down_perm,
+                                               quant.bits)))
     return per_pair.view(t, k, h).sum(dim=1)
 
 
 def _check_quant(quant: ExpertQuant, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-    """Scales ``[E, N, K / k_block]`` for each matrix, k_block at least 16; 4-bit zeros shaped and strided as
+    """Scales ``[E, N, K / k_block]`` for each matrix, k_block at least 16; integer zeros shaped and strided as
     their scales (the kernel reads both with one set of strides), each group a whole slice of K; input orders,
     both or neither, int64 ``[E, K]`` with contiguous rows."""
     if (quant.gate_up.shape[:2] != gate_up.shape[:2] or quant.down.shape[:2] != down.shape[:2]
@@ -195,16 +201,16 @@ def _check_quant(quant: ExpertQuant, gate_up: torch.Tensor, down: torch.Tensor) 
         raise ValueError("scales must be [E, N, K / k_block] for each matrix, k_block at least 16")
     if quant.gate_up_zero is None:
         if quant.gate_up_perm is not None or quant.down_perm is not None:
-            raise ValueError("input orders (act-order) come with 4-bit codes only")
+            raise ValueError("input orders (act-order) come with integer codes only")
         return
     if (quant.gate_up_perm is None) != (quant.down_perm is None):
         raise ValueError("act-order needs both matrices' input orders")
     for codes, scale, zeros, k_block, perm in (
             (gate_up, quant.gate_up, quant.gate_up_zero, quant.gate_up_k_block, quant.gate_up_perm),
             (down, quant.down, quant.down_zero, quant.down_k_block, quant.down_perm)):
-        cols = 2 * codes.shape[2]
+        cols = 8 // quant.bits * codes.shape[2]
         if zeros is None or zeros.dtype != torch.uint8 or zeros.shape != scale.shape or zeros.stride() != scale.stride():
-            raise ValueError("4-bit zeros must be uint8, shaped and strided as their scales")
+            raise ValueError("integer zeros must be uint8, shaped and strided as their scales")
         if scale.shape[2] * k_block != cols:
             raise ValueError(f"{scale.shape[2]} groups of {k_block} columns must split each row's {cols}")
         if perm is not None and (perm.dtype != torch.int64 or perm.shape != (codes.shape[0], cols)

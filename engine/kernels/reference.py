@@ -89,10 +89,13 @@ def ref_fp8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, k
     return (x.float() @ (codes.float() * per_column).T).to(x.dtype)
 
 
-def ref_int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
-    """Same contract as ``int4_matmul``: each byte's two codes (low nibble first) minus their group's zero,
-    times its scale, in float32."""
-    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1).float()
+def ref_int_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   bits: int) -> torch.Tensor:
+    """Same contract as ``int_matmul``: each code (a byte's two, low nibble first, at 4 bits) minus its group's
+    zero, times its scale, in float32."""
+    if bits == 4:
+        packed = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+    codes = packed.float()
     group = codes.shape[1] // scales.shape[1]
     weight = (codes - zeros.float().repeat_interleave(group, dim=1)) * scales.repeat_interleave(group, dim=1)
     return (x.float() @ weight.T).to(x.dtype)

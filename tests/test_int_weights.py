@@ -1,7 +1,7 @@
-"""4-bit weights (engine/int4_weights.py): AWQ, GPTQ and compressed-tensors checkpoints generate as the weights
-their codes, zeros and scales stand for (transformers cannot load them without AutoAWQ, GPTQModel or
-compressed-tensors: the reference is the model with those weights), hold half a byte a weight, and every
-checkpoint the layout cannot hold is refused by name."""
+"""Integer weights (engine/int_weights.py): AWQ, GPTQ and compressed-tensors checkpoints, 4-bit and 8-bit,
+generate as the weights their codes, zeros and scales stand for (transformers cannot load them without AutoAWQ,
+GPTQModel or compressed-tensors: the reference is the model with those weights), hold half a byte (or one) a
+weight, and every checkpoint the layout cannot hold is refused by name."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from test_weight_quant import NEW_TOKENS, is_projection, reference_tokens, with_
 
 from benchmarks.kv_quality import greedy_tokens
 from engine.capacity import plan, shape_from_dir
-from engine.config import EngineConfig, Int4Quant, ModelConfig
+from engine.config import EngineConfig, IntQuant, ModelConfig
 from engine.engine import Engine
 from engine.errors import CheckpointError, UnsupportedModelError
-from engine.int4_weights import (
+from engine.int_weights import (
     awq_pack,
     awq_unpack,
     checkpoint_config,
@@ -45,33 +45,47 @@ def test_an_awq_word_holds_its_eight_columns_in_awq_order():
 
 def test_a_gptq_word_holds_eight_input_rows_in_order_and_a_compressed_tensors_one_eight_columns():
     word = torch.tensor([[0x87654321 - 2**32]], dtype=torch.int32)
-    assert unpack_words(word, 0).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
-    assert torch.equal(pack_words(torch.arange(1, 9).view(8, 1), 0), word)
-    assert unpack_words(word, 1).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert unpack_words(word, 0, 4).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert torch.equal(pack_words(torch.arange(1, 9).view(8, 1), 0, 4), word)
+    assert unpack_words(word, 1, 4).tolist() == [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
-def quantize_symmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ's sym=True grid: zero 8, each group's absmax at 7.5 steps."""
+def test_an_8_bit_word_holds_four_codes_lowest_byte_first():
+    """GPTQ's and compressed-tensors' 8-bit packing: four codes a word, code i in bits 8i..8i+7."""
+    word = torch.tensor([[0x81FF0201 - 2**32]], dtype=torch.int32)
+    assert unpack_words(word, 0, 8).flatten().tolist() == [1, 2, 255, 129]
+    assert unpack_words(word, 1, 8).tolist() == [[1, 2, 255, 129]]
+    assert torch.equal(pack_words(torch.tensor([[1], [2], [255], [129]]), 0, 8), word)
+
+
+def quantize_symmetric(w: torch.Tensor, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTQ's sym=True grid: zero 2^(bits - 1) (8, or 128), each group's absmax at half the codes' range."""
     out, cols = w.shape
+    top, mid = (1 << bits) - 1, 1 << (bits - 1)
     g = w.reshape(out, -1, group or cols)
-    scales = g.abs().amax(dim=2, keepdim=True) * 2 / 15
-    codes = (g / scales).round().add(8).clamp(0, 15)
-    return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), torch.full_like(scales.squeeze(2), 8)
+    scales = g.abs().amax(dim=2, keepdim=True) * 2 / top
+    codes = (g / scales).round().add(mid).clamp(0, top)
+    return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), torch.full_like(scales.squeeze(2), mid)
 
 
 # format -> (layout, the quantizer); the original GPTQ format as AutoGPTQ writes it with sym=True
 FORMATS = {
-    "awq": (Int4Quant("awq", GROUP), quantize_groups),
-    "gptq": (Int4Quant("gptq", GROUP, zero_offset=1), quantize_symmetric),
-    "gptq_v2": (Int4Quant("gptq", 0), quantize_groups),  # one group a row
-    "compressed": (Int4Quant("compressed-tensors", GROUP, zero_points=False), quantize_symmetric),
-    "compressed_asym": (Int4Quant("compressed-tensors", 0), quantize_groups),  # a zero point a row
+    "awq": (IntQuant("awq", GROUP), quantize_groups),
+    "gptq": (IntQuant("gptq", GROUP, zero_offset=1), quantize_symmetric),
+    "gptq_v2": (IntQuant("gptq", 0), quantize_groups),  # one group a row
+    "compressed": (IntQuant("compressed-tensors", GROUP, zero_points=False), quantize_symmetric),
+    "compressed_asym": (IntQuant("compressed-tensors", 0), quantize_groups),  # a zero point a row
     # act-order: each group's columns scattered over the input, in GPTQ's order
-    "gptq_act_order": (Int4Quant("gptq", GROUP, act_order=True), quantize_groups),
+    "gptq_act_order": (IntQuant("gptq", GROUP, act_order=True), quantize_groups),
     # groups of 16: the tiny mixtures' experts (intermediate size 32) get two groups in their down matrices
-    "gptq_act_order_16": (Int4Quant("gptq", 16, act_order=True), quantize_groups),
-    "compressed_act_order": (Int4Quant("compressed-tensors", GROUP, zero_points=False, act_order=True),
+    "gptq_act_order_16": (IntQuant("gptq", 16, act_order=True), quantize_groups),
+    "compressed_act_order": (IntQuant("compressed-tensors", GROUP, zero_points=False, act_order=True),
                              quantize_symmetric),
+    # 8-bit: Qwen's GPTQ-Int8 releases (the original format, sym=True), RedHat's w8a16 ones (a scale a row,
+    # symmetric), and asymmetric act-order groups of 16 (zeros packed four a word)
+    "gptq_int8": (IntQuant("gptq", GROUP, zero_offset=1, bits=8), quantize_symmetric),
+    "compressed_w8a16": (IntQuant("compressed-tensors", 0, zero_points=False, bits=8), quantize_symmetric),
+    "compressed_int8_act_order_16": (IntQuant("compressed-tensors", 16, act_order=True, bits=8), quantize_groups),
 }
 
 
@@ -86,7 +100,7 @@ def input_order(name: str, cols: int, orders: dict[str, torch.Tensor]) -> torch.
 
 
 def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
-    """Rewrites the checkpoint at ``path`` with 4-bit projections in ``fmt`` (the original GPTQ format with a
+    """Rewrites the checkpoint at ``path`` with integer projections in ``fmt`` (the original GPTQ format with a
     zero bias beside each projection, as older AutoGPTQ writes; act-order formats with their columns
     grouped in a random order per input); returns each projection's dequantized weight."""
     quant, quantize = FORMATS[fmt]
@@ -96,7 +110,7 @@ def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
         weight = tensors.pop(name)
         cols = weight.shape[1]
         order = input_order(name, cols, orders) if quant.act_order else torch.arange(cols)
-        sorted_codes, scales, zeros = quantize(weight[:, order], quant.group_size)
+        sorted_codes, scales, zeros = quantize(weight[:, order], quant.group_size, quant.bits)
         codes, g_idx = torch.empty_like(sorted_codes), torch.empty(cols, dtype=torch.int64)
         codes[:, order], g_idx[order] = sorted_codes, torch.arange(cols) // (quant.group_size or cols)
         stem = name.removesuffix("weight")
@@ -108,7 +122,7 @@ def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
         dequantized[name] = (codes.float() - zeros.float()[:, g_idx]) * scales.half().float()[:, g_idx]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((path / "config.json").read_text())
-    config = {**checkpoint_config(quant), **({"sym": True} if fmt == "gptq" else {})}
+    config = {**checkpoint_config(quant), **({"sym": True} if quant.layout == "gptq" and quant.zero_offset else {})}
     (path / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
     return dequantized
 
@@ -132,17 +146,20 @@ def transformers_with(path, tensors: dict[str, torch.Tensor]) -> transformers.Pr
                                        ("qwen3", "compressed"), ("phi3", "compressed_asym"),
                                        ("qwen2", "gptq_act_order"), ("llama", "compressed_act_order"),
                                        ("qwen3_moe", "gptq"), ("mixtral", "awq"), ("qwen2_moe", "compressed_asym"),
-                                       ("qwen3_moe", "gptq_act_order_16")])
-def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
+                                       ("qwen3_moe", "gptq_act_order_16"), ("qwen2", "gptq_int8"),
+                                       ("llama", "compressed_w8a16"), ("qwen3_moe", "compressed_int8_act_order_16")])
+def test_an_integer_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
     one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row),
     compressed-tensors on Qwen3 (symmetric: no zeros stored) and Phi-3 (a zero point a row, its checkpoint's
     q/k/v and gate/up packed already), and act-order GPTQ and compressed-tensors (groups scattered over the
     columns by g_idx: sorted into place at load, the input gathered to match), and mixtures of experts in
     GPTQ (Qwen3-MoE, act-order too: each expert's own input orders), AWQ (Mixtral's w1/w3/w2) and
-    compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too): q/k/v and gate/up packed
-    row by row into the model's fused matrices, each expert's into the packed experts, half a byte a weight;
-    the routers stay in the model's dtype. The reference is transformers on the weights the codes stand for."""
+    compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too); 8-bit GPTQ (Qwen's Int8
+    releases) and compressed-tensors (a scale a row, symmetric; and act-order experts with zero points packed
+    four a word): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's into the
+    packed experts, half a byte (or one) a weight; the routers stay in the model's dtype. The reference is
+    transformers on the weights the codes stand for."""
     build_hf_checkpoint(tmp_path, arch)
     original = load_file(tmp_path / "model.safetensors")
     reference = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, fmt)})
@@ -150,16 +167,18 @@ def test_an_int4_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch,
     batch = prompts((9, 33))
     assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(reference, batch)
     qkv = engine.model.model.layers[0].self_attn.qkv_proj
-    assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape[1] == qkv.in_features // 2
+    per_byte = FORMATS[fmt][0].per_byte
+    assert qkv.weight.dtype == torch.uint8 and qkv.weight.shape[1] == qkv.in_features // per_byte
     if "moe" in arch or arch == "mixtral":
         moe = next(layer.mlp for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
         assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.uint8
+        assert moe.experts.gate_up_proj.shape[2] == engine.model_config.hidden_size // per_byte
         assert moe.gate.weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("arch, fmt", [("qwen2", "awq"), ("qwen2", "gptq_act_order"),
-                                       ("qwen3_moe", "gptq_act_order_16")])
-def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, arch, fmt):
+                                       ("qwen3_moe", "gptq_act_order_16"), ("llama", "gptq_int8")])
+def test_kv_calc_weighs_integer_weights_as_the_engine_holds_them(tmp_path, arch, fmt):
     """Codes, scales and zeros (a mixture's experts' too, its routers in the model's dtype), and an act-order
     projection's, or expert's, input order."""
     build_hf_checkpoint(tmp_path, arch)
@@ -170,7 +189,7 @@ def test_kv_calc_weighs_int4_weights_as_the_engine_holds_them(tmp_path, arch, fm
 
 
 @pytest.mark.parametrize("fmt", ["awq", "gptq_act_order"])
-def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequantized_copy(tmp_path, fmt):
+def test_a_lora_adapter_on_integer_weights_generates_as_peft_does_on_their_dequantized_copy(tmp_path, fmt):
     """The adapter's stacks are sized from the projection's features, not its packed weight's columns, and
     read the input in its own order when the base projection gathers it in act-order."""
     from test_lora import ALL_PROJECTIONS, peft_adapter, reference, run
@@ -186,19 +205,20 @@ def test_a_lora_adapter_on_int4_weights_generates_as_peft_does_on_their_dequanti
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"bits": 8}, "quantization_config.bits"),
+    ({"bits": 8}, "quantization_config.bits"),  # AWQ's are 4-bit
+    ({"quant_method": "gptq", "bits": 3}, "quantization_config.bits"),
     ({"group_size": 100}, "quantization_config.group_size"),
     ({"version": "gemv"}, "quantization_config.version"),
     ({"zero_point": False}, "quantization_config.zero_point"),
     ({"quant_method": "gptq", "checkpoint_format": "marlin"}, "quantization_config.checkpoint_format"),
     ({"group_size": 48}, "quantization_config.group_size"),  # a multiple of 16 that splits no projection
-    ({"weights": {"num_bits": 8, "type": "int"}}, "quantization_config.config_groups.weights"),
+    ({"weights": {"num_bits": 2, "type": "int"}}, "quantization_config.config_groups.weights"),
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "actorder": "dynamic"}},
      "quantization_config.config_groups.weights.actorder"),
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}},
      "quantization_config.config_groups.weights.strategy"),
 ])
-def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, change, field):
+def test_an_integer_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, change, field):
     build_hf_checkpoint(tmp_path, "llama")
     raw = json.loads((tmp_path / "config.json").read_text())
     if "weights" in change:  # a compressed-tensors config group's weights
@@ -212,10 +232,11 @@ def test_an_int4_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, cha
     assert err.value.field == field
 
 
-def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
+def test_integer_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
     """An act-order g_idx under desc_act false, q and k act-order g_idx that differ (one input cannot be in
     two orders), a nonzero bias a projection does not have, a weight_shape other than the projection's,
-    --quantization fp8 on top of int4 weights, and an act-order expert whose gate and up g_idx differ."""
+    --quantization fp8 on top of integer weights, an act-order expert whose gate and up g_idx differ, and an
+    8-bit zero the original GPTQ format wrapped (0 stored as -1: read back as 256)."""
     build_hf_checkpoint(tmp_path, "llama")
     quantize_checkpoint(tmp_path, "gptq")
     config = EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64)
@@ -255,3 +276,11 @@ def test_int4_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path):
     save_file(tensors, tmp_path / "moe" / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{up_g_idx}'.*differs from another projection's on the same input"):
         Engine(EngineConfig(model=str(tmp_path / "moe"), block_size=BLOCK, num_blocks=64))
+    build_hf_checkpoint(tmp_path / "int8", "llama")
+    quantize_checkpoint(tmp_path / "int8", "gptq_int8")
+    tensors = load_file(tmp_path / "int8" / "model.safetensors")
+    qzeros = "model.layers.1.self_attn.o_proj.qzeros"
+    tensors[qzeros][0, 0] = 0x7F7F7FFF  # the first column's zero stored as 255
+    save_file(tensors, tmp_path / "int8" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=f"{qzeros}'.*an 8-bit zero of 256"):
+        Engine(EngineConfig(model=str(tmp_path / "int8"), block_size=BLOCK, num_blocks=64))
