@@ -8,6 +8,7 @@ key), `overloaded_server` (a TTFT SLO no request can meet, so the router rejects
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -201,10 +202,13 @@ def test_client_disconnect_from_a_non_streamed_request_aborts_it(live_server):
 
 # ---- models, health, metrics, schema ---------------------------------------------------------------------------
 
-def test_models_lists_the_served_model(live_server):
+def test_models_lists_the_served_model_created_when_the_gateway_began_serving_it(live_server):
     c = client(live_server)
-    assert [m.id for m in c.models.list().data] == [live_server.model_id]
-    assert c.models.retrieve(live_server.model_id).id == live_server.model_id
+    listed = c.models.list().data
+    assert [m.id for m in listed] == [live_server.model_id]
+    card = c.models.retrieve(live_server.model_id)
+    assert card.id == live_server.model_id and card.owned_by == "tidepool"
+    assert 0 < card.created == listed[0].created <= time.time()
 
 
 def test_health_is_ok_with_live_workers(live_server):

@@ -8,6 +8,7 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
@@ -102,6 +103,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     """The HTTP gateway; serve it with uvicorn (``response_store``: None keeps no Responses API responses;
     ``scaler``: None, the cluster routes cannot resize the cluster; ``autoscaler``: shown in the status)."""
     frontend = Frontend(dispatcher, sessions, config)
+    served_since = int(time.time())  # the model cards' "created": when this gateway began serving them
     app = FastAPI(title="Tidepool", description="OpenAI-compatible serving of a disaggregated LLM cluster",
                   version="0.1.0")
     app.router.route_class = StrictJSONRoute  # NaN, Infinity and lone surrogates are malformed JSON
@@ -181,12 +183,12 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(dispatcher, None)] + [
-            _model_card(dispatcher, lora) for lora in dispatcher.loras]}
+        return {"object": "list", "data": [_model_card(dispatcher, None, served_since)] + [
+            _model_card(dispatcher, lora, served_since) for lora in dispatcher.loras]}
 
     @app.get("/v1/models/{model}")
     async def get_model(model: str) -> dict:
-        return _model_card(dispatcher, frontend.check_model(model))
+        return _model_card(dispatcher, frontend.check_model(model), served_since)
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict:
@@ -217,7 +219,7 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     return app
 
 
-def _model_card(dispatcher: Dispatcher, lora: str | None) -> dict:
+def _model_card(dispatcher: Dispatcher, lora: str | None, created: int) -> dict:
     """The base model's card, or a LoRA adapter's (its ``parent`` the base model, as vLLM lists adapters)."""
-    return {"id": lora or dispatcher.model_id, "object": "model", "created": 0, "owned_by": "tidepool",
+    return {"id": lora or dispatcher.model_id, "object": "model", "created": created, "owned_by": "tidepool",
             "max_model_len": dispatcher.max_model_len, "parent": None if lora is None else dispatcher.model_id}
