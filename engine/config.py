@@ -289,11 +289,13 @@ def read_quantization(raw: dict | None) -> WeightQuant | IntQuant | None:
     method = raw.get("quant_method")
     if method == "compressed-tensors":
         return _compressed_tensors(raw, key)
+    if method == "modelopt":
+        return _modelopt(raw, key)
     if method in ("awq", "gptq"):
         return _int_codes(raw, key, method)
     if method != "fp8":
         raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
-                                    "or per tensor), awq 4-bit and gptq 4- or 8-bit weights, compressed-tensors' fp8 "
+                                    "or per tensor), modelopt's fp8, awq 4-bit and gptq 4- or 8-bit weights, compressed-tensors' fp8 "
                                     "and 4- or 8-bit integer weights, or an unquantized checkpoint with --quantization fp8")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
@@ -303,6 +305,36 @@ def read_quantization(raw: dict | None) -> WeightQuant | IntQuant | None:
     if block is None:
         return WeightQuant(k_block=0, n_block=0, scale_suffix="weight_scale")
     return _block_quant(block, f"{key}.weight_block_size", "weight_scale_inv")
+
+
+# ModelOpt's quant_algo -> its weights' layout: a scale per tensor, per output row, or per 128 x 128 block
+_MODELOPT_FP8 = {"FP8": WeightQuant(k_block=0, n_block=0, scale_suffix="weight_scale"),
+                 "FP8_PER_CHANNEL_PER_TOKEN": WeightQuant(k_block=0, n_block=1, scale_suffix="weight_scale"),
+                 "FP8_PB_WO": WeightQuant(k_block=128, n_block=128, scale_suffix="weight_scale")}
+
+
+def _modelopt(raw: dict, key: str) -> WeightQuant:
+    """NVIDIA ModelOpt's fp8 exports (``quant_method: "modelopt"``, as NVIDIA's ``-FP8`` releases): the config
+    nested under ``quantization`` (``hf_quant_config.json``'s shape) or flat (config.json's). Static activation
+    scales are read past (W8A16); ``exclude_modules``/``ignore`` may name only what stays 16-bit anyway (the
+    lm_head, routers): a projection left unquantized is refused by tensor name as it loads."""
+    nested = raw.get("quantization")
+    field = f"{key}.quantization.quant_algo" if isinstance(nested, dict) else f"{key}.quant_algo"
+    algo = str((nested if isinstance(nested, dict) else raw).get("quant_algo")).upper()
+    if algo not in _MODELOPT_FP8:
+        raise UnsupportedModelError(field, f"{algo!r} is not supported; supported: {', '.join(_MODELOPT_FP8)} "
+                                    "(fp8 e4m3 weights)")
+    return _MODELOPT_FP8[algo]
+
+
+def static_kv_scales(raw: dict | None) -> bool:
+    """Whether a ``quantization_config`` says its checkpoint carries static fp8 K/V scales (compressed-tensors'
+    ``kv_cache_scheme``, ModelOpt's ``kv_cache_quant_algo``): calibrated for an fp8 cache of one scale a
+    layer, they are read past, the cache being ``--kv-cache-dtype``'s with scales of its own."""
+    if not raw:
+        return False
+    nested = raw.get("quantization")
+    return bool(raw.get("kv_cache_scheme") or (isinstance(nested, dict) and nested.get("kv_cache_quant_algo")))
 
 
 def _block_quant(block: Any, field: str, scale_suffix: str) -> WeightQuant:
@@ -355,9 +387,6 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
     if fmt not in ("float-quantized", "naive-quantized", "pack-quantized"):
         raise UnsupportedModelError(f"{key}.format", f"{fmt!r} is not supported; supported: float-quantized or "
                                     "naive-quantized fp8 weights, pack-quantized 4- or 8-bit integer weights")
-    if raw.get("kv_cache_scheme"):
-        raise UnsupportedModelError(f"{key}.kv_cache_scheme", "a quantized KV cache scheme is not supported "
-                                    "(serve with --kv-cache-dtype fp8 instead)")
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
         raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
@@ -465,6 +494,7 @@ class ModelConfig:
     # with_quantization for --quantization fp8; 4- or 8-bit integer projections of an AWQ, GPTQ or compressed-tensors
     # checkpoint (engine/int_weights.py); None: every weight in the engine's dtype
     weight_quant: WeightQuant | IntQuant | None = None
+    static_kv_scales: bool = False  # the checkpoint's K/V scales for an fp8 cache, read past (static_kv_scales())
 
     @property
     def long_rope_from(self) -> int | None:
@@ -506,6 +536,7 @@ class ModelConfig:
             qk_norm=qk_norm, max_position_embeddings=max_pos,
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
             layer_windows=layer_windows, weight_quant=read_quantization(raw.get("quantization_config")),
+            static_kv_scales=static_kv_scales(raw.get("quantization_config")),
         )
         if isinstance(config.weight_quant, IntQuant):
             config.check_int_shapes()
@@ -513,7 +544,8 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (and ``generation_config.json`` for EOS ids when present)."""
+        """Read ``config.json`` (and ``generation_config.json`` for EOS ids when present, and ModelOpt's
+        ``hf_quant_config.json`` as the quantization_config of a config.json that has none)."""
         file = Path(path) / "config.json"
         try:
             raw = json.loads(file.read_text())
@@ -521,6 +553,9 @@ class ModelConfig:
             raise CheckpointError(f"{file}: not valid JSON: {exc}") from exc
         if not isinstance(raw, dict):
             raise CheckpointError(f"{file}: not a JSON object")
+        modelopt = read_json(file.with_name("hf_quant_config.json"))
+        if "quantization_config" not in raw and isinstance(modelopt, dict):
+            raw = {**raw, "quantization_config": {"quant_method": "modelopt", **modelopt}}
         try:
             return cls.from_dict(raw, read_json(file.with_name("generation_config.json")))
         except KeyError as exc:

@@ -127,6 +127,9 @@ class _Target:
     convert: Callable[[torch.Tensor], torch.Tensor | None] | None = None
     online_scales: torch.Tensor | None = None  # --quantization fp8: a 16-bit weight, quantized into dest
     optional: bool = False  # a checkpoint may leave it out
+    # a scale: its shape is checked without size-1 dims (a per-tensor one as [] or [1]; ModelOpt's per-row
+    # scales [out] against [out, 1], its block ones [out / 128, 1, in / 128, 1])
+    unit_dims_free: bool = False
 
     def fill(self, tensor: torch.Tensor) -> None:
         if self.online_scales is not None:
@@ -154,8 +157,8 @@ def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions:
     else:
         targets[name] = _Target(view, shape, holds="fp8")
         targets[name.removesuffix("weight") + quant.scale_suffix] = _Target(
-            companions["weight_scale"], quant.scale_shape(*shape), convert=partial(row_scales, quant=quant,
-                                                                                  rows=shape[0]))
+            companions["weight_scale"], quant.scale_shape(*shape),
+            convert=partial(row_scales, quant=quant, rows=shape[0]), unit_dims_free=True)
 
 
 def _add_int(targets: dict[str, _Target], prefix: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
@@ -246,11 +249,15 @@ def _sort_act_order_columns(model: CausalLM) -> None:
 def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) -> None:
     """A checkpoint tensor must have the shape the config implies, and be fp8 exactly where the model is."""
     shape = tuple(tensor.shape)
-    if shape != target.shape and not (target.shape == () and shape == (1,)):  # a per-tensor scale as [1]
+    if shape != target.shape and not (target.unit_dims_free and _without_ones(shape) == _without_ones(target.shape)):
         raise CheckpointError(f"{path.name}: tensor {name!r} has shape {shape}, config.json implies {target.shape}")
     if _HOLDS.get(tensor.dtype, "float") != target.holds:
         raise CheckpointError(f"{path.name}: tensor {name!r} is {tensor.dtype}, config.json's quantization_config "
                               f"implies {_HOLDS_TEXT[target.holds]}")
+
+
+def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
@@ -276,6 +283,8 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
                     continue  # derived from the config, or the tied embedding already loaded
                 if name.endswith(".input_scale") and name.removesuffix("input_scale") + "weight" in targets:
                     continue  # a static activation scale: activations stay in the model's dtype (W8A16)
+                if cfg.static_kv_scales and ".self_attn." in name and name.endswith((".k_scale", ".v_scale")):
+                    continue  # for an fp8 cache of one scale a layer: ours keeps scales of its own
                 if name.endswith(".bias") and name not in targets and name.removesuffix("bias") + "qweight" in targets \
                         and not f.get_tensor(name).any():
                     continue  # older AutoGPTQ writes a zero bias for every projection: nothing to add

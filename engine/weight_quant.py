@@ -12,13 +12,17 @@ packs their scales row by row too:
 * per tensor (no block size, ``weight_scale`` a scalar): vLLM's and AutoFP8's fp8 format;
 * compressed-tensors' fp8 weights (llm-compressor, RedHat's and Neural Magic's releases): ``weight_scale``
   per tensor, per output row (``channel``) or per block;
+* NVIDIA ModelOpt's (``quant_method: "modelopt"``, or its ``hf_quant_config.json``; NVIDIA's ``-FP8``
+  releases): ``weight_scale`` per tensor (``FP8``), per output row ``[out]`` (``FP8_PER_CHANNEL_PER_TOKEN``) or
+  per 128 x 128 block ``[out / 128, 1, in / 128, 1]`` (``FP8_PB_WO``);
 * per output row (``--quantization fp8``, computed here at load: absmax / 448 per row).
 
 The matmul dequantizes the weight and keeps the activations in ``--dtype`` (W8A16, as vLLM's Marlin path runs
 fp8 checkpoints on GPUs without fp8 tensor cores): the torch path dequantizes into ``--dtype`` as
 transformers does when it loads such a checkpoint without a GPU (same numbers, token for token), the Triton
 kernel (``engine/kernels/fp8_gemm.py``) reads the codes and scales the partial sums, so a decode step reads
-one byte a weight. A checkpoint's static ``input_scale`` (and any activation scheme) is therefore not used.
+one byte a weight. A checkpoint's static ``input_scale`` (and any activation scheme) is therefore not used, nor
+are static K/V scales for an fp8 cache (``config.static_kv_scales``): the cache is ``--kv-cache-dtype``'s.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ from engine.kv_quant import FP8_MAX
 
 
 def row_scales(scale: torch.Tensor, quant: WeightQuant, rows: int) -> torch.Tensor:
-    """A checkpoint's scale for a ``[rows, cols]`` weight -> the model's ``[rows, ceil(cols / k_block)]``."""
+    """A checkpoint's scale for a ``[rows, cols]`` weight (size-1 dims aside: ModelOpt drops or adds some) ->
+    the model's ``[rows, ceil(cols / k_block)]``."""
     scale = scale.to(torch.float32)
     if not quant.n_block:
         return scale.reshape(1, 1).expand(rows, 1)
-    return scale.repeat_interleave(quant.n_block, dim=0)[:rows]
+    return scale.reshape(-(-rows // quant.n_block), -1).repeat_interleave(quant.n_block, dim=0)[:rows]
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

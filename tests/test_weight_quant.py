@@ -1,6 +1,6 @@
 """FP8 weights (engine/weight_quant.py): block-wise fp8 checkpoints generate as transformers generates when it
-loads them, per-tensor ones and ``--quantization fp8`` as their dequantized weights do, and every checkpoint
-that does not say what it holds is refused by name."""
+loads them, per-tensor, compressed-tensors' and ModelOpt's ones and ``--quantization fp8`` as their dequantized
+weights do, and every checkpoint that does not say what it holds is refused by name."""
 
 from __future__ import annotations
 
@@ -62,28 +62,52 @@ LAYOUTS = {
                                       "ignored_layers": ["lm_head"]}),
     "compressed_channel": ((1, None), "weight_scale", compressed_tensors_config("channel")),
     "compressed_block": ((32, 32), "weight_scale", compressed_tensors_config("block")),
+    # with static K/V scales for an fp8 cache (read past)
+    "compressed_kv": ((1, None), "weight_scale", {**compressed_tensors_config("channel"), "kv_cache_scheme": {
+        "num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "tensor"}}),
+    # NVIDIA ModelOpt: config.json's flat config; per tensor, per row, per 128 x 128 block
+    "modelopt": (None, "weight_scale", {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": ["lm_head"],
+                                        "kv_cache_scheme": None}),
+    "modelopt_channel": ((1, None), "weight_scale", {"quant_method": "modelopt",
+                                                     "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignore": ["lm_head"]}),
+    "modelopt_block": ((128, 128), "weight_scale", {"quant_method": "modelopt", "quant_algo": "fp8_pb_wo",
+                                                    "ignore": ["lm_head"]}),
+    # its older hf_quant_config.json beside a config.json without quantization_config, an fp8 cache's K/V scales
+    "modelopt_legacy": (None, "weight_scale", {"producer": {"name": "modelopt", "version": "0.19.0"}, "quantization": {
+        "quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head"]}}),
 }
+# how ModelOpt shapes its per-row ([out]) and block ([out / 128, 1, in / 128, 1]) scales
+SCALE_SHAPES = {"modelopt_channel": lambda s: s.flatten(), "modelopt_block": lambda s: s[:, None, :, None]}
+# the static K/V scales each layer of these holds
+KV_SCALES = {"compressed_kv": ("self_attn.k_scale", "self_attn.v_scale"),
+             "modelopt_legacy": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")}
 
 
 def quantize_checkpoint(path, layout: str) -> dict[str, torch.Tensor]:
-    """Rewrites the checkpoint at ``path`` with fp8 projections in one of ``LAYOUTS`` (``tensor``: with a
-    static input scale beside each, as vLLM's static fp8 checkpoints hold); returns each projection's
-    dequantized weight."""
+    """Rewrites the checkpoint at ``path`` with fp8 projections in one of ``LAYOUTS`` (per tensor: with a
+    static input scale beside each, as vLLM's static fp8 checkpoints hold; blocks wider than a matrix cover
+    it whole); returns each projection's dequantized weight."""
     block, scale_name, quantization_config = LAYOUTS[layout]
     tensors = load_file(path / "model.safetensors")
     dequantized = {}
     for name in [n for n in tensors if is_projection(n)]:
         w = tensors[name]
         rows, cols = block or w.shape
-        codes, scale = quantize_blocks(w, rows, cols or w.shape[1])
+        rows, cols = min(rows, w.shape[0]), min(cols or w.shape[1], w.shape[1])
+        codes, scale = quantize_blocks(w, rows, cols)
         stem = name.removesuffix("weight")
-        tensors[stem + scale_name] = scale.reshape(()) if block is None else scale
+        tensors[stem + scale_name] = scale.reshape(()) if block is None else SCALE_SHAPES.get(layout, torch.clone)(scale)
         if block is None:
             tensors[stem + "input_scale"] = torch.tensor(0.02)
-        per_weight = scale.repeat_interleave(rows, 0).repeat_interleave(cols or w.shape[1], 1)
+        per_weight = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)
         tensors[name] = codes
         dequantized[name] = codes.float() * per_weight
+    layers = {n.split(".self_attn.")[0] for n in tensors if ".self_attn." in n}
+    tensors |= {f"{layer}.{kv}": torch.tensor(0.05) for layer in layers for kv in KV_SCALES.get(layout, ())}
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    if layout == "modelopt_legacy":
+        (path / "hf_quant_config.json").write_text(json.dumps(quantization_config))
+        return dequantized
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
     return dequantized
@@ -130,13 +154,16 @@ def test_an_fp8_block_checkpoint_generates_as_transformers_loads_it(tmp_path, ar
     assert engine.model.lm_head.weight.dtype == engine.model.model.embed_tokens.weight.dtype == torch.float32
 
 
-@pytest.mark.parametrize("layout", ["tensor", "compressed_channel", "compressed_block"])
-def test_per_tensor_and_compressed_tensors_checkpoints_run_as_their_dequantized_weights(tmp_path, layout):
+@pytest.mark.parametrize("layout", ["tensor", "compressed_channel", "compressed_block", "compressed_kv", "modelopt",
+                                    "modelopt_channel", "modelopt_block", "modelopt_legacy"])
+def test_per_tensor_compressed_tensors_and_modelopt_checkpoints_run_as_their_dequantized_weights(tmp_path, layout):
     """vLLM's and AutoFP8's layout (one scale a matrix, the static input scales read past: activations stay
-    in the model's dtype) and llm-compressor's (compressed-tensors: a scale per output row, or per block),
-    which transformers cannot load without its own package: the reference is the model with the weights
-    those codes and scales stand for."""
-    hf = build_hf_checkpoint(tmp_path, "qwen3")
+    in the model's dtype), llm-compressor's (compressed-tensors: a scale per output row, or per block; static
+    K/V scales for an fp8 cache read past too) and NVIDIA ModelOpt's (a scale per tensor, per row as [out], per
+    128 x 128 block as [out / 128, 1, in / 128, 1]; its hf_quant_config.json with K/V scales), which transformers
+    cannot load without their own packages: the reference is the model with the weights those codes and scales
+    stand for. Blocks of 128 split the MLP's 256 rows and columns in two."""
+    hf = build_hf_checkpoint(tmp_path, "qwen3", **({"intermediate_size": 256} if layout == "modelopt_block" else {}))
     dequantized = quantize_checkpoint(tmp_path, layout)
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
     batch = prompts((9, 33))
@@ -196,8 +223,9 @@ def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refuse
     ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt"),
     ({"quant_method": "fp8", "weight_block_size": [128, 100]}, "quantization_config.weight_block_size"),
     ({**compressed_tensors_config("group")}, "quantization_config.config_groups.weights.strategy"),
-    ({**compressed_tensors_config("channel"), "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
-     "quantization_config.kv_cache_scheme"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quantization_config.quant_algo"),
+    ({"quant_method": "modelopt", "quantization": {"quant_algo": "W4A8_AWQ"}},
+     "quantization_config.quantization.quant_algo"),
     ({**compressed_tensors_config("channel"), "format": "marlin-24"}, "quantization_config.format"),
 ])
 def test_a_quantization_config_other_than_fp8_e4m3_weights_is_refused_by_field(tmp_path, quantization_config, field):
@@ -209,15 +237,22 @@ def test_a_quantization_config_other_than_fp8_e4m3_weights_is_refused_by_field(t
     assert err.value.field == field
 
 
-@pytest.mark.parametrize("arch, layout", [("qwen3_moe", "block"), ("mixtral", "block"), ("qwen2_moe", "online")])
+@pytest.mark.parametrize("arch, layout", [("qwen3_moe", "block"), ("mixtral", "block"), ("qwen2_moe", "online"),
+                                          ("qwen3_moe", "modelopt")])
 def test_a_mixture_of_experts_on_fp8_weights_generates_as_transformers_loads_it(tmp_path, arch, layout):
     """Each expert's matrices (Mixtral's w1/w3/w2 too) packed as fp8 codes with their scales, and Qwen2-MoE's
     shared expert; the routers stay in the model's dtype. A block-wise checkpoint against transformers loading
-    the same files, --quantization fp8 against the weights it stands for."""
+    the same files, --quantization fp8 and a ModelOpt checkpoint (a scale per expert matrix) against the
+    weights they stand for."""
+    from test_int_weights import transformers_with
+
     hf = build_hf_checkpoint(tmp_path, arch)
     if layout == "block":
         quantize_checkpoint(tmp_path, layout)
         hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    elif layout == "modelopt":
+        original = load_file(tmp_path / "model.safetensors")
+        hf = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, layout)})
     else:
         hf = with_weights(hf, rowwise(hf))
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64,
