@@ -627,6 +627,9 @@ class ModelConfig:
         return total
 
 
+DEFAULT_MAX_LEN = 1 << 20  # longest sequence of a windowed engine without an explicit max_model_len
+
+
 @dataclass
 class EngineConfig:
     model: str  # "tiny" or a checkpoint directory
@@ -719,6 +722,16 @@ class EngineConfig:
             return None
         return SpeculativeConfig(self.num_speculative_tokens, self.prompt_lookup_min, self.prompt_lookup_max,
                                  self.speculative_disable_by_batch_size)
+
+    def max_model_len_for(self, model: ModelConfig) -> int:
+        """The longest sequence (prompt and output) the engine takes: ``max_model_len``, or the model's context
+        (a streaming window, kv_window, lets sequences outgrow it: up to DEFAULT_MAX_LEN); ValueError when
+        max_model_len is outside 2 .. that (a model's own sliding window changes nothing)."""
+        context = model.max_position_embeddings if self.kv_window is None else DEFAULT_MAX_LEN
+        if self.max_model_len is not None and not 1 < self.max_model_len <= context:
+            raise ValueError(f"max_model_len {self.max_model_len} must be between 2 and the model's context, "
+                             f"{context} tokens" + (" (max_position_embeddings)" if self.kv_window is None else ""))
+        return self.max_model_len or context
 
     @property
     def residual_blocks(self) -> int:

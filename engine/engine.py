@@ -36,7 +36,7 @@ from engine.sampler import make_generator, sample, skip_draws, top_logprobs
 from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.speculative import NgramProposer, SpeculationStats
-from engine.streaming_window import DEFAULT_MAX_LEN, StreamingWindow
+from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.tokenizer import Tokenizer
 from engine.triton_attention import attention_backend
@@ -90,9 +90,7 @@ class Engine:
                                    None if self.window is None else self.window.window)
         if self.lora_slots is not None:
             self.scheduler.adapter_ready = self._adapter_ready
-        # a streaming window (--kv-window) lets sequences outgrow the context; a model's own window does not
-        self.max_model_len = config.max_model_len or (
-            self.model_config.max_position_embeddings if config.kv_window is None else DEFAULT_MAX_LEN)
+        self.max_model_len = config.max_model_len_for(self.model_config)
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
                                     num_blocks, self.window)
         if self.runner.supports_decode_graphs and self.device.type == "cuda" and not config.enforce_eager:

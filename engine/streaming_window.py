@@ -35,7 +35,7 @@ keys as blocks are evicted would dequantize, rotate and quantize them again, com
 error. A second query rotation costs one row per token.
 
 Positions keep growing with the sequence, and cos/sin are float32 angles as in transformers, off by about
-p * 2**-24 positions; sequences are therefore capped at ``DEFAULT_MAX_LEN`` tokens (an error under 0.07 of a
+p * 2**-24 positions; sequences are therefore capped at ``engine.config.DEFAULT_MAX_LEN`` tokens (an error under 0.07 of a
 position) unless ``max_model_len`` sets the cap.
 """
 
@@ -47,8 +47,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
-
-DEFAULT_MAX_LEN = 1 << 20  # longest sequence of a windowed engine without an explicit max_model_len
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -46,6 +47,18 @@ def _raise(message: str) -> None:
     raise InvalidRequestError("messages", f"the chat template refuses these messages: {message}")
 
 
+def compile_chat_template(source: str) -> Template:
+    """A chat template's Jinja source, compiled as transformers renders chat templates (its tojson, its
+    ``{% generation %}`` block, ``raise_exception`` and ``strftime_now``); jinja2's TemplateSyntaxError when
+    it is not a template."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
                  eos_token: str | None, eos_token_ids: list[int], bos_token_id: int | None):
@@ -55,15 +68,7 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self.chat_template = chat_template  # the Jinja source, as tokenizer_config.json has it
-        self._template = None
-        if chat_template:
-            # As transformers renders chat templates: its tojson and its {% generation %} block.
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
-            env.filters["tojson"] = _tojson
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(chat_template)
+        self._template = compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -91,6 +96,11 @@ class Tokenizer:
         if eos_id is not None and eos_id not in eos_ids:
             eos_ids.append(eos_id)
         return cls(tok, template, bos, eos, eos_ids, bos_id)
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer rendering chats with ``chat_template`` instead of the checkpoint's (``--chat-template``)."""
+        return Tokenizer(self._tok, chat_template, self.bos_token, self.eos_token, self.eos_token_ids,
+                         self.bos_token_id)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it (as a chat template writes them) become

@@ -39,10 +39,10 @@ def _serve(args: argparse.Namespace) -> int:
             raise SystemExit(f"tidepool serve: --lora-modules: {exc}") from None
         except (CheckpointError, UnsupportedModelError) as exc:
             raise SystemExit(f"tidepool serve: --model {cluster.engine.model}: {exc}") from None
-        except OSError as exc:  # e.g. --http-port taken
+        except (OSError, ValueError) as exc:  # e.g. --http-port taken, --max-model-len past the model's context
             raise SystemExit(f"tidepool serve: {exc}") from None
         print(server.cluster.describe_placement(), flush=True)
-        print(f"tidepool: serving {server.cluster.dispatcher.model_id} on {server.http_url} (OpenAI HTTP) "
+        print(f"tidepool: serving {server.cluster.dispatcher.served_model_names[0]} on {server.http_url} (OpenAI HTTP) "
               f"and {server.grpc_target} (gRPC); Ctrl-C stops", flush=True)
         await server.serve_until_stopped()
         print("tidepool: stopped", flush=True)

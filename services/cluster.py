@@ -88,9 +88,11 @@ class Cluster:
         # A --model that can't be served fails here, before Ray and Redis start, with the file it is about
         # (CheckpointError, UnsupportedModelError), not later inside a worker.
         model_dir = resolve_model_dir(self.config.engine.model)
-        ModelConfig.from_dir(model_dir)
+        self.config.engine.max_model_len_for(ModelConfig.from_dir(model_dir))
         check_adapters(self.config.engine.lora_modules, model_id_for(self.config.engine.model))
         tokenizer = Tokenizer.from_dir(model_dir)
+        if self.config.chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(self.config.chat_template)
         generation_defaults = GenerationDefaults.load(self.config.generation_config, model_dir,
                                                       self.config.override_generation_config)
         log.info("default sampling parameters (--generation-config %s): %s", self.config.generation_config,
@@ -130,9 +132,11 @@ class Cluster:
         self.mirror.start()
         # Without replacements, a request whose workers died has nothing to wait for.
         deadlines = Deadlines() if self.config.replace_workers else Deadlines(resume_s=0.0)
+        served = self.config.served_model_names or (first.model_id,)
         self.dispatcher = Dispatcher(self.workers, conductor, self.mirror, tokenizer,
-                                     Metrics(first.model_id, first.max_model_len),
-                                     self.config.kv_transport, self.redis_url, deadlines, generation_defaults)
+                                     Metrics(served[0], first.max_model_len),
+                                     self.config.kv_transport, self.redis_url, deadlines, generation_defaults,
+                                     served_model_names=served)
         await self.dispatcher.start()
         if self.config.replace_workers:
             self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)

@@ -58,7 +58,7 @@ def cluster_status(dispatcher: Dispatcher, autoscaler: Autoscaler | None = None)
     shown = url._replace(netloc=f"***@{url.hostname}:{url.port}") if url.password else url
     index = dispatcher.index
     return {
-        "model": dispatcher.model_id, "policy": dispatcher.conductor.policy_name,
+        "model": dispatcher.served_model_names[0], "policy": dispatcher.conductor.policy_name,
         "kv_transport": dispatcher.kv_transport,
         "redis": {"url": urlunsplit(shown), "up": bool(index.pool.up), "indexed_blocks": index.indexed_blocks},
         "router": {"policy": dispatcher.conductor.policy_name, "rejections": dispatcher.rejections,

@@ -11,10 +11,14 @@ import argparse
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from jinja2 import TemplateSyntaxError
 
 from engine.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
+from engine.tokenizer import compile_chat_template
 from kvstore.transfer.transports import TRANSPORTS as KV_TRANSPORTS
 from router.autoscale_rules import AutoscaleConfig, add_autoscale_arguments, autoscale_from_args
 from services.gateway.reasoning import PARSERS as REASONING_PARSERS
@@ -39,6 +43,10 @@ class ClusterConfig:
     # vLLM), "vllm" (none: the API's own) or a directory holding a generation_config.json
     generation_config: str = "auto"
     override_generation_config: dict = field(default_factory=dict)  # fields set over it (vLLM's flag)
+    # the names the APIs serve the model under (vLLM's --served-model-name): a request may name any, the model
+    # cards and metrics carry the first; empty: the checkpoint directory's name
+    served_model_names: tuple[str, ...] = ()
+    chat_template: str | None = None  # Jinja source rendering chats instead of the checkpoint's template
     replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
     kv_transport: str = "auto"  # grpc | collective | ipc | auto (kvstore/transfer/transports.py)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
@@ -122,10 +130,34 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, os.path.abspath(os.path.expanduser(path))
 
 
+def _chat_template(text: str) -> str:
+    """``--chat-template``'s value: a file holding a Jinja chat template, or the template itself (vLLM's rule:
+    a value with none of Jinja's {{, {% or {# that names no file is a path that does not exist)."""
+    path = Path(os.path.expanduser(text))
+    if path.is_file():
+        text = path.read_text()
+    elif not any(mark in text for mark in ("{{", "{%", "{#")):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a file nor a Jinja template")
+    try:
+        compile_chat_template(text)
+    except TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"not a valid Jinja template: {exc.message} (line {exc.lineno})") from None
+    return text
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """``tidepool serve``'s options, with the dataclasses' defaults."""
     c, e, g = ClusterConfig(), ClusterConfig().engine, GatewayConfig()
     p.add_argument("--model", default=e.model, help="'tiny' (built-in) or a local HF checkpoint directory")
+    p.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=list(c.served_model_names),
+                   metavar="NAME", help="the model's names in the APIs: a request may name any, /v1/models lists "
+                                        "each, the metrics carry the first (default: the checkpoint directory's name)")
+    p.add_argument("--chat-template", type=_chat_template, default=c.chat_template, metavar="FILE|TEMPLATE",
+                   help="render chats with this Jinja template (a file, or the template itself) instead of the "
+                        "checkpoint's tokenizer_config.json one")
+    p.add_argument("--max-model-len", type=int, default=e.max_model_len, metavar="TOKENS",
+                   help="the longest sequence (prompt and output) a request may make, at most the model's "
+                        "context (default: that context, max_position_embeddings)")
     p.add_argument("--prefill", type=int, default=c.prefill, action=_MarkSet, help="prefill workers")
     p.add_argument("--decode", type=int, default=c.decode, action=_MarkSet, help="decode workers")
     p.add_argument("--colocated", type=int, default=c.colocated,
@@ -273,13 +305,17 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     names = [name for name, _ in args.lora_modules]
     if len(set(names)) < len(names):
         raise ValueError(f"--lora-modules names each adapter once, got {', '.join(names)}")
+    served = args.served_model_names
+    if len(set(served)) < len(served) or set(served) & set(names) or not all(n.strip() for n in served):
+        raise ValueError(f"--served-model-name takes distinct, non-blank names that no --lora-modules adapter has, "
+                         f"got {', '.join(map(repr, served))}")
     max_loras = args.max_loras
     if max_loras is None and args.allow_runtime_lora_updating:
         max_loras = max(len(names), 1)
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
@@ -292,7 +328,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,
-        replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
+        served_model_names=tuple(served), chat_template=args.chat_template, replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,
         pool_max_bytes=args.pool_max_bytes,

@@ -67,10 +67,13 @@ class Dispatcher:
         redis_url: str = "",
         deadlines: Deadlines | None = None,
         generation_defaults: GenerationDefaults | None = None,
+        served_model_names: tuple[str, ...] = (),
     ) -> None:
         self.workers = {w.worker_id: w for w in workers}
         first = workers[0].info
-        self.model_id = first.model_id
+        self.model_id = first.model_id  # the checkpoint's: it salts the prefix hashes, whatever the API calls it
+        # the names requests may give the model (--served-model-name; default: its id), the first the cards'
+        self.served_model_names = served_model_names or (self.model_id,)
         self.block_size = first.block_size
         self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
         self.long_rope_from, self.quantized_at_load = first.long_rope_from, first.quantized_at_load

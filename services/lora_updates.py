@@ -38,6 +38,8 @@ class LoRAUpdates:
         async with self._lock:
             if name in self.dispatcher.loras:
                 raise LoRAAdapterError(f"LoRA adapter {name!r} is already loaded: unload it first")
+            if name in self.dispatcher.served_model_names:
+                raise LoRAAdapterError(f"{name!r} is the base model's name: give the adapter another")
             check_adapters({name: path}, self.dispatcher.model_id)  # a bad directory fails here, before any worker
             self.engine.lora_modules[name] = path
             workers = list(self.dispatcher.workers.values())

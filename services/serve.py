@@ -185,7 +185,8 @@ class ThreadedServer:
 
     @property
     def model_id(self) -> str:
-        return self.dispatcher.model_id
+        """The model's name in the APIs."""
+        return self.dispatcher.served_model_names[0]
 
     def worker_stats(self) -> list[dict]:
         return worker_rows(self.dispatcher)

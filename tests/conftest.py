@@ -209,13 +209,13 @@ TOOL_TEMPLATE = (  # the tiny model's, plus Qwen-style tools, calls and tool ans
 
 
 @pytest.fixture(scope="module")
-def tool_server(start_server, serving_model_dir, tmp_path_factory):
-    """A colocated server whose chat template renders tools, calls and tool answers, with the hermes tool-call
-    parser and the qwen3 reasoning parser (test_openai_tools.py, test_openai_responses.py)."""
-    from live_helpers import checkpoint_with_template
-
-    model = checkpoint_with_template(serving_model_dir, tmp_path_factory.mktemp("tool-model"), TOOL_TEMPLATE)
-    server = start_server(colocated=1, model_dir=model, tool_call_parser="hermes", reasoning_parser="qwen3")
+def tool_server(start_server):
+    """A colocated server rendering chats with a template of its own (--chat-template) that shows tools, calls
+    and tool answers, with the hermes tool-call parser and the qwen3 reasoning parser, serving the model as
+    "tool-model" and "tools-alias" (--served-model-name) (test_openai_tools.py, test_openai_responses.py,
+    test_serving_options.py)."""
+    server = start_server(colocated=1, tool_call_parser="hermes", reasoning_parser="qwen3",
+                          chat_template=TOOL_TEMPLATE, served_model_names=("tool-model", "tools-alias"))
     yield server
     server.stop()
 

@@ -19,12 +19,11 @@ from live_helpers import idle, wait_until
 from test_engine_loop import GREEDY, prompt, run, run_outputs, write_model
 
 from engine.block_manager import NO_BLOCK
-from engine.config import EngineConfig, ModelConfig
+from engine.config import DEFAULT_MAX_LEN, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.errors import InvalidRequestError
 from engine.output import FinishReason, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.streaming_window import DEFAULT_MAX_LEN
 from services.cli import build_parser, main
 from services.config import ClusterConfig, GatewayConfig, configs_from_args
 from services.local_redis import free_port
@@ -205,6 +204,25 @@ def test_a_sequence_longer_than_the_context_runs_with_a_window_and_is_refused_wi
     assert outs[-1].finish_reason is FinishReason.LENGTH
     with pytest.raises(ValueError, match="exceed the model's context"):
         make_engine(model_dir, kv_window=510, kv_sinks=4)
+
+
+def test_max_model_len_caps_the_context_and_only_a_window_lets_it_pass_the_models(model_dir):
+    """--max-model-len 200 of the model's 512 positions: a request of 150 + 60 tokens is refused by its
+    max_tokens, one of 150 + 50 runs; 600 is refused without a window (ValueError naming the context) and
+    taken with one."""
+    engine = make_engine(model_dir, max_model_len=200)
+    assert engine.max_model_len == 200
+    ids = prompt(150, seed=14)
+    with pytest.raises(InvalidRequestError, match=r"exceeds the context of 200 tokens") as err:
+        engine.add_request("long", ids, SamplingParams(max_tokens=60, **GREEDY))
+    assert err.value.field == "max_tokens"
+    outs = outputs_of(engine, {"fits": (ids, SamplingParams(max_tokens=50, **GREEDY))})
+    assert sum(len(o.new_token_ids) for o in outs) == 50
+    for too_long in (600, 1):
+        with pytest.raises(ValueError, match=f"max_model_len {too_long} must be between 2 and the model's context, "
+                                             r"512 tokens \(max_position_embeddings\)"):
+            make_engine(model_dir, max_model_len=too_long)
+    assert make_engine(model_dir, max_model_len=600, kv_window=64, kv_sinks=4).max_model_len == 600
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8", "kivi2"])

@@ -129,3 +129,43 @@ def test_serve_refuses_a_model_dir_it_cannot_serve_in_one_line_before_starting_a
     message = str(exit_info.value.code)
     assert message.startswith(f"tidepool serve: --model {tmp_path}: ") and named in message
     assert "\n" not in message
+
+
+def test_serving_names_chat_template_and_context_options_reach_the_configs(tmp_path, capsys):
+    """--served-model-name, --chat-template (a file, or the template itself) and --max-model-len; names that
+    repeat or that an adapter has, and a template that is neither a file nor Jinja, are refused by flag."""
+    parser = build_parser()
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    cluster, _ = configs_from_args(parser.parse_args(
+        ["serve", "--served-model-name", "gpt-4o", "alias", "--chat-template", str(tmp_path / "chat.jinja"),
+         "--max-model-len", "1024"]))
+    assert cluster.served_model_names == ("gpt-4o", "alias") and cluster.chat_template == template
+    assert cluster.engine.max_model_len == 1024
+    assert configs_from_args(parser.parse_args(["serve", "--chat-template", template]))[0].chat_template == template
+    default, _ = configs_from_args(parser.parse_args(["serve"]))
+    assert (default.served_model_names, default.chat_template, default.engine.max_model_len) == ((), None, None)
+    for names in (["a", "a"], ["a", "ad"]):
+        with pytest.raises(ValueError, match="--served-model-name takes distinct"):
+            configs_from_args(parser.parse_args(["serve", "--served-model-name", *names, "--lora-modules",
+                                                 f"ad={tmp_path}"]))
+    for value, says in ((str(tmp_path / "missing.jinja"), "neither a file nor a Jinja template"),
+                        ("{% for m in messages %}", "not a valid Jinja template")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--chat-template", value])
+        err = capsys.readouterr().err
+        assert "argument --chat-template: " in err and says in err
+
+
+def test_serve_refuses_a_max_model_len_past_the_models_context_in_one_line_before_starting_anything(
+        monkeypatch):
+    from services.cluster import Cluster
+
+    def started(_self):
+        raise AssertionError("Ray and Redis started for a context the model does not have")
+
+    monkeypatch.setattr(Cluster, "start_infrastructure", started)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--max-model-len", "5000"])
+    assert str(exit_info.value.code) == ("tidepool serve: max_model_len 5000 must be between 2 and the model's "
+                                         "context, 4096 tokens (max_position_embeddings)")

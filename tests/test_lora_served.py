@@ -191,6 +191,9 @@ def test_an_adapter_loaded_while_serving_answers_on_every_worker_until_it_is_unl
     assert [complete("clam") for _ in range(2)] == [want, want]  # round the prefill workers
     again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "clam", "lora_path": adapters["crab"]})
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    base = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": lora_server.model_id,
+                                                            "lora_path": adapters["crab"]})
+    assert base.status_code == 400 and "the base model's name" in base.json()["error"]["message"]
     bad = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": "/no/such/dir"})
     assert bad.status_code == 400 and "adapter_config.json not found" in bad.json()["error"]["message"]
     full = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "oyster", "lora_path": adapters["clam"]})

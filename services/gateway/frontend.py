@@ -121,7 +121,8 @@ class Frontend:
 
     @property
     def model_id(self) -> str:
-        return self.dispatcher.model_id
+        """The model's name in the APIs (the first --served-model-name)."""
+        return self.dispatcher.served_model_names[0]
 
     @property
     def prompt_token_limit(self) -> int:
@@ -131,7 +132,7 @@ class Frontend:
 
     def check_model(self, model: str) -> str | None:
         """The LoRA adapter ``model`` names (None: the base model); NotFoundError for a model not served."""
-        if model == self.model_id:
+        if model in self.dispatcher.served_model_names:
             return None
         if model in self.dispatcher.loras:
             return model

@@ -183,12 +183,14 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [_model_card(dispatcher, None, served_since)] + [
-            _model_card(dispatcher, lora, served_since) for lora in dispatcher.loras]}
+        return {"object": "list", "data": [_model_card(dispatcher, name, None, served_since)
+                                           for name in dispatcher.served_model_names] + [
+            _model_card(dispatcher, lora, frontend.model_id, served_since) for lora in dispatcher.loras]}
 
     @app.get("/v1/models/{model}")
     async def get_model(model: str) -> dict:
-        return _model_card(dispatcher, frontend.check_model(model), served_since)
+        lora = frontend.check_model(model)
+        return _model_card(dispatcher, model, None if lora is None else frontend.model_id, served_since)
 
     @app.delete("/v1/sessions/{session_id}")
     async def delete_session(session_id: str) -> dict:
@@ -219,7 +221,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     return app
 
 
-def _model_card(dispatcher: Dispatcher, lora: str | None, created: int) -> dict:
-    """The base model's card, or a LoRA adapter's (its ``parent`` the base model, as vLLM lists adapters)."""
-    return {"id": lora or dispatcher.model_id, "object": "model", "created": created, "owned_by": "tidepool",
-            "max_model_len": dispatcher.max_model_len, "parent": None if lora is None else dispatcher.model_id}
+def _model_card(dispatcher: Dispatcher, name: str, parent: str | None, created: int) -> dict:
+    """The card of the base model under one of its names, or of a LoRA adapter (its ``parent`` the base model, as
+    vLLM lists adapters)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "tidepool",
+            "max_model_len": dispatcher.max_model_len, "parent": parent}
