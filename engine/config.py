@@ -253,6 +253,9 @@ class IntQuant:
     # activation order (its g_idx); the model sorts them into place and gathers its input to match
     act_order: bool = False
     bits: int = 4  # one of INT_BITS
+    # codes packed into int32 words; False: compressed-tensors' int-quantized format, an int8 a code (W8A8
+    # releases: the signed value, mid_code below the code)
+    packed: bool = True
     online = False  # always read from the checkpoint, never quantized at load
 
     @property
@@ -262,8 +265,8 @@ class IntQuant:
 
     @property
     def per_word(self) -> int:
-        """Codes a checkpoint packs into an int32."""
-        return 32 // self.bits
+        """Codes a checkpoint packs into one of its integers: 32 / bits an int32, or one an int8 (unpacked)."""
+        return 32 // self.bits if self.packed else 1
 
     @property
     def mid_code(self) -> int:
@@ -381,18 +384,21 @@ def _group_size(group: Any, field: str) -> int:
 def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
     """llm-compressor's format (``quant_method: "compressed-tensors"``, as RedHat's and Neural Magic's
     releases): one config group on the Linear layers, of 8-bit float weights scaled per tensor, per output
-    row (``channel``) or per block in ``weight_scale`` (FP8 releases), or of 4-bit integers packed eight a
-    word (``pack-quantized``: the w4a16 releases, or 8-bit ones four a word: w8a16); activation schemes are read past (W8A16, W4A16)."""
+    row (``channel``) or per block in ``weight_scale`` (FP8 releases), of 4-bit integers packed eight a word
+    (``pack-quantized``: the w4a16 releases, or 8-bit ones four a word: w8a16), or of int8 weights an int8
+    each (``int-quantized``: the w8a8 releases). Activation schemes are read past: activations stay in
+    ``--dtype`` (W8A16, W4A16)."""
     fmt = raw.get("format")
-    if fmt not in ("float-quantized", "naive-quantized", "pack-quantized"):
+    if fmt not in ("float-quantized", "naive-quantized", "pack-quantized", "int-quantized"):
         raise UnsupportedModelError(f"{key}.format", f"{fmt!r} is not supported; supported: float-quantized or "
-                                    "naive-quantized fp8 weights, pack-quantized 4- or 8-bit integer weights")
+                                    "naive-quantized fp8 weights, pack-quantized 4- or 8-bit integer weights, "
+                                    "int-quantized or naive-quantized int8 weights")
     groups = list((raw.get("config_groups") or {}).values())
     if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
         raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
     weights = groups[0].get("weights") or {}
-    if fmt == "pack-quantized":
-        return _compressed_int(weights, f"{key}.config_groups.weights")
+    if fmt == "pack-quantized" or fmt == "int-quantized" or weights.get("type") == "int":
+        return _compressed_int(weights, f"{key}.config_groups.weights", packed=fmt == "pack-quantized")
     if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):
         raise UnsupportedModelError(f"{key}.config_groups.weights", f"{weights!r}: only symmetric 8-bit float "
                                     "(fp8 e4m3) weights are supported")
@@ -408,11 +414,13 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
                                 "supported: tensor, channel, block")
 
 
-def _compressed_int(weights: dict, field: str) -> IntQuant:
-    """compressed-tensors' pack-quantized weights: 4- or 8-bit integers in groups or per output row
+def _compressed_int(weights: dict, field: str, packed: bool) -> IntQuant:
+    """compressed-tensors' integer weights, packed (4- or 8-bit) or an int8 each, in groups or per output row
     (``channel``), symmetric (no zero points stored) or not."""
-    if weights.get("type") != "int" or weights.get("num_bits") not in INT_BITS:
-        raise UnsupportedModelError(field, f"{weights!r}: pack-quantized weights must be 4- or 8-bit integers")
+    widths = INT_BITS if packed else (8,)
+    if weights.get("type") != "int" or weights.get("num_bits") not in widths:
+        raise UnsupportedModelError(field, f"{weights!r}: " + ("pack-quantized weights must be 4- or 8-bit "
+                                    "integers" if packed else "int-quantized weights must be 8-bit integers"))
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise UnsupportedModelError(f"{field}.strategy", f"{strategy!r} is not supported; supported: group, channel")
@@ -422,7 +430,7 @@ def _compressed_int(weights: dict, field: str) -> IntQuant:
     if actorder not in (None, False, "weight", "group", True):
         raise UnsupportedModelError(f"{field}.actorder", f"{actorder!r} is not supported; supported: group, weight")
     return IntQuant("compressed-tensors", group, zero_points=not weights.get("symmetric", True),
-                    act_order=actorder in ("group", True) and group > 0, bits=weights["num_bits"])
+                    act_order=actorder in ("group", True) and group > 0, bits=weights["num_bits"], packed=packed)
 
 
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:

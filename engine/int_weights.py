@@ -20,7 +20,9 @@ word in bits ``i * bits ..``:
   ``[out, in / w]``, w input columns a word in order, each code the signed value plus ``mid_code`` (8, or 128);
   ``weight_scale`` ``[out, groups]``; ``weight_shape`` ``[out, in]``; ``weight_zero_point`` int32
   ``[out / w, groups]`` (w rows a word, plus ``mid_code`` too) only when asymmetric: a symmetric checkpoint's
-  zeros are all ``mid_code``; ``weight_g_idx`` ``[in]`` with ``actorder: group``, as GPTQ's.
+  zeros are all ``mid_code``; ``weight_g_idx`` ``[in]`` with ``actorder: group``, as GPTQ's. Its
+  ``int-quantized`` format (RedHat's w8a8 releases, served W8A16) holds ``weight`` int8 ``[out, in]``, each the
+  signed value (the code minus 128), and ``weight_zero_point`` int8 ``[out, groups]`` the same way.
 
 Act-order groups are put in place once a model has loaded (``sort_columns``): each projection's columns
 sorted by group, and its input gathered the same way (``weight_input_perm``) before the matmul, as vLLM's GPTQ
@@ -84,6 +86,8 @@ def awq_pack(codes: torch.Tensor) -> torch.Tensor:
 def codes_from_checkpoint(words: torch.Tensor, quant: IntQuant) -> torch.Tensor:
     """A checkpoint's packed codes (``qweight``, ``weight_packed``) -> the model's ``weight`` (uint8
     ``[out, in / per_byte]``)."""
+    if not quant.packed:  # int8: the signed values
+        return (words.to(torch.int16) + quant.mid_code).to(torch.uint8)
     if quant.layout == "compressed-tensors":
         return pack_codes(unpack_words(words, 1, quant.bits), quant.bits)
     return pack_codes((awq_unpack(words) if quant.layout == "awq" else unpack_words(words, 0, quant.bits)).T,
@@ -93,6 +97,8 @@ def codes_from_checkpoint(words: torch.Tensor, quant: IntQuant) -> torch.Tensor:
 def zeros_from_checkpoint(words: torch.Tensor, quant: IntQuant) -> torch.Tensor:
     """A checkpoint's packed zeros (``qzeros``, ``weight_zero_point``) -> the model's ``weight_zero`` (uint8
     ``[out, groups]``)."""
+    if not quant.packed:
+        return (words.to(torch.int16) + quant.mid_code).to(torch.uint8)
     if quant.layout == "compressed-tensors":
         return unpack_words(words, 0, quant.bits).to(torch.uint8)
     zeros = awq_unpack(words) if quant.layout == "awq" else unpack_words(words, 1, quant.bits) + quant.zero_offset
@@ -180,7 +186,8 @@ def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     """A projection's codes ``[out, in]``, scales and zeros ``[out, groups]`` -> the tensors a checkpoint in
     ``quant``'s layout holds for it, by suffix (AWQ's and GPTQ's ``qweight``, ``qzeros``, fp16 ``scales``, GPTQ's
     ``g_idx``; compressed-tensors' ``weight_packed``, ``weight_scale``, ``weight_shape`` and, asymmetric,
-    ``weight_zero_point``, with act-order ``weight_g_idx``). ``g_idx``: each column's group with act-order
+    ``weight_zero_point``, with act-order ``weight_g_idx``; unpacked, ``weight`` int8 in place of
+    ``weight_packed`` and ``weight_shape``). ``g_idx``: each column's group with act-order
     (default: ``k // group_size``)."""
     cols = codes.shape[1]
     if g_idx is None:
@@ -192,10 +199,17 @@ def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
     if quant.layout == "compressed-tensors":
         if not quant.zero_points and (zeros != quant.mid_code).any():
             raise ValueError(f"a symmetric compressed-tensors checkpoint stores no zeros: each must be {quant.mid_code}")
-        tensors = {"weight_packed": pack_words(codes, 1, bits), "weight_scale": scales.to(torch.float16),
-                   "weight_shape": torch.tensor(list(codes.shape))}
-        tensors |= {"weight_g_idx": g_idx} if quant.act_order else {}
-        return {**tensors, "weight_zero_point": pack_words(stored, 0, bits)} if quant.zero_points else tensors
+        tensors = {"weight_scale": scales.to(torch.float16)}
+        if quant.packed:
+            tensors |= {"weight_packed": pack_words(codes, 1, bits), "weight_shape": torch.tensor(list(codes.shape))}
+        else:  # int-quantized: the signed values, an int8 each
+            tensors["weight"] = (codes.to(torch.int16) - quant.mid_code).to(torch.int8)
+        if quant.act_order:
+            tensors["weight_g_idx"] = g_idx
+        if quant.zero_points:
+            tensors["weight_zero_point"] = pack_words(stored, 0, bits) if quant.packed else \
+                (stored - quant.mid_code).to(torch.int8)
+        return tensors
     tensors = {"scales": scales.T.to(torch.float16).contiguous()}
     if quant.layout == "awq":
         return {**tensors, "qweight": awq_pack(codes.T), "qzeros": awq_pack(stored.T)}
@@ -210,8 +224,12 @@ def checkpoint_config(quant: IntQuant) -> dict:
         weights = {"num_bits": quant.bits, "type": "int", "symmetric": not quant.zero_points, "group_size": quant.group_size
                    or None, "strategy": "group" if quant.group_size else "channel",
                    "actorder": "group" if quant.act_order else None}
-        return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        # the w8a8 releases' activations: int8, scaled per token as they run (read past here)
+        activations = None if quant.packed else {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                                                 "strategy": "token"}
+        return {"quant_method": "compressed-tensors", "format": "pack-quantized" if quant.packed else "int-quantized",
+                "quantization_status": "compressed", "config_groups": {"group_0": {
+                    "targets": ["Linear"], "weights": weights, "input_activations": activations}},
                 "ignore": ["lm_head"], "kv_cache_scheme": None}
     if quant.layout == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}

@@ -108,11 +108,12 @@ def _expert_targets(name: str, param: torch.Tensor, cfg: ModelConfig, columns: b
 COMPANIONS = ("_scale", "_zero", "_input_perm")
 
 # what a checkpoint tensor holds, by dtype (anything else counts as a float)
-_HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32", torch.int64: "int64"}
+_HOLDS = {torch.float8_e4m3fn: "fp8", torch.int32: "int32", torch.int64: "int64", torch.int8: "int8"}
 _HOLDS_TEXT = {"float": "a 16- or 32-bit float (only the decoder's projections may be quantized)",
                "fp8": "float8_e4m3fn (a projection kept in 16 bits beside fp8 ones is not supported)",
                "int32": "int32 (integer codes packed eight or four a word, or GPTQ's g_idx)",
-               "int64": "int64 (compressed-tensors' weight_shape)"}
+               "int64": "int64 (compressed-tensors' weight_shape)",
+               "int8": "int8 (compressed-tensors' int-quantized weights and zero points)"}
 
 
 @dataclass
@@ -170,14 +171,17 @@ def _add_int(targets: dict[str, _Target], prefix: str, view: torch.Tensor, compa
     codes, zeros = partial(codes_from_checkpoint, quant=quant), partial(zeros_from_checkpoint, quant=quant)
     scales = partial(scales_from_checkpoint, quant=quant)
     if quant.layout == "compressed-tensors":
-        g_idx = prefix + "weight_g_idx"
-        targets[prefix + "weight_packed"] = _Target(view, (out, cols // per_word), "int32", codes)
+        g_idx, holds = prefix + "weight_g_idx", "int32" if quant.packed else "int8"
+        if quant.packed:
+            targets[prefix + "weight_packed"] = _Target(view, (out, cols // per_word), holds, codes)
+            targets[prefix + "weight_shape"] = _Target(None, (2,), "int64", partial(check_weight_shape, rows=out,
+                                                                                     cols=cols))
+        else:  # int-quantized: an int8 a weight, under the weight's own name
+            targets[prefix + "weight"] = _Target(view, (out, cols), holds, codes)
         targets[prefix + "weight_scale"] = _Target(companions["weight_scale"], (out, groups), convert=scales)
-        targets[prefix + "weight_shape"] = _Target(None, (2,), "int64", partial(check_weight_shape, rows=out,
-                                                                                 cols=cols))
         if quant.zero_points:
             targets[prefix + "weight_zero_point"] = _Target(companions["weight_zero"], (out // per_word, groups),
-                                                            "int32", zeros)
+                                                            holds, zeros)
         else:
             companions["weight_zero"].fill_(quant.mid_code)  # symmetric: codes are the signed values plus it
     else:

@@ -86,6 +86,10 @@ FORMATS = {
     "gptq_int8": (IntQuant("gptq", GROUP, zero_offset=1, bits=8), quantize_symmetric),
     "compressed_w8a16": (IntQuant("compressed-tensors", 0, zero_points=False, bits=8), quantize_symmetric),
     "compressed_int8_act_order_16": (IntQuant("compressed-tensors", 16, act_order=True, bits=8), quantize_groups),
+    # int-quantized: an int8 a weight, RedHat's w8a8 releases (a scale a row, symmetric), and asymmetric groups
+    "compressed_w8a8": (IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False),
+                        quantize_symmetric),
+    "compressed_int8_asym_16": (IntQuant("compressed-tensors", 16, bits=8, packed=False), quantize_groups),
 }
 
 
@@ -147,7 +151,8 @@ def transformers_with(path, tensors: dict[str, torch.Tensor]) -> transformers.Pr
                                        ("qwen2", "gptq_act_order"), ("llama", "compressed_act_order"),
                                        ("qwen3_moe", "gptq"), ("mixtral", "awq"), ("qwen2_moe", "compressed_asym"),
                                        ("qwen3_moe", "gptq_act_order_16"), ("qwen2", "gptq_int8"),
-                                       ("llama", "compressed_w8a16"), ("qwen3_moe", "compressed_int8_act_order_16")])
+                                       ("llama", "compressed_w8a16"), ("qwen3_moe", "compressed_int8_act_order_16"),
+                                       ("qwen2", "compressed_w8a8"), ("qwen2_moe", "compressed_int8_asym_16")])
 def test_an_integer_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
     one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row),
@@ -157,7 +162,8 @@ def test_an_integer_checkpoint_generates_as_its_dequantized_weights(tmp_path, ar
     GPTQ (Qwen3-MoE, act-order too: each expert's own input orders), AWQ (Mixtral's w1/w3/w2) and
     compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too); 8-bit GPTQ (Qwen's Int8
     releases) and compressed-tensors (a scale a row, symmetric; and act-order experts with zero points packed
-    four a word): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's into the
+    four a word), and int-quantized ones, an int8 a weight (RedHat's w8a8, their int8 activations read past;
+    and asymmetric groups of a mixture's experts): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's into the
     packed experts, half a byte (or one) a weight; the routers stay in the model's dtype. The reference is
     transformers on the weights the codes stand for."""
     build_hf_checkpoint(tmp_path, arch)
@@ -217,12 +223,14 @@ def test_a_lora_adapter_on_integer_weights_generates_as_peft_does_on_their_dequa
      "quantization_config.config_groups.weights.actorder"),
     ({"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}},
      "quantization_config.config_groups.weights.strategy"),
+    ({"format": "int-quantized", "weights": {"num_bits": 4, "type": "int", "strategy": "channel"}},
+     "quantization_config.config_groups.weights"),  # int-quantized holds int8 weights only
 ])
 def test_an_integer_config_the_layout_cannot_hold_is_refused_by_field(tmp_path, change, field):
     build_hf_checkpoint(tmp_path, "llama")
     raw = json.loads((tmp_path / "config.json").read_text())
-    if "weights" in change:  # a compressed-tensors config group's weights
-        config = checkpoint_config(FORMATS["compressed"][0])
+    if "weights" in change:  # a compressed-tensors config group's weights (and the format)
+        config = {**checkpoint_config(FORMATS["compressed"][0]), **{k: v for k, v in change.items() if k != "weights"}}
         config["config_groups"]["group_0"]["weights"] = change["weights"]
     else:
         config = {**checkpoint_config(FORMATS["awq"][0]), **change}
