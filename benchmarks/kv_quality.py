@@ -16,9 +16,9 @@ makes SmolLM2-135M-Instruct one), against the full-precision cache in the same r
 - (d) KV bytes per token for each dtype (the engine's own block accounting) and how many sequences of
   ``--seq-len`` tokens fit in ``--cache-bytes``, each with its windows (fp8, kivi2), and the bytes the
   weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``, ``FORMAT/awq``, ``FORMAT/gptq`` or
-  ``FORMAT/compressed-tensors`` on a copy of the checkpoint with its projections written in 4 bits in that layout, round to nearest in
-  groups of 128 or the widest dividing them: (a) and (b) then show what those weights cost against the
-  full-precision model).
+  ``FORMAT/compressed-tensors`` on a copy of the checkpoint with its projections written in 4 bits in that
+  layout, or ``FORMAT/gptq:8`` (``compressed-tensors:8``) in 8 bits, round to nearest in groups of 128 or the
+  widest dividing them: (a) and (b) then show what those weights cost against the full-precision model).
 
 Options the engine does not have yet (EngineConfig fields, or values it refuses) print "not available"
 with the reason, so the script can be rerun as they land.
@@ -175,21 +175,23 @@ def engine_options(spec: str) -> dict:
 
 @contextmanager
 def weights_as(model: str, options: dict) -> Iterator[str]:
-    """The checkpoint ``options`` load: ``model``, or for ``quantization`` awq or gptq (taken out of
-    ``options``) a copy of it in a temporary directory with its projections written in 4 bits."""
-    layout = options.get("quantization")
+    """The checkpoint ``options`` load: ``model``, or for ``quantization`` LAYOUT or LAYOUT:BITS (awq, gptq,
+    compressed-tensors; taken out of ``options``) a copy of it in a temporary directory with its projections
+    written in that layout, in 4 bits or BITS."""
+    layout, _, bits = str(options.get("quantization")).partition(":")
     if layout not in INT_LAYOUTS:
         yield model
         return
     del options["quantization"]
     source = Path(model)
-    with tempfile.TemporaryDirectory(prefix="kv-quality-int4-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kv-quality-int-weights-") as tmp:
         for file in source.iterdir():  # the tokenizer, chat template and generation config
             if file.is_file() and file.name != "config.json" and not file.name.startswith("model.safetensors"):
                 shutil.copy(file, tmp)
         config = json.loads((source / "config.json").read_text())
         tensors = {name: t for file in sorted(source.glob("*.safetensors")) for name, t in load_file(file).items()}
-        write_int_checkpoint(Path(tmp), tensors, config, IntQuant(layout, widest_group(ModelConfig.from_dict(config))))
+        quant = IntQuant(layout, widest_group(ModelConfig.from_dict(config)), bits=int(bits or 4))
+        write_int_checkpoint(Path(tmp), tensors, config, quant)
         yield tmp
 
 
@@ -328,8 +330,8 @@ def main() -> None:
     p.add_argument("--model", default=str(default_out()), help="checkpoint (default: train_tiny.py's)")
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS, and /fp8 for fp8 weights "
-                        "(--quantization fp8) or /awq, /gptq, /compressed-tensors for 4-bit ones; 'auto' = full "
-                        "precision")
+                        "(--quantization fp8) or /awq, /gptq, /compressed-tensors for 4-bit ones (/gptq:8, "
+                        "/compressed-tensors:8: 8-bit ones); 'auto' = full precision")
     p.add_argument("--skip-stream", action="store_true", help="leave (c) out")
     p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")

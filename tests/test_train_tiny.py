@@ -119,11 +119,12 @@ def test_engine_scoring_equals_transformers_teacher_forced_loss(random_checkpoin
 
 @pytest.mark.timeout(60)
 def test_run_dtypes_reports_full_precision_and_marks_unknown_dtypes_unavailable(random_checkpoint):
-    """And an entry with AWQ weights (a 4-bit copy of the checkpoint) weighs its packed projections."""
+    """And entries with AWQ weights (a 4-bit copy of the checkpoint) and 8-bit GPTQ ones weigh their packed
+    projections: the 4-bit copy less than the 8-bit one, both less than float32."""
     docs = [held_out_documents(CORPUS_LIMIT)[0][:100]]
     prompts = [docs[0][:24], docs[0][30:50]]
-    args = argparse.Namespace(model=str(random_checkpoint), dtypes=[FULL, "no-such-dtype", "auto/awq"], chunk=32,
-                              prompt_len=24, new_tokens=8, cache_bytes=1 << 20, seq_len=64)
+    args = argparse.Namespace(model=str(random_checkpoint), dtypes=[FULL, "no-such-dtype", "auto/awq", "auto/gptq:8"],
+                              chunk=32, prompt_len=24, new_tokens=8, cache_bytes=1 << 20, seq_len=64)
     results = run_dtypes(args, docs, prompts)
     full = results[FULL]
     assert full["available"] and full["token_agreement"] == 1.0 and full["identical_sequences"] == 2
@@ -131,8 +132,9 @@ def test_run_dtypes_reports_full_precision_and_marks_unknown_dtypes_unavailable(
     assert full["kv_bytes_per_token"] == full["formula_kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     assert full["sequences_fit"] == (1 << 20) // (64 * full["kv_bytes_per_token"])
     assert results["no-such-dtype"]["available"] is False and results["no-such-dtype"]["note"]
-    awq = results["auto/awq"]
-    assert awq["available"] and awq["weight_bytes"] < full["weight_bytes"] and awq["bits_per_byte"] != full["bits_per_byte"]
+    awq, int8 = results["auto/awq"], results["auto/gptq:8"]
+    assert awq["available"] and awq["weight_bytes"] < int8["weight_bytes"] < full["weight_bytes"]
+    assert awq["bits_per_byte"] != full["bits_per_byte"] and int8["available"]
 
 
 def test_agreement_counts_positions_and_first_divergence():
