@@ -95,7 +95,7 @@ class GatewayConfig:
     response_ttl_s: float = 3600.0  # stored Responses API responses expire this long after they finish; 0: none kept
     metrics_require_key: bool = False  # /metrics and the API docs need the API key too (/health never does)
     shutdown_timeout_s: float = 10.0  # on SIGTERM, in-flight requests get this long before they are cancelled
-    # Chat tool calling: the format the model writes calls in ("hermes", "llama3_json"); None refuses tools
+    # Chat tool calling: the format the model writes calls in ("hermes", "llama3_json", "mistral"); None refuses tools
     tool_call_parser: str | None = None
     # Chat: split the thinking a reasoning model writes into reasoning_content ("qwen3", "deepseek_r1"); None: off
     reasoning_parser: str | None = None
@@ -286,8 +286,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="require the API key for /metrics and the API docs as well (/health stays open)")
     p.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=g.tool_call_parser,
                    help="serve chat tool calling, reading the calls the model writes in this format (hermes: "
-                        "Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1 and later); without it, requests with "
-                        "tools are a 400")
+                        "Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1 and later; mistral: Mistral v0.3, Nemo, "
+                        "Small); without it, requests with tools are a 400")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=g.reasoning_parser,
                    help="return a reasoning model's thinking (<think>...</think>) as reasoning_content, apart from "
                         "the answer (qwen3: the model opens the block; deepseek_r1: the template does)")

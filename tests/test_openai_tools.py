@@ -17,6 +17,7 @@ import pytest
 from test_openai_features import client
 
 from services.gateway.generation import Generation
+from services.gateway.protocol import ChatMessage
 from services.gateway.responses import ResponseShape
 from services.gateway.structured_outputs import forced_call_output
 from services.gateway.tagged_text import parsed
@@ -25,6 +26,7 @@ from services.gateway.tool_calls import (
     ForcedCallsParser,
     HermesParser,
     Llama3JsonParser,
+    MistralParser,
     ToolCall,
     call_parser,
 )
@@ -97,6 +99,66 @@ def test_llama3_json_reads_an_answer_that_is_nothing_but_calls(answer, content, 
     parser = Llama3JsonParser()
     streamed = "".join(parser.feed(ch)[0] for ch in answer)
     assert streamed + parser.finish()[0] == content
+
+
+MISTRAL_CALLS = '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "now", "arguments": {}}]'
+# Mistral v0.3's way with tools, in a template of our own: the calls and the answers that come back must carry
+# ids of nine letters and digits, or the template refuses the conversation
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+    "{% elif m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS] ["
+    "{% for c in m.tool_calls %}{% if not (c.id is string and c.id|length == 9 and c.id.isalnum()) %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}]</s>"
+    "{% elif m.role == 'tool' %}{% if m.tool_call_id|length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "[TOOL_RESULTS] {{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}[/TOOL_RESULTS]"
+    "{% else %}{{ m.content }}</s>{% endif %}{% endfor %}")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("answer, content, calls", [
+    (MISTRAL_CALLS, "", [("get_weather", {"city": "Paris"}), ("now", {})]),  # [TOOL_CALLS] dropped from the text
+    ('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]', "", [("f", {"a": 1})]),  # the token, where kept
+    ("[1] is the footnote", "[1] is the footnote", []),  # a list, but not of calls: content
+    ('[{"name": "f", "arguments": {}}] and more', '[{"name": "f", "arguments": {}}] and more', []),
+    ('[{"name": "f", "argu', '[{"name": "f", "argu', []),  # cut short: content
+    ("[]", "[]", []),
+    ('Call [{"name": "f"}]', 'Call [{"name": "f"}]', []),  # calls inside text are text
+])
+def test_mistral_reads_an_answer_that_is_nothing_but_a_list_of_calls(answer, content, calls):
+    got, found = parse_tool_calls("mistral", answer)
+    assert (got, [(c.name, json.loads(c.arguments)) for c in found]) == (content, calls)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in found) and len({c.id for c in found}) == len(found)
+    parser = MistralParser()
+    streamed = "".join(parser.feed(ch)[0] for ch in answer)
+    assert streamed + parser.finish()[0] == content
+
+
+@pytest.mark.timeout(10)
+def test_mistral_calls_forced_or_not_go_back_through_a_template_that_takes_only_nine_character_ids():
+    """The next turn sends the calls and their answers back under the ids the parser gave them: a Mistral
+    template renders them, where the ids every other parser gives are refused."""
+    from engine.errors import InvalidRequestError
+    from engine.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(resolve_model_dir("tiny")).with_chat_template(MISTRAL_TEMPLATE)
+    forced = call_parser("mistral", TOOLS, tool_choice="required")()
+    forced.feed('[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    for calls in (parse_tool_calls("mistral", MISTRAL_CALLS)[1], forced.finish()[1],
+                  parse_tool_calls("hermes", CALL)[1]):
+        turn = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [c.as_dict() for c in calls]},
+                *({"role": "tool", "tool_call_id": c.id, "content": "Sunny"} for c in calls)]
+        messages = [ChatMessage.model_validate(m).as_dict() for m in turn]
+        if calls[0].id.startswith("call_"):  # hermes: OpenAI-style ids
+            with pytest.raises(InvalidRequestError, match="length 9"):
+                tokenizer.apply_chat_template(messages)
+            continue
+        rendered = tokenizer.apply_chat_template(messages)
+        assert all(f'"id": "{c.id}"' in rendered and f'"call_id": "{c.id}"' in rendered for c in calls)
 
 
 # ---- the response shapes -------------------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""Tool calls in a chat answer's text, in the formats of vLLM's ``--tool-call-parser hermes | llama3_json``.
+"""Tool calls in a chat answer's text, in the formats of vLLM's ``--tool-call-parser hermes | llama3_json |
+mistral``.
 
 Qwen2.5, Qwen3 and the Hermes models write each call as ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`` after any plain text (``HermesParser``); Llama 3.1 and later write the whole answer as the
-call, ``{"name": ..., "parameters": {...}}``, several joined by ``;`` (``Llama3JsonParser``). Their chat
+call, ``{"name": ..., "parameters": {...}}``, several joined by ``;`` (``Llama3JsonParser``); Mistral's
+instruct models (v0.3, Nemo, Small) the whole answer as ``[TOOL_CALLS]`` and a JSON list of ``{"name": ...,
+"arguments": {...}}`` (``MistralParser``; the special token is dropped from the text unless special tokens are
+kept), their calls' ids nine letters and digits, the only ids their chat templates take back. The chat
 templates render the request's ``tools`` and earlier calls and results that way. A parser splits a growing
 answer into content and complete calls as it streams; what is not a JSON object with a string ``name`` stays
 content, as vLLM leaves it, and so is a call to a ``strict`` function whose arguments do not validate against
@@ -13,6 +17,8 @@ while it is sampled (``structured_outputs.py``) and read whole by ``ForcedCallsP
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +30,8 @@ from services.gateway.tagged_text import split_at
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama's: a special token, dropped from the text unless special tokens are kept
+TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, likewise
+_ALPHANUMERIC = string.ascii_letters + string.digits
 
 
 @dataclass(frozen=True)
@@ -38,9 +46,9 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-def _call(block: str, strict: Mapping[str, Any]) -> ToolCall | None:
+def _call(block: str, strict: Mapping[str, Any], new_id: Callable[[], str]) -> ToolCall | None:
     try:
-        return _call_of(json.loads(block), strict)
+        return _call_of(json.loads(block), strict, new_id)
     except json.JSONDecodeError:
         return None
 
@@ -49,7 +57,12 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call_of(value: object, strict: Mapping[str, Any]) -> ToolCall | None:
+def mistral_call_id() -> str:
+    """Nine letters and digits: Mistral's chat templates refuse any other id on a call sent back to them."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
+
+
+def _call_of(value: object, strict: Mapping[str, Any], new_id: Callable[[], str]) -> ToolCall | None:
     """The call ``value`` writes; None when it is not one, or its function is strict (``strict``: name ->
     parameters schema) and the arguments do not validate."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -57,7 +70,7 @@ def _call_of(value: object, strict: Mapping[str, Any]) -> ToolCall | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if value["name"] in strict and not _valid(arguments, strict[value["name"]]):
         return None
-    return ToolCall(_call_id(), value["name"],
+    return ToolCall(new_id(), value["name"],
                     arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
@@ -75,6 +88,7 @@ class HermesParser:
     ``<tool_call>``, and a call once its closing tag (or the end of the answer) arrives."""
 
     ends_with_calls = True  # an answer with calls finishes as "tool_calls"
+    new_id = staticmethod(_call_id)  # a call's id
 
     def __init__(self, strict: Mapping[str, Any] | None = None) -> None:
         """``strict``: the strict functions' parameter schemas, by name."""
@@ -108,7 +122,7 @@ class HermesParser:
 
     def _take(self, block: str, calls: list[ToolCall], closed: bool) -> str:
         """A call from ``block`` (added to ``calls``), or the block, tags and all, as content when it is not one."""
-        call = _call(block.strip(), self._strict)
+        call = _call(block.strip(), self._strict, self.new_id)
         if call is None:
             return f"{OPEN}{block}{CLOSE if closed else ''}"
         calls.append(call)
@@ -116,11 +130,18 @@ class HermesParser:
         return ""
 
 
-class Llama3JsonParser:
-    """One choice's answer, as ``HermesParser``'s. An answer that starts with ``{`` is held until it ends, then
-    read as calls, or released as content when it is not one; any other answer is released as it comes."""
+class _WholeAnswerCalls:
+    """One choice's answer, as ``HermesParser``'s, for models whose answer is either text or nothing but calls:
+    an answer that starts with ``opens`` (after the model's ``tag``, where special tokens are kept) is held until
+    it ends, then read as calls, or released as content when it is not; any other answer is released as it
+    comes."""
 
     ends_with_calls = True
+    new_id = staticmethod(_call_id)
+    tag: str  # the model's special token before calls
+    opens: str  # how an answer of calls begins
+    # the answer's calls (given ids by the third argument); None when it is not nothing but calls
+    read: Callable[[str, Mapping[str, Any], Callable[[], str]], list[ToolCall] | None]
 
     def __init__(self, strict: Mapping[str, Any] | None = None) -> None:
         self._strict = strict or {}
@@ -131,10 +152,10 @@ class Llama3JsonParser:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._pending += text
         if self._holding is None:
-            start = self._pending.lstrip().removeprefix(PYTHON_TAG).lstrip()
-            if not start or PYTHON_TAG.startswith(start):
+            start = self._pending.lstrip().removeprefix(self.tag).lstrip()
+            if not start or self.tag.startswith(start):
                 return "", []
-            self._holding = start.startswith("{")
+            self._holding = start.startswith(self.opens)
         if self._holding:
             return "", []
         content, self._pending = self._pending, ""
@@ -142,14 +163,25 @@ class Llama3JsonParser:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._pending = self._pending, ""
-        calls = _json_calls(rest.strip().removeprefix(PYTHON_TAG), self._strict) if self._holding else None
+        text = rest.strip().removeprefix(self.tag).lstrip()
+        calls = self.read(text, self._strict, self.new_id) if self._holding else None
         if not calls:
             return rest, []
         self.calls += calls
         return "", calls
 
 
-def _json_calls(text: str, strict: Mapping[str, Any]) -> list[ToolCall] | None:
+def _json_list_calls(text: str, strict: Mapping[str, Any], new_id: Callable[[], str]) -> list[ToolCall] | None:
+    """The calls of ``text`` when it is a non-empty JSON list of call objects; else None."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    calls = [_call_of(item, strict, new_id) for item in value] if isinstance(value, list) else []
+    return calls if calls and None not in calls else None
+
+
+def _json_calls(text: str, strict: Mapping[str, Any], new_id: Callable[[], str]) -> list[ToolCall] | None:
     """The calls of ``text`` when it is nothing but JSON call objects joined by ``;``; else None."""
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(text):
@@ -157,12 +189,24 @@ def _json_calls(text: str, strict: Mapping[str, Any]) -> list[ToolCall] | None:
             value, at = decoder.raw_decode(text, at)
         except json.JSONDecodeError:
             return None
-        if (call := _call_of(value, strict)) is None:
+        if (call := _call_of(value, strict, new_id)) is None:
             return None
         calls.append(call)
         rest = text[at:].lstrip()
         at = len(text) - len(rest.removeprefix(";").lstrip())
     return calls
+
+
+class Llama3JsonParser(_WholeAnswerCalls):
+    """Llama 3.1 and later: ``{"name": ..., "parameters": {...}}`` objects joined by ``;``."""
+
+    tag, opens, read = PYTHON_TAG, "{", staticmethod(_json_calls)
+
+
+class MistralParser(_WholeAnswerCalls):
+    """Mistral's instruct models: a JSON list of ``{"name": ..., "arguments": {...}}``."""
+
+    tag, opens, read, new_id = TOOL_CALLS, "[", staticmethod(_json_list_calls), staticmethod(mistral_call_id)
 
 
 class ForcedCallsParser:
@@ -172,8 +216,10 @@ class ForcedCallsParser:
     answer is a JSON list of ``{"name", "parameters"}`` calls and finishes as "tool_calls"; one that is not
     (cut short) is content."""
 
-    def __init__(self, name: str | None = None) -> None:
+    def __init__(self, name: str | None = None, new_id: Callable[[], str] = _call_id) -> None:
+        """``new_id``: the calls' ids, as the server's parser gives them (Mistral's nine characters)."""
         self._name = name
+        self._new_id = new_id
         self._pending = ""
         self.ends_with_calls = name is None
         self.calls: list[ToolCall] = []
@@ -185,14 +231,10 @@ class ForcedCallsParser:
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._pending = self._pending, ""
         if self._name is not None:
-            calls = [ToolCall(_call_id(), self._name, rest.strip())]
+            calls = [ToolCall(self._new_id(), self._name, rest.strip())]
         else:
-            try:
-                value = json.loads(rest)
-            except json.JSONDecodeError:
-                return rest, []
-            calls = [_call_of(item, {}) for item in value] if isinstance(value, list) and value else [None]
-            if None in calls:
+            calls = _json_list_calls(rest, {}, self._new_id)
+            if calls is None:
                 return rest, []
         self.calls += calls
         return "", calls
@@ -204,7 +246,7 @@ class FirstCallParser:
 
     ends_with_calls = True
 
-    def __init__(self, parser: HermesParser | Llama3JsonParser) -> None:
+    def __init__(self, parser: HermesParser | _WholeAnswerCalls) -> None:
         self._parser = parser
         self.calls: list[ToolCall] = []
 
@@ -220,8 +262,9 @@ class FirstCallParser:
         return content, calls
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}  # --tool-call-parser choices
-ToolCallParser = HermesParser | Llama3JsonParser | ForcedCallsParser | FirstCallParser
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,  # --tool-call-parser choices
+           "mistral": MistralParser}
+ToolCallParser = HermesParser | _WholeAnswerCalls | ForcedCallsParser | FirstCallParser
 
 
 def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: str | None = None,
@@ -231,7 +274,7 @@ def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: s
     call(s) (``name``: the function a "named" choice forces), which their schemas constrained. Not
     ``parallel``: calls after an answer's first are dropped (a forced list already holds one)."""
     if tool_choice != "auto":
-        return lambda: ForcedCallsParser(name)  # None: "required"
+        return lambda: ForcedCallsParser(name, PARSERS[kind].new_id)  # name None: "required"
     strict = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools
               if t["function"].get("strict")}
     if parallel:
