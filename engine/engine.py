@@ -581,7 +581,7 @@ class Engine:
         InvalidRequestError (taking nothing) when they break the request's structured output."""
         spec = params.structured_output
         grammar = None if spec is None else self.grammars.matcher(spec, output_ids)
-        text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params.stop)
+        text = None if self.tokenizer is None else OutputText(self.tokenizer, token_ids, params)
         seq = Sequence(next(self._seq_ids) if seq_id is None else seq_id, request_id, [*token_ids, *output_ids],
                        len(token_ids), params, index,
                        generator=make_generator(params.seed, index, self.device), text=text,

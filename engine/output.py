@@ -61,9 +61,11 @@ class RequestOutput:
 class OutputText:
     """One sample's output text: pushed token by token, handed out by ``emit``."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str]):
-        self._detokenizer = IncrementalDetokenizer(tokenizer, context=prompt_ids[-DETOKENIZER_CONTEXT:])
-        self._stop = stop
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], params: SamplingParams):
+        self._detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens,
+                                                   context=prompt_ids[-DETOKENIZER_CONTEXT:])
+        self._stop = params.stop
+        self._keep_stop = params.include_stop_str_in_output
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out
 
@@ -90,14 +92,15 @@ class OutputText:
         return new
 
     def _match_stop(self, before: int) -> str | None:
-        """Cut ``text`` at the earliest stop string that text from ``before`` on completes."""
+        """Cut ``text`` at the earliest stop string that text from ``before`` on completes (after it, with
+        include_stop_str_in_output)."""
         longest = max(len(s) for s in self._stop)
         lo = max(0, before - longest + 1)
         hits = [(i, s) for s in self._stop if (i := self.text.find(s, lo)) >= 0]
         if not hits:
             return None
         i, s = min(hits)
-        self.text = self.text[:i]
+        self.text = self.text[:i + len(s) if self._keep_stop else i]
         return s
 
 

@@ -32,6 +32,8 @@ class SamplingParams:
     min_p: float = 0.0  # vLLM's: tokens less likely than min_p x the most likely one are never drawn (0: off)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, excluded from the output text
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
+    skip_special_tokens: bool = True  # vLLM's: special tokens (a chat template's markers) have no text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     # vLLM's: the first min_tokens output tokens are never a stop token (EOS unless ignore_eos, stop_token_ids)
@@ -80,6 +82,9 @@ class SamplingParams:
 
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        for flag in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos"):
+            if not isinstance(getattr(self, flag), bool):
+                raise bad(flag, f"must be true or false, got {getattr(self, flag)!r}")
         if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise bad("min_tokens", f"must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}")
         if not is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:

@@ -28,7 +28,7 @@ def tokenizer() -> Tokenizer:
 def run(tokenizer: Tokenizer, params: SamplingParams, tokens: list[int], prefill_only: bool = False
         ) -> list[tuple[FinishReason | None, int | str | None, str]]:
     """(finish reason, stop reason, text handed out) per token, up to the one that ends the sample."""
-    text = OutputText(tokenizer, list(b"prompt"), params.stop)
+    text = OutputText(tokenizer, list(b"prompt"), params)
     out = []
     for n, tok in enumerate(tokens, start=1):
         reason, stop = check_finish(tok, n, params, EOS, text, prefill_only)
@@ -52,6 +52,21 @@ def test_stop_string_text_is_held_back_then_cut(tokenizer):
     assert [t for _, _, t in got] == ["", "", "a", "b", "c", ""]
     assert got[-1][:2] == (FinishReason.STOP, "END")
     assert all(reason is None for reason, _, _ in got[:-1])
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_that_ended_the_text(tokenizer):
+    params = SamplingParams(max_tokens=20, stop=["END", "zz"], include_stop_str_in_output=True)
+    got = run(tokenizer, params, list(b"abcENDxyz"))
+    assert "".join(t for _, _, t in got) == "abcEND" and got[-1][:2] == (FinishReason.STOP, "END")
+
+
+def test_special_tokens_have_text_only_when_not_skipped(tokenizer):
+    """The tiny model's <|user|> (260) is a special token: no text by default, its own with
+    skip_special_tokens false (as vLLM's); an end-of-sequence token is a stop token either way."""
+    tokens = [ord("a"), 260, ord("b"), 257]
+    assert "".join(t for _, _, t in run(tokenizer, SamplingParams(max_tokens=20), tokens)) == "ab"
+    kept = run(tokenizer, SamplingParams(max_tokens=20, skip_special_tokens=False), tokens)
+    assert "".join(t for _, _, t in kept) == "a<|user|>b" and kept[-1][:2] == (FinishReason.STOP, 257)
 
 
 def test_stop_tokens_and_eos_end_the_sample_without_their_text(tokenizer):
@@ -82,7 +97,7 @@ def test_text_of_a_handed_off_sample_continues_where_the_prefill_side_stopped(to
     tokens = list(b"abxyz")
     whole = "".join(t for _, _, t in run(tokenizer, params, tokens))
     (first,) = run(tokenizer, params, tokens[:1], prefill_only=True)
-    decode = OutputText(tokenizer, list(b"prompt"), params.stop)
+    decode = OutputText(tokenizer, list(b"prompt"), params)
     decode.push(tokens[0])
     decode.emit(final=False)
     rest = []

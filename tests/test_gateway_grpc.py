@@ -125,6 +125,20 @@ def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_choice(live_server
     assert [c.finish_reason for c in held if c.finish_reason] == ["stop"]
 
 
+def test_special_tokens_and_stop_strings_keep_their_text_as_asked(live_server):
+    tok = live_server.dispatcher.tokenizer
+    user, z = tok.token_to_id("<|user|>"), tok.encode("z")[-1]
+
+    def text(**fields) -> str:
+        return "".join(c.text for c in chat(live_server, serving_pb2.SamplingOptions(max_tokens=3, temperature=0.0,
+                                                                                     **fields)))
+
+    assert text(ignore_eos=True, logit_bias={user: 100.0}) == ""
+    assert text(ignore_eos=True, logit_bias={user: 100.0}, skip_special_tokens=False) == "<|user|>" * 3
+    assert text(logit_bias={z: 100.0}, stop=["zz"]) == ""
+    assert text(logit_bias={z: 100.0}, stop=["zz"], include_stop_str_in_output=True) == "zz"
+
+
 def test_a_structured_output_keeps_the_answer_as_it_does_over_http(live_server):
     schema = {"type": "object", "properties": {"tide": {"enum": ["low", "high"]}}, "required": ["tide"],
               "additionalProperties": False}

@@ -122,6 +122,25 @@ def test_logit_bias_forces_a_token(live_server):
     assert [token_id(e.token) for e in resp.choices[0].logprobs.content] == [forced] * 4
 
 
+def test_special_tokens_keep_their_text_only_when_not_skipped_and_a_stop_string_only_when_kept(live_server):
+    """A forced special token (<|user|>) has no text by default and its own with skip_special_tokens false;
+    a forced "z" ends at the stop string "zz", cut from the text, or kept with include_stop_str_in_output.
+    Both choices are decoded on the decode worker after the prefill worker's first token."""
+    tok = live_server.dispatcher.tokenizer
+    user, z = tok.token_to_id("<|user|>"), tok.encode("z")[-1]
+    kwargs = dict(model=live_server.model_id, prompt="Tide", max_tokens=3, temperature=0.0)
+    special = dict(logit_bias={str(user): 100}, extra_body={"ignore_eos": True})
+    assert client(live_server).completions.create(**kwargs, **special).choices[0].text == ""
+    kept = client(live_server).completions.create(**kwargs, logit_bias={str(user): 100},
+                                                  extra_body={"ignore_eos": True, "skip_special_tokens": False})
+    assert kept.choices[0].text == "<|user|>" * 3
+    stop = dict(logit_bias={str(z): 100}, stop=["zz"])
+    cut = client(live_server).completions.create(**kwargs, **stop).choices[0]
+    whole = client(live_server).completions.create(**kwargs, **stop, extra_body={"include_stop_str_in_output": True})
+    assert (cut.text, cut.finish_reason) == ("", "stop") and (whole.choices[0].text, whole.choices[0].finish_reason) \
+        == ("zz", "stop")
+
+
 def test_min_tokens_hold_off_the_end_of_sequence(live_server):
     eos = live_server.dispatcher.tokenizer.eos_token_ids[0]
     kwargs = dict(model=live_server.model_id, messages=CHAT, max_tokens=6, temperature=0.0, logprobs=True,

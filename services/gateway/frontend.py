@@ -63,6 +63,8 @@ class Options:
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     min_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -101,6 +103,8 @@ class Options:
             max_tokens = self.max_tokens
         params = SamplingParams(max_tokens=max_tokens, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                                 n=self.n, ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias),
+                                include_stop_str_in_output=self.include_stop_str_in_output,
+                                skip_special_tokens=self.skip_special_tokens,
                                 structured_output=self.structured_output, **defaults.apply(given))
         params.validate()
         return params

@@ -156,6 +156,10 @@ class _SamplingBody(_Body):
     repetition_penalty: float | None = Field(None, description="> 0, over prompt and output (vLLM). Extension.")
     logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens. Extension.")
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended a choice in its "
+                                                                "text (vLLM). Extension.")
+    skip_special_tokens: bool = Field(True, description="false: special tokens (a chat template's markers, a "
+                                                        "model's tool-call token) keep their text (vLLM). Extension.")
     min_tokens: int | None = Field(None, description="Tokens generated before a stop token or string may end a "
                                                      "choice (vLLM). Extension.")
     priority: int = Field(0, description="Lower is served first among the prompts waiting on a worker, the "
@@ -185,7 +189,8 @@ class _SamplingBody(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return Options(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                        min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
-                       ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                       ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                       skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens, priority=self.priority,
                        structured_output=requested_output(self.response_format, self.structured_outputs, forced_call))
