@@ -243,7 +243,7 @@ INT_BITS = (4, 8)  # integer code widths: AWQ's 4, GPTQ's and compressed-tensors
 class IntQuant:
     """How an AWQ, GPTQ or compressed-tensors checkpoint stores its projections: 4- or 8-bit integer codes with
     a scale and a zero point of as many bits per ``group_size`` input columns of each output row, packed eight
-    (or four) to an int32 (``engine/int_weights.py``)."""
+    (or four) to an int32, or an int8 each (``engine/int_weights.py``)."""
 
     layout: str  # one of INT_LAYOUTS: how codes and zeros are packed into the checkpoint's int32 tensors
     group_size: int  # input columns one scale and zero cover; 0: the whole row (GPTQ's group_size -1)
@@ -298,8 +298,9 @@ def read_quantization(raw: dict | None) -> WeightQuant | IntQuant | None:
         return _int_codes(raw, key, method)
     if method != "fp8":
         raise UnsupportedModelError(f"{key}.quant_method", f"{method!r} is not supported; supported: fp8 (block-wise "
-                                    "or per tensor), modelopt's fp8, awq 4-bit and gptq 4- or 8-bit weights, compressed-tensors' fp8 "
-                                    "and 4- or 8-bit integer weights, or an unquantized checkpoint with --quantization fp8")
+                                    "or per tensor), modelopt's fp8, awq 4-bit and gptq 4- or 8-bit weights, "
+                                    "compressed-tensors' fp8 and 4- or 8-bit integer weights, or an unquantized "
+                                    "checkpoint with --quantization fp8")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise UnsupportedModelError(f"{key}.fmt", f"{raw['fmt']!r} is not supported; fp8 weights must be e4m3")
     if raw.get("scale_fmt") not in (None, "float32"):
@@ -397,7 +398,7 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
     if len(groups) != 1 or groups[0].get("targets") != ["Linear"]:
         raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
     weights = groups[0].get("weights") or {}
-    if fmt == "pack-quantized" or fmt == "int-quantized" or weights.get("type") == "int":
+    if fmt in ("pack-quantized", "int-quantized") or weights.get("type") == "int":
         return _compressed_int(weights, f"{key}.config_groups.weights", packed=fmt == "pack-quantized")
     if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):
         raise UnsupportedModelError(f"{key}.config_groups.weights", f"{weights!r}: only symmetric 8-bit float "
@@ -594,7 +595,8 @@ class ModelConfig:
         (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged; an integer one is refused."""
         if isinstance(self.weight_quant, IntQuant) and quantization is not None:
             raise UnsupportedModelError("quantization_config", f"this checkpoint holds {self.weight_quant.layout} "
-                                        f"{self.weight_quant.bits}-bit weights already; load it without --quantization {quantization}")
+                                        f"{self.weight_quant.bits}-bit weights already; load it without "
+                                        f"--quantization {quantization}")
         if quantization is None or self.weight_quant is not None:
             return self
         return replace(self, weight_quant=ONLINE_FP8)

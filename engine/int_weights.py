@@ -198,7 +198,8 @@ def checkpoint_tensors(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.T
         raise ValueError("a zero of 0 cannot be stored with zero_offset 1 (GPTQ's original format)")
     if quant.layout == "compressed-tensors":
         if not quant.zero_points and (zeros != quant.mid_code).any():
-            raise ValueError(f"a symmetric compressed-tensors checkpoint stores no zeros: each must be {quant.mid_code}")
+            raise ValueError(f"a symmetric compressed-tensors checkpoint stores no zeros: each must be "
+                             f"{quant.mid_code}")
         tensors = {"weight_scale": scales.to(torch.float16)}
         if quant.packed:
             tensors |= {"weight_packed": pack_words(codes, 1, bits), "weight_shape": torch.tensor(list(codes.shape))}
@@ -221,8 +222,8 @@ def checkpoint_config(quant: IntQuant) -> dict:
     """The ``quantization_config`` AutoAWQ, GPTQModel or llm-compressor writes for ``quant``'s layout."""
     group = quant.group_size or -1
     if quant.layout == "compressed-tensors":
-        weights = {"num_bits": quant.bits, "type": "int", "symmetric": not quant.zero_points, "group_size": quant.group_size
-                   or None, "strategy": "group" if quant.group_size else "channel",
+        weights = {"num_bits": quant.bits, "type": "int", "symmetric": not quant.zero_points,
+                   "group_size": quant.group_size or None, "strategy": "group" if quant.group_size else "channel",
                    "actorder": "group" if quant.act_order else None}
         # the w8a8 releases' activations: int8, scaled per token as they run (read past here)
         activations = None if quant.packed else {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
@@ -273,5 +274,6 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 def int_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
                bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ dequantize(...).T + bias`` (``weight_quant.quantized_linear``)."""
-    return quantized_linear(x, bias, packed.shape[0], lambda rows: kernels.int_matmul(rows, packed, scales, zeros, bits),
+    return quantized_linear(x, bias, packed.shape[0],
+                            lambda rows: kernels.int_matmul(rows, packed, scales, zeros, bits),
                             lambda dtype: dequantize(packed, scales, zeros, bits, dtype))

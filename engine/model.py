@@ -173,8 +173,9 @@ class Linear(nn.Module):
     the loaded adapters by slot, added on the rows of each adapter a step names. With an fp8 ``quant``
     (``engine/weight_quant.py``) the weight is fp8 codes with float32 ``weight_scale`` ``[out, in / k_block]``;
     with an integer one (``engine/int_weights.py``) 4-bit codes two a byte ``[out, in / 2]`` or 8-bit ones
-    ``[out, in]`` (``weight_bits``), with float32 ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``, and with act-order ``weight_input_perm`` ``[in]``,
-    the order the columns are sorted into (the input is gathered to match)."""
+    ``[out, in]`` (``weight_bits``), with float32 ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``,
+    and with act-order ``weight_input_perm`` ``[in]``, the order the columns are sorted into (the input is
+    gathered to match)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  quant: WeightQuant | IntQuant | None = None):

@@ -35,8 +35,8 @@ keys as blocks are evicted would dequantize, rotate and quantize them again, com
 error. A second query rotation costs one row per token.
 
 Positions keep growing with the sequence, and cos/sin are float32 angles as in transformers, off by about
-p * 2**-24 positions; sequences are therefore capped at ``engine.config.DEFAULT_MAX_LEN`` tokens (an error under 0.07 of a
-position) unless ``max_model_len`` sets the cap.
+p * 2**-24 positions; sequences are therefore capped at ``engine.config.DEFAULT_MAX_LEN`` tokens (an error
+under 0.07 of a position) unless ``max_model_len`` sets the cap.
 """
 
 from __future__ import annotations

@@ -315,7 +315,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_dtype=args.kv_cache_dtype,
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
@@ -328,7 +329,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     cluster = ClusterConfig(
         engine=engine, prefill=args.prefill, decode=args.decode, colocated=args.colocated, policy=args.policy,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,
-        served_model_names=tuple(served), chat_template=args.chat_template, replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
+        served_model_names=tuple(served), chat_template=args.chat_template,
+        replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,
         pool_max_bytes=args.pool_max_bytes,

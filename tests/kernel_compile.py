@@ -148,8 +148,8 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
             for bits in (4, 8):
                 kernels.int_matmul(torch.empty(tokens, cfg.hidden_size, dtype=dtype),
                                    torch.empty(qkv.shape[1], cfg.hidden_size * bits // 8, dtype=torch.uint8),
-                                   torch.empty(qkv.shape[1], groups), torch.empty(qkv.shape[1], groups, dtype=torch.uint8),
-                                   bits)
+                                   torch.empty(qkv.shape[1], groups),
+                                   torch.empty(qkv.shape[1], groups, dtype=torch.uint8), bits)
     if kv_format == "auto" or kv_format == "int8":  # split-K decode, as a long context on few sequences gets
         k_cache, v_cache, quant = ((kv.kv[0], kv.kv[1], None) if kv_format == "auto" else quantized_layer(kv))
         paged_decode_attention(q[:2], k_cache, v_cache, meta.decode_tables, meta.context_lens, head_dim ** -0.5,

@@ -163,8 +163,8 @@ def test_an_integer_checkpoint_generates_as_its_dequantized_weights(tmp_path, ar
     compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too); 8-bit GPTQ (Qwen's Int8
     releases) and compressed-tensors (a scale a row, symmetric; and act-order experts with zero points packed
     four a word), and int-quantized ones, an int8 a weight (RedHat's w8a8, their int8 activations read past;
-    and asymmetric groups of a mixture's experts): q/k/v and gate/up packed row by row into the model's fused matrices, each expert's into the
-    packed experts, half a byte (or one) a weight; the routers stay in the model's dtype. The reference is
+    and asymmetric groups of a mixture's experts): q/k/v and gate/up packed row by row into the model's fused
+    matrices, each expert's into the packed experts, half a byte (or one) a weight; the routers stay in the model's dtype. The reference is
     transformers on the weights the codes stand for."""
     build_hf_checkpoint(tmp_path, arch)
     original = load_file(tmp_path / "model.safetensors")

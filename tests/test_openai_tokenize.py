@@ -2,8 +2,9 @@
 tokenizer.json post-processors do) and whose chat template refuses roles out of turn (as Mistral's does) and
 reads a variable (as Qwen3's reads enable_thinking): completions' text prompts get BOS (vLLM's and
 transformers' default; ``add_special_tokens: false`` leaves it out, over HTTP and gRPC), a chat's comes from
-its template alone, chat_template_kwargs reach the template, a refusal is a 400, and vLLM's ``/tokenize``,
-``/detokenize`` and ``/tokenizer_info`` report exactly what generation uses."""
+its template alone, chat_template_kwargs reach the template, a refusal is a 400, a chat prompt may end
+after its last message or inside it (add_generation_prompt, continue_final_message), and vLLM's
+``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` report exactly what generation uses."""
 
 from __future__ import annotations
 
@@ -125,8 +126,59 @@ def test_chat_template_kwargs_reach_the_template_and_its_refusal_is_a_400(bos_se
     assert exc.value.param == "chat_template_kwargs"
 
 
+def test_a_chat_prompt_ends_with_the_generation_prompt_after_the_last_message_or_inside_it(bos_server):
+    """add_generation_prompt false ends the prompt after the last turn; continue_final_message inside the final
+    (assistant) message, so the answer continues its text; /tokenize and chat completions agree, and the final
+    message's special-token text stays plain text there too."""
+    c = client(bos_server)
+    partial = [*CHAT, {"role": "assistant", "content": "Periwinkles <|eot|>graze on"}]
+
+    def text(body: dict) -> str:
+        ids = post(bos_server, "/tokenize", body).json()["tokens"]
+        return post(bos_server, "/detokenize", {"tokens": ids}).json()["prompt"]
+
+    assert text({"messages": CHAT}).endswith("Hi<|eot|><|assistant|>")
+    assert text({"messages": CHAT, "add_generation_prompt": False}).endswith("Hi<|eot|>")
+    body = {"messages": partial, "add_generation_prompt": False, "continue_final_message": True}
+    ids = post(bos_server, "/tokenize", body).json()["tokens"]
+    assert text(body).endswith("Hi<|eot|><|assistant|>Periwinkles <|eot|>graze on")
+    eot = bos_server.dispatcher.tokenizer.token_to_id("<|eot|>")
+    assert ids.count(eot) == 1  # the user's turn end only: the one in the content is plain text
+    served = c.chat.completions.create(model=bos_server.model_id, messages=partial, max_tokens=1, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    assert served.usage.prompt_tokens == len(ids)
+    for extra, says in (({"continue_final_message": True}, "needs add_generation_prompt false"),
+                        ({"continue_final_message": True, "add_generation_prompt": False},
+                         "the final message must be the assistant's")):
+        with pytest.raises(openai.BadRequestError) as exc:
+            c.chat.completions.create(model=bos_server.model_id, messages=CHAT if "final" in says else partial,
+                                      max_tokens=1, extra_body=extra)
+        assert exc.value.param == "continue_final_message" and says in exc.value.message
+
+
+def test_a_final_message_whose_template_rewrites_it_cannot_be_continued():
+    """A template that trims content: a final message with a trailing space is not where the prompt would end
+    (a 400 naming continue_final_message); one the trim leaves as it is continues."""
+    from engine.errors import InvalidRequestError
+    from engine.loader import resolve_model_dir
+    from engine.tokenizer import Tokenizer
+    from services.gateway.chat_prompt import encode_chat
+    from services.gateway.token_texts import TokenTexts
+
+    trims = "{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}<|eot|>{% endfor %}"
+    texts = TokenTexts(Tokenizer.from_dir(resolve_model_dir("tiny")).with_chat_template(trims))
+    with pytest.raises(InvalidRequestError) as err:
+        encode_chat(texts, [*CHAT, {"role": "assistant", "content": "Tide is "}], add_generation_prompt=False,
+                    continue_final=True)
+    assert err.value.field == "continue_final_message"
+    ids = encode_chat(texts, [*CHAT, {"role": "assistant", "content": "Tide is"}], add_generation_prompt=False,
+                      continue_final=True)
+    assert texts.tokenizer.decode(ids, skip_special_tokens=False) == "<|user|>Hi<|eot|><|assistant|>Tide is"
+
+
 @pytest.mark.parametrize("path, body, param, status", [
     ("/tokenize", {}, "prompt", 400),
+    ("/tokenize", {"prompt": "a", "continue_final_message": True}, "continue_final_message", 400),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, "prompt", 400),
     ("/tokenize", {"messages": CHAT, "add_special_tokens": True}, "add_special_tokens", 400),
     ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, "messages", 400),

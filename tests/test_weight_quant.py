@@ -96,7 +96,8 @@ def quantize_checkpoint(path, layout: str) -> dict[str, torch.Tensor]:
         rows, cols = min(rows, w.shape[0]), min(cols or w.shape[1], w.shape[1])
         codes, scale = quantize_blocks(w, rows, cols)
         stem = name.removesuffix("weight")
-        tensors[stem + scale_name] = scale.reshape(()) if block is None else SCALE_SHAPES.get(layout, torch.clone)(scale)
+        shaped = SCALE_SHAPES.get(layout, torch.clone)
+        tensors[stem + scale_name] = scale.reshape(()) if block is None else shaped(scale)
         if block is None:
             tensors[stem + "input_scale"] = torch.tensor(0.02)
         per_weight = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)

@@ -141,7 +141,8 @@ def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_p
         0 if b_scales is None else b_scales.stride(0), 0 if b_scales is None else b_scales.stride(1),
         0 if a_perm is None else a_perm.stride(0),
         PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, QUANT=quant, CODES_AS_BYTES=as_bytes,
-        K_BLOCK=max(k_block, 1), PERMUTED=a_perm is not None, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        K_BLOCK=max(k_block, 1), PERMUTED=a_perm is not None, BITS=bits, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k,
         **dtype_flags(a.dtype),
         # at 4 warps a second fp32 tile per slice spills, and so do integer down matrices at decode batches
         num_warps=8 if quant == 2 or (quant and a.dtype == torch.float32) else 4,

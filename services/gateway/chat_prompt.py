@@ -24,23 +24,36 @@ Render = Callable[[list[dict]], str]  # messages -> the prompt text the chat tem
 
 
 def encode_chat(texts: TokenTexts, messages: list[dict], previous: SessionSequence | None = None,
-                template_kwargs: dict | None = None) -> list[int]:
+                template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                continue_final: bool = False) -> list[int]:
     """Token ids of ``messages`` through the chat template, ready for generation (blocking: run it in a
     thread for long prompts). ``template_kwargs``: further template variables (vLLM's chat_template_kwargs).
+    ``add_generation_prompt``: end with the template's opening of the assistant's turn; ``continue_final``
+    (without it): end where the final message's content ends instead, so the answer continues that text
+    (vLLM's continue_final_message; InvalidRequestError when the template rewrites content, as the end of
+    that text cannot then be found).
 
     ``previous``: the session turn whose reply is the last assistant message of ``messages``. Its token ids
     are kept as they were, and only the text after the reply is encoded: encoding the reply's text again
     may give other tokens (BPE merges across the boundary; a random model's invalid UTF-8, decoded as
     U+FFFD), and the turn's KV, in the pool under its own tokens, would then be recomputed.
     """
-    render = functools.partial(texts.tokenizer.apply_chat_template, add_generation_prompt=True,
+    render = functools.partial(texts.tokenizer.apply_chat_template, add_generation_prompt=add_generation_prompt,
                                **(template_kwargs or {}))
     prompt = render(messages)
+    spans = None
+    if continue_final:
+        try:
+            spans = _content_spans(render, messages, prompt)
+        except InvalidRequestError:
+            raise InvalidRequestError("continue_final_message", "this model's chat template rewrites message "
+                                      "content, so the final message's text cannot be continued") from None
+        prompt = prompt[:spans[-1][1]]
     kept = None if previous is None else _continued(texts, render, messages, prompt, previous)
     if kept is not None:
         ids, start = kept
-        return ids + _encode(texts, render, messages, prompt, start)
-    return _encode(texts, render, messages, prompt, 0)
+        return ids + _encode(texts, render, messages, prompt, start, spans)
+    return _encode(texts, render, messages, prompt, 0, spans)
 
 
 def _continued(texts: TokenTexts, render: Render, messages: list[dict], prompt: str,
@@ -65,8 +78,10 @@ def _continued(texts: TokenTexts, render: Render, messages: list[dict], prompt: 
     return previous.ids[:previous.prompt_len] + reply, end
 
 
-def _encode(texts: TokenTexts, render: Render, messages: list[dict], prompt: str, start: int) -> list[int]:
-    """Token ids of ``prompt[start:]``, special-token strings inside message content encoded as text."""
+def _encode(texts: TokenTexts, render: Render, messages: list[dict], prompt: str, start: int,
+            spans: list[tuple[int, int]] | None = None) -> list[int]:
+    """Token ids of ``prompt[start:]``, special-token strings inside message content encoded as text
+    (``spans``: the contents' places, when known already)."""
     tokenizer = texts.tokenizer
     ids = tokenizer.encode(prompt[start:])
     specials = {texts.text(t) for t in set(ids) if texts.is_special(t)}
@@ -76,7 +91,7 @@ def _encode(texts: TokenTexts, render: Render, messages: list[dict], prompt: str
     pattern = re.compile("|".join(re.escape(s) for s in sorted(forged, key=len, reverse=True)))
     out: list[int] = []
     done = start  # characters of ``prompt`` encoded so far
-    for span_start, span_end in _content_spans(render, messages, prompt):
+    for span_start, span_end in spans or _content_spans(render, messages, prompt):
         for match in pattern.finditer(prompt, max(span_start, start), max(span_end, start)):
             out += tokenizer.encode(prompt[done:match.start()]) + _encode_plain(texts, match.group())
             done = match.end()

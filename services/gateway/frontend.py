@@ -79,6 +79,10 @@ class Options:
     add_special_tokens: bool = True
     # Chat: the template's variables beyond the messages (vLLM's chat_template_kwargs, and the tools shown)
     chat_template_kwargs: dict = field(default_factory=dict)
+    # Chat: how the prompt ends (vLLM's): with the assistant turn's opening, or (both false) after the last
+    # message, or inside it: the answer continues the final (assistant) message's text
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict] | None = None  # chat: the functions the model is shown, and whose calls are read back
     # chat with tools: "auto" (the model may call), "required" (it writes a list of calls) or "named" (it writes
     # the arguments of ``tool_name``)
@@ -171,7 +175,8 @@ class Frontend:
                 raise InvalidRequestError("messages", "at least one message is required")
             self._check_text_size(sum(len(m["content"]) for m in history + messages))
             prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous,
-                                                 options.chat_template_kwargs)
+                                                 options.chat_template_kwargs, options.add_generation_prompt,
+                                                 options.continue_final_message)
             if turn is not None:
                 turn.prompt_ids = prompt_ids
             if options.structured_output is not None and self.thinking_tags is not None:
@@ -218,13 +223,15 @@ class Frontend:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return prompt_ids
 
-    async def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict) -> list[int]:
+    async def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict, add_generation_prompt: bool = True,
+                              continue_final_message: bool = False) -> list[int]:
         """A stateless chat's prompt token ids, as ``chat`` computes them (for ``/tokenize``)."""
         _check_roles(messages, self.tool_calls)
         if not messages:
             raise InvalidRequestError("messages", "at least one message is required")
         self._check_text_size(sum(len(m["content"]) for m in messages))
-        return await asyncio.to_thread(encode_chat, self.token_texts, messages, None, template_kwargs)
+        return await asyncio.to_thread(encode_chat, self.token_texts, messages, None, template_kwargs,
+                                       add_generation_prompt, continue_final_message)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of ``token_ids``, special tokens spelled out (for ``/detokenize``)."""

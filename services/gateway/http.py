@@ -159,7 +159,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         if body.model is not None:
             frontend.check_model(body.model)
         if body.messages is not None:
-            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages], kwargs)
+            ids = await frontend.chat_prompt_ids([m.as_dict() for m in body.messages], kwargs,
+                                                 body.add_generation_prompt, body.continue_final_message)
         else:
             ids = await frontend.prompt_ids(body.prompt, body.add_special_tokens is not False)
         return {"count": len(ids), "max_model_len": dispatcher.max_model_len, "tokens": ids,

@@ -226,6 +226,11 @@ class ChatCompletionRequest(_SamplingBody):
     service_tier: str | None = Field(None, description='Only "auto" or "default".')
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Further chat template variables, e.g. "
                                                         "Qwen3's {\"enable_thinking\": false} (vLLM). Extension.")
+    add_generation_prompt: bool = Field(True, description="false: the prompt ends after the last message, without "
+                                                          "the assistant turn's opening (vLLM). Extension.")
+    continue_final_message: bool = Field(False, description="The answer continues the final (assistant) message's "
+                                                            "text; needs add_generation_prompt false (vLLM). "
+                                                            "Extension.")
 
     def chat_options(self, tool_call_parser: str | None) -> Options:
         """``tool_call_parser``: the server's (None: tool calling is off)."""
@@ -254,8 +259,14 @@ class ChatCompletionRequest(_SamplingBody):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         single = self.parallel_tool_calls is False
         forced_call = forced_call_output(shown, forced_name, single) if forced else None
+        check_chat_ending(self.messages, self.add_generation_prompt, self.continue_final_message)
+        if self.continue_final_message and self.session_id:
+            raise InvalidRequestError("continue_final_message", "not with a session: send the whole conversation "
+                                                                "without session_id")
         options = self.options(max_tokens, (self.top_logprobs or 0) if self.logprobs else None, forced_call)
         options.chat_template_kwargs, options.tools = variables, shown
+        options.add_generation_prompt = self.add_generation_prompt
+        options.continue_final_message = self.continue_final_message
         options.tool_choice = "required" if self.tool_choice == "required" else "named" if forced else "auto"
         options.tool_name, options.parallel_tool_calls = forced_name, not single
         return options
@@ -328,6 +339,15 @@ def chat_template_variables(messages: list[ChatMessage], tools: list[ToolSpec] |
     return {**(kwargs or {}), **({"tools": shown} if shown else {})}, shown
 
 
+def check_chat_ending(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """continue_final_message needs add_generation_prompt false (the prompt cannot end in two places) and an
+    assistant message to continue (vLLM's rules)."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("continue_final_message", "needs add_generation_prompt false")
+    if continue_final_message and (not messages or messages[-1].role != "assistant"):
+        raise InvalidRequestError("continue_final_message", "the final message must be the assistant's")
+
+
 class TokenizeRequest(_Body):
     """vLLM's ``/tokenize``: a completion prompt (``prompt``) or a chat (``messages``), tokenized as the server
     tokenizes it for generation."""
@@ -337,7 +357,8 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = Field(None, description="prompt: default true, as for completions; "
                                                               "messages: only false (the template writes them).")
-    add_generation_prompt: bool = Field(True, description="Only true: a chat prompt ends ready for the answer.")
+    add_generation_prompt: bool = Field(True, description="messages: as for chat completions.")
+    continue_final_message: bool = Field(False, description="messages: as for chat completions.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="messages: as for chat completions.")
     tools: list[ToolSpec] | None = Field(None, description="messages: as for chat completions.")
     return_token_strs: bool = Field(False, description="Each token's text in token_strs.")
@@ -351,10 +372,13 @@ class TokenizeRequest(_Body):
         if self.messages is None:
             if self.chat_template_kwargs or self.tools:
                 raise _refuse("chat_template_kwargs" if self.chat_template_kwargs else "tools", "only with messages")
-        elif self.add_special_tokens:
-            raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
-        if not self.add_generation_prompt:
-            raise _refuse("add_generation_prompt", "a chat prompt always ends with the generation prompt")
+            if not self.add_generation_prompt or self.continue_final_message:
+                raise _refuse("add_generation_prompt" if not self.add_generation_prompt else "continue_final_message",
+                              "only with messages")
+        else:
+            if self.add_special_tokens:
+                raise _refuse("add_special_tokens", "a chat's special tokens come from its template")
+            check_chat_ending(self.messages, self.add_generation_prompt, self.continue_final_message)
         return chat_template_variables(self.messages or [], self.tools, self.chat_template_kwargs, tool_call_parser)[0]
 
 
