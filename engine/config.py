@@ -258,6 +258,14 @@ class IntQuant:
     packed: bool = True
     online = False  # always read from the checkpoint, never quantized at load
 
+    def __post_init__(self) -> None:
+        """The combinations checkpoints hold: AWQ's codes are 4-bit, unpacked ones (an int8 each) 8-bit."""
+        widths = (4,) if self.layout == "awq" else (8,) if not self.packed else INT_BITS
+        unpacked_held = self.packed or self.layout == "compressed-tensors"  # int-quantized's int8 codes
+        if self.layout not in INT_LAYOUTS or self.bits not in widths or not unpacked_held:
+            raise ValueError(f"{self.layout} {'packed' if self.packed else 'unpacked'} {self.bits}-bit codes are "
+                             "not a layout checkpoints hold")
+
     @property
     def per_byte(self) -> int:
         """Codes the model packs into a byte (two 4-bit ones, or one)."""

@@ -292,3 +292,11 @@ def test_integer_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path)
     save_file(tensors, tmp_path / "int8" / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{qzeros}'.*an 8-bit zero of 256"):
         Engine(EngineConfig(model=str(tmp_path / "int8"), block_size=BLOCK, num_blocks=64))
+
+
+@pytest.mark.parametrize("layout, bits, packed", [("awq", 8, True), ("gptq", 3, True), ("gptq", 8, False),
+                                                  ("compressed-tensors", 4, False), ("marlin", 4, True)])
+def test_an_integer_layout_no_checkpoint_holds_cannot_be_built(layout, bits, packed):
+    """AWQ's codes are 4-bit; only compressed-tensors' int-quantized format holds unpacked codes, an int8 each."""
+    with pytest.raises(ValueError, match="not a layout checkpoints hold"):
+        IntQuant(layout, 32, bits=bits, packed=packed)
