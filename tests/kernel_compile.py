@@ -52,7 +52,7 @@ MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 
 # and 7 (not a power of two: padded query rows). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
 SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128)}
 FORMATS = ("auto", "int8", "fp8", "kivi2")
-FP8_SHAPE = "qwen2.5-7b"  # the fp8 and int4 weight kernels depend on no head shape: compiled for one
+FP8_SHAPE = "qwen2.5-7b"  # the fp8 and integer weight kernels depend on no head shape: compiled for one
 BLOCK_SIZE = 16
 
 
