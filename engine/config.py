@@ -375,6 +375,9 @@ def _int_codes(raw: dict, key: str, method: str) -> IntQuant:
         return IntQuant("awq", group)
     if raw.get("lm_head"):
         raise UnsupportedModelError(f"{key}.lm_head", "a quantized lm_head is not supported")
+    if raw.get("dynamic"):  # GPTQModel's per-module overrides: other bits or groups, or modules left unquantized
+        raise UnsupportedModelError(f"{key}.dynamic", "per-module overrides are not supported: every projection "
+                                    "must hold the config's bits and group_size")
     fmt = raw.get("checkpoint_format", "gptq")
     if fmt not in ("gptq", "gptq_v2"):
         raise UnsupportedModelError(f"{key}.checkpoint_format", f"{fmt!r} is not supported; supported: gptq, "

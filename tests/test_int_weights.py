@@ -213,6 +213,7 @@ def test_a_lora_adapter_on_integer_weights_generates_as_peft_does_on_their_dequa
 @pytest.mark.parametrize("change, field", [
     ({"bits": 8}, "quantization_config.bits"),  # AWQ's are 4-bit
     ({"quant_method": "gptq", "bits": 3}, "quantization_config.bits"),
+    ({"quant_method": "gptq", "dynamic": {"-:.*mlp.*": {}}}, "quantization_config.dynamic"),  # GPTQModel's
     ({"group_size": 100}, "quantization_config.group_size"),
     ({"version": "gemv"}, "quantization_config.version"),
     ({"zero_point": False}, "quantization_config.zero_point"),
