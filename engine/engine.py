@@ -91,13 +91,13 @@ class Engine:
         if self.lora_slots is not None:
             self.scheduler.adapter_ready = self._adapter_ready
         self.max_model_len = config.max_model_len_for(self.model_config)
+        eos = set(self.model_config.eos_token_ids)
+        self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
-                                    num_blocks, self.window)
+                                    num_blocks, self.window, frozenset(self.eos_token_ids))
         if self.runner.supports_decode_graphs and self.device.type == "cuda" and not config.enforce_eager:
             self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size),
                                              query_len=config.num_speculative_tokens + 1)
-        eos = set(self.model_config.eos_token_ids)
-        self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.grammars = GrammarMasks(model_dir / "tokenizer.json" if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
         speculative = config.speculative

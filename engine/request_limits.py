@@ -24,6 +24,7 @@ class RequestLimits:
     block_size: int
     num_blocks: int
     window: StreamingWindow | None = None
+    eos_token_ids: frozenset[int] = frozenset()
 
     def check(self, prompt_ids: list[int], params: SamplingParams, prefill_only: bool,
               reserved: bool) -> None:
@@ -40,6 +41,14 @@ class RequestLimits:
             raise InvalidRequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise InvalidRequestError("logit_bias", f"token ids must be in [0, {vocab})")
+        if params.allowed_token_ids is not None:
+            if any(not 0 <= t < vocab for t in params.allowed_token_ids):
+                raise InvalidRequestError("allowed_token_ids", f"token ids must be in [0, {vocab})")
+            # the first min_tokens tokens may not be stop tokens: with nothing else allowed, no token could be drawn
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            if params.min_tokens and set(params.allowed_token_ids) <= stops:
+                raise InvalidRequestError("allowed_token_ids", "holds only stop tokens, which min_tokens keeps out "
+                                                               "of the first tokens")
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_model_len}")

@@ -60,13 +60,14 @@ def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
                     num_prompt_tokens: list[int] | None, banned: list[list[int]] | None = None) -> torch.Tensor:
-    """``logits`` with each row's penalties and logit bias applied, and its ``banned[r]`` tokens ruled out
-    (a copy; the input stays raw).
+    """``logits`` with each row's penalties and logit bias applied, and the tokens outside its
+    allowed_token_ids and its ``banned[r]`` ones ruled out (a copy; the input stays raw).
 
     Row r's history is ``token_ids[r]``: its prompt (the first ``num_prompt_tokens[r]``), then its output;
     only rows with penalties need one. The repetition penalty covers both (HF's
     ``RepetitionPenaltyLogitsProcessor``); presence and frequency penalties only the output (OpenAI)."""
-    rows = [r for r, p in enumerate(params) if p.has_penalties or p.logit_bias or (banned and banned[r])]
+    rows = [r for r, p in enumerate(params)
+            if p.has_penalties or p.logit_bias or p.allowed_token_ids is not None or (banned and banned[r])]
     if not rows:
         return logits
     if (token_ids is None or num_prompt_tokens is None) and any(params[r].has_penalties for r in rows):
@@ -88,6 +89,10 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
             ids, biases = zip(*p.logit_bias, strict=True)
             row.index_add_(0, torch.tensor(ids, dtype=torch.long, device=device),
                            torch.tensor(biases, dtype=row.dtype, device=device))
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = True
+            row.masked_fill_(~keep, float("-inf"))
         if banned and banned[r]:
             row[torch.tensor(banned[r], dtype=torch.long, device=device)] = float("-inf")
     return out

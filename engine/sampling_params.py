@@ -51,6 +51,8 @@ class SamplingParams:
     # HF / vLLM: logits of tokens in the prompt or the output are divided by it (multiplied when negative).
     repetition_penalty: float = 1.0
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, added to its logit)
+    # vLLM's: the only tokens the output may hold (None: any); not with a structured output, which masks too
+    allowed_token_ids: list[int] | None = None
     # The output kept to a JSON schema, regex, choice list or grammar (engine/structured_output.py); None: free.
     structured_output: StructuredOutput | None = None
 
@@ -115,6 +117,12 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
         if not is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list | tuple) or not self.allowed_token_ids or not all(
+                    is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            if self.structured_output is not None:
+                raise bad("allowed_token_ids", "cannot be combined with a structured output (it decides the tokens)")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output", f"must be a StructuredOutput, got {self.structured_output!r}")

@@ -125,6 +125,13 @@ def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_choice(live_server
     assert [c.finish_reason for c in held if c.finish_reason] == ["stop"]
 
 
+def test_allowed_token_ids_keep_a_choice_to_them(live_server):
+    a = live_server.dispatcher.tokenizer.encode("a")[-1]
+    chunks = chat(live_server, serving_pb2.SamplingOptions(max_tokens=4, temperature=1.0, ignore_eos=True,
+                                                           allowed_token_ids=[a]))
+    assert [t for c in chunks for t in c.token_ids] == [a] * 4
+
+
 def test_special_tokens_and_stop_strings_keep_their_text_as_asked(live_server):
     tok = live_server.dispatcher.tokenizer
     user, z = tok.token_to_id("<|user|>"), tok.encode("z")[-1]

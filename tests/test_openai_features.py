@@ -141,6 +141,23 @@ def test_special_tokens_keep_their_text_only_when_not_skipped_and_a_stop_string_
         == ("zz", "stop")
 
 
+def test_allowed_token_ids_are_the_only_tokens_a_choice_holds(live_server):
+    """Sampled at temperature 1 from two letters, on both the prefill and the decode worker; refused beside a
+    structured output, out of the vocabulary, or when min_tokens would leave nothing to draw."""
+    tok = live_server.dispatcher.tokenizer
+    a, b = tok.encode("a")[-1], tok.encode("b")[-1]
+    kwargs = dict(model=live_server.model_id, prompt="Tide", max_tokens=6, temperature=1.0, seed=3)
+    resp = client(live_server).completions.create(**kwargs, extra_body={"allowed_token_ids": [a, b],
+                                                                         "ignore_eos": True})
+    assert set(resp.choices[0].text) <= {"a", "b"} and resp.usage.completion_tokens == 6
+    eos = tok.eos_token_ids[0]
+    for extra in ({"allowed_token_ids": [a], "structured_outputs": {"choice": ["a"]}},
+                  {"allowed_token_ids": [a, 10 ** 6]}, {"allowed_token_ids": [eos], "min_tokens": 2}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client(live_server).completions.create(**kwargs, extra_body=extra)
+        assert exc.value.param == "allowed_token_ids"
+
+
 def test_min_tokens_hold_off_the_end_of_sequence(live_server):
     eos = live_server.dispatcher.tokenizer.eos_token_ids[0]
     kwargs = dict(model=live_server.model_id, messages=CHAT, max_tokens=6, temperature=0.0, logprobs=True,

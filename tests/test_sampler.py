@@ -31,6 +31,9 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
     (dict(top_k=-1), "top_k"),
     (dict(logprobs=99), "logprobs"),
     (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(skip_special_tokens=None), "skip_special_tokens"),
 ])
 def test_validate_names_the_bad_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:
@@ -168,6 +171,18 @@ def test_logit_bias_forces_and_bans_tokens_for_greedy_rows_too():
     for _ in range(5):
         tokens = sample(x, params, [None, make_generator(1, 0, "cpu")])
         assert tokens[0] == worst and tokens[1] != best
+
+
+def test_allowed_token_ids_are_the_only_tokens_a_row_draws_and_leave_other_rows_alone():
+    x = logits(3, seed=11)
+    allowed = [3, 17, 29]
+    params = [SamplingParams(temperature=1.0, seed=2, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, allowed_token_ids=[x[1].argmin().item()]), SamplingParams(temperature=0)]
+    masked = apply_penalties(x, params, None, None)
+    assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == allowed and torch.equal(masked[2], x[2])
+    for _ in range(5):
+        tokens = sample(x, params, [make_generator(2, 0, "cpu"), None, None])
+        assert tokens[0] in allowed and tokens[1] == x[1].argmin().item() and tokens[2] == x[2].argmax().item()
 
 
 def test_a_frequency_penalty_stops_greedy_repetition_and_keeps_rows_independent():

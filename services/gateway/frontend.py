@@ -61,6 +61,7 @@ class Options:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    allowed_token_ids: list[int] | None = None  # None: any token
     n: int = 1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -108,6 +109,7 @@ class Options:
         params = SamplingParams(max_tokens=max_tokens, stop=list(self.stop), stop_token_ids=list(self.stop_token_ids),
                                 n=self.n, ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias),
                                 include_stop_str_in_output=self.include_stop_str_in_output,
+                                allowed_token_ids=self.allowed_token_ids,
                                 skip_special_tokens=self.skip_special_tokens,
                                 structured_output=self.structured_output, **defaults.apply(given))
         params.validate()
