@@ -288,6 +288,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve chat tool calling, reading the calls the model writes in this format (hermes: "
                         "Qwen2.5, Qwen3, Hermes; llama3_json: Llama 3.1 and later; mistral: Mistral v0.3, Nemo, "
                         "Small); without it, requests with tools are a 400")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's flag, for command lines written for it: tool_choice \"auto\" is on whenever "
+                        "--tool-call-parser is given, which this flag needs")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=g.reasoning_parser,
                    help="return a reasoning model's thinking (<think>...</think>) as reasoning_content, apart from "
                         "the answer (qwen3: the model opens the block; deepseek_r1: the template does)")
@@ -305,6 +308,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     names = [name for name, _ in args.lora_modules]
     if len(set(names)) < len(names):
         raise ValueError(f"--lora-modules names each adapter once, got {', '.join(names)}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes calls in)")
     served = args.served_model_names
     if len(set(served)) < len(served) or set(served) & set(names) or not all(n.strip() for n in served):
         raise ValueError(f"--served-model-name takes distinct, non-blank names that no --lora-modules adapter has, "

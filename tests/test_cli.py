@@ -157,6 +157,15 @@ def test_serving_names_chat_template_and_context_options_reach_the_configs(tmp_p
         assert "argument --chat-template: " in err and says in err
 
 
+def test_vllms_enable_auto_tool_choice_is_taken_with_a_tool_call_parser_and_refused_without():
+    parser = build_parser()
+    _, gateway = configs_from_args(parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser",
+                                                      "hermes"]))
+    assert gateway.tool_call_parser == "hermes"
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        configs_from_args(parser.parse_args(["serve", "--enable-auto-tool-choice"]))
+
+
 def test_serve_refuses_a_max_model_len_past_the_models_context_in_one_line_before_starting_anything(
         monkeypatch):
     from services.cluster import Cluster
