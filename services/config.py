@@ -101,6 +101,8 @@ class GatewayConfig:
     reasoning_parser: str | None = None
     # POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING)
     allow_runtime_lora_updating: bool = False
+    # Browser pages on these origins may call the HTTP API (CORS; "*": any); empty: no CORS headers at all
+    allowed_origins: tuple[str, ...] = ()
 
 
 class _MarkSet(argparse.Action):
@@ -119,6 +121,17 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _origins(text: str) -> list[str]:
+    """``--allowed-origins``' JSON list of origins (``scheme://host[:port]``, or "*")."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(o, str) and (o == "*" or "://" in o) for o in value):
+        raise argparse.ArgumentTypeError(f'must be a JSON list of origins such as "https://host" or "*", got {text!r}')
     return value
 
 
@@ -273,6 +286,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grpc-port", type=int, default=g.grpc_port, help="gRPC port")
     p.add_argument("--api-key", default=g.api_key, help="require this bearer key (or set TIDEPOOL_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=g.max_body_bytes, help="largest HTTP request body")
+    p.add_argument("--allowed-origins", type=_origins, default=list(g.allowed_origins), metavar="JSON",
+                   help="browser pages on these origins may call the HTTP API (CORS), a JSON list as vLLM's "
+                        "flag takes, e.g. '[\"https://chat.example.com\"]' or '[\"*\"]' (default: none)")
     p.add_argument("--max-prompt-tokens", type=int, default=g.max_prompt_tokens,
                    help="longest prompt accepted (default: the model's context)")
     p.add_argument("--max-n", type=int, default=g.max_n,
@@ -352,7 +368,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         shutdown_timeout_s=args.shutdown_timeout_s, tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser, session_ttl_s=args.session_ttl_s,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-        response_ttl_s=args.response_ttl_s,
+        response_ttl_s=args.response_ttl_s, allowed_origins=tuple(args.allowed_origins),
     )
     if gateway.session_ttl_s <= 0:
         raise ValueError(f"--session-ttl must be positive, got {gateway.session_ttl_s:g}")

@@ -230,7 +230,9 @@ def live_server(start_server):
 
 @pytest.fixture(scope="module")
 def secured_server(start_server):
-    server = start_server(api_key="test-key", colocated=1)
+    """An API key, and a browser page's origin allowed to call the HTTP API (CORS)."""
+    server = start_server(api_key="test-key", colocated=1,
+                          gateway_options={"allowed_origins": ("https://ui.example",)})
     yield server
     server.stop()
 

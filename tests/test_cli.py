@@ -157,6 +157,17 @@ def test_serving_names_chat_template_and_context_options_reach_the_configs(tmp_p
         assert "argument --chat-template: " in err and says in err
 
 
+def test_allowed_origins_take_vllms_json_list_and_refuse_what_is_not_an_origin(capsys):
+    parser = build_parser()
+    _, gateway = configs_from_args(parser.parse_args(["serve", "--allowed-origins", '["https://a.example", "*"]']))
+    assert gateway.allowed_origins == ("https://a.example", "*")
+    assert configs_from_args(parser.parse_args(["serve"]))[1].allowed_origins == ()
+    for value in ("https://a.example", '["a.example"]', "{}"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", "--allowed-origins", value])
+        assert "argument --allowed-origins:" in capsys.readouterr().err
+
+
 def test_vllms_enable_auto_tool_choice_is_taken_with_a_tool_call_parser_and_refused_without():
     parser = build_parser()
     _, gateway = configs_from_args(parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser",

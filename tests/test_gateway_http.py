@@ -273,6 +273,23 @@ def test_body_over_the_limit_is_413(live_server):
     assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_page_on_an_allowed_origin_may_call_the_api_and_others_get_no_cors_headers(secured_server, live_server):
+    """A browser's preflight (no API key) is answered for the allowed origin; the answer to the call itself
+    names it; another origin, or a server without --allowed-origins, gets no CORS header."""
+    url = f"{secured_server.http_url}/v1/chat/completions"
+    ui = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+          "Access-Control-Request-Headers": "authorization, content-type"}
+    preflight = httpx.options(url, headers=ui, timeout=10)
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "https://ui.example"
+    models = httpx.get(f"{secured_server.http_url}/v1/models", timeout=10, headers={
+        "Origin": "https://ui.example", "Authorization": f"Bearer {secured_server.api_key}"})
+    assert models.status_code == 200 and models.headers["access-control-allow-origin"] == "https://ui.example"
+    other = httpx.options(url, headers={**ui, "Origin": "https://evil.example"}, timeout=10)
+    assert "access-control-allow-origin" not in other.headers
+    plain = httpx.get(f"{live_server.http_url}/v1/models", headers={"Origin": "https://ui.example"}, timeout=10)
+    assert "access-control-allow-origin" not in plain.headers
+
+
 def test_api_key_is_required_when_set(secured_server):
     wrong = client(secured_server, api_key="wrong-key")
     with pytest.raises(openai.AuthenticationError):

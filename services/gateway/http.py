@@ -12,6 +12,7 @@ import time
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from services.config import GatewayConfig
@@ -110,6 +111,9 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        metrics=dispatcher.metrics,
                        open_paths=_OPEN_PATHS + (() if config.metrics_require_key else _SCRAPE_PATHS))
+    if config.allowed_origins:  # outside the guard: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return errors.http_response(exc)
