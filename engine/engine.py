@@ -32,7 +32,7 @@ from engine.lora_slots import DEFAULT_MAX_LORA_RANK, LoRASlots
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
-from engine.sampler import make_generator, sample, skip_draws, top_logprobs
+from engine.sampler import bad_word_bans, make_generator, sample, skip_draws, top_logprobs
 from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
 from engine.speculative import NgramProposer, SpeculationStats
@@ -234,8 +234,9 @@ class Engine:
         # Structured outputs mask a copy: logprobs stay the model's raw distribution, as vLLM reports them.
         # A complete grammar allows only stop tokens, which min_tokens then no longer holds back.
         allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
-        banned = [self._stop_tokens(s) if s.num_output_tokens < s.params.min_tokens
-                  and not (s.grammar is not None and s.grammar.complete) else [] for s in seqs]
+        banned = [(self._stop_tokens(s) if s.num_output_tokens < s.params.min_tokens
+                   and not (s.grammar is not None and s.grammar.complete) else []) + self._bad_word_bans(s)
+                  for s in seqs]
         token_ids = sample(allowed, [s.params for s in seqs], [s.generator for s in seqs],
                            [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], banned)
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
@@ -321,7 +322,7 @@ class Engine:
                 prompt_lens.append(seq.num_prompt_tokens)
                 # (as in _sample: a complete grammar allows only stop tokens, which min_tokens no longer holds back)
                 holds = seq.num_output_tokens + j < p.min_tokens and not complete[j]
-                banned.append(self._stop_tokens(seq) if holds else [])
+                banned.append((self._stop_tokens(seq) if holds else []) + self._bad_word_bans(seq, draft[:j]))
         chosen = logits[rows]
         allowed = self.grammars.apply(chosen, torch.cat(bitmasks)) if masks else chosen
         token_ids = sample(allowed, params, generators, histories, prompt_lens, banned)
@@ -348,6 +349,13 @@ class Engine:
                 finished.append(seq)
         self._retire(finished)
         return outputs
+
+    @staticmethod
+    def _bad_word_bans(seq: Sequence, drafted: list[int] | tuple[int, ...] = ()) -> list[int]:
+        """The tokens that would complete one of ``seq``'s bad words after its output (and ``drafted``)."""
+        if not seq.params.bad_words_token_ids:
+            return []
+        return bad_word_bans(seq.params.bad_words_token_ids, [*seq.token_ids[seq.num_prompt_tokens:], *drafted])
 
     def _stop_tokens(self, seq: Sequence) -> list[int]:
         """The tokens that would end ``seq`` (kept out of its first min_tokens)."""

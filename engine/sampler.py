@@ -58,6 +58,17 @@ def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
 
+def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens that would complete one of the bad ``sequences`` after ``output`` (vLLM's bad_words): each
+    sequence's last token where the output ends with the rest of it (a one-token sequence: always)."""
+    bans = set()
+    for words in sequences:
+        head = len(words) - 1
+        if head == 0 or (len(output) >= head and output[-head:] == list(words[:-1])):
+            bans.add(words[-1])
+    return sorted(bans)
+
+
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
                     num_prompt_tokens: list[int] | None, banned: list[list[int]] | None = None) -> torch.Tensor:
     """``logits`` with each row's penalties and logit bias applied, and the tokens outside its

@@ -53,6 +53,9 @@ class SamplingParams:
     logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, added to its logit)
     # vLLM's: the only tokens the output may hold (None: any); not with a structured output, which masks too
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words, as token sequences (the gateway encodes each word, also after a space): a sequence's
+    # last token is never drawn where it would complete the sequence (a one-token word: never)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # The output kept to a JSON schema, regex, choice list or grammar (engine/structured_output.py); None: free.
     structured_output: StructuredOutput | None = None
 
@@ -123,6 +126,12 @@ class SamplingParams:
                 raise bad("allowed_token_ids", f"must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             if self.structured_output is not None:
                 raise bad("allowed_token_ids", "cannot be combined with a structured output (it decides the tokens)")
+        if not isinstance(self.bad_words_token_ids, list | tuple) or not all(
+                isinstance(s, list | tuple) and s and all(is_int(t) and t >= 0 for t in s) for s in self.bad_words_token_ids):
+            raise bad("bad_words", f"must be token sequences, got {self.bad_words_token_ids!r}")
+        if self.bad_words_token_ids and (self.structured_output is not None or self.allowed_token_ids is not None):
+            # either could leave only banned tokens: a row with nothing to draw
+            raise bad("bad_words", "cannot be combined with a structured output or allowed_token_ids")
         if self.structured_output is not None:
             if not isinstance(self.structured_output, StructuredOutput):
                 raise bad("structured_output", f"must be a StructuredOutput, got {self.structured_output!r}")

@@ -125,6 +125,14 @@ def test_logit_bias_forces_a_token_and_stop_token_ids_end_the_choice(live_server
     assert [c.finish_reason for c in held if c.finish_reason] == ["stop"]
 
 
+def test_bad_words_are_never_completed(live_server):
+    z = live_server.dispatcher.tokenizer.encode("z")[-1]
+    chunks = chat(live_server, serving_pb2.SamplingOptions(max_tokens=4, temperature=0.0, ignore_eos=True,
+                                                           logit_bias={z: 100.0}, bad_words=["zz"]))
+    text = "".join(c.text for c in chunks)
+    assert "zz" not in text and text[0::2] == "zz"
+
+
 def test_allowed_token_ids_keep_a_choice_to_them(live_server):
     a = live_server.dispatcher.tokenizer.encode("a")[-1]
     chunks = chat(live_server, serving_pb2.SamplingOptions(max_tokens=4, temperature=1.0, ignore_eos=True,

@@ -158,6 +158,22 @@ def test_allowed_token_ids_are_the_only_tokens_a_choice_holds(live_server):
         assert exc.value.param == "allowed_token_ids"
 
 
+def test_a_bad_word_is_never_completed_whatever_the_logits_want(live_server):
+    """"z" forced by logit_bias: with bad_words ["zz"] a second "z" never follows one (every other token
+    alternates in), also on the decode worker after the prefill worker's first token; refused beside
+    allowed_token_ids, and blank."""
+    z = live_server.dispatcher.tokenizer.encode("z")[-1]
+    kwargs = dict(model=live_server.model_id, prompt="Tide", max_tokens=6, temperature=0.0, logit_bias={str(z): 100})
+    assert client(live_server).completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text == "z" * 6
+    text = client(live_server).completions.create(**kwargs, extra_body={"ignore_eos": True, "bad_words": ["zz"]})
+    tokens = text.choices[0].text
+    assert "zz" not in tokens and tokens.count("z") == 3 and tokens[0::2] == "zzz"
+    for extra in ({"bad_words": ["zz"], "allowed_token_ids": [z]}, {"bad_words": [" "]}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client(live_server).completions.create(**kwargs, extra_body=extra)
+        assert exc.value.param == "bad_words"
+
+
 def test_min_tokens_hold_off_the_end_of_sequence(live_server):
     eos = live_server.dispatcher.tokenizer.eos_token_ids[0]
     kwargs = dict(model=live_server.model_id, messages=CHAT, max_tokens=6, temperature=0.0, logprobs=True,

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.output import TokenLogprobs
-from engine.sampler import apply_penalties, make_generator, sample, top_logprobs
+from engine.sampler import apply_penalties, bad_word_bans, make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 
 V = 50
@@ -34,6 +34,8 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
     (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(bad_words_token_ids=[[]]), "bad_words"),
+    (dict(bad_words_token_ids=[[1]], allowed_token_ids=[1, 2]), "bad_words"),
 ])
 def test_validate_names_the_bad_field(kwargs, field):
     with pytest.raises(InvalidRequestError) as err:
@@ -183,6 +185,14 @@ def test_allowed_token_ids_are_the_only_tokens_a_row_draws_and_leave_other_rows_
     for _ in range(5):
         tokens = sample(x, params, [make_generator(2, 0, "cpu"), None, None])
         assert tokens[0] in allowed and tokens[1] == x[1].argmin().item() and tokens[2] == x[2].argmax().item()
+
+
+def test_a_bad_word_bans_the_token_that_would_complete_it_and_a_one_token_word_always():
+    words = [[5, 6, 7], [9]]
+    assert bad_word_bans(words, []) == [9]
+    assert bad_word_bans(words, [1, 5]) == [9]  # only 5 so far: 6 is still fine
+    assert bad_word_bans(words, [1, 5, 6]) == [7, 9]
+    assert bad_word_bans(words, [5, 6, 8]) == [9] and bad_word_bans([], [5, 6]) == []
 
 
 def test_a_frequency_penalty_stops_greedy_repetition_and_keeps_rows_independent():

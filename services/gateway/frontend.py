@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.generation_defaults import GenerationDefaults
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredOutput
+from engine.tokenizer import Tokenizer
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import PromptTooLongError
@@ -62,6 +63,7 @@ class Options:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     allowed_token_ids: list[int] | None = None  # None: any token
+    bad_words: list[str] = field(default_factory=list)  # words a choice never completes (vLLM's)
     n: int = 1
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -99,8 +101,10 @@ class Options:
             return None
         return call_parser(parser, self.tools, self.tool_choice, self.tool_name, self.parallel_tool_calls)
 
-    def sampling_params(self, default_max_tokens: int, defaults: GenerationDefaults) -> SamplingParams:
-        """``defaults``: the model's, for the sampling fields left unset (and a cap on ``default_max_tokens``)."""
+    def sampling_params(self, default_max_tokens: int, defaults: GenerationDefaults,
+                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+        """``defaults``: the model's, for the sampling fields left unset (and a cap on ``default_max_tokens``);
+        ``bad_words_token_ids``: ``bad_words`` encoded (``bad_word_sequences``)."""
         given = {name: getattr(self, name) for name in _OPTIONAL}
         if self.max_tokens is None:
             max_tokens = min(default_max_tokens, defaults.max_tokens or default_max_tokens)
@@ -110,10 +114,26 @@ class Options:
                                 n=self.n, ignore_eos=self.ignore_eos, logit_bias=list(self.logit_bias),
                                 include_stop_str_in_output=self.include_stop_str_in_output,
                                 allowed_token_ids=self.allowed_token_ids,
+                                bad_words_token_ids=list(bad_words_token_ids or []),
                                 skip_special_tokens=self.skip_special_tokens,
                                 structured_output=self.structured_output, **defaults.apply(given))
         params.validate()
         return params
+
+
+def bad_word_sequences(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's tokens, as vLLM encodes them: the word (left-stripped), and after a space where that
+    spells the word as another token of the same length (a word-initial piece, for BPE vocabularies)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        if not word.strip():
+            raise InvalidRequestError("bad_words", "a bad word must not be blank")
+        bare = tokenizer.encode(word.lstrip())
+        spaced = tokenizer.encode(" " + word.lstrip())
+        sequences.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences
 
 
 class Frontend:
@@ -248,14 +268,15 @@ class Frontend:
             raise PromptTextTooLongError(chars, limit * MAX_CHARS_PER_TOKEN, limit)
 
     def _sampling_params(self, prompt_ids: list[int], options: Options, prompt_field: str,
-                         default_max_tokens: int | None) -> SamplingParams:
+                         default_max_tokens: int | None, bad_words_token_ids: list[list[int]]) -> SamplingParams:
         limit = self.dispatcher.max_model_len
         if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
             raise PromptTooLongError(len(prompt_ids), self.max_prompt_tokens)
         if len(prompt_ids) >= limit:  # at least one token must fit after the prompt
             raise PromptTooLongError(len(prompt_ids), limit - 1)
         room = limit - len(prompt_ids)
-        params = options.sampling_params(min(default_max_tokens or room, room), self.dispatcher.generation_defaults)
+        params = options.sampling_params(min(default_max_tokens or room, room), self.dispatcher.generation_defaults,
+                                         bad_words_token_ids)
         if params.max_tokens > room:
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} tokens don't fit after the "
                                       f"{len(prompt_ids)}-token {prompt_field}: the context is {limit} tokens")
@@ -271,11 +292,13 @@ class Frontend:
             raise InvalidRequestError("priority", f"must be in [{-PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got "
                                                   f"{options.priority}")
         vocab = self.dispatcher.tokenizer.vocab_size
-        for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids)):
+        for name, ids in (("logit_bias", [t for t, _ in options.logit_bias]), ("stop_token_ids", options.stop_token_ids),
+                          ("allowed_token_ids", options.allowed_token_ids or [])):
             if any(not 0 <= token < vocab for token in ids):
                 raise InvalidRequestError(name, f"token ids must be in [0, {vocab})")
         # Every prompt is checked before any starts.
-        params = [self._sampling_params(ids, options, prompt_field, default_max_tokens) for ids in prompts]
+        bad_words = bad_word_sequences(self.dispatcher.tokenizer, options.bad_words)
+        params = [self._sampling_params(ids, options, prompt_field, default_max_tokens, bad_words) for ids in prompts]
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         if len(prompts) == 1:
             events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0], options.priority,

@@ -45,7 +45,7 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    top_k=opt("top_k"), min_p=opt("min_p"), seed=opt("seed"), stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                    n=s.n if s.HasField("n") else 1, ignore_eos=s.ignore_eos,
                    include_stop_str_in_output=s.include_stop_str_in_output,
-                   allowed_token_ids=list(s.allowed_token_ids) or None,
+                   allowed_token_ids=list(s.allowed_token_ids) or None, bad_words=list(s.bad_words),
                    skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
                    presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),

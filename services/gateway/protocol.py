@@ -152,6 +152,7 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = Field(None, description="Token ids that end a choice. Extension.")
     allowed_token_ids: list[int] | None = Field(None, description="The only token ids a choice may hold (vLLM). "
                                                                   "Extension.")
+    bad_words: list[str] | None = Field(None, description="Words a choice never completes (vLLM). Extension.")
     seed: int | None = None
     presence_penalty: float | None = Field(None, description="In [-2, 2], over the output's tokens.")
     frequency_penalty: float | None = Field(None, description="In [-2, 2], per occurrence in the output.")
@@ -191,7 +192,7 @@ class _SamplingBody(_Body):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return Options(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                        min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
-                       allowed_token_ids=self.allowed_token_ids,
+                       allowed_token_ids=self.allowed_token_ids, bad_words=list(self.bad_words or []),
                        ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                        skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
