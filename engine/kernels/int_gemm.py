@@ -63,7 +63,7 @@ def int_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     cols = k * bits // 8
-    if packed.dtype != torch.uint8 or packed.shape != (n, cols) or k % 2 or packed.stride(1) != 1:
+    if packed.dtype != torch.uint8 or packed.shape != (n, cols) or k % (8 // bits) or packed.stride(1) != 1:
         raise ValueError(f"packed {bits}-bit codes must be uint8 [{n}, {cols}] with contiguous rows, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
     if scales.dtype != torch.float32 or zeros.dtype != torch.uint8 or zeros.shape != scales.shape:
