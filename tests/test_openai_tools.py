@@ -126,6 +126,13 @@ MISTRAL_TEMPLATE = (
     ('[{"name": "f", "argu', '[{"name": "f", "argu', []),  # cut short: content
     ("[]", "[]", []),
     ('Call [{"name": "f"}]', 'Call [{"name": "f"}]', []),  # calls inside text are text
+    # where special tokens keep their text (a mistral server's tool requests): text, then the tagged calls
+    ('Let me look. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}]', "Let me look. ", [("f", {"a": 1})]),
+    # v11 tokenizers on: name[ARGS]{...}, each call after its own tag
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]now[ARGS]{}', "",
+     [("get_weather", {"city": "Paris"}), ("now", {})]),
+    ("Ok [TOOL_CALLS] not a call", "Ok [TOOL_CALLS] not a call", []),  # after the tag, no call: all text
+    ('[TOOL_CALLS]f[ARGS]{"a": 1}, "name": "g"}', '[TOOL_CALLS]f[ARGS]{"a": 1}, "name": "g"}', []),
 ])
 def test_mistral_reads_an_answer_that_is_nothing_but_a_list_of_calls(answer, content, calls):
     got, found = parse_tool_calls("mistral", answer)
@@ -133,7 +140,21 @@ def test_mistral_reads_an_answer_that_is_nothing_but_a_list_of_calls(answer, con
     assert all(len(c.id) == 9 and c.id.isalnum() for c in found) and len({c.id for c in found}) == len(found)
     parser = MistralParser()
     streamed = "".join(parser.feed(ch)[0] for ch in answer)
+    assert "[TOOL" not in streamed or "[TOOL_CALLS]" in content  # no piece of a tag that opens calls goes out
     assert streamed + parser.finish()[0] == content
+
+
+@pytest.mark.timeout(10)
+def test_a_mistral_servers_tool_requests_keep_special_tokens_text_unless_a_call_is_forced():
+    from services.gateway.protocol import ChatCompletionRequest
+
+    def skips(parser: str, **fields) -> bool:
+        body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Hi"}], **fields)
+        return body.chat_options(parser).skip_special_tokens
+
+    assert not skips("mistral", tools=TOOLS) and not skips("mistral", tools=TOOLS, tool_choice="auto")
+    assert skips("mistral") and skips("hermes", tools=TOOLS) and skips("mistral", tools=TOOLS, tool_choice="none")
+    assert skips("mistral", tools=TOOLS, tool_choice="required")  # a forced list is read without the token
 
 
 @pytest.mark.timeout(10)

@@ -42,7 +42,8 @@ def with_tools(options: Options, chat: ChatCompletionRequest, tool_call_parser: 
         raise InvalidRequestError("tool_choice", "only one structured output per request: a forced call is one, "
                                                  "and sampling.structured_output asks for another")
     return dataclasses.replace(options, **{name: getattr(chosen, name) for name in _TOOL_FIELDS},
-                               structured_output=options.structured_output or chosen.structured_output)
+                               structured_output=options.structured_output or chosen.structured_output,
+                               skip_special_tokens=options.skip_special_tokens and chosen.skip_special_tokens)
 
 
 def fill_chunk(chunk: serving_pb2.GenerateChunk, choice: dict | None) -> None:

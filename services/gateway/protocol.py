@@ -273,6 +273,8 @@ class ChatCompletionRequest(_SamplingBody):
         options.continue_final_message = self.continue_final_message
         options.tool_choice = "required" if self.tool_choice == "required" else "named" if forced else "auto"
         options.tool_name, options.parallel_tool_calls = forced_name, not single
+        if tool_call_parser == "mistral" and shown and not forced:  # its calls open with a special token
+            options.skip_special_tokens = False
         return options
 
     def _forced_tool_name(self) -> str | None:

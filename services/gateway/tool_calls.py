@@ -4,9 +4,12 @@ mistral``.
 Qwen2.5, Qwen3 and the Hermes models write each call as ``<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`` after any plain text (``HermesParser``); Llama 3.1 and later write the whole answer as the
 call, ``{"name": ..., "parameters": {...}}``, several joined by ``;`` (``Llama3JsonParser``); Mistral's
-instruct models (v0.3, Nemo, Small) the whole answer as ``[TOOL_CALLS]`` and a JSON list of ``{"name": ...,
-"arguments": {...}}`` (``MistralParser``; the special token is dropped from the text unless special tokens are
-kept), their calls' ids nine letters and digits, the only ids their chat templates take back. The chat
+instruct models write ``[TOOL_CALLS]`` after any text, then a JSON list of ``{"name": ..., "arguments": {...}}``
+(v0.3, Nemo, Small) or, from their v11 tokenizers on, ``name[ARGS]{...}`` per call, each call after its own
+``[TOOL_CALLS]`` (``MistralParser``; their calls' ids nine letters and digits, the only ids their chat
+templates take back). Mistral's and Llama's tokens are special: a request with tools on a ``mistral`` server
+keeps special tokens' text (``skip_special_tokens`` off, as vLLM turns it), and where they are dropped an
+answer that is nothing but a JSON list of calls (Llama: call objects) still reads as calls. The chat
 templates render the request's ``tools`` and earlier calls and results that way. A parser splits a growing
 answer into content and complete calls as it streams; what is not a JSON object with a string ``name`` stays
 content, as vLLM leaves it, and so is a call to a ``strict`` function whose arguments do not validate against
@@ -30,7 +33,7 @@ from services.gateway.tagged_text import split_at
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama's: a special token, dropped from the text unless special tokens are kept
-TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, likewise
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's, likewise
 _ALPHANUMERIC = string.ascii_letters + string.digits
 
 
@@ -130,18 +133,12 @@ class HermesParser:
         return ""
 
 
-class _WholeAnswerCalls:
-    """One choice's answer, as ``HermesParser``'s, for models whose answer is either text or nothing but calls:
-    an answer that starts with ``opens`` (after the model's ``tag``, where special tokens are kept) is held until
-    it ends, then read as calls, or released as content when it is not; any other answer is released as it
-    comes."""
+class Llama3JsonParser:
+    """One choice's answer, as ``HermesParser``'s. An answer that starts with ``{`` is held until it ends, then
+    read as calls, or released as content when it is not one; any other answer is released as it comes."""
 
     ends_with_calls = True
     new_id = staticmethod(_call_id)
-    tag: str  # the model's special token before calls
-    opens: str  # how an answer of calls begins
-    # the answer's calls (given ids by the third argument); None when it is not nothing but calls
-    read: Callable[[str, Mapping[str, Any], Callable[[], str]], list[ToolCall] | None]
 
     def __init__(self, strict: Mapping[str, Any] | None = None) -> None:
         self._strict = strict or {}
@@ -152,10 +149,10 @@ class _WholeAnswerCalls:
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._pending += text
         if self._holding is None:
-            start = self._pending.lstrip().removeprefix(self.tag).lstrip()
-            if not start or self.tag.startswith(start):
+            start = self._pending.lstrip().removeprefix(PYTHON_TAG).lstrip()
+            if not start or PYTHON_TAG.startswith(start):
                 return "", []
-            self._holding = start.startswith(self.opens)
+            self._holding = start.startswith("{")
         if self._holding:
             return "", []
         content, self._pending = self._pending, ""
@@ -163,8 +160,8 @@ class _WholeAnswerCalls:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._pending = self._pending, ""
-        text = rest.strip().removeprefix(self.tag).lstrip()
-        calls = self.read(text, self._strict, self.new_id) if self._holding else None
+        text = rest.strip().removeprefix(PYTHON_TAG).lstrip()
+        calls = _json_calls(text, self._strict, self.new_id) if self._holding else None
         if not calls:
             return rest, []
         self.calls += calls
@@ -197,16 +194,67 @@ def _json_calls(text: str, strict: Mapping[str, Any], new_id: Callable[[], str])
     return calls
 
 
-class Llama3JsonParser(_WholeAnswerCalls):
-    """Llama 3.1 and later: ``{"name": ..., "parameters": {...}}`` objects joined by ``;``."""
+class MistralParser:
+    """One choice's answer, as ``HermesParser``'s: text is released as it comes except a tail that could
+    still begin ``[TOOL_CALLS]``; after the tag the rest of the answer is held and read as calls at its end
+    (released, tag and all, when it is not calls). An answer that opens with ``[`` (the tag dropped with the
+    special tokens) is held whole and read as a JSON list of calls."""
 
-    tag, opens, read = PYTHON_TAG, "{", staticmethod(_json_calls)
+    ends_with_calls = True
+    new_id = staticmethod(mistral_call_id)
+
+    def __init__(self, strict: Mapping[str, Any] | None = None) -> None:
+        self._strict = strict or {}
+        self._pending = ""
+        self._mode: str | None = None  # None: undecided; "text", "calls" (after the tag), "list" (opens with "[")
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._pending += text
+        if self._mode is None:
+            start = self._pending.lstrip()
+            if not start or TOOL_CALLS.startswith(start):
+                return "", []
+            self._mode = "list" if start[0] == "[" and not start.startswith(TOOL_CALLS) else "text"
+        if self._mode != "text":
+            return "", []
+        content, self._pending, found = split_at(self._pending, TOOL_CALLS)
+        if found:
+            self._mode = "calls"
+        return content, []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        rest, self._pending = self._pending, ""
+        calls = None
+        if self._mode == "calls":
+            calls = _mistral_calls(rest, self._strict)
+            rest = TOOL_CALLS + rest
+        elif self._mode == "list":
+            calls = _json_list_calls(rest.strip(), self._strict, self.new_id)
+        if not calls:
+            return rest, []
+        self.calls += calls
+        return "", calls
 
 
-class MistralParser(_WholeAnswerCalls):
-    """Mistral's instruct models: a JSON list of ``{"name": ..., "arguments": {...}}``."""
-
-    tag, opens, read, new_id = TOOL_CALLS, "[", staticmethod(_json_list_calls), staticmethod(mistral_call_id)
+def _mistral_calls(text: str, strict: Mapping[str, Any]) -> list[ToolCall] | None:
+    """The calls after a ``[TOOL_CALLS]``: a JSON list of call objects, or ``name[ARGS]{...}`` ones each after
+    its own tag (v11 tokenizers on); None when ``text`` is not that."""
+    if ARGS not in text:
+        return _json_list_calls(text.strip(), strict, mistral_call_id)
+    calls = []
+    for part in text.split(TOOL_CALLS):
+        name, found, written = part.partition(ARGS)
+        try:
+            arguments = json.loads(written) if found and name.strip() else None
+        except json.JSONDecodeError:
+            return None
+        call = _call_of({"name": name.strip(), "arguments": arguments}, strict, mistral_call_id) \
+            if isinstance(arguments, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
+    return calls
 
 
 class ForcedCallsParser:
@@ -246,7 +294,7 @@ class FirstCallParser:
 
     ends_with_calls = True
 
-    def __init__(self, parser: HermesParser | _WholeAnswerCalls) -> None:
+    def __init__(self, parser: HermesParser | Llama3JsonParser | MistralParser) -> None:
         self._parser = parser
         self.calls: list[ToolCall] = []
 
@@ -264,7 +312,7 @@ class FirstCallParser:
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser,  # --tool-call-parser choices
            "mistral": MistralParser}
-ToolCallParser = HermesParser | _WholeAnswerCalls | ForcedCallsParser | FirstCallParser
+ToolCallParser = HermesParser | Llama3JsonParser | MistralParser | ForcedCallsParser | FirstCallParser
 
 
 def call_parser(kind: str, tools: list[dict], tool_choice: str = "auto", name: str | None = None,
