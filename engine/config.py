@@ -574,10 +574,16 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise CheckpointError(f"{file}: not a JSON object")
         modelopt = read_json(file.with_name("hf_quant_config.json"))
-        if "quantization_config" not in raw and isinstance(modelopt, dict):
+        from_modelopt = "quantization_config" not in raw and isinstance(modelopt, dict)
+        if from_modelopt:
             raw = {**raw, "quantization_config": {"quant_method": "modelopt", **modelopt}}
         try:
             return cls.from_dict(raw, read_json(file.with_name("generation_config.json")))
+        except UnsupportedModelError as exc:  # name the file a refused quantization field is in
+            if from_modelopt and exc.field.startswith("quantization_config."):
+                raise UnsupportedModelError(exc.field.replace("quantization_config.", "hf_quant_config.json: ", 1),
+                                            exc.message) from None
+            raise
         except KeyError as exc:
             raise CheckpointError(f"{file}: required key {exc} is missing") from exc
         except TypeError as exc:  # e.g. null where a number belongs

@@ -219,6 +219,15 @@ def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refuse
         Engine(config)
 
 
+def test_a_modelopt_file_whose_algorithm_is_refused_is_named(tmp_path):
+    build_hf_checkpoint(tmp_path, "llama")
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
+                                                               "quantization": {"quant_algo": "NVFP4"}}))
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_dir(tmp_path)
+    assert err.value.field == "hf_quant_config.json: quantization.quant_algo" and "'NVFP4'" in err.value.message
+
+
 @pytest.mark.parametrize("quantization_config, field", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization_config.quant_method"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "quantization_config.fmt"),
