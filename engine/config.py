@@ -515,6 +515,9 @@ class ModelConfig:
     # checkpoint (engine/int_weights.py); None: every weight in the engine's dtype
     weight_quant: WeightQuant | IntQuant | None = None
     static_kv_scales: bool = False  # the checkpoint's K/V scales for an fp8 cache, read past (static_kv_scales())
+    # the model's projections (``model.layers.3.mlp.down_proj``, ``model.layers.1.mlp.experts``) a quantized
+    # checkpoint leaves in 16 bits (its ignore / modules_to_not_convert lists), found by the loader in its tensors
+    unquantized: frozenset[str] = frozenset()
 
     @property
     def long_rope_from(self) -> int | None:
@@ -606,6 +609,11 @@ class ModelConfig:
             mlps += len(moe.layers) * (sparse - dense_mlp)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + mlps + embed + h
+
+    def quant_for(self, module: str) -> WeightQuant | IntQuant | None:
+        """How the projection ``module`` (the model's name for it) is held: the checkpoint's quantization, or
+        None where the checkpoint left it in 16 bits."""
+        return None if module in self.unquantized else self.weight_quant
 
     def with_quantization(self, quantization: str | None) -> ModelConfig:
         """This config as ``--quantization`` loads it: a 16-bit checkpoint's projections quantized to fp8

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -260,6 +260,48 @@ def _check_tensor(path: Path, name: str, tensor: torch.Tensor, target: _Target) 
                               f"implies {_HOLDS_TEXT[target.holds]}")
 
 
+_FLOAT_DTYPES = ("F16", "BF16", "F32")  # safetensors' names of the 16- and 32-bit float dtypes
+
+
+def _checkpoint_parts(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
+    """Each quantizable projection of ``layer`` (the model's name) -> the checkpoint weights it is packed from."""
+    p = f"model.layers.{layer}"
+    packed = cfg.architecture in PACKED_ARCHITECTURES
+    attention = [f"{p}.self_attn.qkv_proj"] if packed else [f"{p}.self_attn.{x}_proj" for x in "qkv"]
+    parts = {f"{p}.self_attn.qkv_proj": attention, f"{p}.self_attn.o_proj": [f"{p}.self_attn.o_proj"]}
+    mlps = [f"{p}.mlp"]
+    if cfg.moe is not None and layer in cfg.moe.layers:
+        meta = {"gate_up_proj": torch.empty(cfg.moe.num_experts, 2, 1, device="meta"),
+                "down_proj": torch.empty(cfg.moe.num_experts, 1, 1, device="meta")}
+        parts[f"{p}.mlp.experts"] = [key.removesuffix(".weight") for part, param in meta.items()
+                                     for key in _expert_targets(f"{p}.mlp.experts.{part}", param, cfg)]
+        mlps = [f"{p}.mlp.shared_expert"] if cfg.moe.shared_expert_intermediate_size else []
+    for mlp in mlps:
+        parts[f"{mlp}.gate_up_proj"] = [f"{mlp}.gate_up_proj"] if packed else [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+        parts[f"{mlp}.down_proj"] = [f"{mlp}.down_proj"]
+    return parts
+
+
+def _left_unquantized(model_dir: Path, cfg: ModelConfig) -> frozenset[str]:
+    """The projections a quantized checkpoint holds in 16 or 32 bits (its ignore / modules_to_not_convert
+    lists, in whatever pattern language it wrote them): those whose weights are floats in its tensors.
+    CheckpointError when one matrix the model packs (q/k/v, gate/up, a layer's experts) is part of each."""
+    dtypes: dict[str, str] = {}
+    for path in _weight_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            dtypes |= {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 - not a mapping
+    kept = set()
+    for layer in range(cfg.num_layers):
+        for module, parts in _checkpoint_parts(cfg, layer).items():
+            floats = [part for part in parts if dtypes.get(f"{part}.weight") in _FLOAT_DTYPES]
+            if floats and len(floats) < len(parts):
+                raise CheckpointError(f"{model_dir}: {floats[0]} is a float weight beside quantized ones of the "
+                                      f"matrix the model packs it into ({module}): quantize all or none")
+            if floats:
+                kept.add(module)
+    return frozenset(kept)
+
+
 def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
@@ -269,13 +311,16 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     """Build the model for ``model_dir``'s config and fill it from its safetensors files; ``quantization``
     "fp8" quantizes a 16-bit checkpoint's decoder projections as they load (``engine/weight_quant.py``); AWQ,
     GPTQ and compressed-tensors integer projections are unpacked into the model's layout
-    (``engine/int_weights.py``)."""
+    (``engine/int_weights.py``); the projections a quantized checkpoint leaves in 16 bits (found in its
+    tensors: ``_left_unquantized``) are held in ``dtype``."""
     model_dir = Path(model_dir)
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
     cfg = ModelConfig.from_dir(model_dir).with_quantization(quantization)
+    if cfg.weight_quant is not None and not cfg.weight_quant.online:
+        cfg = replace(cfg, unquantized=_left_unquantized(model_dir, cfg))
     with torch.device(device):
         model = CausalLM(cfg, dtype)
     targets = _targets(model, cfg)

@@ -243,7 +243,7 @@ def _windowed(meta: AttentionMetadata, key: tuple, mask: torch.Tensor, window: i
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, window: int = 0):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, window: int = 0, prefix: str = ""):
         """``window``: this layer's sliding window when the model's layers differ (Qwen's
         ``use_sliding_window``); 0: the step's attention (full, or the engine's window)."""
         super().__init__()
@@ -251,9 +251,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5  # SDPA's default
-        quant = cfg.weight_quant
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, quant)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, quant)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype,
+                               cfg.quant_for(f"{prefix}.qkv_proj"))
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, cfg.quant_for(f"{prefix}.o_proj"))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -314,12 +314,16 @@ class Attention(nn.Module):
         return self.o_proj(out.view(T, self.q_size), meta.lora)
 
 
+Quant = WeightQuant | IntQuant | None
+
+
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 quant: WeightQuant | None = None):
+                 quants: tuple[Quant, Quant] = (None, None)):
+        """``quants``: gate/up's and down's quantization (None: held in ``dtype``)."""
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, quant)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, quant)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, quants[0])
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, quants[1])
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
@@ -332,8 +336,8 @@ class SparseMoE(nn.Module):
     ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices; quantized, each comes with ``_scale``
     (and integer codes' ``_zero``, and act-order ``_input_perm`` ``[E, in]``) as ``Linear``'s weight does."""
 
-    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype,
-                 quant: WeightQuant | IntQuant | None = None):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype, quant: Quant = None,
+                 shared_quants: tuple[Quant, Quant] = (None, None)):
         super().__init__()
         self.config = moe
         e, i = moe.num_experts, moe.intermediate_size
@@ -360,7 +364,7 @@ class SparseMoE(nn.Module):
                     _frozen(torch.full((e, cols), -1, dtype=torch.int64)) for cols in (hidden_size, i))
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
-            self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype, quant)
+            self.shared_expert = MLP(hidden_size, moe.shared_expert_intermediate_size, dtype, shared_quants)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype)
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
@@ -391,12 +395,17 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, cfg.layer_windows[index] if cfg.layer_windows else 0)
+        layer = f"model.layers.{index}"
+        self.self_attn = Attention(cfg, dtype, cfg.layer_windows[index] if cfg.layer_windows else 0,
+                                   f"{layer}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if cfg.moe is not None and index in cfg.moe.layers:
-            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype, cfg.weight_quant)
+            shared = tuple(cfg.quant_for(f"{layer}.mlp.shared_expert.{p}") for p in ("gate_up_proj", "down_proj"))
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype, cfg.quant_for(f"{layer}.mlp.experts"),
+                                            shared)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, cfg.weight_quant)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype,
+                           (cfg.quant_for(f"{layer}.mlp.gate_up_proj"), cfg.quant_for(f"{layer}.mlp.down_proj")))
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv: PagedKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:

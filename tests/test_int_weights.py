@@ -103,14 +103,16 @@ def input_order(name: str, cols: int, orders: dict[str, torch.Tensor]) -> torch.
     return orders[key]
 
 
-def quantize_checkpoint(path, fmt: str) -> dict[str, torch.Tensor]:
+def quantize_checkpoint(path, fmt: str, keep: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Rewrites the checkpoint at ``path`` with integer projections in ``fmt`` (the original GPTQ format with a
     zero bias beside each projection, as older AutoGPTQ writes; act-order formats with their columns
-    grouped in a random order per input); returns each projection's dequantized weight."""
+    grouped in a random order per input; the projections ``keep`` names, as the checkpoint does, left in their
+    float weights, as a checkpoint's ignore list leaves them); returns each quantized projection's dequantized
+    weight."""
     quant, quantize = FORMATS[fmt]
     tensors = load_file(path / "model.safetensors")
     dequantized, orders = {}, {}
-    for name in [n for n in tensors if is_projection(n)]:
+    for name in [n for n in tensors if is_projection(n) and n.removesuffix(".weight") not in keep]:
         weight = tensors.pop(name)
         cols = weight.shape[1]
         order = input_order(name, cols, orders) if quant.act_order else torch.arange(cols)
@@ -293,6 +295,42 @@ def test_integer_checkpoints_the_engine_cannot_run_as_such_are_refused(tmp_path)
     save_file(tensors, tmp_path / "int8" / "model.safetensors")
     with pytest.raises(CheckpointError, match=f"{qzeros}'.*an 8-bit zero of 256"):
         Engine(EngineConfig(model=str(tmp_path / "int8"), block_size=BLOCK, num_blocks=64))
+
+
+@pytest.mark.parametrize("arch, fmt, keep", [
+    ("llama", "gptq", ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                       "model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]),
+    ("qwen3_moe", "compressed_asym", [f"model.layers.0.mlp.experts.{e}.{p}" for e in range(8)
+                                      for p in ("gate_proj", "up_proj", "down_proj")]),
+])
+def test_projections_a_checkpoint_leaves_in_16_bits_load_as_such_beside_the_quantized_ones(tmp_path, arch, fmt,
+                                                                                            keep):
+    """What an ignore list (modules_to_not_convert, exclude_modules) leaves unquantized is found in the
+    checkpoint's tensors, whatever pattern language named it: a whole attention's q/k/v and an MLP's down
+    matrix, or a layer's experts, held in the model's dtype while the rest stays packed."""
+    build_hf_checkpoint(tmp_path, arch)
+    original = load_file(tmp_path / "model.safetensors")
+    reference = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, fmt, frozenset(keep))})
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
+    batch = prompts((9, 33))
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(reference, batch)
+    layers = engine.model.model.layers
+    if arch == "llama":
+        assert layers[0].self_attn.qkv_proj.weight.dtype == layers[1].mlp.down_proj.weight.dtype == torch.float32
+        assert layers[1].self_attn.qkv_proj.weight.dtype == layers[0].mlp.down_proj.weight.dtype == torch.uint8
+    else:
+        assert layers[0].mlp.experts.gate_up_proj.dtype == torch.float32 and layers[0].mlp.expert_quant() is None
+        assert layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+
+
+def test_a_matrix_the_model_packs_from_float_and_quantized_weights_is_refused(tmp_path):
+    """q left in 16 bits beside quantized k and v: one packed q/k/v matrix cannot hold both."""
+    build_hf_checkpoint(tmp_path, "llama")
+    quantize_checkpoint(tmp_path, "gptq", frozenset({"model.layers.1.self_attn.q_proj"}))
+    with pytest.raises(CheckpointError, match=r"model.layers.1.self_attn.q_proj is a float weight beside quantized "
+                                              r"ones of the matrix the model packs it into \(model.layers.1.self_attn"
+                                              r".qkv_proj\)"):
+        Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
 
 
 @pytest.mark.parametrize("layout, bits, packed", [("awq", 8, True), ("gptq", 3, True), ("gptq", 8, False),

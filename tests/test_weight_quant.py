@@ -83,14 +83,15 @@ KV_SCALES = {"compressed_kv": ("self_attn.k_scale", "self_attn.v_scale"),
              "modelopt_legacy": ("self_attn.k_proj.k_scale", "self_attn.v_proj.v_scale")}
 
 
-def quantize_checkpoint(path, layout: str) -> dict[str, torch.Tensor]:
+def quantize_checkpoint(path, layout: str, keep: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
     """Rewrites the checkpoint at ``path`` with fp8 projections in one of ``LAYOUTS`` (per tensor: with a
     static input scale beside each, as vLLM's static fp8 checkpoints hold; blocks wider than a matrix cover
-    it whole); returns each projection's dequantized weight."""
+    it whole; the projections ``keep`` names left in 16 bits, as an ignore list leaves them); returns each
+    quantized projection's dequantized weight."""
     block, scale_name, quantization_config = LAYOUTS[layout]
     tensors = load_file(path / "model.safetensors")
     dequantized = {}
-    for name in [n for n in tensors if is_projection(n)]:
+    for name in [n for n in tensors if is_projection(n) and n.removesuffix(".weight") not in keep]:
         w = tensors[name]
         rows, cols = block or w.shape
         rows, cols = min(rows, w.shape[0]), min(cols or w.shape[1], w.shape[1])
@@ -171,6 +172,20 @@ def test_per_tensor_compressed_tensors_and_modelopt_checkpoints_run_as_their_deq
     assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(with_weights(hf, dequantized), batch)
 
 
+def test_an_fp8_checkpoint_may_leave_projections_in_16_bits(tmp_path):
+    """An ignore list beyond the lm_head (here an MLP's gate/up and another layer's o_proj, left 16-bit in
+    the files): those run in the model's dtype, the rest as fp8 codes."""
+    keep = frozenset({"model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"})
+    hf = build_hf_checkpoint(tmp_path, "qwen3")
+    dequantized = quantize_checkpoint(tmp_path, "compressed_channel", keep)
+    engine = Engine(EngineConfig(model=str(tmp_path), block_size=BLOCK, num_blocks=64))
+    batch = prompts((9, 33))
+    assert greedy_tokens(engine, batch, NEW_TOKENS) == reference_tokens(with_weights(hf, dequantized), batch)
+    layers = engine.model.model.layers
+    assert layers[0].mlp.gate_up_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == torch.float32
+    assert layers[0].mlp.down_proj.weight.dtype == layers[0].self_attn.o_proj.weight.dtype == torch.float8_e4m3fn
+
+
 def test_quantization_fp8_quantizes_a_16_bit_checkpoint_row_by_row(tmp_path):
     """--quantization fp8: each projection row's absmax maps to 448 as the checkpoint loads; the tokens are
     those of the model whose weights are quantized and dequantized so, and differ from the unquantized
@@ -214,8 +229,9 @@ def test_a_checkpoint_whose_tensors_contradict_its_quantization_config_is_refuse
     edit_checkpoint(tmp_path, drop="model.layers.1.mlp.up_proj.weight_scale_inv")
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model.layers.1.mlp.up_proj.weight_scale_inv"):
         Engine(config)
+    # a 16-bit weight is a projection left unquantized, which has no scale: the one beside it is refused
     edit_checkpoint(tmp_path, to_bf16="model.layers.0.self_attn.o_proj.weight")
-    with pytest.raises(CheckpointError, match="o_proj.weight' is torch.bfloat16, .*implies float8_e4m3fn"):
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.0.self_attn.o_proj.weight_scale_inv'"):
         Engine(config)
 
 
