@@ -290,7 +290,11 @@ class IntQuant:
         return rows * cols // self.per_byte + 5 * rows * self.groups(cols) + (8 * cols if self.act_order else 0)
 
 
-def read_quantization(raw: dict | None) -> WeightQuant | IntQuant | None:
+# how a projection is held: fp8 codes, integer codes, or None (the model's dtype)
+Quant = WeightQuant | IntQuant | None
+
+
+def read_quantization(raw: dict | None) -> Quant:
     """A checkpoint's ``quantization_config`` -> its weight layout (None: not quantized); anything but fp8
     e4m3 weights, 4-bit AWQ and 4- or 8-bit GPTQ or compressed-tensors integer ones is refused, naming what is
     there."""
@@ -513,7 +517,7 @@ class ModelConfig:
     # fp8 projections and experts (engine/weight_quant.py): the checkpoint's quantization_config, or set by
     # with_quantization for --quantization fp8; 4- or 8-bit integer projections of an AWQ, GPTQ or compressed-tensors
     # checkpoint (engine/int_weights.py); None: every weight in the engine's dtype
-    weight_quant: WeightQuant | IntQuant | None = None
+    weight_quant: Quant = None
     static_kv_scales: bool = False  # the checkpoint's K/V scales for an fp8 cache, read past (static_kv_scales())
     # the model's projections (``model.layers.3.mlp.down_proj``, ``model.layers.1.mlp.experts``) a quantized
     # checkpoint leaves in 16 bits (its ignore / modules_to_not_convert lists), found by the loader in its tensors
@@ -610,7 +614,7 @@ class ModelConfig:
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + norms) + mlps + embed + h
 
-    def quant_for(self, module: str) -> WeightQuant | IntQuant | None:
+    def quant_for(self, module: str) -> Quant:
         """How the projection ``module`` (the model's name for it) is held: the checkpoint's quantization, or
         None where the checkpoint left it in 16 bits."""
         return None if module in self.unquantized else self.weight_quant

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import PACKED_ARCHITECTURES, IntQuant, ModelConfig, WeightQuant
+from engine.config import PACKED_ARCHITECTURES, IntQuant, ModelConfig, Quant
 from engine.errors import CheckpointError
 from engine.int_weights import (
     act_order_perm,
@@ -145,7 +145,7 @@ class _Target:
 
 
 def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions: dict[str, torch.Tensor],
-         quant: WeightQuant | IntQuant | None) -> None:
+         quant: Quant) -> None:
     """The targets of checkpoint weight ``name`` (rows ``view`` of a parameter), and of what a quantized one
     comes with (``companions``: the same rows of its ``weight_scale`` and ``weight_zero``)."""
     shape = tuple(view.shape)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import kernels
-from engine.config import IntQuant, ModelConfig, MoEConfig, WeightQuant
+from engine.config import IntQuant, ModelConfig, MoEConfig, Quant
 from engine.int_weights import int_linear
 from engine.kernels.common import ExpertQuant
 from engine.lora import LoRABatch, lora_delta
@@ -178,7 +178,7 @@ class Linear(nn.Module):
     gathered to match)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
-                 quant: WeightQuant | IntQuant | None = None):
+                 quant: Quant = None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = _frozen(torch.empty(out_features, dtype=dtype)) if bias else None
@@ -312,9 +312,6 @@ class Attention(nn.Module):
                                           meta.decode_sink_cols)
             out[:n] = o[:, :, 0]
         return self.o_proj(out.view(T, self.q_size), meta.lora)
-
-
-Quant = WeightQuant | IntQuant | None
 
 
 class MLP(nn.Module):
