@@ -714,6 +714,9 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences run; None: always
+    # A draft model instead (engine/draft_model.py): a checkpoint directory (or "tiny") with the model's
+    # vocabulary, proposing num_speculative_tokens tokens greedily
+    speculative_model: str | None = None
     # LoRA adapters served beside the base model (engine/lora.py): name -> PEFT adapter directory
     lora_modules: dict[str, str] = field(default_factory=dict)
     # The adapter slots allocated at start (engine/lora_slots.py, vLLM's flags): how many adapters a step can
@@ -753,6 +756,8 @@ class EngineConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0 (0: off), got {self.num_speculative_tokens}")
         _ = self.speculative  # refuses prompt lookup lengths that contradict each other
+        if self.speculative_model is not None and not self.num_speculative_tokens:
+            raise ValueError("speculative_model needs num_speculative_tokens (how many tokens the draft proposes)")
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

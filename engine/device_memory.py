@@ -72,13 +72,14 @@ def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: En
 
 
 def engine_num_blocks(model: CausalLM, model_config: ModelConfig, config: EngineConfig,
-                      attention_backend: str) -> int:
+                      attention_backend: str, extra_block_bytes: int = 0) -> int:
     """``config.num_blocks`` if set; on CUDA the blocks that fit the profiled budget; else the blocks of
-    ``config.kv_cache_bytes`` (``kv_cache.num_blocks_for``: windows of fp8/kivi2 come off either budget)."""
+    ``config.kv_cache_bytes`` (``kv_cache.num_blocks_for``: windows of fp8/kivi2 come off either budget).
+    ``extra_block_bytes``: what each block costs besides the model's (a draft model's block of as many tokens)."""
     if config.num_blocks:
         return config.num_blocks
     if torch.device(config.device).type != "cuda":
-        return num_blocks_for(model_config, config)
+        return num_blocks_for(model_config, config, extra_block_bytes)
     total, used = profile_device_memory(model, model_config, config, attention_backend)
     budget = kv_cache_bytes_for_device(total, used, config.gpu_memory_utilization)
-    return num_blocks_for(model_config, replace(config, kv_cache_bytes=budget))
+    return num_blocks_for(model_config, replace(config, kv_cache_bytes=budget), extra_block_bytes)

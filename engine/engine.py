@@ -22,6 +22,7 @@ from engine.block_events import BlockEvent
 from engine.block_manager import NO_BLOCK, BlockManager
 from engine.config import EngineConfig, long_rope_applies
 from engine.device_memory import engine_num_blocks
+from engine.draft_model import DraftModelProposer, draft_block_bytes, load_draft_model
 from engine.engine_stats import EngineStats, StepComposition, engine_stats
 from engine.errors import InvalidRequestError, LoRAAdapterError
 from engine.kv_cache import KVCache
@@ -67,7 +68,11 @@ class Engine:
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        num_blocks = engine_num_blocks(self.model, self.model_config, config, backend)
+        speculative = config.speculative
+        # a draft model's weights are loaded before the cache is sized, and its cache (as many blocks) paid from it
+        draft = None if config.speculative_model is None else load_draft_model(config, self.model_config)
+        num_blocks = engine_num_blocks(self.model, self.model_config, config, backend,
+                                       0 if draft is None else draft_block_bytes(draft[1], config))
         # A full window pool reclaims the windows of blocks the block manager has freed; a block the prefix
         # cache registers drops its window (another sequence reads it as its record).
         residual = config.residual_blocks
@@ -100,8 +105,8 @@ class Engine:
                                              query_len=config.num_speculative_tokens + 1)
         self.grammars = GrammarMasks(model_dir / "tokenizer.json" if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
-        speculative = config.speculative
-        self.proposer = None if speculative is None else NgramProposer(speculative)
+        self.proposer = (None if speculative is None else NgramProposer(speculative) if draft is None
+                         else DraftModelProposer(speculative, *draft, num_blocks, config, backend))
         self.speculation = SpeculationStats()
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
@@ -148,12 +153,12 @@ class Engine:
         outputs, self._pending = self._pending, []
         self.last_step = None
         self._recompute_with_long_rope()
+        start = time.perf_counter()  # (a draft model's passes are part of the step)
         if self.proposer is not None:
-            self._propose_drafts(self.proposer.drafting(len(self.scheduler.running)))
+            self._propose_drafts(self.proposer.config.drafts_at(len(self.scheduler.running)))
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return outputs
-        start = time.perf_counter()
         bm = self.block_manager
         for src, dst in bm.take_copies():
             self.kv_cache.copy_block(src, dst)
@@ -271,17 +276,19 @@ class Engine:
     # -- speculative decoding (engine/speculative.py) ----------------------------------------------
     def _propose_drafts(self, drafting: bool) -> None:
         """Give every decoding sequence this step's draft (none unless ``drafting``). Under a structured output
-        the draft is what the grammar forces, else the n-gram one, cut where the grammar would refuse a token."""
+        the draft is what the grammar forces, else the proposer's, cut where the grammar would refuse a token."""
+        asked: list[tuple[Sequence, int]] = []  # the sequences the proposer drafts for, and their room
         for seq in self.scheduler.running:
             room = self._draft_room(seq) if drafting else 0
-            seq.draft_ids = self._draft(seq, room) if room > 0 else []
-
-    def _draft(self, seq: Sequence, room: int) -> list[int]:
-        grammar = seq.grammar
-        if grammar is None:
-            return self.proposer.propose(seq.seq_id, seq.token_ids, room)
-        draft = grammar.forced_tokens()[:room] or self.proposer.propose(seq.seq_id, seq.token_ids, room)
-        return draft[:grammar.draft_prefix(draft)]
+            seq.draft_ids = seq.grammar.forced_tokens()[:room] if room > 0 and seq.grammar is not None else []
+            if room > 0 and not seq.draft_ids:
+                asked.append((seq, room))
+        drafts = self.proposer.propose_all([(seq.seq_id, seq.token_ids, room) for seq, room in asked]) if asked else []
+        for (seq, _), draft in zip(asked, drafts, strict=True):
+            seq.draft_ids = draft
+        for seq in self.scheduler.running:
+            if seq.draft_ids and seq.grammar is not None:
+                seq.draft_ids = seq.draft_ids[:seq.grammar.draft_prefix(seq.draft_ids)]
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most draft tokens ``seq`` may verify now: none unless it is decoding (past its prompt, only its

@@ -42,13 +42,15 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: str | torch.dtype, kv_
                                               dtype_bytes(dtype))
 
 
-def num_blocks_for(cfg: ModelConfig, config: EngineConfig) -> int:
-    """Blocks that fit ``config.kv_cache_bytes`` after the windows (each sequence's of a full batch)."""
+def num_blocks_for(cfg: ModelConfig, config: EngineConfig, extra_block_bytes: int = 0) -> int:
+    """Blocks that fit ``config.kv_cache_bytes`` after the windows (each sequence's of a full batch), each
+    costing ``extra_block_bytes`` more (a draft model's block)."""
     window = cfg.num_layers * window_layer_bytes(config.kv_cache_dtype, config.block_size, cfg.num_kv_heads,
                                                  cfg.head_dim, dtype_bytes(config.dtype),
                                                  config.residual_blocks)
     budget = config.kv_cache_bytes - window * config.max_num_seqs
-    return max(1, budget // block_bytes(cfg, config.block_size, config.dtype, config.kv_cache_dtype))
+    return max(1, budget // (block_bytes(cfg, config.block_size, config.dtype, config.kv_cache_dtype)
+                             + extra_block_bytes))
 
 
 class DenseLayerKV:

@@ -1,4 +1,5 @@
-"""Speculative decoding by n-gram prompt lookup (vLLM's "ngram" method): no draft model.
+"""Speculative decoding by n-gram prompt lookup (vLLM's "ngram" method), and what any proposer shares (a draft
+model's proposer is ``engine/draft_model.py``).
 
 A decoding sequence whose last ``n`` tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``) occurred
 earlier in its prompt or output proposes the tokens that followed that occurrence (the latest one) as its
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 
 _ITEM = array("i").itemsize  # token ids live in C ints, searched as bytes
 
+# What a proposer is asked for one decoding sequence: (seq_id, its tokens so far, the most draft tokens it takes)
+DraftRequest = tuple[int, list[int], int]
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -43,6 +47,10 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+
+    def drafts_at(self, batch_size: int) -> bool:
+        """Whether a step with ``batch_size`` running sequences drafts at all."""
+        return self.disable_by_batch_size is None or batch_size <= self.disable_by_batch_size
 
 
 @dataclass
@@ -72,10 +80,9 @@ class NgramProposer:
         self.config = config
         self._history: dict[int, bytearray] = {}  # seq_id -> its tokens so far, as C ints
 
-    def drafting(self, batch_size: int) -> bool:
-        """Whether a step with ``batch_size`` running sequences drafts at all."""
-        limit = self.config.disable_by_batch_size
-        return limit is None or batch_size <= limit
+    def propose_all(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's draft (``propose``)."""
+        return [self.propose(*request) for request in requests]
 
     def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest suffix of

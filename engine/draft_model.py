@@ -1,0 +1,117 @@
+"""Speculative decoding with a draft model (vLLM's ``draft_model`` method): a smaller checkpoint with the
+target's vocabulary proposes each decoding sequence's next tokens, greedily, and the engine verifies them as it
+verifies n-gram drafts (``engine/speculative.py``), so the output is still the target model's, token for token.
+
+The draft model keeps its own paged KV cache: as many blocks as the target's (a draft's blocks are smaller, it
+has fewer layers and heads), handed out by its own block manager without a prefix cache, since the small model
+recomputes a prompt cheaply. Per sequence it knows how many leading positions hold K/V computed from the
+sequence's real tokens. A proposal first computes the rest up to the sequence's last token (a sequence new to
+it, such as one whose prompt a prefill worker computed, in chunks within ``max_num_batched_tokens``; it drafts
+once caught up), then k - 1 one-token passes over every drafting sequence write the draft tokens' K/V. What
+verification accepts stays valid; the K/V of rejected draft tokens is overwritten at the next proposal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, ModelConfig
+from engine.kv_cache import KVCache, block_bytes
+from engine.loader import load_model, resolve_model_dir
+from engine.model import CausalLM
+from engine.runner import ModelRunner, SeqChunk
+from engine.speculative import DraftRequest, SpeculativeConfig
+
+
+def load_draft_model(config: EngineConfig, target: ModelConfig) -> tuple[CausalLM, ModelConfig]:
+    """The draft checkpoint ``config.speculative_model``, in the target's dtype and on its device; ValueError
+    when its vocabulary is not the target's (its token ids would mean other tokens)."""
+    model, model_config = load_model(resolve_model_dir(config.speculative_model), config.dtype, config.device)
+    if model_config.vocab_size != target.vocab_size:
+        raise ValueError(f"the speculative model {config.speculative_model!r} has a vocabulary of "
+                         f"{model_config.vocab_size} tokens and the model {target.vocab_size}: a draft model must "
+                         "share the model's tokenizer")
+    return model, model_config
+
+
+def draft_block_bytes(model_config: ModelConfig, config: EngineConfig) -> int:
+    """Bytes of one block of the draft's KV cache (in the model's dtype), which the target's budget pays for."""
+    return block_bytes(model_config, config.block_size, config.dtype, "auto")
+
+
+@dataclass
+class _DraftState:
+    computed: int = 0  # leading positions whose K/V the draft computed from the sequence's tokens
+    written: list[int] = field(default_factory=list)  # the latest draft's tokens with K/V at ``computed``..
+
+    def catch_up(self, token_ids: list[int]) -> None:
+        """Count the latest draft's tokens that the sequence kept (their K/V is the real tokens')."""
+        for token, real in zip(self.written, token_ids[self.computed:], strict=False):
+            if token != real:
+                break
+            self.computed += 1
+        self.written = []
+
+
+class DraftModelProposer:
+    def __init__(self, config: SpeculativeConfig, model: CausalLM, model_config: ModelConfig, num_blocks: int,
+                 engine_config: EngineConfig, attention_backend: str):
+        self.config = config
+        self.kv_cache = KVCache(model_config, num_blocks, engine_config.block_size, engine_config.dtype,
+                                engine_config.device)
+        self.blocks = BlockManager(num_blocks, engine_config.block_size, b"draft", enable_prefix_caching=False)
+        self.runner = ModelRunner(model, model_config, self.kv_cache, None, attention_backend)
+        self.token_budget = engine_config.max_num_batched_tokens  # catch-up tokens computed per proposal
+        self.max_len = model_config.max_position_embeddings  # no draft token past the draft's context
+        self._states: dict[int, _DraftState] = {}
+
+    def propose_all(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's draft: up to its ``max_tokens`` tokens, the draft model's greedy continuation; []
+        for a sequence still catching up, or when the draft's blocks or context run out."""
+        drafts: list[list[int]] = [[] for _ in requests]
+        chunks: list[SeqChunk] = []
+        drafting: list[tuple[int, int, int]] = []  # (request index, draft length, row of the catch-up pass)
+        budget = self.token_budget
+        for i, (seq_id, token_ids, max_tokens) in enumerate(requests):
+            state = self._states.setdefault(seq_id, _DraftState())
+            state.catch_up(token_ids)
+            total = len(token_ids)
+            room = min(max_tokens, self.config.num_speculative_tokens, self.max_len - total)
+            n = min(total - state.computed, budget)
+            if room <= 0 or n <= 0:
+                continue
+            caught_up = state.computed + n == total
+            if not self.blocks.allocate(seq_id, state.computed, n + (room - 1 if caught_up else 0)):
+                continue
+            budget -= n
+            chunks.append(SeqChunk(token_ids[state.computed:total if caught_up else state.computed + n],
+                                   state.computed, self.blocks.block_table(seq_id)))
+            state.computed += n
+            if caught_up:
+                drafting.append((i, room, len(chunks) - 1))
+        if not chunks:
+            return drafts
+        rows = self._greedy(chunks)
+        for i, _, row in drafting:
+            drafts[i].append(rows[row])
+        # one token a pass: each draft token's K/V is written as the next one is predicted
+        while live := [(i, room) for i, room, _ in drafting if len(drafts[i]) < room]:
+            rows = self._greedy([SeqChunk([drafts[i][-1]], len(requests[i][1]) + len(drafts[i]) - 1,
+                                          self.blocks.block_table(requests[i][0])) for i, _ in live])
+            for (i, _), token in zip(live, rows, strict=True):
+                drafts[i].append(token)
+        for i, _, _ in drafting:
+            self._states[requests[i][0]].written = drafts[i][:-1]
+        return drafts
+
+    def _greedy(self, chunks: list[SeqChunk]) -> list[int]:
+        """The draft model's most likely next token after each chunk (writing the chunks' K/V)."""
+        return torch.argmax(self.runner.run(chunks), dim=-1).tolist()
+
+    def forget(self, seq_id: int) -> None:
+        """Free a finished or aborted sequence's draft blocks."""
+        self._states.pop(seq_id, None)
+        self.blocks.free(seq_id)

@@ -1,0 +1,134 @@
+"""Speculative decoding with a draft model (engine/draft_model.py): the engine drafting with a second checkpoint
+against the engine without drafts: the same tokens, texts, logprobs and finish reasons (greedy and seeded
+sampling), a draft of the model's own weights accepted whole, a draft of other weights still giving
+transformers' tokens; a sequence imported from a prefill engine caught up by the draft in budget-sized
+chunks before it drafts; the draft's blocks freed on finish and abort; a prefill worker that loads no draft;
+and the settings refused when they cannot work."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from test_engine_model import build_hf_checkpoint
+from test_speculative import PROMPTS, SAMPLINGS, all_blocks_free, assert_same, generate
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def draft_blocks_free(engine: Engine) -> bool:
+    blocks = engine.proposer.blocks
+    return blocks.num_free_blocks == blocks.num_blocks and not blocks.seqs
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_a_draft_model_changes_nothing_but_the_number_of_steps(tiny, sampling):
+    """The draft is the model itself: greedy drafts are the model's own greedy tokens, so (up to float ties
+    between a draft's decode rows and the verifying chunk) all are accepted; sampled ones only sometimes."""
+    params = SAMPLINGS[sampling]
+    plain = generate(Engine(EngineConfig(model="tiny")), params)
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny"))
+    assert_same(generate(engine, params), plain)
+    stats = engine.stats().speculation
+    if sampling == "greedy":
+        assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
+        assert stats.accepted_per_position[3] > 0  # whole drafts kept, the draft's K/V then caught up by two
+    else:
+        assert stats.draft_tokens > stats.accepted_tokens > 0
+    assert all_blocks_free(engine) and draft_blocks_free(engine)
+
+
+def test_a_draft_of_other_weights_keeps_transformers_greedy_tokens(tmp_path):
+    hf = build_hf_checkpoint(tmp_path / "target", "llama")
+    build_hf_checkpoint(tmp_path / "draft", "llama", num_hidden_layers=1)
+    prompts = [[(5 * i) % 37 for i in range(30)] * 2, [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    engine = Engine(EngineConfig(model=str(tmp_path / "target"), num_speculative_tokens=3,
+                                 speculative_model=str(tmp_path / "draft")))
+    got = generate(engine, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), prompts)
+    with torch.no_grad():
+        for i, ids in enumerate(prompts):
+            ids_t = torch.tensor([ids])
+            expected = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=40,
+                                   do_sample=False)[0, len(ids):]
+            assert got[(str(i), 0)]["tokens"] == expected.tolist()
+    assert engine.stats().speculation.drafts > 0
+    assert draft_blocks_free(engine)
+
+
+def test_an_imported_sequence_is_caught_up_in_budget_sized_chunks_before_it_drafts(tiny):
+    """The disaggregated path: the prompt's K/V comes from a prefill engine, so the draft model computes the
+    prompt itself, at most max_num_batched_tokens tokens a step (120 + the first token: 48, 48, then 25 and
+    the first draft), while the target decodes; the tokens equal a colocated plain run's."""
+    greedy = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    ids = PROMPTS[0]
+    prefill = Engine(EngineConfig(model="tiny"))
+    prefill.add_request("r", ids, greedy, prefill_only=True)
+    (first,) = [o for o in prefill.step() if o.request_id == "r"]
+    decode = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny",
+                                 max_num_batched_tokens=48))
+    blocks = decode.reserve_blocks("r", len(ids), greedy.max_tokens)
+    decode.kv_cache.import_blocks(blocks, prefill.kv_cache.export_blocks(prefill.request_block_ids("r")))
+    prefill.release("r")
+    decode.add_imported_request("r", ids, first.new_token_ids[0], greedy, blocks)
+    tokens, drafted_at = [*first.new_token_ids], []  # the steps (from 1) that verified a draft
+    for step in itertools.count(1):
+        if not decode.has_unfinished():
+            break
+        before = decode.speculation.drafts
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+        if decode.speculation.drafts > before:
+            drafted_at.append(step)
+    assert tokens == generate(Engine(EngineConfig(model="tiny")), greedy, [ids])[("0", 0)]["tokens"]
+    assert drafted_at[:3] == [3, 4, 5]  # two plain decode steps while catching up, then every step drafts
+    assert all_blocks_free(decode) and draft_blocks_free(decode)
+
+
+def test_an_aborted_sequence_frees_its_draft_blocks(tiny):
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny"))
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, params)
+    for _ in range(4):
+        engine.step()
+    assert engine.proposer.blocks.seqs  # the decoding sequences hold draft blocks
+    for i in range(len(PROMPTS)):
+        engine.abort(str(i))
+    engine.step()
+    assert not engine.has_unfinished() and all_blocks_free(engine) and draft_blocks_free(engine)
+
+
+def test_a_draft_models_cache_is_paid_from_the_engines_budget(tiny):
+    plain = Engine(EngineConfig(model="tiny"))
+    drafting = Engine(EngineConfig(model="tiny", num_speculative_tokens=2, speculative_model="tiny"))
+    # the same model as draft: each block costs twice, so half as many fit the same bytes
+    assert drafting.block_manager.num_blocks == plain.block_manager.num_blocks // 2
+    assert drafting.proposer.blocks.num_blocks == drafting.block_manager.num_blocks
+
+
+def test_the_settings_are_refused_when_a_draft_model_cannot_work(tiny, tmp_path):
+    with pytest.raises(ValueError, match="speculative_model needs num_speculative_tokens"):
+        EngineConfig(model="tiny", speculative_model="tiny")
+    build_hf_checkpoint(tmp_path, "llama")
+    with pytest.raises(ValueError, match="vocabulary of 128 tokens and the model 272.*share the model's tokenizer"):
+        Engine(EngineConfig(model="tiny", num_speculative_tokens=2, speculative_model=str(tmp_path)))
+
+
+def test_the_flag_reaches_the_decode_workers_and_not_the_prefill_workers():
+    from services.cli import build_parser
+    from services.config import configs_from_args
+    from services.messages import Role
+    from services.placement import worker_engine
+
+    cluster, _ = configs_from_args(build_parser().parse_args(
+        ["serve", "--num-speculative-tokens", "3", "--speculative-model", "tiny"]))
+    assert cluster.engine.speculative_model == "tiny" and cluster.engine.num_speculative_tokens == 3
+    decode = worker_engine(cluster.engine, Role.DECODE, "cpu", True)
+    assert decode == dataclasses.replace(cluster.engine, device="cpu", enable_block_events=True)
+    prefill = worker_engine(cluster.engine, Role.PREFILL, "cpu", True)
+    assert prefill.speculative is None and prefill.speculative_model is None
