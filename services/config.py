@@ -277,6 +277,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=e.speculative_disable_by_batch_size,
                    metavar="N", help="with --num-speculative-tokens: no drafts in a step while more than N "
                                      "sequences run (a large batch is compute-bound; default: always draft)")
+    p.add_argument("--speculative-model", default=e.speculative_model, metavar="DIR",
+                   help="with --num-speculative-tokens: draft with this checkpoint (a smaller model with the same "
+                        "tokenizer, or tiny) instead of prompt lookup; the decode workers load it, its KV cache "
+                        "takes a share of theirs (default: prompt lookup)")
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="tokens in one engine step (chunked prefill splits longer prompts)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -344,6 +348,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
         prompt_lookup_max=args.prompt_lookup_max,
         speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+        speculative_model=args.speculative_model,
         lora_modules=dict(args.lora_modules), max_loras=max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
     )

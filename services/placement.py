@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import ray
 
+from engine.config import EngineConfig
 from services.config import ClusterConfig
 from services.decode_worker import DecodeWorker
 from services.errors import PlacementError
@@ -50,6 +51,13 @@ def worker_options(role: Role, threads: int, gpus_per_worker: float | None, reso
     if role != Role.COLOCATED and resources.get(role, 0) >= 1:
         options["resources"] = {role: 1}
     return options, "cuda" if gpus else "cpu"
+
+
+def worker_engine(engine: EngineConfig, role: Role, device: str, block_events: bool) -> EngineConfig:
+    """The engine settings of a worker of ``role`` on ``device``. A prefill worker never decodes: it neither
+    speculates nor loads a draft model."""
+    speculation = dict(num_speculative_tokens=0, speculative_model=None) if role == Role.PREFILL else {}
+    return dataclasses.replace(engine, device=device, enable_block_events=block_events, **speculation)
 
 
 def demand(options: list[dict]) -> Counter:
@@ -103,8 +111,7 @@ class WorkerLauncher:
         self.placements[worker_id] = None
         spec = WorkerSpec(
             worker_id=worker_id, role=role,
-            engine=dataclasses.replace(self.config.engine, device=device,
-                                       enable_block_events=self.redis_url is not None),
+            engine=worker_engine(self.config.engine, role, device, self.redis_url is not None),
             redis_url=self.redis_url, num_threads=self.threads, kv_transport=self.config.kv_transport,
             layerwise=self.config.layerwise, max_kv_channels=self.config.max_kv_channels,
             pool_max_bytes=self.config.pool_max_bytes,
