@@ -112,6 +112,6 @@ class DraftModelProposer:
         return torch.argmax(self.runner.run(chunks), dim=-1).tolist()
 
     def forget(self, seq_id: int) -> None:
-        """Free a finished or aborted sequence's draft blocks."""
+        """Free a finished, aborted or preempted sequence's draft blocks (a preempted one catches up again)."""
         self._states.pop(seq_id, None)
         self.blocks.free(seq_id)

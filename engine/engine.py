@@ -157,6 +157,9 @@ class Engine:
         if self.proposer is not None:
             self._propose_drafts(self.proposer.config.drafts_at(len(self.scheduler.running)))
         batch = self.scheduler.schedule()
+        if self.proposer is not None:  # what a preempted sequence holds for drafting goes with its blocks
+            for seq in batch.preempted:
+                self.proposer.forget(seq.seq_id)
         if not batch.seqs:
             return outputs
         bm = self.block_manager

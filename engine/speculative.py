@@ -111,7 +111,7 @@ class NgramProposer:
         return following(shortest + lo)
 
     def forget(self, seq_id: int) -> None:
-        """Drop a finished or aborted sequence's history."""
+        """Drop a finished, aborted or preempted sequence's history (a preempted one's is read again)."""
         self._history.pop(seq_id, None)
 
 

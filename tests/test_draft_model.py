@@ -132,3 +132,24 @@ def test_the_flag_reaches_the_decode_workers_and_not_the_prefill_workers():
     assert decode == dataclasses.replace(cluster.engine, device="cpu", enable_block_events=True)
     prefill = worker_engine(cluster.engine, Role.PREFILL, "cpu", True)
     assert prefill.speculative is None and prefill.speculative_model is None
+
+
+def test_a_preempted_sequence_gives_its_draft_blocks_back(tiny):
+    """Too few blocks for three growing sequences: the scheduler preempts, each preempted sequence's draft
+    blocks are freed with its own (only running sequences hold any), and the tokens equal a plain engine's
+    under the same pressure."""
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[0][:100], PROMPTS[1], PROMPTS[2][:60]]
+    plain = generate(Engine(EngineConfig(model="tiny", num_blocks=20)), params, prompts)
+    engine = Engine(EngineConfig(model="tiny", num_blocks=20, num_speculative_tokens=4, speculative_model="tiny"))
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, params)
+    samples: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            samples.setdefault(out.request_id, []).extend(out.new_token_ids)
+        running = {seq.seq_id for seq in engine.scheduler.running}
+        assert set(engine.proposer.blocks.seqs) <= running
+    assert engine.stats().num_preemptions > 0 and engine.stats().speculation.accepted_tokens > 0
+    assert {rid: tokens for rid, tokens in samples.items()} == {rid: s["tokens"] for (rid, _), s in plain.items()}
+    assert all_blocks_free(engine) and draft_blocks_free(engine)
