@@ -131,7 +131,8 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 @pytest.mark.timeout(600)
 def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_path):
     """n-gram drafts verified in captured graphs of their own (each sequence padded to 1 + 3 rows) beside
-    plain decode graphs: the float32 greedy tokens equal the torch backend's without drafts."""
+    plain decode graphs: the float32 greedy tokens equal the torch backend's without drafts; so do a draft
+    model's (the checkpoint itself, on the Triton backend, its passes eager)."""
     if ran_in_a_compiling_process("test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding"):
         return
     from test_engine_loop import GREEDY, prompt, run, write_model
@@ -144,6 +145,10 @@ def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_pa
     requests = {"a": (prompt(6, 1) * 4, params), "b": (prompt(9, 2) * 3, params), "c": (prompt(11, 3), params)}
     want = run(Engine(_engine_config(model_dir, num_blocks=128, attention_backend="torch")), requests)
     engine = Engine(_engine_config(model_dir, num_blocks=128, num_speculative_tokens=3))
+    assert run(engine, requests) == want
+    assert engine.stats().speculation.accepted_tokens > 0 and sum(engine.runner.graphs.draft_replays.values()) > 0
+    engine = Engine(_engine_config(model_dir, num_blocks=128, num_speculative_tokens=3,
+                                   speculative_model=str(model_dir)))
     assert run(engine, requests) == want
     assert engine.stats().speculation.accepted_tokens > 0 and sum(engine.runner.graphs.draft_replays.values()) > 0
 
