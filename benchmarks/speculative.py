@@ -1,5 +1,5 @@
-"""Speculative decoding by n-gram prompt lookup on a pretrained model: decode speed with drafts against the
-same engine without them, in the same run.
+"""Speculative decoding on a pretrained model, by n-gram prompt lookup or with a draft model: decode speed
+with drafts against the same engine without them, in the same run.
 
 SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers five kinds of request, alone and in batches
 of 4: repeating a passage it was given, greedily (the case prompt lookup is made for); rewriting a piece of
@@ -11,7 +11,11 @@ drafts are the grammar's forced tokens or n-gram ones it allows, with JSON's fre
 against without, the draft tokens accepted, the steps taken, the mean step time (a draft's chunk costs more
 than a decode row), and whether both runs gave the same tokens (they must: seeded sampling included).
 
-    python benchmarks/speculative.py [--tokens 128] [--k 4] [--json speculative.json]
+``--draft-layers N`` drafts with a draft model instead (``--speculative-model``): the checkpoint's own first N
+layers, its final norm and its head (an early exit), the one smaller model with its tokenizer at hand. It was
+not trained to stop there, so its drafts are worse than a trained draft's.
+
+    python benchmarks/speculative.py [--tokens 128] [--k 4] [--draft-layers N] [--json speculative.json]
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
+
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -93,6 +101,25 @@ def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams
     }
 
 
+def early_exit_checkpoint(model_dir: Path, num_layers: int, out: Path) -> Path:
+    """``model_dir``'s first ``num_layers`` layers with its embedding, final norm, head and tokenizer, as a
+    checkpoint directory at ``out``."""
+    config = json.loads((model_dir / "config.json").read_text())
+    if not 0 < num_layers < config["num_hidden_layers"]:
+        raise SystemExit(f"--draft-layers must be between 1 and {config['num_hidden_layers'] - 1}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
+    for path in model_dir.iterdir():
+        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
+            shutil.copy(path, out / path.name)
+    kept = {}
+    for path in model_dir.glob("*.safetensors"):
+        kept |= {name: t for name, t in load_file(path).items()
+                 if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
+    save_file(kept, out / "model.safetensors")
+    return out
+
+
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
     """Every prompt at once, to the end: the tokens, and how long the decode took (from the first token on,
     so the prompts' compute, the same with or without drafts, is left out)."""
@@ -122,11 +149,17 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=128, help="max_tokens of each answer")
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
     p.add_argument("--batches", default="1,4", help="batch sizes, comma-separated")
+    p.add_argument("--draft-layers", type=int, default=0, metavar="N",
+                   help="draft with the model's first N layers (a draft model) instead of prompt lookup")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     model_dir = ensure_pretrained()
+    scratch = tempfile.TemporaryDirectory(prefix="early-exit-")
+    draft = (None if not args.draft_layers
+             else str(early_exit_checkpoint(model_dir, args.draft_layers, Path(scratch.name) / "draft")))
     engines = {k: Engine(EngineConfig(model=str(model_dir), dtype="float32", num_blocks=1024,
-                                      num_speculative_tokens=k)) for k in (0, args.k)}
+                                      num_speculative_tokens=k, speculative_model=draft if k else None))
+               for k in (0, args.k)}
     prompts = workloads(engines[0])
     for engine in engines.values():  # warm up
         run(engine, prompts["repeat a passage"][0][:1], SamplingParams(max_tokens=8, temperature=0.0))
@@ -155,7 +188,9 @@ def main() -> int:
             }
             results.append(row)
     print(f"load average {load_average()}; {model_dir.name}, float32, max_tokens {args.tokens}, "
-          f"--num-speculative-tokens {args.k} (prompt lookup 4..2 tokens); tokens/s of the decode (from the batch's "
+          f"--num-speculative-tokens {args.k} ("
+          f"{f'a draft of its first {args.draft_layers} layers' if draft else 'prompt lookup 4..2 tokens'}); "
+          f"tokens/s of the decode (from the batch's "
           f"last first token on), plain and drafted engines in one run")
     print(format_table(
         ["workload", "batch", "plain tok/s", "drafted tok/s", "speedup", "accepted/drafted", "steps plain/drafted",
@@ -165,7 +200,8 @@ def main() -> int:
           f"{r['steps_plain']} / {r['steps_spec']}", f"{r['step_ms_plain']} / {r['step_ms_spec']}",
           "yes" if r["same_tokens"] else "NO"] for r in results]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": str(model_dir.name), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"model": str(model_dir.name), "draft_layers": args.draft_layers,
+                                               "results": results}, indent=2))
     return 0
 
 
