@@ -666,6 +666,7 @@ class ModelConfig:
         return total
 
 
+TINY = "tiny"  # the built-in model's name (engine/tiny.py writes it on first use)
 DEFAULT_MAX_LEN = 1 << 20  # longest sequence of a windowed engine without an explicit max_model_len
 
 
@@ -709,7 +710,7 @@ class EngineConfig:
     num_reserved_decode_tokens: int = 16
     # Speculative decoding by n-gram prompt lookup (engine/speculative.py): the most draft tokens a decoding
     # sequence proposes per step (0: off), from an earlier occurrence of its last prompt_lookup_max ..
-    # prompt_lookup_min tokens.
+    # prompt_lookup_min tokens (or from speculative_model).
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4

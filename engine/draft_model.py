@@ -14,11 +14,13 @@ verification accepts stays valid; the K/V of rejected draft tokens is overwritte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
+from engine.errors import CheckpointError, UnsupportedModelError
 from engine.kv_cache import KVCache, block_bytes
 from engine.loader import load_model, resolve_model_dir
 from engine.model import CausalLM
@@ -26,15 +28,24 @@ from engine.runner import ModelRunner, SeqChunk
 from engine.speculative import DraftRequest, SpeculativeConfig
 
 
+def check_draft_model(speculative_model: str, target: ModelConfig) -> Path:
+    """The draft checkpoint's directory; ValueError when its vocabulary is not the target's (its token ids
+    would mean other tokens). Reads only its config (the server checks before any worker starts)."""
+    try:
+        model_dir = resolve_model_dir(speculative_model)
+        vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+    except (CheckpointError, UnsupportedModelError) as exc:  # a plain ValueError: not the model's checkpoint
+        raise ValueError(f"the speculative model {speculative_model!r}: {exc}") from None
+    if vocab_size != target.vocab_size:
+        raise ValueError(f"the speculative model {speculative_model!r} has a vocabulary of {vocab_size} tokens "
+                         f"and the model {target.vocab_size}: a draft model must share the model's tokenizer")
+    return model_dir
+
+
 def load_draft_model(config: EngineConfig, target: ModelConfig) -> tuple[CausalLM, ModelConfig]:
-    """The draft checkpoint ``config.speculative_model``, in the target's dtype and on its device; ValueError
-    when its vocabulary is not the target's (its token ids would mean other tokens)."""
-    model, model_config = load_model(resolve_model_dir(config.speculative_model), config.dtype, config.device)
-    if model_config.vocab_size != target.vocab_size:
-        raise ValueError(f"the speculative model {config.speculative_model!r} has a vocabulary of "
-                         f"{model_config.vocab_size} tokens and the model {target.vocab_size}: a draft model must "
-                         "share the model's tokenizer")
-    return model, model_config
+    """The draft checkpoint ``config.speculative_model`` (``check_draft_model``), in the target's dtype and on
+    its device."""
+    return load_model(check_draft_model(config.speculative_model, target), config.dtype, config.device)
 
 
 def draft_block_bytes(model_config: ModelConfig, config: EngineConfig) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import PACKED_ARCHITECTURES, IntQuant, ModelConfig, Quant
+from engine.config import PACKED_ARCHITECTURES, TINY, IntQuant, ModelConfig, Quant
 from engine.errors import CheckpointError
 from engine.int_weights import (
     act_order_perm,
@@ -35,7 +35,6 @@ from engine.tiny import write_tiny_checkpoint
 from engine.weight_quant import quantize_rows, row_scales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TINY = "tiny"
 
 
 def cache_dir() -> Path:

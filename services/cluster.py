@@ -16,6 +16,7 @@ import uuid
 import ray
 
 from engine.config import ModelConfig
+from engine.draft_model import check_draft_model
 from engine.generation_defaults import GenerationDefaults
 from engine.loader import model_id_for, resolve_model_dir
 from engine.lora import check_adapters
@@ -88,7 +89,10 @@ class Cluster:
         # A --model that can't be served fails here, before Ray and Redis start, with the file it is about
         # (CheckpointError, UnsupportedModelError), not later inside a worker.
         model_dir = resolve_model_dir(self.config.engine.model)
-        self.config.engine.max_model_len_for(ModelConfig.from_dir(model_dir))
+        model_config = ModelConfig.from_dir(model_dir)
+        self.config.engine.max_model_len_for(model_config)
+        if self.config.engine.speculative_model is not None:
+            check_draft_model(self.config.engine.speculative_model, model_config)
         check_adapters(self.config.engine.lora_modules, model_id_for(self.config.engine.model))
         tokenizer = Tokenizer.from_dir(model_dir)
         if self.config.chat_template is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jinja2 import TemplateSyntaxError
 
-from engine.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
+from engine.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, TINY, EngineConfig
 from engine.kv_format import FORMATS as KV_CACHE_DTYPES
 from engine.kv_format import RESIDUAL_HELP
 from engine.tokenizer import compile_chat_template
@@ -143,6 +143,44 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, os.path.abspath(os.path.expanduser(path))
 
 
+def _checkpoint_dir(text: str) -> str:
+    """A checkpoint option's value: ``tiny``, or a directory made absolute (workers run in other directories)."""
+    return text if text == TINY else os.path.abspath(os.path.expanduser(text))
+
+
+# vLLM's --speculative-config keys this engine takes (its methods: "ngram" and "draft_model")
+SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                           "disable_by_batch_size")
+
+
+def speculative_fields(spec: dict) -> dict:
+    """vLLM's ``--speculative-config`` object as ``EngineConfig``'s speculative fields; ValueError saying what to
+    fix. ``method`` defaults to "draft_model" with a ``model``, else "ngram"."""
+    unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: {', '.join(unknown)} not supported; it takes "
+                         f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+    method = spec.get("method", "draft_model" if "model" in spec else "ngram")
+    if method not in ("ngram", "draft_model"):
+        raise ValueError(f"--speculative-config: method {method!r} is not supported; use \"ngram\" (prompt lookup) "
+                         "or \"draft_model\" (with model)")
+    if "model" in spec and (not isinstance(spec["model"], str) or not spec["model"]):
+        raise ValueError(f"--speculative-config: model must be a checkpoint directory, got {spec['model']!r}")
+    if (method == "draft_model") != ("model" in spec):
+        raise ValueError('--speculative-config: method "draft_model" needs model (a checkpoint directory), '
+                         '"ngram" takes none')
+    for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+        if key in spec and (not isinstance(spec[key], int) or isinstance(spec[key], bool)):
+            raise ValueError(f"--speculative-config: {key} must be an integer, got {spec[key]!r}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("--speculative-config needs num_speculative_tokens (how many tokens a draft holds)")
+    return dict(num_speculative_tokens=spec["num_speculative_tokens"],
+                speculative_model=_checkpoint_dir(spec["model"]) if "model" in spec else None,
+                prompt_lookup_max=spec.get("prompt_lookup_max", EngineConfig.prompt_lookup_max),
+                prompt_lookup_min=spec.get("prompt_lookup_min", EngineConfig.prompt_lookup_min),
+                speculative_disable_by_batch_size=spec.get("disable_by_batch_size"))
+
+
 def _chat_template(text: str) -> str:
     """``--chat-template``'s value: a file holding a Jinja chat template, or the template itself (vLLM's rule:
     a value with none of Jinja's {{, {% or {# that names no file is a path that does not exist)."""
@@ -267,9 +305,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "grow N more tokens: more means fewer preemptions (each recomputes a prompt) and fewer "
                         "sequences decoding at once")
     p.add_argument("--num-speculative-tokens", type=int, default=e.num_speculative_tokens, metavar="K",
-                   help="speculative decoding by n-gram prompt lookup: each decoding sequence proposes up to K "
-                        "tokens that followed an earlier occurrence of its last tokens and verifies them in one "
-                        "pass; the output is unchanged (default: 0, off)")
+                   help="speculative decoding by n-gram prompt lookup (or --speculative-model): each decoding "
+                        "sequence proposes up to K tokens that followed an earlier occurrence of its last tokens "
+                        "and verifies them in one pass; the output is unchanged (default: 0, off)")
     p.add_argument("--prompt-lookup-max", type=int, default=e.prompt_lookup_max, metavar="N",
                    help="with --num-speculative-tokens: the longest suffix looked up (tried first)")
     p.add_argument("--prompt-lookup-min", type=int, default=e.prompt_lookup_min, metavar="N",
@@ -277,10 +315,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-disable-by-batch-size", type=int, default=e.speculative_disable_by_batch_size,
                    metavar="N", help="with --num-speculative-tokens: no drafts in a step while more than N "
                                      "sequences run (a large batch is compute-bound; default: always draft)")
-    p.add_argument("--speculative-model", default=e.speculative_model, metavar="DIR",
+    p.add_argument("--speculative-model", type=_checkpoint_dir, default=e.speculative_model, metavar="DIR",
                    help="with --num-speculative-tokens: draft with this checkpoint (a smaller model with the same "
                         "tokenizer, or tiny) instead of prompt lookup; the decode workers load it, its KV cache "
                         "takes a share of theirs (default: prompt lookup)")
+    p.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="the speculative settings as vLLM's JSON object instead of the flags above: "
+                        '{"num_speculative_tokens": K, "method": "ngram", "prompt_lookup_max": 4, ...} or '
+                        '{"model": DIR, "num_speculative_tokens": K}')
     p.add_argument("--max-num-batched-tokens", type=int, default=e.max_num_batched_tokens,
                    help="tokens in one engine step (chunked prefill splits longer prompts)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
@@ -334,6 +376,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     if len(set(served)) < len(served) or set(served) & set(names) or not all(n.strip() for n in served):
         raise ValueError(f"--served-model-name takes distinct, non-blank names that no --lora-modules adapter has, "
                          f"got {', '.join(map(repr, served))}")
+    speculation = dict(num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
+                       prompt_lookup_max=args.prompt_lookup_max,
+                       speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
+                       speculative_model=args.speculative_model)
+    if args.speculative_config is not None:
+        if args.num_speculative_tokens or args.speculative_model:
+            raise ValueError("use either --speculative-config or --num-speculative-tokens / --speculative-model")
+        speculation = speculative_fields(args.speculative_config)
     max_loras = args.max_loras
     if max_loras is None and args.allow_runtime_lora_updating:
         max_loras = max(len(names), 1)
@@ -345,11 +395,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
-        num_speculative_tokens=args.num_speculative_tokens, prompt_lookup_min=args.prompt_lookup_min,
-        prompt_lookup_max=args.prompt_lookup_max,
-        speculative_disable_by_batch_size=args.speculative_disable_by_batch_size,
-        speculative_model=args.speculative_model,
-        lora_modules=dict(args.lora_modules), max_loras=max_loras, max_lora_rank=args.max_lora_rank,
+        **speculation, lora_modules=dict(args.lora_modules), max_loras=max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,
     )
     cluster = ClusterConfig(

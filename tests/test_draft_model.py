@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,19 +121,70 @@ def test_the_settings_are_refused_when_a_draft_model_cannot_work(tiny, tmp_path)
         Engine(EngineConfig(model="tiny", num_speculative_tokens=2, speculative_model=str(tmp_path)))
 
 
-def test_the_flag_reaches_the_decode_workers_and_not_the_prefill_workers():
+def engine_from(*flags: str) -> EngineConfig:
     from services.cli import build_parser
     from services.config import configs_from_args
+
+    return configs_from_args(build_parser().parse_args(["serve", *flags]))[0].engine
+
+
+def test_the_flag_reaches_the_decode_workers_and_not_the_prefill_workers():
     from services.messages import Role
     from services.placement import worker_engine
 
-    cluster, _ = configs_from_args(build_parser().parse_args(
-        ["serve", "--num-speculative-tokens", "3", "--speculative-model", "tiny"]))
-    assert cluster.engine.speculative_model == "tiny" and cluster.engine.num_speculative_tokens == 3
-    decode = worker_engine(cluster.engine, Role.DECODE, "cpu", True)
-    assert decode == dataclasses.replace(cluster.engine, device="cpu", enable_block_events=True)
-    prefill = worker_engine(cluster.engine, Role.PREFILL, "cpu", True)
+    cluster = engine_from("--num-speculative-tokens", "3", "--speculative-model", "tiny")
+    assert cluster.speculative_model == "tiny" and cluster.num_speculative_tokens == 3
+    assert engine_from("--num-speculative-tokens", "3", "--speculative-model", "draft/dir").speculative_model == str(
+        Path("draft/dir").resolve())  # workers run in other directories
+    decode = worker_engine(cluster, Role.DECODE, "cpu", True)
+    assert decode == dataclasses.replace(cluster, device="cpu", enable_block_events=True)
+    prefill = worker_engine(cluster, Role.PREFILL, "cpu", True)
     assert prefill.speculative is None and prefill.speculative_model is None
+
+
+def test_vllms_speculative_config_sets_the_same_fields():
+    plain = engine_from("--num-speculative-tokens", "5", "--prompt-lookup-max", "6", "--prompt-lookup-min", "3",
+                        "--speculative-disable-by-batch-size", "8")
+    assert engine_from("--speculative-config", json.dumps({
+        "method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 6, "prompt_lookup_min": 3,
+        "disable_by_batch_size": 8})) == plain
+    drafting = engine_from("--speculative-config", '{"model": "tiny", "num_speculative_tokens": 4}')
+    assert drafting == engine_from("--num-speculative-tokens", "4", "--speculative-model", "tiny")
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"method": "eagle", "model": "tiny", "num_speculative_tokens": 3}, "method 'eagle' is not supported"),
+    ({"model": "tiny", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2},
+     "draft_tensor_parallel_size not supported; it takes method, model"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, 'method "draft_model" needs model'),
+    ({"method": "ngram", "model": "tiny", "num_speculative_tokens": 3}, '"ngram" takes none'),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": "3"}, "num_speculative_tokens must be an integer, got '3'"),
+    ({"model": 7, "num_speculative_tokens": 3}, "model must be a checkpoint directory"),
+])
+def test_a_speculative_config_that_cannot_work_is_refused_saying_what_to_fix(spec, match):
+    with pytest.raises(ValueError, match=match):
+        engine_from("--speculative-config", json.dumps(spec))
+    with pytest.raises(ValueError, match="either --speculative-config or --num-speculative-tokens"):
+        engine_from("--num-speculative-tokens", "2", "--speculative-config", '{"num_speculative_tokens": 2}')
+
+
+def test_serve_refuses_a_draft_of_another_vocabulary_in_one_line_before_starting_anything(tmp_path, monkeypatch):
+    from services.cli import main
+    from services.cluster import Cluster
+
+    def started(_self):
+        raise AssertionError("Ray and Redis started for a draft model that cannot serve")
+
+    monkeypatch.setattr(Cluster, "start_infrastructure", started)
+    build_hf_checkpoint(tmp_path / "draft", "llama")
+    for draft, named in [(tmp_path / "draft", "has a vocabulary of 128 tokens and the model 272"),
+                         (tmp_path / "none", "config.json: not found")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["serve", "--num-speculative-tokens", "2", "--speculative-model", str(draft)])
+        message = str(exit_info.value.code)
+        assert message.startswith(f"tidepool serve: the speculative model '{draft}'") and named in message
+        assert "\n" not in message
 
 
 def test_a_preempted_sequence_gives_its_draft_blocks_back(tiny):
