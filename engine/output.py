@@ -37,6 +37,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float | None  # None: a prompt's first token, which nothing before it predicts (an echoed prompt)
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    rank: int | None = None  # the token's place in the distribution, 1 = the most likely (vLLM's prompt_logprobs)
 
 
 @dataclass

@@ -141,8 +141,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | None]
                  ) -> list[TokenLogprobs | None]:
-    """Per row: the sampled token's logprob and the row's ``counts[row]`` most likely tokens, from the
-    model's raw distribution (before penalties, temperature, top-k and top-p, as vLLM reports them); None
+    """Per row: the sampled token's logprob, its rank and the row's ``counts[row]`` most likely tokens, from
+    the model's raw distribution (before penalties, temperature, top-k and top-p, as vLLM reports them); None
     for a row whose count is None (its request asked for no logprobs)."""
     out: list[TokenLogprobs | None] = [None] * len(counts)
     want = [row for row, n in enumerate(counts) if n is not None]
@@ -153,9 +153,10 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | 
     top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
     chosen = logprobs.gather(1, torch.tensor([token_ids[row] for row in want], device=logits.device)[:, None])
     chosen_vals = chosen[:, 0].tolist()
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # ties share the best place, as vLLM counts
     top = list(zip(top_ids.tolist(), top_vals.tolist(), strict=True)) if k else []
     for i, row in enumerate(want):
         n = counts[row]
         pairs = tuple(zip(top[i][0][:n], top[i][1][:n], strict=True)) if n else ()
-        out[row] = TokenLogprobs(token_ids[row], chosen_vals[i], pairs)
+        out[row] = TokenLogprobs(token_ids[row], chosen_vals[i], pairs, ranks[i])
     return out

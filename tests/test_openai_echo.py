@@ -1,7 +1,8 @@
 """Completions' echo and the prompt logprobs behind it, through the official `openai` client against the live
 server, driven as lm-evaluation-harness drives a server for loglikelihood tasks (`local-completions`: token-id
 prompts, echo, logprobs 1, max_tokens 1, temperature 0) and checked against transformers' log-softmax on the
-served weights; streamed, and with max_tokens 0 (the prompt only)."""
+served weights; streamed, and with max_tokens 0 (the prompt only); and vLLM's prompt_logprobs field on
+completions and chat, with ranks, checked the same way."""
 
 from __future__ import annotations
 
@@ -59,3 +60,48 @@ def test_echo_streams_the_prompt_first_and_max_tokens_0_returns_only_the_prompt(
     with pytest.raises(openai.BadRequestError) as exc:  # max_tokens 0 means something only with echo
         c.completions.create(model=live_server.model_id, prompt=TEXT, max_tokens=0)
     assert exc.value.param == "max_tokens" and "echo" in exc.value.message
+
+
+def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, k: int) -> None:
+    """vLLM's shape: null, then per token {id: {logprob, rank, decoded_token}} for it and the k most likely."""
+    assert len(entries) == len(ids) and entries[0] is None
+    for i in range(1, len(ids)):
+        row, entry = ref[i - 1], entries[i]
+        prompt = entry[str(ids[i])]
+        assert prompt["logprob"] == pytest.approx(row[ids[i]].item(), abs=1e-3)
+        assert prompt["rank"] == int((row > row[ids[i]] + 1e-5).sum()) + 1  # (float ties aside)
+        assert prompt["decoded_token"] == f"token_id:{ids[i]}"
+        top = row.topk(k)
+        assert {int(t) for t in entry} == {ids[i], *top.indices.tolist()}
+        for place, (t, lp) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True), 1):
+            if t != ids[i]:
+                assert entry[str(t)]["rank"] == place and entry[str(t)]["logprob"] == pytest.approx(lp, abs=1e-3)
+
+
+def test_vllms_prompt_logprobs_hold_each_prompt_tokens_logprob_rank_and_top_k(live_server, serving_model_dir):
+    c = client(live_server)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (30, 17)]
+    resp = c.completions.create(model=live_server.model_id, prompt=prompts, max_tokens=2, temperature=0,
+                                extra_body={"prompt_logprobs": 2, "return_tokens_as_token_ids": True})
+    for choice in resp.choices:
+        ids = prompts[choice.index]
+        check_prompt_logprobs(choice.model_extra["prompt_logprobs"], ids, log_softmax(serving_model_dir, ids), 2)
+        assert choice.logprobs is None  # the prompt's, not the answer's
+    messages = [{"role": "user", "content": "Which crab lives in a borrowed shell?"}]
+    tokenizer = live_server.dispatcher.tokenizer
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages))
+    chat = c.chat.completions.create(model=live_server.model_id, messages=messages, max_tokens=2, n=2,
+                                     temperature=0.8, extra_body={"prompt_logprobs": 0,
+                                                                  "return_tokens_as_token_ids": True})
+    assert chat.usage.prompt_tokens == len(ids)
+    check_prompt_logprobs(chat.model_extra["prompt_logprobs"], ids, log_softmax(serving_model_dir, ids), 0)
+
+
+@pytest.mark.parametrize("extra, named", [({"prompt_logprobs": 21}, "must be in [0, 20]"),
+                                          ({"prompt_logprobs": 1, "stream": True}, "not available with stream")])
+def test_prompt_logprobs_out_of_range_or_streamed_is_a_400_naming_it(live_server, extra, named):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client(live_server).completions.create(model=live_server.model_id, prompt=TEXT, max_tokens=2,
+                                               extra_body=extra)
+    assert exc.value.param == "prompt_logprobs" and named in exc.value.message

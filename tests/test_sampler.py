@@ -113,7 +113,9 @@ def test_logprobs_hold_the_sampled_token_and_the_top_n():
     assert [t for t, _ in entries[0].top] == top2.indices.tolist()  # most likely first
     assert [lp for _, lp in entries[0].top] == pytest.approx(top2.values.tolist())
     assert entries[1] is None
-    assert entries[2] == TokenLogprobs(11, pytest.approx(ref[2, 11].item()), ())
+    ranks = [int((ref[row] > ref[row, tok]).sum()) + 1 for row, tok in ((0, 7), (2, 11))]
+    assert entries[0].rank == ranks[0]
+    assert entries[2] == TokenLogprobs(11, pytest.approx(ref[2, 11].item()), (), ranks[1])
     assert top_logprobs(x, [7, 3, 11], [None] * 3) == [None] * 3
 
 

@@ -68,6 +68,8 @@ class Generation:
         self.prompt_ids: list[int] | None = None  # a chat's prompt (set by the frontend), for stored turns
         self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # each choice's, when asked
+        # each prompt's tokens' logprobs after its first (prompt_logprobs asked for), from its first event
+        self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         self.finish_reasons: list[str | None] = [None] * n
         self.usage = Usage()
         self._per_prompt = choices_per_prompt or n
@@ -128,6 +130,8 @@ class Generation:
         prompt = i // self._per_prompt
         self._count_prompt(event)
         text, token_ids, logprobs, finish_reason = event.text, list(event.token_ids), event.logprobs, event.finish_reason
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs.setdefault(prompt, event.prompt_logprobs)
         if self.echo is not None:
             text, token_ids, logprobs, finish_reason = self._with_echo(event, prompt, text, logprobs, finish_reason)
         self.usage.completion_tokens += len(token_ids)
@@ -151,6 +155,10 @@ class Generation:
                 first = TokenLogprobs(self.echo.token_ids[prompt][0], None)  # nothing predicts it
                 logprobs = [first, *event.prompt_logprobs, *(logprobs or ())]
         return text, token_ids, logprobs, finish_reason
+
+    def prompt_logprobs_of(self, choice: int) -> list[TokenLogprobs]:
+        """The logprobs of ``choice``'s prompt's tokens after the first ([] when none arrived)."""
+        return self.prompt_logprobs.get(choice // self._per_prompt, [])
 
     def close(self) -> None:
         """Stop the request if it is still running (the dispatcher aborts it and frees its blocks)."""

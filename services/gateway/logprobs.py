@@ -4,7 +4,9 @@ Chat: ``{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, byt
 where ``top_logprobs`` are the k most likely tokens. Completions (the legacy shape): ``{tokens,
 token_logprobs, top_logprobs, text_offset}``, where each ``top_logprobs`` entry maps token to logprob for the
 k most likely tokens and the sampled one (up to k + 1 entries, as OpenAI documents), and ``text_offset`` is
-each token's character offset in the choice's text, continued across stream chunks.
+each token's character offset in the choice's text, continued across stream chunks. vLLM's
+``prompt_logprobs``: per prompt token, null for the first (nothing predicts it), then ``{token id: {logprob,
+rank, decoded_token}}`` for the prompt's token and the k most likely ones (ranks from 1).
 
 A token is named by its text, the token decoded on its own (one holding part of a UTF-8 character reads as
 U+FFFD), or as ``token_id:<id>`` when the request sets ``return_tokens_as_token_ids`` (vLLM's extension,
@@ -41,6 +43,15 @@ class LogprobShapes:
         content = [{**entry(it.token_id, it.logprob), "top_logprobs": [entry(t, lp) for t, lp in it.top]}
                    for it in items]
         return {"content": content, "refusal": None}
+
+    def prompt(self, items: list[TokenLogprobs]) -> list[dict | None]:
+        """vLLM's ``prompt_logprobs`` of a prompt whose tokens after the first have ``items``."""
+        def entry(token_id: int, logprob: float, rank: int | None) -> dict:
+            return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": self._name(token_id)}
+
+        return [None, *({str(it.token_id): entry(it.token_id, it.logprob, it.rank),
+                          **{str(t): entry(t, lp, place) for place, (t, lp) in enumerate(it.top, 1)
+                             if t != it.token_id}} for it in items)]
 
     def completion(self, index: int, items: list[TokenLogprobs]) -> dict:
         """An echoed prompt's first token has no logprob: null, and null for its top tokens (as OpenAI)."""

@@ -170,6 +170,9 @@ class _SamplingBody(_Body):
                                          "(vLLM). Extension.")
     return_tokens_as_token_ids: bool = Field(False, description="Logprobs name tokens 'token_id:<id>' (as "
                                                                 "vLLM). Extension.")
+    prompt_logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]: each prompt token's logprob and "
+                                                          "rank and the k most likely tokens' (vLLM's shape; the "
+                                                          "prompt is computed whole); not with stream. Extension.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
@@ -189,6 +192,13 @@ class _SamplingBody(_Body):
             bias = [(int(token), value) for token, value in (self.logit_bias or {}).items()]
         except ValueError:
             raise InvalidRequestError("logit_bias", "keys must be token ids") from None
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError("prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got "
+                                                             f"{self.prompt_logprobs}")
+            if self.stream:
+                raise InvalidRequestError("prompt_logprobs", "not available with stream: true (as in vLLM); send "
+                                                             "the request without streaming")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return Options(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                        min_p=self.min_p, seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []), n=self.n,
@@ -197,6 +207,7 @@ class _SamplingBody(_Body):
                        skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens, priority=self.priority,
+                       prompt_logprobs=self.prompt_logprobs,
                        structured_output=requested_output(self.response_format, self.structured_outputs, forced_call))
 
     @property
@@ -316,7 +327,8 @@ class CompletionRequest(_SamplingBody):
         options = self.options(1 if prompt_only else self.max_tokens, self.logprobs)
         options.echo, options.echo_only = self.echo, prompt_only
         options.add_special_tokens = self.add_special_tokens
-        options.prompt_logprobs = self.logprobs if self.echo else None
+        if options.prompt_logprobs is None and self.echo:  # (as vLLM: an explicit prompt_logprobs serves both)
+            options.prompt_logprobs = self.logprobs
         return options
 
     def prompts(self) -> list[str | list[int]]:

@@ -25,11 +25,14 @@ class ResponseShape:
     ``chunk``)."""
 
     def __init__(self, gen: Generation, model: str, chat: bool, logprobs: LogprobShapes | None,
-                 tool_calls: Callable[[], ToolCallParser] | None = None, reasoning: str | None = None) -> None:
+                 tool_calls: Callable[[], ToolCallParser] | None = None, reasoning: str | None = None,
+                 prompt_logprobs: LogprobShapes | None = None) -> None:
         """``logprobs``: how to shape them, when the request asked for them; ``tool_calls``: makes the parser
         each answer is read for tool calls with (``tool_calls.call_parser``); ``reasoning``: the server's
-        reasoning parser, which splits the thinking off first (``reasoning.py``)."""
+        reasoning parser, which splits the thinking off first (``reasoning.py``); ``prompt_logprobs``: how to
+        shape vLLM's ``prompt_logprobs`` (a chat response's, each completion choice's), when asked for."""
         self.gen, self.chat, self.logprobs, self.reasoning, self.tool_calls = gen, chat, logprobs, reasoning, tool_calls
+        self.prompt_logprobs = prompt_logprobs
         self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
         n = len(gen.texts)  # each streamed choice's parsers
         self.tool_parsers = [tool_calls() for _ in range(n)] if tool_calls else None
@@ -97,5 +100,10 @@ class ResponseShape:
                 finish_reason = "tool_calls" if parser.ends_with_calls else finish_reason
             choices.append(self._choice(i, text, finish_reason, self.gen.logprobs[i], streaming=False,
                                         fields=fields))
-        return {**self.base, "object": "chat.completion" if self.chat else "text_completion",
-                "choices": choices, "usage": _usage(self.gen.usage)}
+            if self.prompt_logprobs is not None and not self.chat:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs.prompt(self.gen.prompt_logprobs_of(i))
+        response = {**self.base, "object": "chat.completion" if self.chat else "text_completion",
+                    "choices": choices, "usage": _usage(self.gen.usage)}
+        if self.prompt_logprobs is not None and self.chat:
+            response["prompt_logprobs"] = self.prompt_logprobs.prompt(self.gen.prompt_logprobs_of(0))
+        return response
