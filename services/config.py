@@ -148,6 +148,8 @@ def _checkpoint_dir(text: str) -> str:
     return text if text == TINY else os.path.abspath(os.path.expanduser(text))
 
 
+BLOCK_SIZES = (8, 16, 32, 64, 128)  # --block-size's choices (vLLM's on CUDA, less 1)
+
 # vLLM's --speculative-config keys this engine takes (its methods: "ngram" and "draft_model")
 SPECULATIVE_CONFIG_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
                            "disable_by_batch_size")
@@ -299,6 +301,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "fit the window (default: full attention)")
     p.add_argument("--kv-sinks", type=int, default=e.kv_sinks, metavar="N",
                    help="leading tokens every token attends to with --kv-window (attention sinks)")
+    p.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=e.block_size, metavar="TOKENS",
+                   help=f"tokens in one KV block, the unit of the prefix cache, the KV pool and the transfers "
+                        f"(one of {', '.join(map(str, BLOCK_SIZES))}; a power of two, as the Triton kernels tile "
+                        f"by it; default: {e.block_size})")
     p.add_argument("--max-num-seqs", type=int, default=e.max_num_seqs, help="sequences in one batch")
     p.add_argument("--num-reserved-decode-tokens", type=int, default=e.num_reserved_decode_tokens, metavar="N",
                    help="a decode worker admits a new request only while each running sequence keeps room to "
@@ -388,7 +394,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     if max_loras is None and args.allow_runtime_lora_updating:
         max_loras = max(len(names), 1)
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+        num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -81,6 +81,15 @@ def test_gpu_engine_and_channel_options_reach_the_configs():
     assert (windowed.engine.attention_backend, windowed.engine.kv_window) == ("triton", 64)  # runs in the kernels
 
 
+def test_block_size_reaches_the_engine_and_only_powers_of_two_are_taken(capsys):
+    parser = build_parser()
+    assert configs_from_args(parser.parse_args(["serve", "--block-size", "32"]))[0].engine.block_size == 32
+    assert configs_from_args(parser.parse_args(["serve"]))[0].engine.block_size == 16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--block-size", "12"])
+    assert "argument --block-size: invalid choice: 12" in capsys.readouterr().err
+
+
 def test_num_reserved_decode_tokens_reaches_the_engine_and_a_negative_count_is_refused():
     parser = build_parser()
     assert configs_from_args(parser.parse_args(["serve"]))[0].engine.num_reserved_decode_tokens == 16
