@@ -7,8 +7,9 @@ has fewer layers and heads), handed out by its own block manager without a prefi
 recomputes a prompt cheaply. Per sequence it knows how many leading positions hold K/V computed from the
 sequence's real tokens. A proposal first computes the rest up to the sequence's last token (a sequence new to
 it, such as one whose prompt a prefill worker computed, in chunks within ``max_num_batched_tokens``; it drafts
-once caught up), then k - 1 one-token passes over every drafting sequence write the draft tokens' K/V. What
-verification accepts stays valid; the K/V of rejected draft tokens is overwritten at the next proposal.
+once caught up), then k - 1 one-token passes over every drafting sequence write the draft tokens' K/V (on CUDA
+replayed from the draft's own decode graphs, as the engine's decode steps are). What verification accepts
+stays valid; the K/V of rejected draft tokens is overwritten at the next proposal.
 """
 
 from __future__ import annotations

@@ -100,13 +100,17 @@ class Engine:
         self.eos_token_ids = eos | set(self.tokenizer.eos_token_ids) if self.tokenizer else eos
         self.limits = RequestLimits(self.model_config.vocab_size, self.max_model_len, self.block_size,
                                     num_blocks, self.window, frozenset(self.eos_token_ids))
-        if self.runner.supports_decode_graphs and self.device.type == "cuda" and not config.enforce_eager:
-            self.runner.enable_decode_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size),
+        graphed = self.device.type == "cuda" and not config.enforce_eager  # decode steps replay CUDA graphs
+        max_blocks = -(-self.max_model_len // self.block_size)
+        if self.runner.supports_decode_graphs and graphed:
+            self.runner.enable_decode_graphs(config.max_num_seqs, max_blocks,
                                              query_len=config.num_speculative_tokens + 1)
         self.grammars = GrammarMasks(model_dir / "tokenizer.json" if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.proposer = (None if speculative is None else NgramProposer(speculative) if draft is None
                          else DraftModelProposer(speculative, *draft, num_blocks, config, backend))
+        if draft is not None and graphed and self.proposer.runner.supports_decode_graphs:
+            self.proposer.runner.enable_decode_graphs(config.max_num_seqs, max_blocks)  # its one-token passes
         self.speculation = SpeculationStats()
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)

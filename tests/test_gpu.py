@@ -132,7 +132,7 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_path):
     """n-gram drafts verified in captured graphs of their own (each sequence padded to 1 + 3 rows) beside
     plain decode graphs: the float32 greedy tokens equal the torch backend's without drafts; so do a draft
-    model's (the checkpoint itself, on the Triton backend, its passes eager)."""
+    model's (the checkpoint itself, on the Triton backend, its one-token passes replayed from graphs of its own)."""
     if ran_in_a_compiling_process("test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding"):
         return
     from test_engine_loop import GREEDY, prompt, run, write_model
@@ -151,6 +151,7 @@ def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_pa
                                    speculative_model=str(model_dir)))
     assert run(engine, requests) == want
     assert engine.stats().speculation.accepted_tokens > 0 and sum(engine.runner.graphs.draft_replays.values()) > 0
+    assert sum(engine.proposer.runner.graphs.replays.values()) > 0  # the draft's one-token passes, captured too
 
 
 @pytest.mark.timeout(600)

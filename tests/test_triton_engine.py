@@ -173,6 +173,25 @@ def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir, d
     assert verifying > 0 and sum(graphs.draft_replays.values()) == (verifying if draft_graphs else 0)
 
 
+@needs_interpreter
+def test_a_draft_model_on_triton_through_its_graph_buffers_equals_plain_torch_decoding(model_dir):
+    """A draft model (the checkpoint itself) on the Triton backend, its one-token passes through its own decode
+    graph buffers (uncaptured: the CPU's way), the target's drafted steps through theirs: the greedy tokens
+    equal the torch path's without drafts, and every draft is accepted."""
+    arrivals = {0: [("a", prompt(6, 1) * 4), ("b", prompt(9, 2) * 3)], 2: [("c", prompt(11, 3))]}
+    want = drive(Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
+                                     attention_backend="torch")), arrivals, max_tokens=24)[0]
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64, attention_backend="triton",
+                                 num_speculative_tokens=3, speculative_model=str(model_dir)))
+    engine.runner.enable_decode_graphs(8, 512 // 8, capture=False, query_len=4)
+    engine.proposer.runner.enable_decode_graphs(8, 512 // 8, capture=False)
+    assert drive(engine, arrivals, max_tokens=24)[0] == want
+    stats = engine.stats().speculation
+    assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
+    assert sum(engine.proposer.runner.graphs.replays.values()) > 0  # the draft's one-token passes
+    assert sum(engine.runner.graphs.draft_replays.values()) > 0
+
+
 def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, **options) -> tuple[dict, Engine]:
     """The greedy tokens of ``arrivals`` (``drive``) on the torch backend, on Triton, and on Triton with decode
     steps through the static graph buffers (uncaptured: the CPU's way), which must have been replayed; and
