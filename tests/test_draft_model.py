@@ -206,3 +206,43 @@ def test_a_preempted_sequence_gives_its_draft_blocks_back(tiny):
     assert engine.stats().num_preemptions > 0 and engine.stats().speculation.accepted_tokens > 0
     assert {rid: tokens for rid, tokens in samples.items()} == {rid: s["tokens"] for (rid, _), s in plain.items()}
     assert all_blocks_free(engine) and draft_blocks_free(engine)
+
+
+@pytest.mark.parametrize("case", ["json schema", "window", "kivi2"])
+def test_a_draft_model_keeps_the_output_beside_grammars_windows_and_quantized_caches(tiny, case):
+    """A structured output (forced tokens first, the draft model's cut where the grammar refuses), an attention
+    window the draft does not have (its own cache keeps every position) and a quantized cache (a draft never
+    fills a block): the samples equal the plain engine's."""
+    from test_speculative import STRUCTURED
+
+    options = {"window": dict(kv_window=32, kv_sinks=4), "kivi2": dict(kv_cache_dtype="kivi2")}.get(case, {})
+    params = SAMPLINGS["greedy"]
+    if case == "json schema":
+        pytest.importorskip("llguidance")
+        params = dataclasses.replace(params, structured_output=STRUCTURED["json"])
+    plain = generate(Engine(EngineConfig(model="tiny", **options)), params)
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny", **options))
+    assert_same(generate(engine, params), plain)
+    assert engine.stats().speculation.accepted_tokens > 0
+    assert all_blocks_free(engine) and draft_blocks_free(engine)
+
+
+def test_a_sequence_with_a_lora_adapter_drafts_with_the_base_model(tmp_path):
+    """The draft model knows no adapters: it drafts the base model's tokens for an adapter's sequence, which
+    the adapter's verification accepts only where they agree; the tokens are PEFT's."""
+    from test_lora import ALL_PROJECTIONS, peft_adapter, reference
+
+    hf = build_hf_checkpoint(tmp_path / "base", "llama")
+    adapted = peft_adapter(hf, tmp_path / "a", ALL_PROJECTIONS, rank=8, seed=1, lora_alpha=16)
+    engine = Engine(EngineConfig(model=str(tmp_path / "base"), num_speculative_tokens=3,
+                                 speculative_model=str(tmp_path / "base"), lora_modules={"a": str(tmp_path / "a")}))
+    ids = [(5 * i) % 37 + 1 for i in range(30)]  # (no 0: the checkpoint's pad token, which PEFT's generate masks)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for rid, lora in (("base", None), ("a", "a")):
+        engine.add_request(rid, ids, greedy, lora=lora)
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert tokens == {"base": reference(hf, ids), "a": reference(adapted, ids)}
+    assert engine.stats().speculation.drafts > 0 and draft_blocks_free(engine)
