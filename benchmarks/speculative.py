@@ -12,8 +12,8 @@ against without, the draft tokens accepted, the steps taken, the mean step time 
 than a decode row), and whether both runs gave the same tokens (they must: seeded sampling included).
 
 ``--draft-layers N`` drafts with a draft model instead (``--speculative-model``): the checkpoint's own first N
-layers, its final norm and its head (an early exit), the one smaller model with its tokenizer at hand. It was
-not trained to stop there, so its drafts are worse than a trained draft's.
+layers, its final norm and its head (an early exit, ``benchmarks/early_exit.py``), the one smaller model with
+its tokenizer at hand. It was not trained to stop there, so its drafts are worse than a trained draft's.
 
     python benchmarks/speculative.py [--tokens 128] [--k 4] [--draft-layers N] [--json speculative.json]
 """
@@ -23,17 +23,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import format_table, load_average  # noqa: E402
+from benchmarks.early_exit import early_exit_checkpoint  # noqa: E402
 from benchmarks.pretrained import ensure_pretrained  # noqa: E402
 from benchmarks.structured_output import CREATURES, SCHEMA  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -99,25 +97,6 @@ def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams
         "write a poem (sampled)": ([chat("You are a poet.", f"Write a short poem about {topic}.")
                                     for topic in TOPICS], sampled),
     }
-
-
-def early_exit_checkpoint(model_dir: Path, num_layers: int, out: Path) -> Path:
-    """``model_dir``'s first ``num_layers`` layers with its embedding, final norm, head and tokenizer, as a
-    checkpoint directory at ``out``."""
-    config = json.loads((model_dir / "config.json").read_text())
-    if not 0 < num_layers < config["num_hidden_layers"]:
-        raise SystemExit(f"--draft-layers must be between 1 and {config['num_hidden_layers'] - 1}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": num_layers}))
-    for path in model_dir.iterdir():
-        if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json":
-            shutil.copy(path, out / path.name)
-    kept = {}
-    for path in model_dir.glob("*.safetensors"):
-        kept |= {name: t for name, t in load_file(path).items()
-                 if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers}
-    save_file(kept, out / "model.safetensors")
-    return out
 
 
 def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:

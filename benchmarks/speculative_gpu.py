@@ -17,10 +17,15 @@ chunks (the last token and the draft) through the prefill kernel. Per batch size
 - whether both engines gave the same tokens (bf16 rounding may part them on random weights: a chunk's
   matmuls round otherwise than a decode row's).
 
+``--draft-layers N`` drafts with a draft model instead (``--speculative-model``): the random checkpoint's
+first N layers and its head (``benchmarks/early_exit.py``), whose one-token passes replay graphs of their
+own. Its drafts agree with the model about as often as random weights repeat themselves, so the figure that
+counts is the drafted step's cost: the draft's passes and the verification, against a plain step.
+
 Writes one JSON object (``--json``). ``--device cpu --shapes tiny-test`` runs the same code on a tiny
 float32 shape on CPU (a smoke test). Imports only torch, transformers, safetensors and the engine.
 
-    python benchmarks/speculative_gpu.py [--shapes tinyllama-1.1b] [--batches 1,16,64] [--k 4]
+    python benchmarks/speculative_gpu.py [--shapes tinyllama-1.1b] [--batches 1,16,64] [--k 4] [--draft-layers N]
         [--prompt-len 512] [--new-tokens 128] [--json speculative_gpu.json] [--device cuda]
 """
 
@@ -38,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.early_exit import early_exit_checkpoint  # noqa: E402
 from benchmarks.engine_gpu import make_prompts, run_device, sync, write_checkpoint, write_result  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -78,15 +84,18 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
     result: dict = {"batches": {}}
     runs: dict[int, dict[int, dict]] = {b: {} for b in batches}
     with tempfile.TemporaryDirectory(prefix=f"speculative-gpu-{shape}-") as tmp:
-        hf = write_checkpoint(Path(tmp), shape, dtype, device)
+        hf = write_checkpoint(Path(tmp) / "model", shape, dtype, device)
         vocab = hf.config.vocab_size
         del hf
         gc.collect()
+        draft = (str(early_exit_checkpoint(Path(tmp) / "model", args.draft_layers, Path(tmp) / "draft"))
+                 if args.draft_layers else None)
         for k in (0, args.k):  # one engine at a time: each sizes its KV cache from the free device memory
             engine = Engine(EngineConfig(
-                model=tmp, dtype=str(dtype).removeprefix("torch."), device=str(device), max_num_seqs=max(batches),
-                enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
-                num_speculative_tokens=k))
+                model=str(Path(tmp) / "model"), dtype=str(dtype).removeprefix("torch."), device=str(device),
+                max_num_seqs=max(batches), enable_prefix_caching=False,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_speculative_tokens=k,
+                speculative_model=draft if k else None))
             for b in batches:
                 prompts = make_prompts(b, args.prompt_len, vocab, seed=b)
                 decode(engine, prompts, 4)  # warm-up: the kernels and graphs this batch needs
@@ -130,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--shapes", default="tinyllama-1.1b", help="comma-separated shapes of engine_gpu.py")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--k", type=int, default=4, help="--num-speculative-tokens")
+    parser.add_argument("--draft-layers", type=int, default=0, metavar="N",
+                        help="draft with the checkpoint's first N layers (a draft model) instead of prompt lookup")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -137,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     device, dtype, name = run_device(args.device, args.dtype)
-    result = {"device": name, "dtype": str(dtype).removeprefix("torch."), "k": args.k,
+    result = {"device": name, "dtype": str(dtype).removeprefix("torch."), "k": args.k, "draft_layers": args.draft_layers,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
               "shapes": {shape: bench_shape(shape, args, device, dtype) for shape in args.shapes.split(",")}}
     return write_result(result, start, args.json)

@@ -79,9 +79,11 @@ def test_quantized_weights_count_their_own_bytes_in_the_roofline(tmp_path, flags
 
 
 @pytest.mark.timeout(120)
-def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path):
-    """benchmarks/speculative_gpu.py: plain and drafted engines on the same prompts; in float32 the tokens
-    agree, the drafts happened, and every figure is there."""
+@pytest.mark.parametrize("draft_layers", [0, 1])
+def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, draft_layers):
+    """benchmarks/speculative_gpu.py: plain and drafted engines on the same prompts (n-gram drafts, or a draft
+    model of the checkpoint's first layer); in float32 the tokens agree, the drafts happened, and every figure
+    is there."""
     import torch
 
     from benchmarks import speculative_gpu
@@ -89,7 +91,7 @@ def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp
     torch.manual_seed(0)  # the random checkpoint: its greedy outputs repeat within the run
     out = tmp_path / "speculative_gpu.json"
     result = speculative_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "1,4", "--prompt-len",
-                                   "32", "--new-tokens", "24", "--json", str(out)])
+                                   "32", "--new-tokens", "24", "--draft-layers", str(draft_layers), "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     rows = result["shapes"]["tiny-test"]["batches"]
     assert set(rows) == {"1", "4"}
