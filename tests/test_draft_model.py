@@ -216,13 +216,14 @@ def test_a_draft_model_keeps_the_output_beside_grammars_windows_and_quantized_ca
     from test_speculative import STRUCTURED
 
     options = {"window": dict(kv_window=32, kv_sinks=4), "kivi2": dict(kv_cache_dtype="kivi2")}.get(case, {})
-    params = SAMPLINGS["greedy"]
+    params = dataclasses.replace(SAMPLINGS["greedy"], max_tokens=24)
     if case == "json schema":
         pytest.importorskip("llguidance")
         params = dataclasses.replace(params, structured_output=STRUCTURED["json"])
-    plain = generate(Engine(EngineConfig(model="tiny", **options)), params)
+    prompts = PROMPTS[:2]  # 120 and 80 tokens: past the window
+    plain = generate(Engine(EngineConfig(model="tiny", **options)), params, prompts)
     engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny", **options))
-    assert_same(generate(engine, params), plain)
+    assert_same(generate(engine, params, prompts), plain)
     assert engine.stats().speculation.accepted_tokens > 0
     assert all_blocks_free(engine) and draft_blocks_free(engine)
 
