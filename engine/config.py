@@ -673,6 +673,9 @@ DEFAULT_MAX_LEN = 1 << 20  # longest sequence of a windowed engine without an ex
 @dataclass
 class EngineConfig:
     model: str  # "tiny" or a checkpoint directory
+    # A directory holding the model's tokenizer (tokenizer.json, tokenizer_config.json) when the checkpoint's
+    # own has none (vLLM's --tokenizer); None: the checkpoint's
+    tokenizer: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     # "fp8": a 16-bit checkpoint's projections and experts quantized at load (engine/weight_quant.py), one

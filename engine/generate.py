@@ -81,8 +81,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     kept.add_argument("--choice", action="append", help="each sample is one of these strings (repeatable)")
     kept.add_argument("--grammar", metavar="GRAMMAR", help="keep each sample to this Lark or GBNF grammar (its "
                                                            "text, or @FILE)")
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="the model's tokenizer from DIR, for a checkpoint whose directory has none")
     p.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                    help="speculative decoding by n-gram prompt lookup, up to K draft tokens a step (0: off)")
+    p.add_argument("--speculative-model", metavar="DIR", default=None,
+                   help="with --num-speculative-tokens: draft with this smaller checkpoint of the same vocabulary")
     p.add_argument("--lora", metavar="DIR", default=None,
                    help="run every prompt with the PEFT LoRA adapter in DIR (adapter_config.json and "
                         "adapter_model.safetensors), as tidepool serve --lora-modules serves it")
@@ -93,11 +97,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     try:
-        engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device,
+        engine = Engine(EngineConfig(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                                      quantization=args.quantization,
                                      kv_cache_dtype=args.kv_cache_dtype,
                                      kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window,
                                      kv_sinks=args.kv_sinks, num_speculative_tokens=args.num_speculative_tokens,
+                                     speculative_model=args.speculative_model,
                                      lora_modules={} if args.lora is None else {_ADAPTER: args.lora}))
     except ValueError as err:  # options that contradict each other or the model (or the adapter)
         print(f"tidepool generate: {err}", file=sys.stderr)

@@ -15,7 +15,7 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.config import read_json, special_token_ids
+from engine.config import EngineConfig, read_json, special_token_ids
 from engine.errors import CheckpointError, InvalidRequestError
 
 
@@ -71,8 +71,12 @@ class Tokenizer:
         self._template = compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
+    def from_dir(cls, path: str | Path, model_dir: str | Path | None = None) -> Tokenizer:
+        """The tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja) of ``path``; the
+        special token ids from ``model_dir``'s config.json and generation_config.json (default: ``path``'s),
+        for a tokenizer kept apart from its model (``--tokenizer``)."""
         path = Path(path)
+        model_dir = path if model_dir is None else Path(model_dir)
         file = path / "tokenizer.json"
         if not file.is_file():  # the tokenizers library would say only "No such file or directory"
             raise CheckpointError(f"{file}: not found (a checkpoint needs a fast tokenizer's tokenizer.json)")
@@ -88,8 +92,8 @@ class Tokenizer:
         if template is None and jinja_path.exists():
             template = jinja_path.read_text()
         bos, eos = _token_text(tc.get("bos_token")), _token_text(tc.get("eos_token"))
-        bos_id, eos_ids = special_token_ids(read_json(path / "config.json") or {},
-                                            read_json(path / "generation_config.json"))
+        bos_id, eos_ids = special_token_ids(read_json(model_dir / "config.json") or {},
+                                            read_json(model_dir / "generation_config.json"))
         if bos_id is None and bos:
             bos_id = tok.token_to_id(bos)
         eos_id = tok.token_to_id(eos) if eos else None
@@ -126,6 +130,29 @@ class Tokenizer:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      **kwargs)
+
+
+def tokenizer_dir(config: EngineConfig, model_dir: Path) -> Path:
+    """Where the model's tokenizer files are: ``config.tokenizer``, else the checkpoint's directory."""
+    return model_dir if config.tokenizer is None else Path(config.tokenizer).expanduser()
+
+
+def load_tokenizer(config: EngineConfig, model_dir: Path, vocab_size: int, required: bool = False
+                   ) -> Tokenizer | None:
+    """The model's tokenizer (``tokenizer_dir``); None when the checkpoint has no tokenizer.json, none was named
+    and none is ``required`` (prompts are then token ids). A named tokenizer that cannot be read, or that has
+    more tokens than the model's ``vocab_size``, is a ValueError naming it."""
+    path = tokenizer_dir(config, model_dir)
+    if config.tokenizer is None:
+        return Tokenizer.from_dir(path) if required or (path / "tokenizer.json").exists() else None
+    try:
+        tokenizer = Tokenizer.from_dir(path, model_dir)
+    except CheckpointError as exc:  # a plain ValueError: not the model's checkpoint
+        raise ValueError(f"the tokenizer {config.tokenizer!r}: {exc}") from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"the tokenizer {config.tokenizer!r} has {tokenizer.vocab_size} tokens, more than the "
+                         f"model's vocabulary of {vocab_size}: it is not this model's tokenizer")
+    return tokenizer
 
 
 class IncrementalDetokenizer:

@@ -20,7 +20,7 @@ from engine.draft_model import check_draft_model
 from engine.generation_defaults import GenerationDefaults
 from engine.loader import model_id_for, resolve_model_dir
 from engine.lora import check_adapters
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import load_tokenizer
 from kvstore.events import PoolMirror
 from router.conductor import SLO, Conductor
 from router.estimator import Estimator
@@ -94,7 +94,7 @@ class Cluster:
         if self.config.engine.speculative_model is not None:
             check_draft_model(self.config.engine.speculative_model, model_config)
         check_adapters(self.config.engine.lora_modules, model_id_for(self.config.engine.model))
-        tokenizer = Tokenizer.from_dir(model_dir)
+        tokenizer = load_tokenizer(self.config.engine, model_dir, model_config.vocab_size, required=True)
         if self.config.chat_template is not None:
             tokenizer = tokenizer.with_chat_template(self.config.chat_template)
         generation_defaults = GenerationDefaults.load(self.config.generation_config, model_dir,

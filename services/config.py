@@ -140,12 +140,17 @@ def _lora_module(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {text!r}")
-    return name, os.path.abspath(os.path.expanduser(path))
+    return name, _directory(path)
+
+
+def _directory(text: str) -> str:
+    """A directory option's value, made absolute (workers run in other directories)."""
+    return os.path.abspath(os.path.expanduser(text))
 
 
 def _checkpoint_dir(text: str) -> str:
-    """A checkpoint option's value: ``tiny``, or a directory made absolute (workers run in other directories)."""
-    return text if text == TINY else os.path.abspath(os.path.expanduser(text))
+    """A checkpoint option's value: ``tiny``, or a directory (``_directory``)."""
+    return text if text == TINY else _directory(text)
 
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)  # --block-size's choices (vLLM's on CUDA, less 1)
@@ -202,6 +207,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """``tidepool serve``'s options, with the dataclasses' defaults."""
     c, e, g = ClusterConfig(), ClusterConfig().engine, GatewayConfig()
     p.add_argument("--model", default=e.model, help="'tiny' (built-in) or a local HF checkpoint directory")
+    p.add_argument("--tokenizer", type=_directory, default=e.tokenizer, metavar="DIR",
+                   help="the model's tokenizer (tokenizer.json, tokenizer_config.json) from DIR, for a checkpoint "
+                        "whose directory has none (default: the checkpoint's)")
     p.add_argument("--served-model-name", dest="served_model_names", nargs="+", default=list(c.served_model_names),
                    metavar="NAME", help="the model's names in the APIs: a request may name any, /v1/models lists "
                                         "each, the metrics carry the first (default: the checkpoint directory's name)")
@@ -394,7 +402,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
     if max_loras is None and args.allow_runtime_lora_updating:
         max_loras = max(len(names), 1)
     engine = EngineConfig(
-        model=args.model, dtype=args.dtype, quantization=args.quantization, block_size=args.block_size,
+        model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization,
+        block_size=args.block_size,
         num_blocks=args.num_blocks, kv_cache_bytes=args.kv_cache_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,

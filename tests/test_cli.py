@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -198,3 +199,24 @@ def test_serve_refuses_a_max_model_len_past_the_models_context_in_one_line_befor
         main(["serve", "--max-model-len", "5000"])
     assert str(exit_info.value.code) == ("tidepool serve: max_model_len 5000 must be between 2 and the model's "
                                          "context, 4096 tokens (max_position_embeddings)")
+
+
+def test_serve_takes_a_tokenizer_apart_and_refuses_one_that_is_not_the_models_before_starting_anything(
+        tmp_path, monkeypatch):
+    from engine.loader import resolve_model_dir
+    from services.cluster import Cluster
+
+    parser = build_parser()
+    tiny_dir = str(resolve_model_dir("tiny"))
+    assert configs_from_args(parser.parse_args(["serve", "--tokenizer", tiny_dir]))[0].engine.tokenizer == tiny_dir
+    relative = configs_from_args(parser.parse_args(["serve", "--tokenizer", "tok"]))[0].engine.tokenizer
+    assert relative == str(Path("tok").resolve())  # workers run in other directories
+
+    def started(_self):
+        raise AssertionError("Ray and Redis started with a tokenizer that is not the model's")
+
+    monkeypatch.setattr(Cluster, "start_infrastructure", started)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--tokenizer", str(tmp_path)])
+    message = str(exit_info.value.code)
+    assert message.startswith(f"tidepool serve: the tokenizer '{tmp_path}': ") and "tokenizer.json: not found" in message

@@ -97,3 +97,42 @@ def test_a_template_renders_tools_as_transformers_renders_them(tmp_path, tok):
     assert ours.apply_chat_template(messages, tools=tools) == expected
     assert '{"type": "function", "function": {"name": "lookup", "description": "Finds <tags> & the \'quoted\'"' \
         in expected
+
+
+def test_a_checkpoint_without_a_tokenizer_takes_one_named_apart(tiny, tmp_path):
+    """--tokenizer: the files come from the named directory, the EOS ids from the model's configs as well; the
+    engine's answers have text, as with the checkpoint's own tokenizer."""
+    from test_engine_model import build_hf_checkpoint
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    build_hf_checkpoint(tmp_path / "model", "llama", vocab_size=272, eos_token_id=7)
+    assert not (tmp_path / "model" / "tokenizer.json").exists()
+    tiny_dir = str(resolve_model_dir("tiny"))
+    assert Engine(EngineConfig(model=str(tmp_path / "model"))).tokenizer is None  # token ids only
+    engine = Engine(EngineConfig(model=str(tmp_path / "model"), tokenizer=tiny_dir))
+    tiny_tok = Tokenizer.from_dir(tiny_dir)
+    assert engine.tokenizer.encode("tide") == tiny_tok.encode("tide")
+    # the model's EOS id and the tokenizer's EOS token, not the ids of the tiny model's own configs
+    assert engine.eos_token_ids == {7, tiny_tok.token_to_id(tiny_tok.eos_token)} != set(tiny_tok.eos_token_ids)
+    engine.add_request("r", tiny_tok.encode("Hello, tide"), SamplingParams(max_tokens=6, temperature=0.0,
+                                                                          ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert "".join(o.text for o in outputs) == tiny_tok.decode([t for o in outputs for t in o.new_token_ids])
+
+
+def test_a_named_tokenizer_that_is_not_the_models_is_refused_naming_it(tiny, tmp_path):
+    from test_engine_model import build_hf_checkpoint
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+
+    build_hf_checkpoint(tmp_path / "model", "llama")  # 128 tokens
+    for directory, says in ((tmp_path, "tokenizer.json: not found"),
+                            (resolve_model_dir("tiny"), "has 272 tokens, more than the model's vocabulary of 128")):
+        with pytest.raises(ValueError, match=f"the tokenizer '{directory}'.*{says}"):
+            Engine(EngineConfig(model=str(tmp_path / "model"), tokenizer=str(directory)))

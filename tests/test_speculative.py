@@ -348,3 +348,6 @@ def test_generate_cli_takes_the_flag(tiny, capsys):
     assert main(["generate", "--prompt-ids", ids, "--max-tokens", "12", "--json",
                  "--num-speculative-tokens", "3"]) == 0
     assert capsys.readouterr().out == plain
+    assert main(["generate", "--prompt-ids", ids, "--max-tokens", "12", "--json",
+                 "--num-speculative-tokens", "3", "--speculative-model", "tiny"]) == 0
+    assert capsys.readouterr().out == plain
