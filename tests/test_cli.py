@@ -111,6 +111,21 @@ def test_ttls_and_ray_cpus_reach_the_configs_and_a_negative_ttl_is_refused():
             configs_from_args(parser.parse_args(["serve", *flags]))
 
 
+def serve_refusal(monkeypatch, *flags: str) -> str:
+    """What ``tidepool serve FLAGS`` exits with, asserting it is one line and came before Ray and Redis start."""
+    from services.cluster import Cluster
+
+    def started(_self):
+        raise AssertionError(f"Ray and Redis started for {flags}")
+
+    monkeypatch.setattr(Cluster, "start_infrastructure", started)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    message = str(exit_info.value.code)
+    assert "\n" not in message
+    return message
+
+
 @pytest.mark.parametrize(("files", "named"), [
     ({}, "config.json: not found"),
     ({"config.json": "{"}, "config.json: not valid JSON"),
@@ -123,22 +138,13 @@ def test_serve_refuses_a_model_dir_it_cannot_serve_in_one_line_before_starting_a
     """A bad --model ends with the file and what is wrong with it, not a traceback from inside a worker,
     and before Ray and the private Redis start."""
     from engine.loader import resolve_model_dir
-    from services.cluster import Cluster
 
     if files == "tiny config":  # a valid config.json, no tokenizer
         files = {"config.json": (resolve_model_dir("tiny") / "config.json").read_text()}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-
-    def started(_self):
-        raise AssertionError("Ray and Redis started for a model that cannot be served")
-
-    monkeypatch.setattr(Cluster, "start_infrastructure", started)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--model", str(tmp_path)])
-    message = str(exit_info.value.code)
+    message = serve_refusal(monkeypatch, "--model", str(tmp_path))
     assert message.startswith(f"tidepool serve: --model {tmp_path}: ") and named in message
-    assert "\n" not in message
 
 
 def test_serving_names_chat_template_and_context_options_reach_the_configs(tmp_path, capsys):
@@ -189,34 +195,18 @@ def test_vllms_enable_auto_tool_choice_is_taken_with_a_tool_call_parser_and_refu
 
 def test_serve_refuses_a_max_model_len_past_the_models_context_in_one_line_before_starting_anything(
         monkeypatch):
-    from services.cluster import Cluster
-
-    def started(_self):
-        raise AssertionError("Ray and Redis started for a context the model does not have")
-
-    monkeypatch.setattr(Cluster, "start_infrastructure", started)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--max-model-len", "5000"])
-    assert str(exit_info.value.code) == ("tidepool serve: max_model_len 5000 must be between 2 and the model's "
+    assert serve_refusal(monkeypatch, "--max-model-len", "5000") == ("tidepool serve: max_model_len 5000 must be between 2 and the model's "
                                          "context, 4096 tokens (max_position_embeddings)")
 
 
 def test_serve_takes_a_tokenizer_apart_and_refuses_one_that_is_not_the_models_before_starting_anything(
         tmp_path, monkeypatch):
     from engine.loader import resolve_model_dir
-    from services.cluster import Cluster
 
     parser = build_parser()
     tiny_dir = str(resolve_model_dir("tiny"))
     assert configs_from_args(parser.parse_args(["serve", "--tokenizer", tiny_dir]))[0].engine.tokenizer == tiny_dir
     relative = configs_from_args(parser.parse_args(["serve", "--tokenizer", "tok"]))[0].engine.tokenizer
     assert relative == str(Path("tok").resolve())  # workers run in other directories
-
-    def started(_self):
-        raise AssertionError("Ray and Redis started with a tokenizer that is not the model's")
-
-    monkeypatch.setattr(Cluster, "start_infrastructure", started)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--tokenizer", str(tmp_path)])
-    message = str(exit_info.value.code)
+    message = serve_refusal(monkeypatch, "--tokenizer", str(tmp_path))
     assert message.startswith(f"tidepool serve: the tokenizer '{tmp_path}': ") and "tokenizer.json: not found" in message

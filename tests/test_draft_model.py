@@ -170,21 +170,13 @@ def test_a_speculative_config_that_cannot_work_is_refused_saying_what_to_fix(spe
 
 
 def test_serve_refuses_a_draft_of_another_vocabulary_in_one_line_before_starting_anything(tmp_path, monkeypatch):
-    from services.cli import main
-    from services.cluster import Cluster
+    from test_cli import serve_refusal
 
-    def started(_self):
-        raise AssertionError("Ray and Redis started for a draft model that cannot serve")
-
-    monkeypatch.setattr(Cluster, "start_infrastructure", started)
     build_hf_checkpoint(tmp_path / "draft", "llama")
     for draft, named in [(tmp_path / "draft", "has a vocabulary of 128 tokens and the model 272"),
                          (tmp_path / "none", "config.json: not found")]:
-        with pytest.raises(SystemExit) as exit_info:
-            main(["serve", "--num-speculative-tokens", "2", "--speculative-model", str(draft)])
-        message = str(exit_info.value.code)
+        message = serve_refusal(monkeypatch, "--num-speculative-tokens", "2", "--speculative-model", str(draft))
         assert message.startswith(f"tidepool serve: the speculative model '{draft}'") and named in message
-        assert "\n" not in message
 
 
 def test_a_preempted_sequence_gives_its_draft_blocks_back(tiny):
