@@ -87,7 +87,8 @@ class Cluster:
 
     async def start(self) -> Dispatcher:
         # A --model that can't be served fails here, before Ray and Redis start, with the file it is about
-        # (CheckpointError, UnsupportedModelError), not later inside a worker.
+        # (CheckpointError, UnsupportedModelError), not later inside a worker; so do a --tokenizer and a
+        # --speculative-model that are not the model's.
         model_dir = resolve_model_dir(self.config.engine.model)
         model_config = ModelConfig.from_dir(model_dir)
         self.config.engine.max_model_len_for(model_config)
