@@ -137,9 +137,9 @@ def all_blocks_free(engine: Engine) -> bool:
 
 
 SAMPLINGS = {
-    "greedy": SamplingParams(max_tokens=40, temperature=0.0),
+    "greedy": SamplingParams(max_tokens=28, temperature=0.0),
     # seeded sampling, two samples each, penalties, logprobs, min_tokens and a stop string
-    "seeded": SamplingParams(max_tokens=40, temperature=0.5, top_k=3, seed=11, n=2, logprobs=2,
+    "seeded": SamplingParams(max_tokens=28, temperature=0.5, top_k=3, seed=11, n=2, logprobs=2,
                              repetition_penalty=1.05, presence_penalty=0.1, min_tokens=5, stop=["xy"]),
 }
 CACHES = {"auto": {}, "int8": dict(kv_cache_dtype="int8"), "fp8": dict(kv_cache_dtype="fp8"),
