@@ -1,9 +1,10 @@
 """Speculative decoding with a draft model (engine/draft_model.py): the engine drafting with a second checkpoint
 against the engine without drafts: the same tokens, texts, logprobs and finish reasons (greedy and seeded
-sampling), a draft of the model's own weights accepted whole, a draft of other weights still giving
-transformers' tokens; a sequence imported from a prefill engine caught up by the draft in budget-sized
-chunks before it drafts; the draft's blocks freed on finish and abort; a prefill worker that loads no draft;
-and the settings refused when they cannot work."""
+sampling), a draft of the model's own weights accepted (float ties aside), a draft of other weights still
+giving transformers' tokens; a sequence imported from a prefill engine caught up by the draft in budget-sized
+chunks before it drafts; the draft's blocks freed on finish, abort and preemption; drafts beside a JSON
+schema, an attention window and a LoRA adapter; a prefill worker that loads no draft; and the settings
+refused when they cannot work."""
 
 from __future__ import annotations
 
