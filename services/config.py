@@ -275,7 +275,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--autoscale-drain-timeout-s", type=float, default=c.autoscale.drain_timeout_s,
                    help="seconds a worker the autoscaler drains gives its requests (the rest resume elsewhere)")
     p.add_argument("--pool-max-bytes", type=int, default=c.pool_max_bytes, help="cap of the Redis KV payload tier")
-    p.add_argument("--kv-disk-dir", default=c.kv_disk_dir,
+    p.add_argument("--kv-disk-dir", type=_directory, default=c.kv_disk_dir,
                    help="keep shared KV blocks on local disk under DIR/<worker id> (reused after a restart)")
     p.add_argument("--kv-disk-bytes", type=int, default=c.kv_disk_bytes, help="cap of each worker's disk tier")
     p.add_argument("--ttft-slo-s", type=float, default=c.ttft_slo_s, help="time-to-first-token SLO")
@@ -422,7 +422,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,
         pool_max_bytes=args.pool_max_bytes,
-        kv_disk_dir=args.kv_disk_dir and os.path.abspath(args.kv_disk_dir),  # workers run in other directories
+        kv_disk_dir=args.kv_disk_dir,
         kv_disk_bytes=args.kv_disk_bytes,
         ttft_slo_s=args.ttft_slo_s, tbt_slo_s=args.tbt_slo_ms / 1000, gpus_per_worker=args.gpus_per_worker,
         placement_timeout_s=args.placement_timeout_s, replace_workers=args.replace_workers,
