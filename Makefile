@@ -35,8 +35,11 @@ $(PROTO_STAMP): Makefile
 	$(PROTO_VENV)/bin/pip install -q $(PROTO_PINS)
 	touch $(PROTO_STAMP)
 
+# Two pytest-xdist workers: one runs every test of the shared Ray and Redis servers (they wait on those more than
+# they compute), the other the compute-bound files beside it (tests/conftest.py makes the groups).
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Serve the built-in tiny model (1 prefill + 1 decode worker), send one streamed chat, keep serving.
 run: setup

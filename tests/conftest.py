@@ -15,7 +15,9 @@ import torch
 if importlib.util.find_spec("tidepool") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proto"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test`) the workers share the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 # Triton chooses between compiling and interpreting at its first import in a process, so whichever test
 # module imports it first decides for all of them. Without CUDA only the interpreter can run a kernel:
@@ -24,25 +26,61 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-def _compiles_kernels(item: pytest.Item) -> bool:
-    """Whether the item belongs to test_kernel_compile.py, whose GPU-target compiles run in the background."""
-    return isinstance(item, pytest.Function) and hasattr(item.module, "start_compiles")
+KERNEL_COMPILE_FILE = "tests/test_kernel_compile.py"  # its GPU-target compiles run in the background
 
 
+def _uses_the_shared_servers(item: pytest.Item) -> bool:
+    """Whether the item uses the session's Ray instance or Redis server (by fixture or by marker)."""
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return bool(fixtures & {"ray_session", "redis_url"}) or any(item.iter_markers("ray")) \
+        or any(item.iter_markers("redis"))
+
+
+def _run_order(item: pytest.Item) -> int:
+    """The servers' tests first, then the slow ones, test_kernel_compile.py last (its compiles, minutes of
+    CPU, get the whole run's idle cores to finish in). Under pytest-xdist each worker takes the next group
+    when it runs out, so the long groups start early and the short ones fill the end."""
+    if item.nodeid.startswith(KERNEL_COMPILE_FILE):
+        return 3
+    if _uses_the_shared_servers(item):
+        return 0
+    return 1 if any(item.iter_markers("slow")) else 2
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist names the groups in the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run test_kernel_compile.py last, so its background compiles (minutes of CPU) have the whole run's idle
-    cores to finish in."""
-    items.sort(key=_compiles_kernels)  # stable: everything else keeps its order
+    """Order the run (``_run_order``; stable, so each file keeps its own order). Under pytest-xdist, every test
+    of the shared servers is one group that one worker runs (a single Ray instance and Redis server, as in a
+    run without workers), and every other file is a group of its own (its module fixtures built once)."""
+    items.sort(key=_run_order)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for item in items:
+            group = "shared-servers" if _uses_the_shared_servers(item) else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _start_kernel_compiles(run_id: str) -> None:
+    from test_kernel_compile import compile_dir, start_compiles  # triton is looked up there, not imported
+
+    start_compiles(compile_dir(run_id))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start those compiles as soon as the tests are known, at the lowest CPU priority."""
-    if session.config.option.collectonly:
+    """Start those compiles as soon as the tests are known, at the lowest CPU priority (pytest-xdist's
+    controller starts them instead of its workers)."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    for item in session.items:
-        if _compiles_kernels(item):
-            item.module.start_compiles()
-            return
+    if any(item.nodeid.startswith(KERNEL_COMPILE_FILE) for item in session.items):
+        from test_kernel_compile import this_run_id
+
+        _start_kernel_compiles(this_run_id())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
+    """pytest-xdist's controller: start the compiles once, when the first worker's collection holds the file."""
+    if any(nodeid.startswith(KERNEL_COMPILE_FILE) for nodeid in ids):
+        _start_kernel_compiles(node.workerinput["testrunuid"])
 
 
 @pytest.fixture(scope="session")

@@ -8,15 +8,16 @@ shared memory, spills."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import IO
 
 import pytest
 
@@ -29,53 +30,70 @@ ARCHS = (80, 86, 90, 100)
 KERNELS = {"_rope_kernel", "_kv_write_kernel", "_decode_stage1", "_decode_stage2", "_prefill_kernel",
            "_add_rms_norm_kernel", "_expert_matmul_kernel", "_lora_shrink_kernel", "_lora_expand_kernel", "_fp8_matmul_kernel",
            "_int_matmul_kernel"}
+COMPILE_TIMEOUT_S = 560
+
+_RUNS: list[subprocess.Popen] = []  # the runs this process started
 
 
-_RUNS: list[tuple[int, subprocess.Popen, IO[str], IO[str]]] = []  # (arch, process, stdout, stderr)
-_OUTPUTS = contextlib.ExitStack()  # the runs' output files, closed with the runs
+def compile_dir(run_id: str) -> Path:
+    """Where one test run's compiles write ``<arch>.jsonl``, ``<arch>.err`` and, once a compile ended, its exit
+    status ``<arch>.rc``: a file tree, so that under pytest-xdist the controller starts them and whichever
+    worker runs this file reads them."""
+    return Path(tempfile.gettempdir()) / f"tidepool-kernel-compile-{run_id}"
 
 
-def start_compiles() -> None:
-    """Start one compile run per target, once; ``tests/conftest.py`` calls this as the session starts.
+def this_run_id() -> str:
+    """The test run's id: pytest-xdist's, shared by its controller and workers, else this process's."""
+    return os.environ.get("PYTEST_XDIST_TESTRUNUID") or f"pid{os.getpid()}"
 
-    Each run is CPU-bound for about a minute and lowers its own priority to the least (the script's
-    ``run_at_lowest_priority``), so the runs take the cores the rest of the suite leaves idle while it waits
-    on Ray, Redis and sockets (conftest runs this file last), instead of holding the suite for minutes.
+
+def start_compiles(directory: Path) -> None:
+    """Start one compile run per target into ``directory``, once; ``tests/conftest.py`` calls this as the
+    session starts (in pytest-xdist's controller, with its workers' run id).
+
+    Each run is CPU-bound for about a minute (seconds once Triton's cache holds the kernels) and lowers its
+    own priority to the least (the script's ``run_at_lowest_priority``), so the runs take the cores the rest
+    of the suite leaves idle while it waits on Ray, Redis and sockets (conftest runs this file last),
+    instead of holding the suite for minutes. The process that started them stops them and removes the
+    directory as it exits.
     """
     if _RUNS:
         return
+    directory.mkdir(parents=True, exist_ok=True)
     script = Path(__file__).with_name("kernel_compile.py")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compile, not interpret
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton's own default, said aloud (it warns otherwise)
     for arch in ARCHS:
-        # Files, not pipes: nothing fills up unread. The stack closes them (ruff can't see that).
-        out = _OUTPUTS.enter_context(tempfile.TemporaryFile("w+"))  # noqa: SIM115
-        err = _OUTPUTS.enter_context(tempfile.TemporaryFile("w+"))  # noqa: SIM115
-        run = subprocess.Popen([sys.executable, str(script), "--arch", str(arch)], env=env, text=True,
-                               stdout=out, stderr=err, start_new_session=True)
-        _RUNS.append((arch, run, out, err))
-    atexit.register(_stop_compiles)  # a session that ends before this file's tests leaves none running
+        # the status is written last, by a rename: a reader never sees half of it
+        command = (f'"$0" "$1" --arch {arch} > {arch}.jsonl 2> {arch}.err; '
+                   f"echo $? > {arch}.rc.part && mv {arch}.rc.part {arch}.rc")
+        _RUNS.append(subprocess.Popen(["sh", "-c", command, sys.executable, str(script)], cwd=directory, env=env,
+                                      start_new_session=True))
+    atexit.register(_stop_compiles, directory)  # a session that ends before this file's tests leaves none running
 
 
-def _stop_compiles() -> None:
-    for _, run, _, _ in _RUNS:
+def _stop_compiles(directory: Path) -> None:
+    for run in _RUNS:
         if run.poll() is None:
-            run.kill()
-            run.wait()
-    _OUTPUTS.close()
+            os.killpg(run.pid, signal.SIGKILL)  # the shell and the compile it runs
+        run.wait()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     """Every run's rows, once all have finished."""
-    start_compiles()
+    directory = compile_dir(this_run_id())
+    deadline = time.monotonic() + COMPILE_TIMEOUT_S
     rows = []
-    for arch, run, out, err in _RUNS:
-        run.wait(timeout=560)
-        out.seek(0)
-        err.seek(0)
-        assert run.returncode == 0, f"sm_{arch}: {err.read()[-3000:]}"
-        rows += [json.loads(line) for line in out.read().splitlines()]
+    for arch in ARCHS:
+        status = directory / f"{arch}.rc"
+        while not status.exists():
+            assert time.monotonic() < deadline, f"sm_{arch}: no result in {COMPILE_TIMEOUT_S} s"
+            time.sleep(0.5)
+        error = (directory / f"{arch}.err").read_text()
+        assert status.read_text().strip() == "0", f"sm_{arch}: {error[-3000:]}"
+        rows += [json.loads(line) for line in (directory / f"{arch}.jsonl").read_text().splitlines()]
     return rows
 
 

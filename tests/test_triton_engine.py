@@ -40,7 +40,7 @@ INTERPRETED = triton_available() and common.interpreting()
 needs_interpreter = pytest.mark.skipif(
     not INTERPRETED, reason="needs triton imported under TRITON_INTERPRET=1 (run this file on its own)")
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
