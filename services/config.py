@@ -206,7 +206,7 @@ def _chat_template(text: str) -> str:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """``tidepool serve``'s options, with the dataclasses' defaults."""
     c, e, g = ClusterConfig(), ClusterConfig().engine, GatewayConfig()
-    p.add_argument("--model", default=e.model, help="'tiny' (built-in) or a local HF checkpoint directory")
+    p.add_argument("--model", type=_checkpoint_dir, default=e.model, help="'tiny' (built-in) or a local HF checkpoint directory")
     p.add_argument("--tokenizer", type=_directory, default=e.tokenizer, metavar="DIR",
                    help="the model's tokenizer (tokenizer.json, tokenizer_config.json) from DIR, for a checkpoint "
                         "whose directory has none (default: the checkpoint's)")

@@ -199,6 +199,17 @@ def test_serve_refuses_a_max_model_len_past_the_models_context_in_one_line_befor
                                          "context, 4096 tokens (max_position_embeddings)")
 
 
+def test_serve_makes_a_relative_model_dir_absolute_and_keeps_its_name(tmp_path, monkeypatch):
+    from engine.loader import model_id_for
+
+    monkeypatch.chdir(tmp_path)
+    parser = build_parser()
+    engine = configs_from_args(parser.parse_args(["serve", "--model", "ckpt/my-model"]))[0].engine
+    assert engine.model == str(tmp_path / "ckpt" / "my-model")  # workers run in other directories
+    assert model_id_for(engine.model) == "my-model"  # served as the directory's name, as before
+    assert configs_from_args(parser.parse_args(["serve"]))[0].engine.model == "tiny"
+
+
 def test_serve_takes_a_tokenizer_apart_and_refuses_one_that_is_not_the_models_before_starting_anything(
         tmp_path, monkeypatch):
     from engine.loader import resolve_model_dir
