@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import sys
@@ -78,7 +79,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids: list[str]) -> None:
-    """pytest-xdist's controller: start the compiles once, when the first worker's collection holds the file."""
+    """pytest-xdist's controller: check that the workers' groups took, and start the compiles once, when the
+    first worker's collection holds the file.
+
+    --dist loadgroup tells the controller a test's group by appending it to the test's id, which pytest 9.2
+    ignores (pytest-dev/pytest-xdist#1386, hence pyproject's pytest < 9.2): the groups would be dropped without
+    a word, the shared servers started in every worker."""
+    if node.config.getvalue("dist") == "loadgroup" and ids and not any("@" in nodeid for nodeid in ids):
+        raise pytest.UsageError(f"pytest-xdist {importlib.metadata.version('pytest-xdist')} cannot group tests "
+                                f"under pytest {pytest.__version__} (pytest-dev/pytest-xdist#1386): install "
+                                f"the versions pyproject.toml asks for (make setup)")
     if any(nodeid.startswith(KERNEL_COMPILE_FILE) for nodeid in ids):
         _start_kernel_compiles(node.workerinput["testrunuid"])
 
