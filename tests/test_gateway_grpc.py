@@ -94,8 +94,36 @@ def test_logprobs_are_the_ones_http_reports(live_server):
     for lp, e in zip(got, content, strict=True):
         assert [t.token_id for t in lp.top] == [token_id(t["token"]) for t in e["top_logprobs"]]
         assert [t.logprob for t in lp.top] == pytest.approx([t["logprob"] for t in e["top_logprobs"]], abs=1e-4)
+        assert lp.rank == 1  # greedy: the most likely token
     without = chat(live_server, greedy(2))
     assert not any(c.logprobs for c in without)
+
+
+def test_prompt_logprobs_come_on_each_choices_first_chunk_as_http_reports_them(live_server):
+    ids = live_server.dispatcher.tokenizer.encode("Hermit crabs trade up to larger shells")
+    sampling = serving_pb2.SamplingOptions(max_tokens=3, n=2, seed=11, ignore_eos=True, prompt_logprobs=2)
+    request = serving_pb2.CompleteRequest(model=live_server.model_id, prompt_token_ids=ids, sampling=sampling)
+    chunks = list(stub(live_server).Complete(request, timeout=120))
+    firsts = {}
+    for c in chunks:
+        if c.index in firsts:
+            assert not c.prompt_logprobs  # once per choice
+        else:
+            firsts[c.index] = list(c.prompt_logprobs)
+    assert sorted(firsts) == [0, 1] and firsts[0] == firsts[1]
+    http = httpx.post(f"{live_server.http_url}/v1/completions", timeout=120, json={
+        "model": live_server.model_id, "prompt": ids, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    entries = http["choices"][0]["prompt_logprobs"][1:]  # vLLM's: null for the first token, nothing predicts it
+    assert [lp.token_id for lp in firsts[0]] == ids[1:]
+    for lp, entry in zip(firsts[0], entries, strict=True):
+        assert lp.logprob == pytest.approx(entry[str(lp.token_id)]["logprob"], abs=1e-4)
+        assert lp.rank == entry[str(lp.token_id)]["rank"]
+        assert {t.token_id for t in lp.top} == {int(t) for t, e in entry.items() if e["rank"] <= 2}
+        assert len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob
+    bad = serving_pb2.SamplingOptions(max_tokens=1, prompt_logprobs=21)
+    error = status_of(lambda: list(stub(live_server).Complete(serving_pb2.CompleteRequest(
+        model=live_server.model_id, prompt="x", sampling=bad), timeout=60)))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in error.details()
 
 
 def test_penalties_sample_as_they_do_over_http(live_server):

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from engine.errors import InvalidRequestError
+from engine.output import TokenLogprobs
 from engine.structured_output import StructuredOutput
 from services.config import GatewayConfig
 from services.dispatcher import Dispatcher
@@ -49,6 +50,7 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    skip_special_tokens=s.skip_special_tokens if s.HasField("skip_special_tokens") else True,
                    presence_penalty=opt("presence_penalty"), frequency_penalty=opt("frequency_penalty"),
                    repetition_penalty=opt("repetition_penalty"), logprobs=opt("logprobs"),
+                   prompt_logprobs=opt("prompt_logprobs"),
                    logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"),
                    priority=s.priority,
                    structured_output=_structured_output(s.structured_output) if s.HasField("structured_output") else None)
@@ -77,13 +79,18 @@ def _structured_output(spec: serving_pb2.StructuredOutput) -> StructuredOutput:
     return requested_output(None, StructuredOutputsParams.model_validate(fields))
 
 
-def _chunk(delta: Delta, request_id: str) -> serving_pb2.GenerateChunk:
-    logprobs = [serving_pb2.TokenLogprob(token_id=it.token_id, logprob=it.logprob,
-                                         top=[serving_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in it.top])
-                for it in delta.logprobs or ()]
+def _token_logprobs(items: list[TokenLogprobs]) -> list[serving_pb2.TokenLogprob]:
+    return [serving_pb2.TokenLogprob(token_id=it.token_id, logprob=it.logprob, rank=it.rank or 0,
+                                     top=[serving_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in it.top])
+            for it in items]
+
+
+def _chunk(delta: Delta, request_id: str, prompt_logprobs: list[TokenLogprobs]) -> serving_pb2.GenerateChunk:
+    """``prompt_logprobs``: the choice's prompt's, on its first chunk ([] on the others)."""
     return serving_pb2.GenerateChunk(index=delta.index, text=delta.text, token_ids=delta.token_ids,
                                      finish_reason=delta.finish_reason or "", request_id=request_id,
-                                     logprobs=logprobs)
+                                     logprobs=_token_logprobs(delta.logprobs or ()),
+                                     prompt_logprobs=_token_logprobs(prompt_logprobs))
 
 
 @dataclass(frozen=True)
@@ -163,8 +170,10 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             # A cancel that lands while gRPC is sending abandons this generator without running its
             # `finally`, so the request is also stopped when the call ends, however it ends.
             context.add_done_callback(lambda _: gen.close())
+            started: set[int] = set()  # choices whose first chunk was sent
             async for d in gen:
-                chunk = _chunk(d, gen.request_id)
+                chunk = _chunk(d, gen.request_id, [] if d.index in started else gen.prompt_logprobs_of(d.index))
+                started.add(d.index)
                 if shape is not None:
                     fill_chunk(chunk, shape.delta(d))
                 if gen.finished:  # the delta that ends the last open choice carries the usage
