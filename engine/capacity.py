@@ -5,7 +5,9 @@ with ``--kv-cache-dtype`` int8/fp8/kivi2, a block's quantized record (scales inc
 full-precision windows per request for fp8 and kivi2: the block being filled and ``--kv-residual-blocks``
 full ones (``engine/kv_format.py``). From that: bytes per
 request at a context length, bytes for a batch, and how many such requests fit in a device after the
-weights and a reserve for activations and the runtime. Deliberately free of torch so the command answers
+weights and a reserve for activations and the runtime. A draft model (``--speculative-model``) adds its
+weights and its own KV cache, in the model's dtype: the engine pairs each of its blocks with one of the
+draft's, which holds every position of a request. Deliberately free of torch so the command answers
 instantly.
 """
 
@@ -75,7 +77,10 @@ class Capacity:
     block_size: int = 16
     window_bytes_per_request: int = 0  # fp8/kivi2: the block being filled and the residual, kept in ``dtype``
     residual_blocks: int = 0
-    sliding_window: int | None = None  # the model's own, which bounds the KV a request holds
+    sliding_window: int | None = None  # the model's own, which bounds the KV a request holds (without a draft)
+    draft_model: str | None = None  # --speculative-model's, whose KV and weights the totals above include
+    draft_kv_bytes_per_token: int = 0
+    draft_weight_bytes: int = 0
 
 
 def shape_from_dir(path: str | Path, quantization: str | None = None) -> ModelShape:
@@ -94,22 +99,30 @@ def held_tokens(shape: ModelShape, context: int, block_size: int) -> int:
 
 
 def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: float | None,
-         kv_cache_dtype: str = "auto", block_size: int = 16, kv_residual_blocks: int | None = None) -> Capacity:
+         kv_cache_dtype: str = "auto", block_size: int = 16, kv_residual_blocks: int | None = None,
+         draft: ModelShape | None = None) -> Capacity:
+    """``draft``: a draft model's shape (``--speculative-model``), whose cache is in ``dtype`` ("auto")."""
     width = dtype_bytes(dtype)
     residual = residual_blocks(kv_cache_dtype, kv_residual_blocks)
 
-    def block_bytes(kv_heads: int) -> int:
-        layer = block_layer_bytes(kv_cache_dtype, block_size, kv_heads, shape.head_dim, width)
-        return shape.num_layers * layer
+    def block_bytes(model: ModelShape, kv_heads: int, kv_format: str) -> int:
+        return model.num_layers * block_layer_bytes(kv_format, block_size, kv_heads, model.head_dim, width)
 
-    block, mha_block = block_bytes(shape.num_kv_heads), block_bytes(shape.num_heads)
+    block = block_bytes(shape, shape.num_kv_heads, kv_cache_dtype)
+    mha_block = block_bytes(shape, shape.num_heads, kv_cache_dtype)
+    draft_block = block_bytes(draft, draft.num_kv_heads, "auto") if draft else 0
     window = shape.num_layers * window_layer_bytes(kv_cache_dtype, block_size, shape.num_kv_heads,
                                                    shape.head_dim, width, residual)
-    per_request = -(-block * held_tokens(shape, context, block_size) // block_size) + window
+    # a draft's blocks come paired with the model's and hold every position, past a sliding window too
+    held = context if draft else held_tokens(shape, context, block_size)
+    per_request = -(-(block + draft_block) * held // block_size) + window
+    draft_weights = draft.weight_bytes(dtype) if draft else 0
     cap = Capacity(shape.name, dtype, context, batch, -(-block // block_size), -(-mha_block // block_size),
-                   mha_block / block, per_request, per_request * batch, shape.weight_bytes(dtype),
+                   mha_block / block, per_request, per_request * batch, shape.weight_bytes(dtype) + draft_weights,
                    kv_cache_dtype=kv_cache_dtype, block_size=block_size, window_bytes_per_request=window,
-                   residual_blocks=residual, sliding_window=shape.sliding_window)
+                   residual_blocks=residual, sliding_window=shape.sliding_window,
+                   draft_model=draft.name if draft else None, draft_kv_bytes_per_token=-(-draft_block // block_size),
+                   draft_weight_bytes=draft_weights)
     if gpu_mem_gib is not None:
         cap.gpu_mem_bytes = int(gpu_mem_gib * GIB)
         cap.reserve_bytes = int(cap.gpu_mem_bytes * RESERVE_FRACTION)
@@ -129,13 +142,16 @@ def format_report(c: Capacity) -> str:
         f"batch {c.batch}",
         f"KV bytes per token        {c.kv_bytes_per_token:,} B",
         f"  same model as MHA       {c.mha_kv_bytes_per_token:,} B (GQA saves {c.gqa_saving:g}x)",
+        *([f"  draft model {c.draft_model}: {c.draft_kv_bytes_per_token:,} B more"] if c.draft_model else []),
         f"KV per request            {_size(c.kv_bytes_per_request)}"
-        + (f" (the model's sliding window of {c.sliding_window} tokens bounds it)" if c.sliding_window else ""),
+        + (f" (the model's sliding window of {c.sliding_window} tokens bounds it)"
+           if c.sliding_window and not c.draft_model else ""),
         *([f"  of which windows        {_size(c.window_bytes_per_request)} (the block being filled + "
            f"{c.residual_blocks} residual)"]
           if c.window_bytes_per_request else []),
         f"KV for the batch          {_size(c.kv_bytes_for_batch)}",
         f"weights                   {_size(c.weight_bytes)}",
+        *([f"  of which the draft      {_size(c.draft_weight_bytes)}"] if c.draft_model else []),
     ]
     if c.gpu_mem_bytes is not None:
         lines += [
@@ -165,8 +181,9 @@ def run_kv_calc(args: argparse.Namespace) -> int:
         if args.preset and args.quantization:
             raise ValueError("--quantization needs --model (a preset has no projection shapes)")
         shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model, args.quantization)
+        draft = shape_from_dir(args.speculative_model) if args.speculative_model else None
         cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib, args.kv_cache_dtype,
-                   args.block_size, args.kv_residual_blocks)
+                   args.block_size, args.kv_residual_blocks, draft)
     except (OSError, KeyError, ValueError, UnsupportedModelError, json.JSONDecodeError) as e:
         print(f"tidepool kv-calc: error: {e}", file=sys.stderr)
         return 2
@@ -194,6 +211,8 @@ def add_kv_calc_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=_positive(int), default=16,
                    help="tokens per KV block (fp8 and kivi2 scale per block)")
     p.add_argument("--gpu-mem-gib", type=_positive(float), default=None, help="device memory in GiB")
+    p.add_argument("--speculative-model", metavar="DIR", default=None,
+                   help="a draft model's checkpoint (as tidepool serve takes it): its weights and KV cache count too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_kv_calc)
 
