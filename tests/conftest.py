@@ -32,9 +32,8 @@ KERNEL_COMPILE_FILE = "tests/test_kernel_compile.py"  # its GPU-target compiles 
 
 def _uses_the_shared_servers(item: pytest.Item) -> bool:
     """Whether the item uses the session's Ray instance or Redis server (by fixture or by marker)."""
-    fixtures = set(getattr(item, "fixturenames", ()))
-    return bool(fixtures & {"ray_session", "redis_url"}) or any(item.iter_markers("ray")) \
-        or any(item.iter_markers("redis"))
+    fixtures, markers = set(getattr(item, "fixturenames", ())), {m.name for m in item.iter_markers()}
+    return bool(fixtures & {"ray_session", "redis_url"} or markers & {"ray", "redis"})
 
 
 def _run_order(item: pytest.Item) -> int:

@@ -8,6 +8,7 @@ shared memory, spills."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import json
 import os
@@ -75,7 +76,8 @@ def start_compiles(directory: Path) -> None:
 def _stop_compiles(directory: Path) -> None:
     for run in _RUNS:
         if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)  # the shell and the compile it runs
+            with contextlib.suppress(ProcessLookupError):  # it may end between the poll and the kill
+                os.killpg(run.pid, signal.SIGKILL)  # the shell and the compile it runs
         run.wait()
     shutil.rmtree(directory, ignore_errors=True)
 
