@@ -182,6 +182,8 @@ def run_kv_calc(args: argparse.Namespace) -> int:
             raise ValueError("--quantization needs --model (a preset has no projection shapes)")
         shape = PRESETS[args.preset] if args.preset else shape_from_dir(args.model, args.quantization)
         draft = shape_from_dir(args.speculative_model) if args.speculative_model else None
+        if draft and shape.config:  # a preset has no vocabulary to compare
+            draft.config.check_drafts_for(shape.config, args.speculative_model)
         cap = plan(shape, args.dtype, args.context, args.batch, args.gpu_mem_gib, args.kv_cache_dtype,
                    args.block_size, args.kv_residual_blocks, draft)
     except (OSError, KeyError, ValueError, UnsupportedModelError, json.JSONDecodeError) as e:

@@ -630,6 +630,13 @@ class ModelConfig:
             return self
         return replace(self, weight_quant=ONLINE_FP8)
 
+    def check_drafts_for(self, target: ModelConfig, name: str) -> None:
+        """ValueError when this draft model (``name``: how the user named it) has another vocabulary than
+        ``target``: its token ids would mean other tokens."""
+        if self.vocab_size != target.vocab_size:
+            raise ValueError(f"the speculative model {name!r} has a vocabulary of {self.vocab_size} tokens and the "
+                             f"model {target.vocab_size}: a draft model must share the model's tokenizer")
+
     def check_int_shapes(self) -> None:
         """Integer checkpoints pack 8 (or 4) codes to an int32 along one dimension and group the input columns:
         every projection's rows and columns must split so."""

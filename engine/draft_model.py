@@ -34,12 +34,10 @@ def check_draft_model(speculative_model: str, target: ModelConfig) -> Path:
     would mean other tokens). Reads only its config (the server checks before any worker starts)."""
     try:
         model_dir = resolve_model_dir(speculative_model)
-        vocab_size = ModelConfig.from_dir(model_dir).vocab_size
+        draft = ModelConfig.from_dir(model_dir)
     except (CheckpointError, UnsupportedModelError) as exc:  # a plain ValueError: not the model's checkpoint
         raise ValueError(f"the speculative model {speculative_model!r}: {exc}") from None
-    if vocab_size != target.vocab_size:
-        raise ValueError(f"the speculative model {speculative_model!r} has a vocabulary of {vocab_size} tokens "
-                         f"and the model {target.vocab_size}: a draft model must share the model's tokenizer")
+    draft.check_drafts_for(target, speculative_model)
     return model_dir
 
 

@@ -152,3 +152,7 @@ def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_every_position(tmp_pat
     assert "sliding window" not in out  # the draft's cache holds every position
     code, _, err = kv_calc(["--preset", "llama-3-8b", "--speculative-model", str(tmp_path / "none")], capsys)
     assert code == 2 and err.startswith("tidepool kv-calc: error: ") and "config.json" in err
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 32001}))
+    code, _, err = kv_calc(["--model", str(target), "--speculative-model", str(draft)], capsys)  # as serve refuses it
+    assert code == 2 and "vocabulary of 32001 tokens and the model 32000" in err
