@@ -39,7 +39,7 @@ from engine.scheduler import Scheduler, Sequence
 from engine.speculative import NgramProposer, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
-from engine.tokenizer import load_tokenizer, tokenizer_dir
+from engine.tokenizer import load_tokenizer
 from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
 
@@ -105,7 +105,7 @@ class Engine:
         if self.runner.supports_decode_graphs and graphed:
             self.runner.enable_decode_graphs(config.max_num_seqs, max_blocks,
                                              query_len=config.num_speculative_tokens + 1)
-        self.grammars = GrammarMasks(tokenizer_dir(config, model_dir) / "tokenizer.json" if self.tokenizer else None,
+        self.grammars = GrammarMasks(self.tokenizer.file if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.proposer = (None if speculative is None else NgramProposer(speculative) if draft is None
                          else DraftModelProposer(speculative, *draft, num_blocks, config, backend))

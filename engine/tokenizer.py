@@ -61,8 +61,10 @@ def compile_chat_template(source: str) -> Template:
 
 class Tokenizer:
     def __init__(self, tokenizer: HFTokenizer, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, eos_token_ids: list[int], bos_token_id: int | None):
+                 eos_token: str | None, eos_token_ids: list[int], bos_token_id: int | None,
+                 file: Path | None = None):
         self._tok = tokenizer
+        self.file = file  # the tokenizer.json it was read from (structured outputs' grammars read it too)
         self.bos_token, self.eos_token = bos_token, eos_token
         self.eos_token_ids = eos_token_ids
         self.bos_token_id = bos_token_id
@@ -99,12 +101,12 @@ class Tokenizer:
         eos_id = tok.token_to_id(eos) if eos else None
         if eos_id is not None and eos_id not in eos_ids:
             eos_ids.append(eos_id)
-        return cls(tok, template, bos, eos, eos_ids, bos_id)
+        return cls(tok, template, bos, eos, eos_ids, bos_id, file)
 
     def with_chat_template(self, chat_template: str) -> Tokenizer:
         """This tokenizer rendering chats with ``chat_template`` instead of the checkpoint's (``--chat-template``)."""
         return Tokenizer(self._tok, chat_template, self.bos_token, self.eos_token, self.eos_token_ids,
-                         self.bos_token_id)
+                         self.bos_token_id, self.file)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special-token strings in it (as a chat template writes them) become
@@ -132,21 +134,15 @@ class Tokenizer:
                                      **kwargs)
 
 
-def tokenizer_dir(config: EngineConfig, model_dir: Path) -> Path:
-    """Where the model's tokenizer files are: ``config.tokenizer``, else the checkpoint's directory."""
-    return model_dir if config.tokenizer is None else Path(config.tokenizer).expanduser()
-
-
 def load_tokenizer(config: EngineConfig, model_dir: Path, vocab_size: int, required: bool = False
                    ) -> Tokenizer | None:
-    """The model's tokenizer (``tokenizer_dir``); None when the checkpoint has no tokenizer.json, none was named
+    """The model's tokenizer, from ``config.tokenizer`` else the checkpoint's directory; None when the checkpoint has no tokenizer.json, none was named
     and none is ``required`` (prompts are then token ids). A named tokenizer that cannot be read, or that has
     more tokens than the model's ``vocab_size``, is a ValueError naming it."""
-    path = tokenizer_dir(config, model_dir)
     if config.tokenizer is None:
-        return Tokenizer.from_dir(path) if required or (path / "tokenizer.json").exists() else None
+        return Tokenizer.from_dir(model_dir) if required or (model_dir / "tokenizer.json").exists() else None
     try:
-        tokenizer = Tokenizer.from_dir(path, model_dir)
+        tokenizer = Tokenizer.from_dir(Path(config.tokenizer).expanduser(), model_dir)
     except CheckpointError as exc:  # a plain ValueError: not the model's checkpoint
         raise ValueError(f"the tokenizer {config.tokenizer!r}: {exc}") from None
     if tokenizer.vocab_size > vocab_size:
