@@ -1,6 +1,16 @@
 """Speculative decoding with a draft model (vLLM's ``draft_model`` method): a smaller checkpoint with the
-target's vocabulary proposes each decoding sequence's next tokens, greedily, and the engine verifies them as it
-verifies n-gram drafts (``engine/speculative.py``), so the output is still the target model's, token for token.
+target's vocabulary proposes each decoding sequence's next tokens, and the engine verifies them as it verifies
+n-gram drafts (``engine/speculative.py``), so the output is still the target model's, token for token.
+
+The draft samples as its sequence does (penalties, bias, temperature, min-p, top-k, top-p: ``sample``) and,
+for a sampled sequence, with the very random draws the engine will verify each position with (``Draws``,
+taken ahead). Sampling is ``argmax(p / q)`` over one draw ``q``, so where the draft's distribution is close to
+the model's, the two pick the same token even when neither is the most likely: a draft identical to the model
+is accepted whole whatever the temperature, where a greedy draft is kept only with probability p(draft). The
+verification does not change, so neither does the output: this is the Gumbel-max coupling of "Coupling without
+Communication and Drafter-Invariant Speculative Decoding" (Daliri, Musco and Suresh, 2024). A greedy sequence
+drafts the argmax. What only the verification applies (the stop tokens ``min_tokens`` holds back, bad words, a
+structured output's mask) can only cost a draft token, never change a kept one.
 
 The draft model keeps its own paged KV cache: as many blocks as the target's (a draft's blocks are smaller, it
 has fewer layers and heads), handed out by its own block manager without a prefix cache, since the small model
@@ -26,6 +36,7 @@ from engine.kv_cache import KVCache, block_bytes
 from engine.loader import load_model, resolve_model_dir
 from engine.model import CausalLM
 from engine.runner import ModelRunner, SeqChunk
+from engine.sampler import sample
 from engine.speculative import DraftRequest, SpeculativeConfig
 
 
@@ -67,6 +78,8 @@ class _DraftState:
 
 
 class DraftModelProposer:
+    samples_drafts = True  # each draft token is sampled, with its verification's draw where it is random
+
     def __init__(self, config: SpeculativeConfig, model: CausalLM, model_config: ModelConfig, num_blocks: int,
                  engine_config: EngineConfig, attention_backend: str):
         self.config = config
@@ -79,47 +92,57 @@ class DraftModelProposer:
         self._states: dict[int, _DraftState] = {}
 
     def propose_all(self, requests: list[DraftRequest]) -> list[list[int]]:
-        """Each request's draft: up to its ``max_tokens`` tokens, the draft model's greedy continuation; []
-        for a sequence still catching up, or when the draft's blocks or context run out."""
+        """Each request's draft: up to its ``max_tokens`` tokens, the draft model's continuation sampled as
+        the request samples; [] for a sequence still catching up, or when the draft's blocks or context run
+        out."""
         drafts: list[list[int]] = [[] for _ in requests]
         chunks: list[SeqChunk] = []
         drafting: list[tuple[int, int, int]] = []  # (request index, draft length, row of the catch-up pass)
         budget = self.token_budget
-        for i, (seq_id, token_ids, max_tokens) in enumerate(requests):
-            state = self._states.setdefault(seq_id, _DraftState())
-            state.catch_up(token_ids)
-            total = len(token_ids)
-            room = min(max_tokens, self.config.num_speculative_tokens, self.max_len - total)
+        for i, r in enumerate(requests):
+            state = self._states.setdefault(r.seq_id, _DraftState())
+            state.catch_up(r.token_ids)
+            total = len(r.token_ids)
+            room = min(r.max_tokens, self.config.num_speculative_tokens, self.max_len - total)
             n = min(total - state.computed, budget)
             if room <= 0 or n <= 0:
                 continue
             caught_up = state.computed + n == total
-            if not self.blocks.allocate(seq_id, state.computed, n + (room - 1 if caught_up else 0)):
+            if not self.blocks.allocate(r.seq_id, state.computed, n + (room - 1 if caught_up else 0)):
                 continue
             budget -= n
-            chunks.append(SeqChunk(token_ids[state.computed:total if caught_up else state.computed + n],
-                                   state.computed, self.blocks.block_table(seq_id)))
+            chunks.append(SeqChunk(r.token_ids[state.computed:total if caught_up else state.computed + n],
+                                   state.computed, self.blocks.block_table(r.seq_id)))
             state.computed += n
             if caught_up:
                 drafting.append((i, room, len(chunks) - 1))
         if not chunks:
             return drafts
-        rows = self._greedy(chunks)
-        for i, _, row in drafting:
-            drafts[i].append(rows[row])
+        logits = self.runner.run(chunks)  # (also when no chunk drafts: it writes the catch-up's K/V)
+        live = [(i, room) for i, room, _ in drafting]
+        if live:
+            self._sample_next(logits[[row for _, _, row in drafting]], requests, live, drafts)
         # one token a pass: each draft token's K/V is written as the next one is predicted
-        while live := [(i, room) for i, room, _ in drafting if len(drafts[i]) < room]:
-            rows = self._greedy([SeqChunk([drafts[i][-1]], len(requests[i][1]) + len(drafts[i]) - 1,
-                                          self.blocks.block_table(requests[i][0])) for i, _ in live])
-            for (i, _), token in zip(live, rows, strict=True):
-                drafts[i].append(token)
+        while live := [(i, room) for i, room in live if len(drafts[i]) < room]:
+            logits = self.runner.run([SeqChunk([drafts[i][-1]], len(requests[i].token_ids) + len(drafts[i]) - 1,
+                                               self.blocks.block_table(requests[i].seq_id)) for i, _ in live])
+            self._sample_next(logits, requests, live, drafts)
         for i, _, _ in drafting:
-            self._states[requests[i][0]].written = drafts[i][:-1]
+            self._states[requests[i].seq_id].written = drafts[i][:-1]
         return drafts
 
-    def _greedy(self, chunks: list[SeqChunk]) -> list[int]:
-        """The draft model's most likely next token after each chunk (writing the chunks' K/V)."""
-        return torch.argmax(self.runner.run(chunks), dim=-1).tolist()
+    @staticmethod
+    def _sample_next(logits: torch.Tensor, requests: list[DraftRequest], live: list[tuple[int, int]],
+                     drafts: list[list[int]]) -> None:
+        """Append to each live request's draft its next token, sampled from ``logits`` (a row per live request)
+        as the request samples, with the draw its verification will use at that position."""
+        picked = [(requests[i], drafts[i]) for i, _ in live]
+        tokens = sample(logits, [r.params for r, _ in picked], [None] * len(picked),
+                        [[*r.token_ids, *draft] if r.params.has_penalties else r.token_ids for r, draft in picked],
+                        [r.num_prompt_tokens for r, _ in picked],
+                        draws=[None if r.draws is None else r.draws.values[len(draft)] for r, draft in picked])
+        for (i, _), token in zip(live, tokens, strict=True):
+            drafts[i].append(token)
 
     def forget(self, seq_id: int) -> None:
         """Free a finished, aborted or preempted sequence's draft blocks (a preempted one catches up again)."""

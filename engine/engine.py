@@ -33,10 +33,10 @@ from engine.lora_slots import DEFAULT_MAX_LORA_RANK, LoRASlots
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk
-from engine.sampler import bad_word_bans, make_generator, sample, skip_draws, top_logprobs
+from engine.sampler import Draws, bad_word_bans, draw_ahead, make_generator, sample, skip_draws, top_logprobs
 from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from engine.speculative import NgramProposer, SpeculationStats
+from engine.speculative import DraftRequest, NgramProposer, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.tokenizer import load_tokenizer
@@ -158,8 +158,9 @@ class Engine:
         self.last_step = None
         self._recompute_with_long_rope()
         start = time.perf_counter()  # (a draft model's passes are part of the step)
+        draws: dict[int, Draws] = {}  # seq_id -> the draws a sampling proposer drafted with
         if self.proposer is not None:
-            self._propose_drafts(self.proposer.config.drafts_at(len(self.scheduler.running)))
+            draws = self._propose_drafts(self.proposer.config.drafts_at(len(self.scheduler.running)))
         batch = self.scheduler.schedule()
         if self.proposer is not None:  # what a preempted sequence holds for drafting goes with its blocks
             for seq in batch.preempted:
@@ -225,7 +226,7 @@ class Engine:
             every_row_once = rows == list(range(logits.shape[0]))
             outputs += self._sample(logits if every_row_once else logits[rows], sampled,
                                     None if bitmask is None else bitmask[mask_rows])
-        verified = self._verify(logits, drafted, draft_masks) if drafted else []
+        verified = self._verify(logits, drafted, draft_masks, draws) if drafted else []
         outputs += verified
         step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
         self._step_times.append(time.perf_counter() - start)
@@ -281,21 +282,28 @@ class Engine:
                 self.block_manager.free(seq.seq_id)
 
     # -- speculative decoding (engine/speculative.py) ----------------------------------------------
-    def _propose_drafts(self, drafting: bool) -> None:
+    def _propose_drafts(self, drafting: bool) -> dict[int, Draws]:
         """Give every decoding sequence this step's draft (none unless ``drafting``). Under a structured output
-        the draft is what the grammar forces, else the proposer's, cut where the grammar would refuse a token."""
+        the draft is what the grammar forces, else the proposer's, cut where the grammar would refuse a token.
+        A proposer that samples is given each sampled sequence's draws for its positions, taken ahead
+        (``draw_ahead``): returned by seq_id, for the verification to sample with."""
         asked: list[tuple[Sequence, int]] = []  # the sequences the proposer drafts for, and their room
         for seq in self.scheduler.running:
             room = self._draft_room(seq) if drafting else 0
             seq.draft_ids = seq.grammar.forced_tokens()[:room] if room > 0 and seq.grammar is not None else []
             if room > 0 and not seq.draft_ids:
                 asked.append((seq, room))
-        drafts = self.proposer.propose_all([(seq.seq_id, seq.token_ids, room) for seq, room in asked]) if asked else []
+        draws = {seq.seq_id: draw_ahead(seq.generator, room + 1, self.model_config.vocab_size, self.device)
+                 for seq, room in asked if self.proposer.samples_drafts and not seq.params.greedy}
+        drafts = self.proposer.propose_all([
+            DraftRequest(seq.seq_id, seq.token_ids, room, seq.params, seq.num_prompt_tokens, draws.get(seq.seq_id))
+            for seq, room in asked]) if asked else []
         for (seq, _), draft in zip(asked, drafts, strict=True):
             seq.draft_ids = draft
         for seq in self.scheduler.running:
             if seq.draft_ids and seq.grammar is not None:
                 seq.draft_ids = seq.draft_ids[:seq.grammar.draft_prefix(seq.draft_ids)]
+        return draws
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most draft tokens ``seq`` may verify now: none unless it is decoding (past its prompt, only its
@@ -313,21 +321,28 @@ class Engine:
         return room
 
     def _verify(self, logits: torch.Tensor, drafted: list[tuple[Sequence, int]],
-                masks: dict[int, tuple[torch.Tensor | None, list[bool]]]) -> list[RequestOutput]:
+                masks: dict[int, tuple[torch.Tensor | None, list[bool]]], draws: dict[int, Draws]
+                ) -> list[RequestOutput]:
         """Sample every position of each drafted chunk (``logits`` rows from its first row on) as if its draft
         were the output so far, and keep the draft up to the first token sampled otherwise, plus that
         token; each kept token passes the stop checks plain decoding applies. ``masks``: a structured
-        output's bitmask and completeness at each position (``GrammarMasks.draft_masks``), by seq_id."""
+        output's bitmask and completeness at each position (``GrammarMasks.draft_masks``), by seq_id; ``draws``:
+        the draws a sampled sequence drafted with, by seq_id (the others' are taken ahead here)."""
         rows, params, generators, histories, prompt_lens, banned = [], [], [], [], [], []
         bitmasks: list[torch.Tensor] = []  # each row's allowed tokens, when some row is constrained
-        seeded: dict[int, torch.Tensor] = {}  # seq_id -> its random stream's state before these draws
+        row_draws: list[torch.Tensor | None] = []  # each row's random draw (None: a greedy row)
         for seq, first in drafted:
             draft, p = seq.draft_ids, seq.params
             bitmask, complete = masks.get(seq.seq_id, (None, [False] * (len(draft) + 1)))
             if masks:
                 bitmasks.append(self.grammars.allowed_rows(bitmask, len(draft) + 1))
-            if seq.generator is not None and not p.greedy:
-                seeded[seq.seq_id] = seq.generator.get_state()
+            if p.greedy:
+                row_draws += [None] * (len(draft) + 1)
+            else:  # the sequence's next draws, of which it takes those of the tokens it keeps
+                if seq.seq_id not in draws:
+                    draws[seq.seq_id] = draw_ahead(seq.generator, len(draft) + 1, self.model_config.vocab_size,
+                                                   self.device)
+                row_draws += list(draws[seq.seq_id].values[:len(draft) + 1])
             for j in range(len(draft) + 1):
                 rows.append(first + j)
                 params.append(p)
@@ -339,7 +354,7 @@ class Engine:
                 banned.append((self._stop_tokens(seq) if holds else []) + self._bad_word_bans(seq, draft[:j]))
         chosen = logits[rows]
         allowed = self.grammars.apply(chosen, torch.cat(bitmasks)) if masks else chosen
-        token_ids = sample(allowed, params, generators, histories, prompt_lens, banned)
+        token_ids = sample(allowed, params, generators, histories, prompt_lens, banned, row_draws)
         logprobs = top_logprobs(chosen, token_ids, [p.logprobs for p in params])
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
@@ -355,9 +370,8 @@ class Engine:
             new = token_ids[row:row + kept]
             row += len(draft) + 1
             self.speculation.record(len(draft), sum(1 for t, d in zip(new, draft, strict=False) if t == d))
-            if seq.seq_id in seeded and kept <= len(draft):  # give back the draws of the positions not kept
-                seq.generator.set_state(seeded[seq.seq_id])
-                skip_draws(seq.generator, kept, self.model_config.vocab_size)
+            if seq.seq_id in draws:
+                draws[seq.seq_id].take(seq.generator, kept)
             self._computed(seq, seq.num_tokens - 1)  # the last token and the kept draft tokens
             if outputs[-1].finished:
                 finished.append(seq)

@@ -12,6 +12,8 @@ too: temperature, then min-p, then top-k and top-p.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.output import TokenLogprobs
@@ -32,6 +34,37 @@ def skip_draws(generator: torch.Generator, count: int, vocab_size: int) -> None:
     draw per token): tokens sampled elsewhere, or a draft's positions after its first rejected token."""
     for _ in range(count):
         torch.empty(vocab_size, device=generator.device).exponential_(generator=generator)
+
+
+@dataclass
+class Draws:
+    """A sample's random draws for its next tokens, taken ahead of sampling them: a draft model samples each
+    draft position with the draw its verification will use (``engine/draft_model.py``)."""
+
+    values: torch.Tensor  # [count, vocab]: the Exp(1) draw of each of the next ``count`` tokens, in order
+    # A seeded sample's stream state after 0..count of them, the stream itself left where it was; None: drawn
+    # from the global stream (taken, and nothing to give back)
+    states: list[torch.Tensor] | None
+
+    def take(self, generator: torch.Generator | None, used: int) -> None:
+        """Advance a seeded sample's stream past the first ``used`` draws: those of the tokens it kept."""
+        if self.states is not None and generator is not None:
+            generator.set_state(self.states[used])
+
+
+def draw_ahead(generator: torch.Generator | None, count: int, vocab_size: int, device: torch.device | str) -> Draws:
+    """The next ``count`` tokens' draws of a sample (``sample`` takes one vocabulary-wide draw per token): from
+    its own stream when it is seeded, which is then left as it was, else from the global stream."""
+    if generator is None:
+        return Draws(torch.empty(count, vocab_size, device=device).exponential_(), None)
+    start = generator.get_state()
+    values = torch.empty(count, vocab_size, device=device)
+    states = [start]
+    for row in values:
+        row.exponential_(generator=generator)
+        states.append(generator.get_state())
+    generator.set_state(start)
+    return Draws(values, states)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -111,10 +144,11 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
-           banned: list[list[int]] | None = None) -> list[int]:
+           banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None) -> list[int]:
     """One token per row of float32 ``logits [rows, vocab]``; ``token_ids`` / ``num_prompt_tokens`` are
     each row's history, needed only when a row has penalties, and ``banned`` the tokens each row may not
-    sample (see ``apply_penalties``)."""
+    sample (see ``apply_penalties``). ``draws[r]``, where given, is row r's random draw (``draw_ahead``),
+    used instead of one from its generator."""
     logits = apply_penalties(logits, params, token_ids, num_prompt_tokens, banned)
     greedy = [p.greedy for p in params]
     if all(greedy):
@@ -128,9 +162,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         scaled = _apply_top_k_top_p(scaled, top_k, top_p)
     probs = scaled.softmax(dim=-1)
-    q = torch.empty_like(probs).exponential_()
+    given = [] if draws is None else [row for row, d in enumerate(draws) if d is not None]
+    q = torch.empty_like(probs)
+    if len(given) < len(params):
+        q.exponential_()
+    if given:
+        q[given] = torch.stack([draws[row] for row in given])
     for row, g in enumerate(generators):
-        if g is not None:  # seeded rows draw only from their own stream
+        if g is not None and (draws is None or draws[row] is None):  # seeded rows draw only from their own stream
             q[row].exponential_(generator=g)
     tokens = (probs / q).argmax(dim=-1)
     if any(greedy):

@@ -16,18 +16,35 @@ Each position is sampled with the random draw plain decoding would give it (the 
 order; the draws after the first rejection are given back), so the output equals plain decoding's token for
 token, seeded sampling included (up to floating-point differences between a chunk's and a decode row's
 logits), and the sampled distribution is the model's: this is rejection sampling of a point-mass draft,
-whose acceptance probability p(draft) is the optimal one.
+whose acceptance probability p(draft) is the optimal one for a draft given as tokens. A draft model does
+better than point masses by drafting with those same draws (``engine/draft_model.py``).
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (engine.config reads SpeculativeConfig from here, and the sampler imports what imports it)
+    from engine.sampler import Draws
+    from engine.sampling_params import SamplingParams
 
 _ITEM = array("i").itemsize  # token ids live in C ints, searched as bytes
 
-# What a proposer is asked for one decoding sequence: (seq_id, its tokens so far, the most draft tokens it takes)
-DraftRequest = tuple[int, list[int], int]
+
+@dataclass
+class DraftRequest:
+    """What a proposer is asked for one decoding sequence."""
+
+    seq_id: int
+    token_ids: list[int]  # its tokens so far
+    max_tokens: int  # the most draft tokens it takes
+    params: SamplingParams
+    num_prompt_tokens: int
+    # The draws its draft's positions are verified with, for a proposer that samples (``samples_drafts``) and
+    # a sequence that is not greedy; None otherwise
+    draws: Draws | None = None
 
 
 @dataclass(frozen=True)
@@ -76,13 +93,15 @@ class NgramProposer:
     only grows (a sequence's tokens are never taken back), so a step appends its new tokens and searches in
     place with ``bytearray.rfind``: linear in the history, at C speed."""
 
+    samples_drafts = False  # a draft is what followed, whatever the sampling
+
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._history: dict[int, bytearray] = {}  # seq_id -> its tokens so far, as C ints
 
     def propose_all(self, requests: list[DraftRequest]) -> list[list[int]]:
         """Each request's draft (``propose``)."""
-        return [self.propose(*request) for request in requests]
+        return [self.propose(r.seq_id, r.token_ids, r.max_tokens) for r in requests]
 
     def propose(self, seq_id: int, token_ids: list[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the latest earlier occurrence of the longest suffix of

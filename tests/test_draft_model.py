@@ -1,7 +1,8 @@
 """Speculative decoding with a draft model (engine/draft_model.py): the engine drafting with a second checkpoint
 against the engine without drafts: the same tokens, texts, logprobs and finish reasons (greedy and seeded
-sampling), a draft of the model's own weights accepted (float ties aside), a draft of other weights still
-giving transformers' tokens; a sequence imported from a prefill engine caught up by the draft in budget-sized
+sampling), a draft of the model's own weights accepted at any temperature (float ties aside: it samples with
+the verification's draws), a draft of other weights still giving transformers' greedy tokens and the plain
+engine's seeded ones; a sequence imported from a prefill engine caught up by the draft in budget-sized
 chunks before it drafts; the draft's blocks freed on finish, abort and preemption; drafts beside a JSON
 schema, an attention window and a LoRA adapter; a prefill worker that loads no draft; and the settings
 refused when they cannot work."""
@@ -32,18 +33,33 @@ def draft_blocks_free(engine: Engine) -> bool:
 
 @pytest.mark.parametrize("sampling", list(SAMPLINGS))
 def test_a_draft_model_changes_nothing_but_the_number_of_steps(tiny, sampling):
-    """The draft is the model itself: greedy drafts are the model's own greedy tokens, so (up to float ties
-    between a draft's decode rows and the verifying chunk) all are accepted; sampled ones only sometimes."""
+    """The draft is the model itself: greedy drafts are the model's own greedy tokens, and sampled ones are
+    drawn with the draws the verification samples with, so (up to float ties between a draft's decode rows and
+    the verifying chunk, and the stop tokens min_tokens bans only in the verification) all are accepted."""
     params = SAMPLINGS[sampling]
     plain = generate(Engine(EngineConfig(model="tiny")), params)
     engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny"))
     assert_same(generate(engine, params), plain)
     stats = engine.stats().speculation
-    if sampling == "greedy":
-        assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
-        assert stats.accepted_per_position[3] > 0  # whole drafts kept, the draft's K/V then caught up by two
-    else:
-        assert stats.draft_tokens > stats.accepted_tokens > 0
+    assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
+    assert stats.accepted_per_position[3] > 0  # whole drafts kept, the draft's K/V then caught up by two
+    assert all_blocks_free(engine) and draft_blocks_free(engine)
+
+
+def test_a_draft_of_the_models_weights_is_accepted_at_a_high_temperature_from_the_global_stream(tiny):
+    """Unseeded sampling at temperature 1.5, where the most likely token is rarely the sampled one (a
+    greedy draft would mostly fail): the draws taken ahead from the global stream serve the draft and the
+    verification alike, so the model's own drafts are accepted."""
+    params = SamplingParams(max_tokens=24, temperature=1.5, ignore_eos=True)
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny"))
+    samples = generate(engine, params, PROMPTS[:3])
+    stats = engine.stats().speculation
+    assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
+    assert all(len(s["tokens"]) == 24 for s in samples.values())
+    greedy = generate(Engine(EngineConfig(model="tiny")), SamplingParams(max_tokens=24, temperature=0.0,
+                                                                          ignore_eos=True), PROMPTS[:3])
+    agree = sum(a == b for k in samples for a, b in zip(samples[k]["tokens"], greedy[k]["tokens"], strict=True))
+    assert agree < 0.5 * 24 * 3  # the sampled tokens are mostly not the greedy ones
     assert all_blocks_free(engine) and draft_blocks_free(engine)
 
 
@@ -61,6 +77,22 @@ def test_a_draft_of_other_weights_keeps_transformers_greedy_tokens(tmp_path):
                                    do_sample=False)[0, len(ids):]
             assert got[(str(i), 0)]["tokens"] == expected.tolist()
     assert engine.stats().speculation.drafts > 0
+    assert draft_blocks_free(engine)
+
+
+def test_a_draft_of_other_weights_keeps_the_plain_engines_seeded_samples(tmp_path):
+    """A one-layer draft of other random weights, seeded sampling at temperature 1: the draft samples with
+    the verification's draws, which changes which tokens it proposes and nothing of what is kept."""
+    build_hf_checkpoint(tmp_path / "target", "llama")
+    build_hf_checkpoint(tmp_path / "draft", "llama", num_hidden_layers=1)
+    prompts = [[(5 * i) % 37 for i in range(30)] * 2, [3, 1, 4, 1, 5, 9, 2, 6] * 4]
+    params = SamplingParams(max_tokens=40, temperature=1.0, top_p=0.9, seed=7, n=2, ignore_eos=True)
+    plain = generate(Engine(EngineConfig(model=str(tmp_path / "target"))), params, prompts)
+    engine = Engine(EngineConfig(model=str(tmp_path / "target"), num_speculative_tokens=3,
+                                 speculative_model=str(tmp_path / "draft")))
+    assert_same(generate(engine, params, prompts), plain)
+    stats = engine.stats().speculation
+    assert stats.draft_tokens > stats.accepted_tokens > 0
     assert draft_blocks_free(engine)
 
 

@@ -132,7 +132,9 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_path):
     """n-gram drafts verified in captured graphs of their own (each sequence padded to 1 + 3 rows) beside
     plain decode graphs: the float32 greedy tokens equal the torch backend's without drafts; so do a draft
-    model's (the checkpoint itself, on the Triton backend, its one-token passes replayed from graphs of its own)."""
+    model's (the checkpoint itself, on the Triton backend, its one-token passes replayed from graphs of its own),
+    and its seeded samples at temperature 1 equal the plain engine's, nearly every draft token accepted: the
+    draws taken ahead on the device are the ones its stream gives the sampler."""
     if ran_in_a_compiling_process("test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding"):
         return
     from test_engine_loop import GREEDY, prompt, run, write_model
@@ -152,6 +154,14 @@ def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_pa
     assert run(engine, requests) == want
     assert engine.stats().speculation.accepted_tokens > 0 and sum(engine.runner.graphs.draft_replays.values()) > 0
     assert sum(engine.proposer.runner.graphs.replays.values()) > 0  # the draft's one-token passes, captured too
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    sampled = {name: (ids, seeded) for name, (ids, _) in requests.items()}
+    want = run(Engine(_engine_config(model_dir, num_blocks=128)), sampled)
+    engine = Engine(_engine_config(model_dir, num_blocks=128, num_speculative_tokens=3,
+                                   speculative_model=str(model_dir)))
+    assert run(engine, sampled) == want
+    stats = engine.stats().speculation
+    assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
 
 
 @pytest.mark.timeout(600)

@@ -1,5 +1,6 @@
 """Sampler: parameter validation, greedy, top-k / top-p truncation, per-request seeds independent of the
-batch a row is sampled in, logprobs, and penalties (repetition against transformers' processor) and bias."""
+batch a row is sampled in, draws taken ahead giving the tokens the stream would, logprobs, and penalties
+(repetition against transformers' processor) and bias."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from engine.errors import InvalidRequestError
 from engine.output import TokenLogprobs
-from engine.sampler import apply_penalties, bad_word_bans, make_generator, sample, top_logprobs
+from engine.sampler import apply_penalties, bad_word_bans, draw_ahead, make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
 
 V = 50
@@ -102,6 +103,30 @@ def test_seeded_rows_reproduce_whatever_the_batch():
     assert draws(others) == alone
     assert draws(others[::-1] + others) == alone
     assert len(set(alone)) > 1  # really sampled, not greedy
+
+
+def test_draws_taken_ahead_sample_what_the_stream_would_and_are_taken_only_as_far_as_used():
+    """A draft model samples with the draws its verification will use: taking them ahead leaves a seeded
+    stream where it was, sampling with them gives the stream's own tokens, and taking the first k moves the
+    stream on by k tokens' draws; the global stream's draws are plain random ones."""
+    params = [SamplingParams(temperature=1.3, seed=5)] * 6
+    x = logits(6, seed=3)
+    stream = make_generator(5, 0, "cpu")
+    ahead = draw_ahead(stream, 6, V, "cpu")
+    assert ahead.values.shape == (6, V) and len(ahead.states) == 7
+    own = sample(x, params, [stream] * 6)  # the stream's next six draws, one a row
+    with_draws = sample(x, params, [make_generator(5, 0, "cpu")] * 6, draws=list(ahead.values))
+    assert with_draws == own and len(set(own)) > 1
+    for used in (0, 2, 6):
+        taken = make_generator(5, 0, "cpu")
+        ahead.take(taken, used)
+        reference = make_generator(5, 0, "cpu")
+        sample(x[:used], params[:used], [reference] * used)
+        assert torch.equal(taken.get_state(), reference.get_state())
+    unseeded = draw_ahead(None, 4, V, "cpu")
+    assert unseeded.states is None and bool((unseeded.values > 0).all()) and unseeded.values.std() > 0.1
+    mixed = sample(x[:2], [SamplingParams(temperature=0), params[0]], [None, None], draws=[None, ahead.values[1]])
+    assert mixed == [int(x[0].argmax()), own[1]]  # a greedy row beside a row with its draw
 
 
 def test_logprobs_hold_the_sampled_token_and_the_top_n():
