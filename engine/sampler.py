@@ -142,6 +142,20 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
     return out
 
 
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of ``logits`` is sampled from: its temperature (1 for a greedy row), then
+    min-p, top-k and top-p (penalties and bias are the caller's: ``apply_penalties``)."""
+    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=logits.dtype,
+                         device=logits.device)
+    scaled = logits / temps.unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        scaled = _apply_min_p(scaled, [p.min_p for p in params])
+    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
            banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None) -> list[int]:
@@ -153,15 +167,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1).tolist()
-    temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
-                         dtype=logits.dtype, device=logits.device)
-    scaled = logits / temps.unsqueeze(1)
-    if any(p.min_p > 0 for p in params):
-        scaled = _apply_min_p(scaled, [p.min_p for p in params])
-    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        scaled = _apply_top_k_top_p(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
+    probs = sampling_probs(logits, params)
     given = [] if draws is None else [row for row, d in enumerate(draws) if d is not None]
     q = torch.empty_like(probs)
     if len(given) < len(params):
