@@ -36,7 +36,7 @@ from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Draws, bad_word_bans, draw_ahead, make_generator, sample, skip_draws, top_logprobs
 from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from engine.speculative import DraftRequest, NgramProposer, SpeculationStats
+from engine.speculative import DraftRequest, NgramProposer, PredictedOutput, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.tokenizer import load_tokenizer
@@ -283,14 +283,17 @@ class Engine:
 
     # -- speculative decoding (engine/speculative.py) ----------------------------------------------
     def _propose_drafts(self, drafting: bool) -> dict[int, Draws]:
-        """Give every decoding sequence this step's draft (none unless ``drafting``). Under a structured output
-        the draft is what the grammar forces, else the proposer's, cut where the grammar would refuse a token.
-        A proposer that samples is given each sampled sequence's draws for its positions, taken ahead
-        (``draw_ahead``): returned by seq_id, for the verification to sample with."""
+        """Give every decoding sequence this step's draft (none unless ``drafting``): what a structured
+        output's grammar forces, if anything; else its predicted output's next tokens, if any; else the
+        proposer's; under a structured output cut where the grammar would refuse a token. A proposer that
+        samples is given each sampled sequence's draws for its positions, taken ahead (``draw_ahead``):
+        returned by seq_id, for the verification to sample with."""
         asked: list[tuple[Sequence, int]] = []  # the sequences the proposer drafts for, and their room
         for seq in self.scheduler.running:
             room = self._draft_room(seq) if drafting else 0
             seq.draft_ids = seq.grammar.forced_tokens()[:room] if room > 0 and seq.grammar is not None else []
+            if room > 0 and not seq.draft_ids and seq.prediction is not None:
+                seq.draft_ids = seq.prediction.draft(seq.token_ids, min(room, self.proposer.config.num_speculative_tokens))
             if room > 0 and not seq.draft_ids:
                 asked.append((seq, room))
         draws = {seq.seq_id: draw_ahead(seq.generator, room + 1, self.model_config.vocab_size, self.device)
@@ -623,6 +626,8 @@ class Engine:
                        generator=make_generator(params.seed, index, self.device), text=text,
                        prompt_logprobs=[] if params.prompt_logprobs is not None and not output_ids else None,
                        grammar=grammar, lora=lora)
+        if params.prediction_ids and self.proposer is not None:  # (an engine that does not speculate has no use for it)
+            seq.prediction = PredictedOutput(params.prediction_ids, self.proposer.config, len(token_ids))
         self._salt(seq, long_rope_applies(self.model_config.long_rope_from, seq.num_tokens))
         for token in output_ids:
             if text is not None:

@@ -58,6 +58,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # The output kept to a JSON schema, regex, choice list or grammar (engine/structured_output.py); None: free.
     structured_output: StructuredOutput | None = None
+    # OpenAI's predicted output, as token ids: drafts for an engine that speculates (engine/speculative.py's
+    # PredictedOutput), verified as any draft, so it changes how fast the output comes, never the output
+    prediction_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -129,6 +132,9 @@ class SamplingParams:
         if not isinstance(self.bad_words_token_ids, list | tuple) or not all(
                 isinstance(s, list | tuple) and s and all(is_int(t) and t >= 0 for t in s) for s in self.bad_words_token_ids):
             raise bad("bad_words", f"must be token sequences, got {self.bad_words_token_ids!r}")
+        if not isinstance(self.prediction_ids, list | tuple) or not all(is_int(t) and t >= 0
+                                                                      for t in self.prediction_ids):
+            raise bad("prediction", f"must be a list of token ids, got {self.prediction_ids!r}")
         if self.bad_words_token_ids and (self.structured_output is not None or self.allowed_token_ids is not None):
             # either could leave only banned tokens: a row with nothing to draw
             raise bad("bad_words", "cannot be combined with a structured output or allowed_token_ids")

@@ -29,6 +29,7 @@ import torch
 from engine.block_manager import BlockManager
 from engine.output import FinishReason, OutputText, TokenLogprobs
 from engine.sampling_params import Priority, SamplingParams
+from engine.speculative import PredictedOutput
 from engine.structured_output import GrammarMatcher
 
 
@@ -70,6 +71,7 @@ class Sequence:
     # Tokens proposed to follow its last one (speculative decoding), computed with it in this step's chunk and
     # kept as far as the sampler agrees; [] outside a decoding step that speculates.
     draft_ids: list[int] = field(default_factory=list)
+    prediction: PredictedOutput | None = None  # its request's predicted output, followed as it decodes
     lora: str | None = None  # the LoRA adapter it runs with (``engine/lora.py``); None: the base model
     # A LongRoPE model's sequence longer than the original context rotates every key with the long factors
     long_rope: bool = False

@@ -116,7 +116,7 @@ class NgramProposer:
         def latest(n: int) -> int | None:  # the start of the latest earlier occurrence of the last n tokens
             if n > total - 1:
                 return None
-            return _latest_occurrence(history, history[(total - n) * _ITEM:], (total - 1) * _ITEM)
+            return _find_tokens(history, history[(total - n) * _ITEM:], 0, (total - 1) * _ITEM, latest=True)
 
         def following(start: int) -> list[int]:
             return array("i", history[start * _ITEM:(start + limit) * _ITEM]).tolist()
@@ -134,11 +134,58 @@ class NgramProposer:
         self._history.pop(seq_id, None)
 
 
-def _latest_occurrence(data: bytearray, needle: bytearray, end: int) -> int | None:
-    """The token index of the latest occurrence of ``needle`` ending at or before byte ``end`` (so not the
-    suffix itself), aligned to whole tokens; None when there is none."""
-    while (at := data.rfind(needle, 0, end)) >= 0:
+class PredictedOutput:
+    """A request's predicted output (OpenAI's Predicted Outputs: text the answer is expected to mostly repeat,
+    such as a file being edited) as its drafts. A cursor follows the output through the prediction: each output
+    token equal to the prediction's next moves it on, a different one loses it, and a lost cursor is found again
+    after the longest run of the output's last tokens (``prompt_lookup_max`` down to one) that occurs in the
+    prediction, first looking on from where it was lost (an edit's end), then from the start. The draft is what
+    follows the cursor. Followed lazily, from the output itself, so steps without drafts and tokens sampled
+    elsewhere (a prefill worker's first) are followed too."""
+
+    def __init__(self, prediction: list[int], config: SpeculativeConfig, output_from: int):
+        """``output_from``: where the output starts in the sequence's tokens (its prompt's length)."""
+        self._tokens = array("i", prediction)
+        self._bytes = self._tokens.tobytes()
+        self._longest = config.prompt_lookup_max
+        self._output_from = output_from
+        self._at: int | None = 0  # the output so far ends where the prediction's first ``_at`` tokens do
+        self._lost_at = 0  # where the cursor was when it was last lost
+        self._followed = output_from  # the sequence's tokens followed
+
+    def draft(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens of the prediction after the sequence's output so far (``token_ids``: its
+        prompt and output); [] where the output has left the prediction and its last tokens occur nowhere in
+        it, or the prediction is used up."""
+        for token in token_ids[self._followed:]:
+            if self._at is not None and self._at < len(self._tokens) and self._tokens[self._at] == token:
+                self._at += 1
+            elif self._at is not None:
+                self._lost_at, self._at = self._at, None
+        self._followed = len(token_ids)
+        if self._at is None:
+            self._at = self._find_again(token_ids)
+        return [] if self._at is None else self._tokens[self._at:self._at + max_tokens].tolist()
+
+    def _find_again(self, token_ids: list[int]) -> int | None:
+        """Where the output's longest recurring suffix ends in the prediction (the class's search order)."""
+        for n in range(min(self._longest, len(token_ids) - self._output_from), 0, -1):
+            needle = array("i", token_ids[-n:]).tobytes()
+            for start in (self._lost_at, 0):
+                if (at := _find_tokens(self._bytes, needle, start * _ITEM, len(self._bytes))) is not None:
+                    return at + n
+        return None
+
+
+def _find_tokens(data: bytes | bytearray, needle: bytes | bytearray, start: int, end: int,
+                 latest: bool = False) -> int | None:
+    """The token index of the first (``latest``: the last) occurrence of ``needle`` within bytes
+    ``start``..``end`` of ``data``, aligned to whole tokens; None when there is none."""
+    while (at := data.rfind(needle, start, end) if latest else data.find(needle, start, end)) >= 0:
         if at % _ITEM == 0:
             return at // _ITEM
-        end = at + len(needle) - 1  # a match straddling tokens: look further back
+        if latest:  # a match straddling tokens: look further back, or on
+            end = at + len(needle) - 1
+        else:
+            start = at + 1
     return None
