@@ -164,6 +164,11 @@ class Dispatcher:
     def alive_workers(self) -> int:
         return sum(1 for load in self._loads.values() if load.alive)
 
+    @property
+    def speculates(self) -> bool:
+        """Whether the workers that decode verify drafts (speculative decoding), which predicted outputs need."""
+        return any(w.info.num_speculative_tokens > 0 for w in self.workers.values() if w.info.role in DECODE_ROLES)
+
     def missing_roles(self, excluded: set[str] | frozenset[str] = frozenset()) -> list[str]:
         """The roles ("prefill", "decode") that no live worker outside ``excluded`` serves."""
         live = {ld.role for ld in self._loads.values() if ld.alive and ld.worker_id not in excluded}

@@ -87,6 +87,7 @@ class WorkerInfo:
     quantized_at_load: str | None = None  # --quantization, when it changed the weights: part of the hash salt
     # The LoRA adapters it serves beside the base model: name -> adapter id (its blocks' hash salt, ``engine/lora.py``)
     loras: dict[str, str] = field(default_factory=dict)
+    num_speculative_tokens: int = 0  # the most draft tokens its engine verifies a step; 0: it does not speculate
 
 
 @dataclass

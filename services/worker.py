@@ -101,6 +101,7 @@ class Worker:
             long_rope_from=self.engine.model_config.long_rope_from, quantized_at_load=self.engine.quantized_at_load,
             num_layers=self.engine.model_config.num_layers, prefix_address=self.copier.address,
             loras={name: adapter.adapter_id for name, adapter in self.engine.loras.items()},
+            num_speculative_tokens=0 if self.engine.proposer is None else self.engine.proposer.config.num_speculative_tokens,
         )
 
     async def load(self) -> WorkerLoad:

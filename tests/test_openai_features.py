@@ -6,6 +6,9 @@ text that spells special tokens.
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import openai
 import pytest
 from live_helpers import free_blocks, idle, wait_until
@@ -237,3 +240,71 @@ def test_special_token_strings_in_user_text_stay_plain_text(live_server):
     template_only = len(tokenizer.encode(tokenizer.apply_chat_template(base, add_generation_prompt=True)))
     # the tiny tokenizer spells plain text one byte per token; forged special tokens would be 4 tokens in all
     assert resp.usage.prompt_tokens == template_only + len(forged.encode("utf-8"))
+
+
+# ---- predicted outputs ------------------------------------------------------------------------------------
+
+def test_a_predicted_output_drafts_for_the_decode_worker_and_changes_no_token(live_server):
+    """OpenAI's ``prediction``: the answer is the one without it, streamed or not; the decode worker drafts from
+    it (nearly every token of a prediction the answer repeats is an accepted draft, where the same request
+    without it accepts few n-gram drafts); the usage counts the prediction's tokens the answer holds and the
+    rest, an edited prediction's too."""
+    from test_metrics import scrape, total
+
+    c = client(live_server)
+    messages = [{"role": "user", "content": "Tell me about the sea anemone, please."}]
+    letters = httpx.post(f"{live_server.http_url}/tokenize", json={  # (the tiny model's tokens are bytes)
+        "model": live_server.model_id, "prompt": "abcdefghijklmnopqrstuvwxyz ", "add_special_tokens": False},
+        timeout=30).json()["tokens"]
+    kwargs = dict(model=live_server.model_id, messages=messages, **greedy(48, allowed_token_ids=letters))
+    answer = c.chat.completions.create(**kwargs).choices[0].message.content
+    assert len(answer) == 48 and set(answer) <= set("abcdefghijklmnopqrstuvwxyz ")
+
+    def drafted(**extra) -> tuple[object, tuple[float, float]]:
+        """The response, and the draft tokens and accepted ones its decode steps counted."""
+        names = ("tidepool_spec_decode_num_draft_tokens_total", "tidepool_spec_decode_num_accepted_tokens_total")
+        def settled() -> list[float]:
+            """The counts once two reads 200 ms apart agree (they come with the worker's load reports)."""
+            last = None
+            for _ in range(50):
+                counts = [total(scrape(live_server)[1], name) for name in names]
+                if counts == last:
+                    return counts
+                last = counts
+                time.sleep(0.2)
+            raise AssertionError(f"the speculation counts kept changing: {last}")
+
+        assert wait_until(lambda: idle(live_server), 60)
+        before = settled()
+        response = c.chat.completions.create(**kwargs, **extra)
+        return response, tuple(after - start for after, start in zip(settled(), before, strict=True))
+
+    predicted, (draft_tokens, accepted) = drafted(prediction={"type": "content", "content": answer})
+    assert predicted.choices[0].message.content == answer
+    details = predicted.usage.completion_tokens_details
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (48, 0)
+    # of 47 decoded tokens, each step samples one of its own after the draft
+    assert accepted == draft_tokens >= 35
+    _, (ngram_draft_tokens, ngram_accepted) = drafted()
+    assert ngram_accepted < min(ngram_draft_tokens, 35)  # the n-gram drafts of the same answer do worse
+    edited = answer[:20] + "XYZ" + answer[26:]  # three bytes for six, none of them in the answer
+    parts = [{"type": "text", "text": edited[:10]}, {"type": "text", "text": edited[10:]}]
+    chunks = list(c.chat.completions.create(**kwargs, prediction={"type": "content", "content": parts},
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer
+    details = chunks[-1].usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == len(edited) == 45
+    assert 36 <= details.accepted_prediction_tokens <= 42
+    assert c.chat.completions.create(**kwargs).usage.completion_tokens_details is None  # no prediction, no details
+
+
+@pytest.mark.parametrize("prediction, match", [
+    ({"type": "text", "content": "x"}, "prediction"),
+    ({"type": "content", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, "content.0: a prediction"),
+    ({"type": "content", "content": "x", "weight": 2}, "prediction.weight"),
+])
+def test_a_malformed_prediction_is_a_400_naming_it(live_server, prediction, match):
+    with pytest.raises(openai.BadRequestError) as err:
+        client(live_server).chat.completions.create(model=live_server.model_id, messages=CHAT, max_tokens=4,
+                                                    prediction=prediction)
+    assert err.value.body["param"] == "prediction" and match in err.value.body["message"]

@@ -66,3 +66,13 @@ def test_chats_render_with_the_chat_template_option_not_the_checkpoints(tool_ser
     rendered = own.with_chat_template(TOOL_TEMPLATE).apply_chat_template(user_message("Hi"), tools=tools)
     assert ids == own.encode(rendered) != own.encode(own.apply_chat_template(user_message("Hi")))
     assert "Tools: set_unit" in rendered
+
+
+def test_a_prediction_is_refused_where_no_worker_speculates(tool_server):
+    """Predicted outputs are drafts, which only a server started with --num-speculative-tokens verifies."""
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client(tool_server).chat.completions.create(
+            model="tool-model", messages=user_message("hi"), max_tokens=4,
+            prediction={"type": "content", "content": "hello"})
+    assert err.value.body["param"] == "prediction" and "--num-speculative-tokens" in err.value.body["message"]
+    assert err.value.body["code"] == "unsupported_parameter"

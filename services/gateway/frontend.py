@@ -29,6 +29,7 @@ from services.gateway.chat_prompt import encode_chat
 from services.gateway.errors import NotFoundError, PromptTextTooLongError
 from services.gateway.generation import Echo, Generation, merge_streams
 from services.gateway.reasoning import END_THINK, THINK, after_thinking
+from services.gateway.request_body import refuse
 from services.gateway.token_texts import TokenTexts
 from services.gateway.tool_calls import ToolCallParser, call_parser
 from services.messages import SessionSequence, TokenEvent
@@ -94,6 +95,7 @@ class Options:
     parallel_tool_calls: bool = True  # False: an answer holds at most one call
     priority: int = 0  # lower is served first among waiting prompts (vLLM's)
     structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
+    prediction: str | None = None  # chat: the text the answer is expected to mostly repeat (OpenAI's Predicted Outputs)
 
     def tool_call_reader(self, parser: str | None) -> Callable[[], ToolCallParser] | None:
         """How the answers are read for tool calls with the server's ``parser`` (None: no tools asked)."""
@@ -102,9 +104,11 @@ class Options:
         return call_parser(parser, self.tools, self.tool_choice, self.tool_name, self.parallel_tool_calls)
 
     def sampling_params(self, default_max_tokens: int, defaults: GenerationDefaults,
-                        bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+                        bad_words_token_ids: list[list[int]] | None = None,
+                        prediction_ids: list[int] | None = None) -> SamplingParams:
         """``defaults``: the model's, for the sampling fields left unset (and a cap on ``default_max_tokens``);
-        ``bad_words_token_ids``: ``bad_words`` encoded (``bad_word_sequences``)."""
+        ``bad_words_token_ids``: ``bad_words`` encoded (``bad_word_sequences``); ``prediction_ids``: the
+        prediction encoded."""
         given = {name: getattr(self, name) for name in _OPTIONAL}
         if self.max_tokens is None:
             max_tokens = min(default_max_tokens, defaults.max_tokens or default_max_tokens)
@@ -116,7 +120,8 @@ class Options:
                                 allowed_token_ids=self.allowed_token_ids,
                                 bad_words_token_ids=list(bad_words_token_ids or []),
                                 skip_special_tokens=self.skip_special_tokens,
-                                structured_output=self.structured_output, **defaults.apply(given))
+                                structured_output=self.structured_output, prediction_ids=list(prediction_ids or []),
+                                **defaults.apply(given))
         params.validate()
         return params
 
@@ -267,8 +272,23 @@ class Frontend:
         if chars > limit * MAX_CHARS_PER_TOKEN:
             raise PromptTextTooLongError(chars, limit * MAX_CHARS_PER_TOKEN, limit)
 
+    async def _prediction_ids(self, prediction: str | None) -> list[int] | None:
+        """A chat's predicted text encoded (None: none given). Its tokens are drafts, which only a server that
+        speculates verifies; text longer than the context could hold is refused unread."""
+        if prediction is None:
+            return None
+        if not self.dispatcher.speculates:
+            raise refuse("prediction", "predicted outputs are drafts for speculative decoding, which this server "
+                                       "does not run (start it with --num-speculative-tokens K)")
+        most = self.dispatcher.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(prediction) > most:
+            raise InvalidRequestError("prediction", f"{len(prediction)} characters cannot fit the model's "
+                                                    f"{self.dispatcher.max_model_len}-token context")
+        return await asyncio.to_thread(self.dispatcher.tokenizer.encode, prediction, False)
+
     def _sampling_params(self, prompt_ids: list[int], options: Options, prompt_field: str,
-                         default_max_tokens: int | None, bad_words_token_ids: list[list[int]]) -> SamplingParams:
+                         default_max_tokens: int | None, bad_words_token_ids: list[list[int]],
+                         prediction_ids: list[int] | None) -> SamplingParams:
         limit = self.dispatcher.max_model_len
         if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
             raise PromptTooLongError(len(prompt_ids), self.max_prompt_tokens)
@@ -276,7 +296,7 @@ class Frontend:
             raise PromptTooLongError(len(prompt_ids), limit - 1)
         room = limit - len(prompt_ids)
         params = options.sampling_params(min(default_max_tokens or room, room), self.dispatcher.generation_defaults,
-                                         bad_words_token_ids)
+                                         bad_words_token_ids, prediction_ids)
         if params.max_tokens > room:
             raise InvalidRequestError("max_tokens", f"{params.max_tokens} tokens don't fit after the "
                                       f"{len(prompt_ids)}-token {prompt_field}: the context is {limit} tokens")
@@ -298,7 +318,9 @@ class Frontend:
                 raise InvalidRequestError(name, f"token ids must be in [0, {vocab})")
         # Every prompt is checked before any starts.
         bad_words = bad_word_sequences(self.dispatcher.tokenizer, options.bad_words)
-        params = [self._sampling_params(ids, options, prompt_field, default_max_tokens, bad_words) for ids in prompts]
+        prediction_ids = await self._prediction_ids(options.prediction)
+        params = [self._sampling_params(ids, options, prompt_field, default_max_tokens, bad_words, prediction_ids)
+                  for ids in prompts]
         request_id = f"{id_prefix}-{uuid.uuid4().hex}"
         if len(prompts) == 1:
             events = self.dispatcher.generate(GenerateRequest(request_id, prompts[0], params[0], options.priority,
@@ -310,7 +332,8 @@ class Frontend:
                 for i, (ids, p) in enumerate(zip(prompts, params, strict=True))])
         if turn is not None:
             events = turn.run(events, options.n)
-        gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n, echo=echo)
+        gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n, echo=echo,
+                         prediction_ids=prediction_ids)
         try:
             await gen.start()
         except BaseException:

@@ -48,6 +48,23 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class Prediction(_Body):
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        """The predicted text (text parts joined); 400 naming what else was sent."""
+        self.check_extra("prediction")
+        if isinstance(self.content, str):
+            return self.content
+        for k, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError("prediction", f"content.{k}: a prediction's content parts are text "
+                                                        f"parts, got type {part.type!r}")
+            part.check_extra(f"prediction.content.{k}")
+        return "".join(part.text for part in self.content)
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str = Field(description="A JSON object, as the model wrote it.")
@@ -246,6 +263,9 @@ class ChatCompletionRequest(_SamplingBody):
     continue_final_message: bool = Field(False, description="The answer continues the final (assistant) message's "
                                                             "text; needs add_generation_prompt false (vLLM). "
                                                             "Extension.")
+    prediction: Prediction | None = Field(None, description="Text the answer is expected to mostly repeat (a file "
+                                                            "being edited): drafts for speculative decoding, on a "
+                                                            "server started with --num-speculative-tokens.")
 
     def chat_options(self, tool_call_parser: str | None) -> Options:
         """``tool_call_parser``: the server's (None: tool calling is off)."""
@@ -284,6 +304,7 @@ class ChatCompletionRequest(_SamplingBody):
         options.continue_final_message = self.continue_final_message
         options.tool_choice = "required" if self.tool_choice == "required" else "named" if forced else "auto"
         options.tool_name, options.parallel_tool_calls = forced_name, not single
+        options.prediction = None if self.prediction is None else self.prediction.text()
         if tool_call_parser == "mistral" and shown and not forced:  # its calls open with a special token
             options.skip_special_tokens = False
         return options

@@ -16,8 +16,12 @@ from services.gateway.tool_calls import ToolCallParser
 
 def _usage(usage: Usage) -> dict:
     """OpenAI's usage object."""
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    shaped = {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+              "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if usage.accepted_prediction_tokens is not None:
+        shaped["completion_tokens_details"] = {"accepted_prediction_tokens": usage.accepted_prediction_tokens,
+                                               "rejected_prediction_tokens": usage.rejected_prediction_tokens}
+    return shaped
 
 
 class ResponseShape:
