@@ -24,7 +24,7 @@ from services.gateway import errors
 from services.gateway.auth import check_bearer
 from services.gateway.frontend import Frontend, Options
 from services.gateway.generation import Delta, Generation
-from services.gateway.grpc_chat import chat_request, fill_chunk, with_tools
+from services.gateway.grpc_chat import chat_request, fill_chunk, with_chat_fields
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.responses import ResponseShape
 from services.gateway.structured_outputs import StructuredOutputsParams, requested_output
@@ -58,12 +58,12 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
 
 async def _options_off_loop(s: serving_pb2.SamplingOptions, chat: ChatCompletionRequest | None = None,
                             tool_call_parser: str | None = None) -> Options:
-    """`_options` (with a chat's tools: `grpc_chat.with_tools`) in a thread: a structured output's grammar, a
+    """`_options` (with a chat's own fields: `grpc_chat.with_chat_fields`) in a thread: a structured output's grammar, a
     forced call's too, compiles there (milliseconds for a large schema, the first time), which would stall
     every stream this event loop serves."""
     def build() -> Options:
         options = _options(s)
-        return options if chat is None else with_tools(options, chat, tool_call_parser)
+        return options if chat is None else with_chat_fields(options, chat, tool_call_parser)
 
     return await asyncio.to_thread(build)
 
@@ -180,7 +180,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     u = gen.usage
                     chunk.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=u.prompt_tokens,
                                                            completion_tokens=u.completion_tokens,
-                                                           cached_tokens=u.cached_tokens))
+                                                           cached_tokens=u.cached_tokens,
+                                                           accepted_prediction_tokens=u.accepted_prediction_tokens,
+                                                           rejected_prediction_tokens=u.rejected_prediction_tokens))
                 yield chunk
             self.metrics.inc_request(f"grpc:{method}", grpc.StatusCode.OK.name)
         except Exception as exc:

@@ -1,4 +1,4 @@
-"""gRPC chat with tools: a ``ChatRequest``'s messages, tools and tool choice become the chat completions request
+"""gRPC chat: a ``ChatRequest``'s messages, tools, tool choice and prediction become the chat completions request
 they stand for (``protocol.ChatCompletionRequest``), so its checks, chat template variables and forced-call
 schema are HTTP's; its answer is read as HTTP's is (``responses.ResponseShape``: the reasoning parser, then
 the tool-call parser), and each stream delta fills a ``GenerateChunk``'s text, reasoning and tool calls."""
@@ -14,12 +14,12 @@ from services.gateway.frontend import Options
 from services.gateway.protocol import ChatCompletionRequest
 from tidepool.v1 import serving_pb2
 
-# What a chat's tools decide in its `Options` (the rest comes from the call's SamplingOptions).
-_TOOL_FIELDS = ("chat_template_kwargs", "tools", "tool_choice", "tool_name", "parallel_tool_calls")
+# What a chat's own fields decide in its `Options` (the rest comes from the call's SamplingOptions).
+_CHAT_FIELDS = ("chat_template_kwargs", "tools", "tool_choice", "tool_name", "parallel_tool_calls", "prediction")
 
 
 def chat_request(request: serving_pb2.ChatRequest) -> ChatCompletionRequest:
-    """The chat completions request of ``request``'s model, messages, tools and tool choice."""
+    """The chat completions request of ``request``'s model, messages, tools, tool choice and prediction."""
     body: dict[str, Any] = {"model": request.model, "messages": [_message(m) for m in request.messages]}
     if request.tools:
         body["tools"] = [_tool(t, k) for k, t in enumerate(request.tools)]
@@ -30,18 +30,20 @@ def chat_request(request: serving_pb2.ChatRequest) -> ChatCompletionRequest:
         body["tool_choice"] = {"type": "function", "function": {"name": request.tool_choice.function}}
     if request.HasField("parallel_tool_calls"):
         body["parallel_tool_calls"] = request.parallel_tool_calls
+    if request.HasField("prediction"):
+        body["prediction"] = {"type": "content", "content": request.prediction}
     return ChatCompletionRequest.model_validate(body)
 
 
-def with_tools(options: Options, chat: ChatCompletionRequest, tool_call_parser: str | None) -> Options:
-    """``options`` (the call's SamplingOptions) with what the chat's tools decide: the tools shown to the
-    template, how the answer is read, and a forced call's structured output (one structured output per
-    request: a 400 when the sampling options ask for another)."""
+def with_chat_fields(options: Options, chat: ChatCompletionRequest, tool_call_parser: str | None) -> Options:
+    """``options`` (the call's SamplingOptions) with what the chat's own fields decide: the tools shown to the
+    template, how the answer is read, a forced call's structured output (one structured output per request: a
+    400 when the sampling options ask for another), and the prediction."""
     chosen = chat.chat_options(tool_call_parser)
     if chosen.structured_output is not None and options.structured_output is not None:
         raise InvalidRequestError("tool_choice", "only one structured output per request: a forced call is one, "
                                                  "and sampling.structured_output asks for another")
-    return dataclasses.replace(options, **{name: getattr(chosen, name) for name in _TOOL_FIELDS},
+    return dataclasses.replace(options, **{name: getattr(chosen, name) for name in _CHAT_FIELDS},
                                structured_output=options.structured_output or chosen.structured_output,
                                skip_special_tokens=options.skip_special_tokens and chosen.skip_special_tokens)
 
