@@ -30,18 +30,20 @@ def _ids(value: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {value!r}") from None
 
 
+def _text(value: str) -> str:
+    """An option's text, or with ``@FILE`` the file's."""
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
 def _structured_output(args: argparse.Namespace) -> StructuredOutput | None:
     """The --json-schema / --regex / --choice / --grammar spec (``@FILE`` reads the file); None without one."""
-    def text(value: str) -> str:
-        return Path(value[1:]).read_text() if value.startswith("@") else value
-
     if args.json_schema is not None:
-        return StructuredOutput("json", text(args.json_schema))
+        return StructuredOutput("json", _text(args.json_schema))
     if args.regex is not None:
         return StructuredOutput("regex", args.regex)
     if args.choice:
         return StructuredOutput("choice", json.dumps(args.choice))
-    return None if args.grammar is None else StructuredOutput("grammar", text(args.grammar))
+    return None if args.grammar is None else StructuredOutput("grammar", _text(args.grammar))
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -87,6 +89,9 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="speculative decoding by n-gram prompt lookup, up to K draft tokens a step (0: off)")
     p.add_argument("--speculative-model", metavar="DIR", default=None,
                    help="with --num-speculative-tokens: draft with this smaller checkpoint of the same vocabulary")
+    p.add_argument("--prediction", metavar="TEXT", default=None,
+                   help="with --num-speculative-tokens: text each sample is expected to mostly repeat (OpenAI's "
+                        "predicted output; @FILE reads the file), drafted from first; the samples do not change")
     p.add_argument("--lora", metavar="DIR", default=None,
                    help="run every prompt with the PEFT LoRA adapter in DIR (adapter_config.json and "
                         "adapter_model.safetensors), as tidepool serve --lora-modules serves it")
@@ -107,17 +112,23 @@ def run_generate(args: argparse.Namespace) -> int:
     except ValueError as err:  # options that contradict each other or the model (or the adapter)
         print(f"tidepool generate: {err}", file=sys.stderr)
         return 2
+    if (args.prompt is not None or args.prediction is not None) and engine.tokenizer is None:
+        print("tidepool generate: this checkpoint has no tokenizer.json; use --prompt-ids (and no --prediction)",
+              file=sys.stderr)
+        return 2
+    if args.prediction is not None and engine.proposer is None:
+        print("tidepool generate: --prediction drafts for speculative decoding: add --num-speculative-tokens K",
+              file=sys.stderr)
+        return 2
     if args.prompt is not None:
-        if engine.tokenizer is None:
-            print("tidepool generate: this checkpoint has no tokenizer.json; use --prompt-ids", file=sys.stderr)
-            return 2
         prompts = [engine.tokenizer.encode(text, add_special_tokens=True) for text in args.prompt]
     else:
         prompts = args.prompt_ids
     try:
+        prediction = [] if args.prediction is None else engine.tokenizer.encode(_text(args.prediction), False)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                                n=args.n, structured_output=_structured_output(args))
+                                n=args.n, structured_output=_structured_output(args), prediction_ids=prediction)
         params.validate()
     except (InvalidRequestError, OSError) as err:
         print(f"tidepool generate: {err}", file=sys.stderr)
@@ -146,4 +157,8 @@ def run_generate(args: argparse.Namespace) -> int:
             for j, sample in enumerate(samples):
                 label = f"[{i}]" if args.n == 1 else f"[{i}.{j}]"
                 print(f"{label} {sample['text']!r}  ({len(sample['token_ids'])} tokens)", flush=True)
+    if engine.proposer is not None:
+        spec = engine.stats().speculation
+        print(f"speculative decoding: {spec.accepted_tokens} of {spec.draft_tokens} draft tokens accepted in "
+              f"{spec.drafts} drafted steps", file=sys.stderr)
     return 0

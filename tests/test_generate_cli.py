@@ -1,5 +1,6 @@
 """``tidepool generate``: --json output shape (one object per prompt), agreement with the engine, text
-prompts through the tokenizer, --n with a seed, --min-p, --lora, and a one-line error for a bad request."""
+prompts through the tokenizer, --n with a seed, --min-p, --lora, --prediction, and a one-line error for a bad
+request."""
 
 from __future__ import annotations
 
@@ -75,6 +76,21 @@ def test_bad_request_is_a_one_line_error(serving_model_dir, capsys):
                                 capsys)
     assert code == 2 and lines == []
     assert err.strip().count("\n") == 0 and "max_tokens" in err
+
+
+def test_a_prediction_is_drafted_from_and_changes_no_token(serving_model_dir, tmp_path, capsys):
+    # (letters only: the random model's bytes would not all be text)
+    model = ["--model", str(serving_model_dir), "--prompt", "Tide", "--max-tokens", "24", "--regex", "[a-z]{30}",
+             "--json"]
+    _, lines, _ = generate([*model, "--num-speculative-tokens", "4"], capsys)
+    predicted = tmp_path / "prediction.txt"
+    predicted.write_text(json.loads(lines[0])["text"])
+    code, again, err = generate([*model, "--num-speculative-tokens", "4", "--prediction", f"@{predicted}"], capsys)
+    assert code == 0 and again == lines
+    accepted, drafted = map(int, err.split("speculative decoding: ")[1].split(" draft")[0].split(" of "))
+    assert accepted == drafted >= 18  # every draft token of the prediction, 23 decoded in steps of up to 5
+    code, lines, err = generate([*model, "--prediction", "Tide"], capsys)
+    assert code == 2 and lines == [] and "add --num-speculative-tokens" in err
 
 
 def test_structured_output_flags_keep_every_sample_and_a_bad_spec_is_refused(serving_model_dir, tmp_path, capsys):
