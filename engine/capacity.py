@@ -7,7 +7,7 @@ full ones (``engine/kv_format.py``). From that: bytes per
 request at a context length, bytes for a batch, and how many such requests fit in a device after the
 weights and a reserve for activations and the runtime. A draft model (``--speculative-model``) adds its
 weights and its own KV cache, in the model's dtype: the engine pairs each of its blocks with one of the
-draft's, which holds every position of a request. Deliberately free of torch so the command answers
+draft's, which holds the positions the model's do (it attends through the model's window). Deliberately free of torch so the command answers
 instantly.
 """
 
@@ -77,7 +77,7 @@ class Capacity:
     block_size: int = 16
     window_bytes_per_request: int = 0  # fp8/kivi2: the block being filled and the residual, kept in ``dtype``
     residual_blocks: int = 0
-    sliding_window: int | None = None  # the model's own, which bounds the KV a request holds (without a draft)
+    sliding_window: int | None = None  # the model's own, which bounds the KV a request holds
     draft_model: str | None = None  # --speculative-model's, whose KV and weights the totals above include
     draft_kv_bytes_per_token: int = 0
     draft_weight_bytes: int = 0
@@ -113,8 +113,7 @@ def plan(shape: ModelShape, dtype: str, context: int, batch: int, gpu_mem_gib: f
     draft_block = block_bytes(draft, draft.num_kv_heads, "auto") if draft else 0
     window = shape.num_layers * window_layer_bytes(kv_cache_dtype, block_size, shape.num_kv_heads,
                                                    shape.head_dim, width, residual)
-    # a draft's blocks come paired with the model's and hold every position, past a sliding window too
-    held = context if draft else held_tokens(shape, context, block_size)
+    held = held_tokens(shape, context, block_size)  # (a draft's blocks come paired with the model's)
     per_request = -(-(block + draft_block) * held // block_size) + window
     draft_weights = draft.weight_bytes(dtype) if draft else 0
     cap = Capacity(shape.name, dtype, context, batch, -(-block // block_size), -(-mha_block // block_size),
@@ -145,7 +144,7 @@ def format_report(c: Capacity) -> str:
         *([f"  draft model {c.draft_model}: {c.draft_kv_bytes_per_token:,} B more"] if c.draft_model else []),
         f"KV per request            {_size(c.kv_bytes_per_request)}"
         + (f" (the model's sliding window of {c.sliding_window} tokens bounds it)"
-           if c.sliding_window and not c.draft_model else ""),
+           if c.sliding_window else ""),
         *([f"  of which windows        {_size(c.window_bytes_per_request)} (the block being filled + "
            f"{c.residual_blocks} residual)"]
           if c.window_bytes_per_request else []),

@@ -19,11 +19,15 @@ sequence's real tokens. A proposal first computes the rest up to the sequence's 
 it, such as one whose prompt a prefill worker computed, in chunks within ``max_num_batched_tokens``; it drafts
 once caught up), then k - 1 one-token passes over every drafting sequence write the draft tokens' K/V (on CUDA
 replayed from the draft's own decode graphs, as the engine's decode steps are). What verification accepts
-stays valid; the K/V of rejected draft tokens is overwritten at the next proposal.
+stays valid; the K/V of rejected draft tokens is overwritten at the next proposal. Under the engine's
+attention window (``--kv-window``/``--kv-sinks``, or the model's sliding window) the draft attends as the
+engine does, seeing what the model sees, and drops the blocks the window has passed, so its cache per
+sequence is bounded as the engine's is.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from engine.model import CausalLM
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import sample
 from engine.speculative import DraftRequest, SpeculativeConfig
+from engine.streaming_window import StreamingWindow
 
 
 def check_draft_model(speculative_model: str, target: ModelConfig) -> Path:
@@ -81,14 +86,25 @@ class DraftModelProposer:
     samples_drafts = True  # each draft token is sampled, with its verification's draw where it is random
 
     def __init__(self, config: SpeculativeConfig, model: CausalLM, model_config: ModelConfig, num_blocks: int,
-                 engine_config: EngineConfig, attention_backend: str):
+                 engine_config: EngineConfig, attention_backend: str, window: StreamingWindow | None):
+        """``window``: the engine's attention window (None: full attention)."""
         self.config = config
         self.kv_cache = KVCache(model_config, num_blocks, engine_config.block_size, engine_config.dtype,
                                 engine_config.device)
         self.blocks = BlockManager(num_blocks, engine_config.block_size, b"draft", enable_prefix_caching=False)
-        self.runner = ModelRunner(model, model_config, self.kv_cache, None, attention_backend)
+        # The draft attends as the engine does (--kv-window/--kv-sinks or the model's sliding window), else through
+        # its own sliding window, if it has one: its cache per sequence is then bounded as the engine's is.
+        context = model_config.max_position_embeddings
+        self.window = window or StreamingWindow.from_config(engine_config, context, model_config.sliding_window)
+        if engine_config.kv_window is not None and engine_config.kv_sinks + engine_config.kv_window > context:
+            raise ValueError(f"kv_sinks + kv_window ({engine_config.kv_sinks} + {engine_config.kv_window}) exceed the "
+                             f"speculative model's context of {context} positions")
+        self.runner = ModelRunner(model, model_config, self.kv_cache, self.window, attention_backend)
         self.token_budget = engine_config.max_num_batched_tokens  # catch-up tokens computed per proposal
-        self.max_len = model_config.max_position_embeddings  # no draft token past the draft's context
+        # ... in chunks of at most a window, as the engine's scheduler prefills under one
+        self.chunk_limit = sys.maxsize if self.window is None else self.window.window
+        # No draft token past the draft's context, which attention sinks never leave (positions within the cache)
+        self.max_len = context if engine_config.kv_window is None else sys.maxsize
         self._states: dict[int, _DraftState] = {}
 
     def propose_all(self, requests: list[DraftRequest]) -> list[list[int]]:
@@ -104,7 +120,7 @@ class DraftModelProposer:
             state.catch_up(r.token_ids)
             total = len(r.token_ids)
             room = min(r.max_tokens, self.config.num_speculative_tokens, self.max_len - total)
-            n = min(total - state.computed, budget)
+            n = min(total - state.computed, budget, self.chunk_limit)
             if room <= 0 or n <= 0:
                 continue
             caught_up = state.computed + n == total
@@ -129,6 +145,10 @@ class DraftModelProposer:
             self._sample_next(logits, requests, live, drafts)
         for i, _, _ in drafting:
             self._states[requests[i].seq_id].written = drafts[i][:-1]
+        if self.window is not None:  # free the blocks no later query of the sequence reads
+            for r in requests:
+                if r.seq_id in self.blocks.seqs:
+                    self.blocks.drop(r.seq_id, self.window.droppable(self._states[r.seq_id].computed))
         return drafts
 
     @staticmethod

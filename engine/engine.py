@@ -108,7 +108,7 @@ class Engine:
         self.grammars = GrammarMasks(self.tokenizer.file if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.proposer = (None if speculative is None else NgramProposer(speculative) if draft is None
-                         else DraftModelProposer(speculative, *draft, num_blocks, config, backend))
+                         else DraftModelProposer(speculative, *draft, num_blocks, config, backend, self.window))
         if draft is not None and graphed and self.proposer.runner.supports_decode_graphs:
             self.proposer.runner.enable_decode_graphs(config.max_num_seqs, max_blocks)  # its one-token passes
         self.speculation = SpeculationStats()

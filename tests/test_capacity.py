@@ -124,9 +124,10 @@ def test_a_sliding_window_model_holds_only_its_windows_blocks(tmp_path):
     assert "sliding window of 4096 tokens bounds it" in format_report(plan(shape, "float16", 32768, 1, None))
 
 
-def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_every_position(tmp_path, capsys):
+def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_the_positions_the_model_holds(tmp_path, capsys):
     """--speculative-model: the engine pairs each block with one of the draft's (in the model's dtype, whatever
-    --kv-cache-dtype says), which holds every position of a request, past the model's sliding window too."""
+    --kv-cache-dtype says), which holds the positions the model's blocks hold: the draft attends through the
+    model's sliding window too."""
     target, draft = tmp_path / "mistral", tmp_path / "draft"
     for path, layers, window in ((target, 32, 4096), (draft, 4, None)):
         path.mkdir()
@@ -141,7 +142,7 @@ def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_every_position(tmp_pat
     both = plan(big, "float16", 32768, 1, 80, draft=small)
     assert alone.kv_bytes_per_request == 257 * 16 * per_token  # the window bounds the model's own
     assert both.draft_kv_bytes_per_token == draft_per_token and both.kv_bytes_per_token == per_token
-    assert both.kv_bytes_per_request == 32768 * (per_token + draft_per_token)
+    assert both.kv_bytes_per_request == 257 * 16 * (per_token + draft_per_token)
     assert both.weight_bytes == alone.weight_bytes + small.num_parameters * 2 == alone.weight_bytes + both.draft_weight_bytes
     assert both.max_concurrent_requests == (int(80 * 1024**3 * 0.9) - both.weight_bytes) // both.kv_bytes_per_request
     int8 = plan(big, "float16", 1024, 1, None, "int8", draft=small)
@@ -149,7 +150,7 @@ def test_a_draft_model_adds_its_weights_and_a_kv_cache_of_every_position(tmp_pat
     assert int8.kv_bytes_per_request == 1024 * int8.kv_bytes_per_token + 1024 * draft_per_token
     code, out, _ = kv_calc(["--model", str(target), "--speculative-model", str(draft), "--context", "32768"], capsys)
     assert code == 0 and "  draft model draft: 2,048 B more" in out and "  of which the draft" in out
-    assert "sliding window" not in out  # the draft's cache holds every position
+    assert "sliding window of 4096 tokens bounds it" in out
     code, _, err = kv_calc(["--preset", "llama-3-8b", "--speculative-model", str(tmp_path / "none")], capsys)
     assert code == 2 and err.startswith("tidepool kv-calc: error: ") and "config.json" in err
     config = json.loads((draft / "config.json").read_text())

@@ -233,23 +233,49 @@ def test_a_preempted_sequence_gives_its_draft_blocks_back(tiny):
     assert all_blocks_free(engine) and draft_blocks_free(engine)
 
 
-@pytest.mark.parametrize("case", ["json schema", "window"])
-def test_a_draft_model_keeps_the_output_beside_grammars_and_windows(tiny, case):
-    """A structured output (forced tokens first, the draft model's cut where the grammar refuses) and an
-    attention window the draft does not have (its own cache keeps every position): the samples equal the plain
-    engine's. (The cache formats meet drafts in the engine, whichever proposer made them: test_speculative.)"""
+def test_a_draft_model_keeps_the_output_beside_a_grammar(tiny):
+    """A structured output (forced tokens first, the draft model's cut where the grammar refuses): the samples
+    equal the plain engine's. (The cache formats meet drafts in the engine, whichever proposer made them:
+    test_speculative.)"""
+    pytest.importorskip("llguidance")
     from test_speculative import STRUCTURED
 
-    options = dict(kv_window=32, kv_sinks=4) if case == "window" else {}
-    params = dataclasses.replace(SAMPLINGS["greedy"], max_tokens=24)
-    if case == "json schema":
-        pytest.importorskip("llguidance")
-        params = dataclasses.replace(params, structured_output=STRUCTURED["json"])
-    prompts = PROMPTS[:2]  # 120 and 80 tokens: past the window
-    plain = generate(Engine(EngineConfig(model="tiny", **options)), params, prompts)
-    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny", **options))
-    assert_same(generate(engine, params, prompts), plain)
+    params = dataclasses.replace(SAMPLINGS["greedy"], max_tokens=24, structured_output=STRUCTURED["json"])
+    plain = generate(Engine(EngineConfig(model="tiny")), params, PROMPTS[:2])
+    engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, speculative_model="tiny"))
+    assert_same(generate(engine, params, PROMPTS[:2]), plain)
     assert engine.stats().speculation.accepted_tokens > 0
+    assert all_blocks_free(engine) and draft_blocks_free(engine)
+
+
+@pytest.mark.parametrize("window", ["--kv-window", "the model's sliding window"])
+def test_under_an_attention_window_the_draft_attends_as_the_engine_and_holds_as_few_blocks(tiny, tmp_path, window):
+    """--kv-window 32 --kv-sinks 4, or a Mistral checkpoint's own sliding window of 32 (its draft: the same
+    weights, configured without one); prompts of 120 and 80 tokens and 64 more: the draft attends through the
+    engine's window, so its drafts stay the model's tokens (nearly all accepted) past the window, and it drops
+    the blocks the window has passed: a sequence never holds more draft blocks than a step of the engine
+    holds, plus the one its draft may reach into."""
+    if window == "--kv-window":
+        model, draft, options = "tiny", "tiny", dict(kv_window=32, kv_sinks=4)
+    else:
+        model, draft, options = str(tmp_path / "target"), str(tmp_path / "draft"), {}
+        build_hf_checkpoint(model, "mistral", sliding_window=32, vocab_size=272)
+        build_hf_checkpoint(draft, "mistral", sliding_window=None, vocab_size=272)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    plain = generate(Engine(EngineConfig(model=model, **options)), params, PROMPTS[:2])
+    engine = Engine(EngineConfig(model=model, num_speculative_tokens=4, speculative_model=draft, **options))
+    for i, ids in enumerate(PROMPTS[:2]):
+        engine.add_request(str(i), ids, params)
+    tokens: dict[str, list[int]] = {}
+    most = 0  # the most draft blocks a sequence held after a step
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        most = max([most, *(sum(b >= 0 for b in s.table) for s in engine.proposer.blocks.seqs.values())])
+    assert tokens == {rid: s["tokens"] for (rid, _), s in plain.items()}
+    assert 0 < most <= engine.window.max_blocks + 1 < -(-(120 + 64) // engine.block_size)
+    stats = engine.stats().speculation
+    assert stats.accepted_tokens >= 0.9 * stats.draft_tokens > 0
     assert all_blocks_free(engine) and draft_blocks_free(engine)
 
 
