@@ -138,7 +138,7 @@ class PredictedOutput:
     """A request's predicted output (OpenAI's Predicted Outputs: text the answer is expected to mostly repeat,
     such as a file being edited) as its drafts. A cursor follows the output through the prediction: each output
     token equal to the prediction's next moves it on, a different one loses it, and a lost cursor is found again
-    after the longest run of the output's last tokens (``prompt_lookup_max`` down to one) that occurs in the
+    after the longest run of the output's last tokens (``prompt_lookup_max`` down to ``prompt_lookup_min``) in the
     prediction, first looking on from where it was lost (an edit's end), then from the start. The draft is what
     follows the cursor. Followed lazily, from the output itself, so steps without drafts and tokens sampled
     elsewhere (a prefill worker's first) are followed too."""
@@ -147,7 +147,7 @@ class PredictedOutput:
         """``output_from``: where the output starts in the sequence's tokens (its prompt's length)."""
         self._tokens = array("i", prediction)
         self._bytes = self._tokens.tobytes()
-        self._longest = config.prompt_lookup_max
+        self._longest, self._shortest = config.prompt_lookup_max, config.prompt_lookup_min
         self._output_from = output_from
         self._at: int | None = 0  # the output so far ends where the prediction's first ``_at`` tokens do
         self._lost_at = 0  # where the cursor was when it was last lost
@@ -169,7 +169,7 @@ class PredictedOutput:
 
     def _find_again(self, token_ids: list[int]) -> int | None:
         """Where the output's longest recurring suffix ends in the prediction (the class's search order)."""
-        for n in range(min(self._longest, len(token_ids) - self._output_from), 0, -1):
+        for n in range(min(self._longest, len(token_ids) - self._output_from), self._shortest - 1, -1):
             needle = array("i", token_ids[-n:]).tobytes()
             for start in (self._lost_at, 0):
                 if (at := _find_tokens(self._bytes, needle, start * _ITEM, len(self._bytes))) is not None:
