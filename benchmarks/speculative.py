@@ -1,10 +1,11 @@
 """Speculative decoding on a pretrained model, by n-gram prompt lookup or with a draft model: decode speed
 with drafts against the same engine without them, in the same run.
 
-SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers five kinds of request, alone and in batches
+SmolLM2-135M-Instruct (``benchmarks/pretrained.py``) answers six kinds of request, alone and in batches
 of 4: repeating a passage it was given, greedily (the case prompt lookup is made for); rewriting a piece of
 code with a function renamed, greedily, its answer started with a code fence (much of it quotes the
-prompt); a rock-pool creature as JSON kept to a schema (``benchmarks/structured_output.py``'s), greedily:
+prompt), and the same with the renamed code as its predicted output (OpenAI's ``prediction``, which drafts
+before prompt lookup does: the plain engine ignores it); a rock-pool creature as JSON kept to a schema (``benchmarks/structured_output.py``'s), greedily:
 drafts are the grammar's forced tokens or n-gram ones it allows, with JSON's free whitespace and without it
 (``disable_any_whitespace``: keys and separators forced); and writing a poem, sampled (temperature
 0.8, top-p 0.95, seeded: little to look up, so mostly the cost of drafts that fail). For each it reports decode tokens per second with ``--num-speculative-tokens``
@@ -72,7 +73,7 @@ NAMES = ["add_all", "total_of", "sum_numbers", "running_sum"]
 TOPICS = ["the sea", "a lighthouse", "the wind", "a small boat"]
 
 
-def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams]]:
+def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], list[SamplingParams]]]:
     """Four chat prompts of each kind, rendered with the model's chat template, and how each is sampled."""
     def chat(system: str, user: str, answer_start: str = "") -> list[int]:
         return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
@@ -82,28 +83,31 @@ def workloads(engine: Engine) -> dict[str, tuple[list[list[int]], SamplingParams
     json_prompts = [chat("You answer with one JSON object and nothing else. Its JSON Schema: " + json.dumps(SCHEMA),
                          f"Describe the {creature} as that JSON object.") for creature in CREATURES[:4]]
     sampled = SamplingParams(max_tokens=0, temperature=0.8, top_p=0.95, seed=1)
+    code = [chat("You are a careful programmer.", f"Here is some Python code:\n\n{CODE.format(name=name)}\nRewrite "
+                 f"this code with the function `{name}` renamed to `{name}_v2`.", "```python\n") for name in NAMES]
+    # OpenAI's predicted output: the code as it would be with the function renamed, and the closing fence
+    predictions = [engine.tokenizer.encode(CODE.format(name=f"{name}_v2") + "```\n", False) for name in NAMES]
     return {
         "repeat a passage": ([chat("Repeat the user's text exactly, word for word.", text) for text in PASSAGES],
-                             greedy),
-        "rewrite code": ([chat("You are a careful programmer.",
-                               f"Here is some Python code:\n\n{CODE.format(name=name)}\nRewrite this code with the "
-                               f"function `{name}` renamed to `{name}_v2`.", "```python\n") for name in NAMES],
-                         greedy),
-        "JSON to a schema": (json_prompts, dataclasses.replace(greedy, structured_output=StructuredOutput(
-            "json", json_spec(SCHEMA)))),
+                             [greedy] * 4),
+        "rewrite code": (code, [greedy] * 4),
+        "rewrite code, predicted": (code, [dataclasses.replace(greedy, prediction_ids=ids) for ids in predictions]),
+        "JSON to a schema": (json_prompts, [dataclasses.replace(greedy, structured_output=StructuredOutput(
+            "json", json_spec(SCHEMA)))] * 4),
         # vLLM's disable_any_whitespace: the keys and separators are forced, drafts that cannot miss
-        "JSON, no whitespace": (json_prompts, dataclasses.replace(greedy, structured_output=StructuredOutput(
-            "json", json_spec(SCHEMA, compact=True)))),
+        "JSON, no whitespace": (json_prompts, [dataclasses.replace(greedy, structured_output=StructuredOutput(
+            "json", json_spec(SCHEMA, compact=True)))] * 4),
         "write a poem (sampled)": ([chat("You are a poet.", f"Write a short poem about {topic}.")
-                                    for topic in TOPICS], sampled),
+                                    for topic in TOPICS], [sampled] * 4),
     }
 
 
-def run(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Every prompt at once, to the end: the tokens, and how long the decode took (from the first token on,
-    so the prompts' compute, the same with or without drafts, is left out)."""
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
+def run(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+    """Every prompt at once (``params[i]``: how prompt i is sampled), to the end: the tokens, and how long the
+    decode took (from the first token on, so the prompts' compute, the same with or without drafts, is left
+    out)."""
+    for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(str(i), ids, p)
     tokens: dict[str, list[int]] = {}
     steps, started, step_times = 0, None, []
     while engine.has_unfinished():
@@ -141,15 +145,15 @@ def main() -> int:
                for k in (0, args.k)}
     prompts = workloads(engines[0])
     for engine in engines.values():  # warm up
-        run(engine, prompts["repeat a passage"][0][:1], SamplingParams(max_tokens=8, temperature=0.0))
+        run(engine, prompts["repeat a passage"][0][:1], [SamplingParams(max_tokens=8, temperature=0.0)])
     results = []
     for name, (batch_prompts, params) in prompts.items():
-        params = dataclasses.replace(params, max_tokens=args.tokens)
+        params = [dataclasses.replace(p, max_tokens=args.tokens) for p in params]
         for batch in (int(b) for b in args.batches.split(",")):
-            plain = run(engines[0], batch_prompts[:batch], params)
+            plain = run(engines[0], batch_prompts[:batch], params[:batch])
             engine = engines[args.k]
             before = engine.stats().speculation
-            drafted = run(engine, batch_prompts[:batch], params)
+            drafted = run(engine, batch_prompts[:batch], params[:batch])
             after = engine.stats().speculation
             draft_tokens = after.draft_tokens - before.draft_tokens
             accepted = after.accepted_tokens - before.accepted_tokens
