@@ -7,8 +7,8 @@ full ones (``engine/kv_format.py``). From that: bytes per
 request at a context length, bytes for a batch, and how many such requests fit in a device after the
 weights and a reserve for activations and the runtime. A draft model (``--speculative-model``) adds its
 weights and its own KV cache, in the model's dtype: the engine pairs each of its blocks with one of the
-draft's, which holds the positions the model's do (it attends through the model's window). Deliberately free of torch so the command answers
-instantly.
+draft's, which holds the positions the model's do (it attends through the model's window). Deliberately
+free of torch so the command answers instantly.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ logits are as many rows as a full batch samples), into a scratch cache just larg
 
 as vLLM computes it, so ``gpu_memory_utilization`` caps everything this engine puts on the device. Decode
 steps allocate less than such a prefill; what the pass does not see (split-K scratch, sampling copies, the
-random draws taken ahead for a draft model, allocator fragmentation) comes out of the share left above the utilization.
+random draws taken ahead for a draft model, allocator fragmentation) comes out of the share left above the
+utilization.
 """
 
 from __future__ import annotations

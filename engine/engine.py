@@ -292,8 +292,11 @@ class Engine:
         for seq in self.scheduler.running:
             room = self._draft_room(seq) if drafting else 0
             seq.draft_ids = seq.grammar.forced_tokens()[:room] if room > 0 and seq.grammar is not None else []
+            seq.draft_predicted = False
             if room > 0 and not seq.draft_ids and seq.prediction is not None:
-                seq.draft_ids = seq.prediction.draft(seq.token_ids, min(room, self.proposer.config.num_speculative_tokens))
+                k = self.proposer.config.num_speculative_tokens
+                seq.draft_ids = seq.prediction.draft(seq.token_ids, min(room, k))
+                seq.draft_predicted = bool(seq.draft_ids)
             if room > 0 and not seq.draft_ids:
                 asked.append((seq, room))
         draws = {seq.seq_id: draw_ahead(seq.generator, room + 1, self.model_config.vocab_size, self.device)
@@ -372,7 +375,11 @@ class Engine:
                     break
             new = token_ids[row:row + kept]
             row += len(draft) + 1
-            self.speculation.record(len(draft), sum(1 for t, d in zip(new, draft, strict=False) if t == d))
+            accepted = sum(1 for t, d in zip(new, draft, strict=False) if t == d)
+            self.speculation.record(len(draft), accepted)
+            if seq.draft_predicted:  # counted once, on the step's first output of the sequence
+                outputs[-kept].accepted_prediction_tokens = accepted
+                outputs[-kept].rejected_prediction_tokens = len(draft) - accepted
             if seq.seq_id in draws:
                 draws[seq.seq_id].take(seq.generator, kept)
             self._computed(seq, seq.num_tokens - 1)  # the last token and the kept draft tokens

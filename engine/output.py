@@ -57,6 +57,9 @@ class RequestOutput:
     # With the first token, when the request asked for prompt logprobs: one per prompt token after the first
     # (nothing predicts the first), each with the prompt_logprobs most likely tokens at its position.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Draft tokens of the request's predicted output this output's step verified: kept, and not kept
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class OutputText:

@@ -72,6 +72,7 @@ class Sequence:
     # kept as far as the sampler agrees; [] outside a decoding step that speculates.
     draft_ids: list[int] = field(default_factory=list)
     prediction: PredictedOutput | None = None  # its request's predicted output, followed as it decodes
+    draft_predicted: bool = False  # draft_ids came from the prediction
     lora: str | None = None  # the LoRA adapter it runs with (``engine/lora.py``); None: the base model
     # A LongRoPE model's sequence longer than the original context rotates every key with the long factors
     long_rope: bool = False

@@ -103,6 +103,9 @@ class TokenEvent:
     logprobs: list[TokenLogprobs] | None = None  # one per token of ``token_ids``, when the request asked
     # With a choice's first token, when the request asked for prompt logprobs: one per prompt token after the first
     prompt_logprobs: list[TokenLogprobs] | None = None
+    # Draft tokens of the request's predicted output that these tokens' steps verified: kept, and not kept
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,8 @@ def _merge(outputs: list[RequestOutput], index: int) -> TokenEvent:
         logprobs=None if all(o.logprobs is None for o in outputs) else [
             lp for o in outputs for lp in o.logprobs or ()],
         prompt_logprobs=outputs[0].prompt_logprobs,  # only a choice's first output has them
+        accepted_prediction_tokens=sum(o.accepted_prediction_tokens for o in outputs),
+        rejected_prediction_tokens=sum(o.rejected_prediction_tokens for o in outputs),
     )
 
 

@@ -246,9 +246,9 @@ def test_special_token_strings_in_user_text_stay_plain_text(live_server):
 
 def test_a_predicted_output_drafts_for_the_decode_worker_and_changes_no_token(live_server):
     """OpenAI's ``prediction``: the answer is the one without it, streamed or not; the decode worker drafts from
-    it (nearly every token of a prediction the answer repeats is an accepted draft, where the same request
-    without it accepts few n-gram drafts); the usage counts the prediction's tokens the answer holds and the
-    rest, an edited prediction's too."""
+    it (every draft of a prediction the answer repeats is accepted, where the same request's n-gram drafts are
+    not); the usage counts the prediction's draft tokens the answer kept and those it did not, as the decode
+    worker's speculation counters do, an edited prediction's too."""
     from test_metrics import scrape, total
 
     c = client(live_server)
@@ -282,7 +282,7 @@ def test_a_predicted_output_drafts_for_the_decode_worker_and_changes_no_token(li
     predicted, (draft_tokens, accepted) = drafted(prediction={"type": "content", "content": answer})
     assert predicted.choices[0].message.content == answer
     details = predicted.usage.completion_tokens_details
-    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (48, 0)
+    assert (details.accepted_prediction_tokens, details.rejected_prediction_tokens) == (accepted, 0)
     # of 47 decoded tokens, each step samples one of its own after the draft
     assert accepted == draft_tokens >= 35
     _, (ngram_draft_tokens, ngram_accepted) = drafted()
@@ -293,8 +293,7 @@ def test_a_predicted_output_drafts_for_the_decode_worker_and_changes_no_token(li
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == answer
     details = chunks[-1].usage.completion_tokens_details
-    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == len(edited) == 45
-    assert 36 <= details.accepted_prediction_tokens <= 42
+    assert details.accepted_prediction_tokens >= 25 and details.rejected_prediction_tokens >= 1
     assert c.chat.completions.create(**kwargs).usage.completion_tokens_details is None  # no prediction, no details
 
 

@@ -1,7 +1,8 @@
 """Predicted outputs (OpenAI's ``prediction``): the cursor that follows an output through its prediction
 (engine/speculative.py's PredictedOutput) across edits, and the engine drafting from a prediction: the tokens
 those of the engine without drafts (greedy and seeded), a prediction the output repeats accepted whole in
-fewer steps, an edited one still accepted around the edits, one unrelated to the output changing nothing."""
+fewer steps, an edited one still accepted around the edits, one unrelated to the output changing nothing;
+the outputs count the prediction's draft tokens kept and not kept."""
 
 from __future__ import annotations
 
@@ -69,13 +70,21 @@ def test_a_prediction_changes_the_steps_and_not_the_tokens(tiny, sampling):
     for name, prediction in (("same", answer), ("edited", edited), ("unrelated", [3, 1, 4, 1, 5] * 8)):
         engine = Engine(EngineConfig(model="tiny", num_speculative_tokens=4, prompt_lookup_min=4))
         engine.add_request("0", prompts[0], dataclasses.replace(params, prediction_ids=prediction))
-        tokens, steps = [], 0
+        tokens, steps, counted = [], 0, [0, 0]  # the outputs' prediction counts: kept, not kept
         while engine.has_unfinished():
             steps += 1
-            tokens += [t for out in engine.step() for t in out.new_token_ids]
+            for out in engine.step():
+                tokens += out.new_token_ids
+                counted = [counted[0] + out.accepted_prediction_tokens, counted[1] + out.rejected_prediction_tokens]
         assert tokens == answer, name
         stats[name] = (engine.stats().speculation, steps)
         assert all_blocks_free(engine)
+        spec = engine.stats().speculation  # (the n-gram proposer drafts where the prediction has nothing)
+        assert counted[0] <= spec.accepted_tokens and sum(counted) <= spec.draft_tokens, name
+        if name == "same":  # every draft the prediction's
+            assert counted == [spec.accepted_tokens, spec.draft_tokens - spec.accepted_tokens]
+        if name == "edited":
+            assert counted[0] > counted[1] > 0
     same, same_steps = stats["same"]
     assert same.accepted_tokens >= 0.9 * same.draft_tokens > 0 and same_steps <= 0.4 * len(answer)
     edited_stats, edited_steps = stats["edited"]

@@ -333,7 +333,7 @@ class Frontend:
         if turn is not None:
             events = turn.run(events, options.n)
         gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n, echo=echo,
-                         prediction_ids=prediction_ids)
+                         predicted=prediction_ids is not None)
         try:
             await gen.start()
         except BaseException:

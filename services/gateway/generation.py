@@ -15,7 +15,6 @@ prompt tokens' logprobs (which the request's first event carries).
 from __future__ import annotations
 
 import asyncio
-import difflib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
@@ -51,8 +50,8 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    # With a predicted output (None without): of its tokens, those the finished choices hold (in its order, as
-    # difflib matches them) and the others, summed over the choices (OpenAI's completion_tokens_details)
+    # With a predicted output (None without): its tokens the decode workers drafted and the answers kept, and
+    # those they drafted and did not keep, summed over the choices (OpenAI's completion_tokens_details)
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
 
@@ -66,9 +65,9 @@ class Generation:
 
     def __init__(self, request_id: str, events: AsyncIterator, n: int,
                  choices_per_prompt: int | None = None, echo: Echo | None = None,
-                 prediction_ids: list[int] | None = None) -> None:
+                 predicted: bool = False) -> None:
         """``n`` choices in all, ``choices_per_prompt`` of them (default: all) for each prompt;
-        ``prediction_ids``: the predicted output the choices are measured against, if one was given."""
+        ``predicted``: the request has a predicted output (its usage counts the prediction's drafts)."""
         self.echo = echo
         self._echo_sent: set[int] = set()  # choices whose prompt was echoed
         self.request_id = request_id
@@ -79,9 +78,7 @@ class Generation:
         self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
         self.finish_reasons: list[str | None] = [None] * n
         self.usage = Usage()
-        self._prediction = prediction_ids
-        self._output_ids: list[list[int]] = [[] for _ in range(n)] if prediction_ids is not None else []
-        if prediction_ids is not None:
+        if predicted:
             self.usage.accepted_prediction_tokens = self.usage.rejected_prediction_tokens = 0
         self._per_prompt = choices_per_prompt or n
         self._prompt_tokens: dict[int, int] = {}  # prompt -> its tokens
@@ -146,10 +143,9 @@ class Generation:
         if self.echo is not None:
             text, token_ids, logprobs, finish_reason = self._with_echo(event, prompt, text, logprobs, finish_reason)
         self.usage.completion_tokens += len(token_ids)
-        if self._prediction is not None:
-            self._output_ids[i] += token_ids
-            if finish_reason is not None:
-                self._count_prediction(self._output_ids[i])
+        if self.usage.accepted_prediction_tokens is not None:
+            self.usage.accepted_prediction_tokens += event.accepted_prediction_tokens
+            self.usage.rejected_prediction_tokens += event.rejected_prediction_tokens
         self.texts[i] += text
         if logprobs:
             self.logprobs[i] += logprobs
@@ -170,14 +166,6 @@ class Generation:
                 first = TokenLogprobs(self.echo.token_ids[prompt][0], None)  # nothing predicts it
                 logprobs = [first, *event.prompt_logprobs, *(logprobs or ())]
         return text, token_ids, logprobs, finish_reason
-
-    def _count_prediction(self, output_ids: list[int]) -> None:
-        """Add a finished choice's share of the prediction's tokens to the usage: those it holds, in order
-        (difflib's matching blocks), and the rest."""
-        matcher = difflib.SequenceMatcher(None, self._prediction, output_ids, autojunk=False)
-        held = sum(block.size for block in matcher.get_matching_blocks())
-        self.usage.accepted_prediction_tokens += held
-        self.usage.rejected_prediction_tokens += len(self._prediction) - held
 
     def prompt_logprobs_of(self, choice: int) -> list[TokenLogprobs]:
         """The logprobs of ``choice``'s prompt's tokens after the first ([] when none arrived)."""
