@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._report import format_table, load_average  # noqa: E402
 from benchmarks.pretrained import ensure_pretrained  # noqa: E402
-from benchmarks.speculative import workloads  # noqa: E402
+from benchmarks.speculative import run, workloads  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.sampler import sampling_probs  # noqa: E402
@@ -68,17 +68,6 @@ def position_acceptance(p: torch.Tensor, q: torch.Tensor) -> dict[str, float]:
     """One position's acceptance, greedy, coupled and by rejection sampling (the module docstring)."""
     return {"greedy": float(p[q.argmax()]), "coupled": coupled_acceptance(p, q),
             "rejection": float(torch.minimum(p, q).sum())}
-
-
-def answers(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    """Each prompt's answer, sampled by the engine (without drafts)."""
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, params)
-    tokens: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return [tokens[str(i)] for i in range(len(prompts))]
 
 
 @torch.inference_mode()
@@ -119,7 +108,7 @@ def main() -> int:
     for setting, (batch, params) in settings.items():
         sums: dict[str, dict[str, float]] = {}
         positions = 0
-        for ids, answer in zip(batch, answers(engine, batch, params), strict=True):
+        for ids, answer in zip(batch, run(engine, batch, [params] * len(batch))["tokens"], strict=True):
             logits = distributions(model, rounded, [*ids, *answer], len(ids) - 1)
             probs = {name: sampling_probs(x.float(), [params] * x.shape[0]) for name, x in logits.items()}
             positions += probs["model"].shape[0]
