@@ -1,7 +1,7 @@
 """OpenAI features through the official `openai` client against the live server (`live_server`: one prefill
 and one decode worker, so a first token comes from the prefill side): logprobs (chat and completions,
-streamed and not), presence / frequency / repetition penalties, logit bias, lists of prompts, and user
-text that spells special tokens.
+streamed and not), presence / frequency / repetition penalties, logit bias, lists of prompts, user text
+that spells special tokens, and predicted outputs (the live server's decode worker speculates).
 """
 
 from __future__ import annotations
@@ -263,6 +263,7 @@ def test_a_predicted_output_drafts_for_the_decode_worker_and_changes_no_token(li
     def drafted(**extra) -> tuple[object, tuple[float, float]]:
         """The response, and the draft tokens and accepted ones its decode steps counted."""
         names = ("tidepool_spec_decode_num_draft_tokens_total", "tidepool_spec_decode_num_accepted_tokens_total")
+
         def settled() -> list[float]:
             """The counts once two reads 200 ms apart agree (they come with the worker's load reports)."""
             last = None

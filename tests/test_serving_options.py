@@ -1,7 +1,8 @@
 """``tidepool serve --served-model-name`` and ``--chat-template`` on a live server (the tool server, which serves
 the checkpoint as "tool-model" and "tools-alias" and renders chats with its own template): every name is
 served over HTTP and gRPC and echoed back, the checkpoint's own name is not, the metrics carry the first name,
-and chats render with the given template, not the checkpoint's."""
+and chats render with the given template, not the checkpoint's; a server that does not speculate refuses a
+predicted output."""
 
 from __future__ import annotations
 
