@@ -95,10 +95,11 @@ class DraftModelProposer:
         # The draft attends as the engine does (--kv-window/--kv-sinks or the model's sliding window), else through
         # its own sliding window, if it has one: its cache per sequence is then bounded as the engine's is.
         context = model_config.max_position_embeddings
-        self.window = window or StreamingWindow.from_config(engine_config, context, model_config.sliding_window)
-        if engine_config.kv_window is not None and engine_config.kv_sinks + engine_config.kv_window > context:
-            raise ValueError(f"kv_sinks + kv_window ({engine_config.kv_sinks} + {engine_config.kv_window}) exceed the "
-                             f"speculative model's context of {context} positions")
+        try:  # --kv-window's checks against the draft's context; without any window, the draft's own
+            own = StreamingWindow.from_config(engine_config, context, None if window else model_config.sliding_window)
+        except ValueError as exc:
+            raise ValueError(f"the speculative model: {exc}") from None
+        self.window = window or own
         self.runner = ModelRunner(model, model_config, self.kv_cache, self.window, attention_backend)
         self.token_budget = engine_config.max_num_batched_tokens  # catch-up tokens computed per proposal
         # ... in chunks of at most a window, as the engine's scheduler prefills under one

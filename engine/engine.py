@@ -334,7 +334,7 @@ class Engine:
         token; each kept token passes the stop checks plain decoding applies. ``masks``: a structured
         output's bitmask and completeness at each position (``GrammarMasks.draft_masks``), by seq_id; ``draws``:
         the draws a sampled sequence drafted with, by seq_id (the others' are taken ahead here)."""
-        rows, params, generators, histories, prompt_lens, banned = [], [], [], [], [], []
+        rows, params, histories, prompt_lens, banned = [], [], [], [], []
         bitmasks: list[torch.Tensor] = []  # each row's allowed tokens, when some row is constrained
         row_draws: list[torch.Tensor | None] = []  # each row's random draw (None: a greedy row)
         for seq, first in drafted:
@@ -352,7 +352,6 @@ class Engine:
             for j in range(len(draft) + 1):
                 rows.append(first + j)
                 params.append(p)
-                generators.append(seq.generator)
                 histories.append([*seq.token_ids, *draft[:j]] if p.has_penalties else seq.token_ids)
                 prompt_lens.append(seq.num_prompt_tokens)
                 # (as in _sample: a complete grammar allows only stop tokens, which min_tokens no longer holds back)
@@ -360,7 +359,8 @@ class Engine:
                 banned.append((self._stop_tokens(seq) if holds else []) + self._bad_word_bans(seq, draft[:j]))
         chosen = logits[rows]
         allowed = self.grammars.apply(chosen, torch.cat(bitmasks)) if masks else chosen
-        token_ids = sample(allowed, params, generators, histories, prompt_lens, banned, row_draws)
+        # (no row draws from a generator: a sampled row's draw was taken ahead, a greedy row needs none)
+        token_ids = sample(allowed, params, [None] * len(rows), histories, prompt_lens, banned, row_draws)
         logprobs = top_logprobs(chosen, token_ids, [p.logprobs for p in params])
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []

@@ -152,6 +152,11 @@ def test_the_settings_are_refused_when_a_draft_model_cannot_work(tiny, tmp_path)
     build_hf_checkpoint(tmp_path, "llama")
     with pytest.raises(ValueError, match="vocabulary of 128 tokens and the model 272.*share the model's tokenizer"):
         Engine(EngineConfig(model="tiny", num_speculative_tokens=2, speculative_model=str(tmp_path)))
+    build_hf_checkpoint(tmp_path / "short", "llama", vocab_size=272, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"the speculative model: kv_sinks \+ kv_window \(4 \+ 100\) exceed the "
+                                         r"model's context of 64"):
+        Engine(EngineConfig(model="tiny", num_speculative_tokens=2, speculative_model=str(tmp_path / "short"),
+                            kv_window=100, kv_sinks=4))
 
 
 def engine_from(*flags: str) -> EngineConfig:
