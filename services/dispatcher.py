@@ -92,6 +92,8 @@ class Dispatcher:
         self.deadlines = deadlines or Deadlines()
         self.copies = PrefixCopies(self.workers, conductor, self.block_size, self.deadlines.prefill_s)
         self._loads: dict[str, WorkerLoad] = {}
+        self._refreshes = itertools.count(1)  # numbers the load refreshes in the order they begin
+        self._load_refresh: dict[str, int] = {}  # the refresh that gave each worker's kept report
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
         self._routed = itertools.count()  # routing order, kept by the workers' engine queues
@@ -120,12 +122,20 @@ class Dispatcher:
                 log.exception("load refresh failed")
 
     async def refresh_loads(self, timeout_s: float = _LOAD_TIMEOUT_S) -> None:
+        """Ask every worker for its load report. Refreshes overlap (the periodic one, an added worker's, a
+        resume's), and one waiting on a slow worker can end after a later one: a report replaces the kept one
+        only if its refresh began later, so the router never steps back to an older report, nor refits its
+        estimator on steps it has seen."""
+        refresh = next(self._refreshes)
         workers = list(self.workers.values())
         results = await asyncio.gather(*(w.load(timeout_s) for w in workers), return_exceptions=True)
         for worker, result in zip(workers, results, strict=True):
             if worker.worker_id not in self.workers:  # replaced while the report was on its way
                 continue
             if isinstance(result, WorkerLoad):
+                if self._load_refresh.get(worker.worker_id, 0) > refresh:
+                    continue  # a refresh begun after this one has reported already
+                self._load_refresh[worker.worker_id] = refresh
                 previous = self._loads.get(worker.worker_id)
                 seen = previous.steps if previous is not None else 0
                 # Measured engine steps refit the estimator, each once: those after the previous report.
@@ -187,6 +197,7 @@ class Dispatcher:
         """Forget a dead or drained worker (requests that were on it resume on their own) and its series."""
         self.workers.pop(worker_id, None)
         self._deaths.pop(worker_id, None)
+        self._load_refresh.pop(worker_id, None)
         self.conductor.forget_worker(worker_id)
         if (load := self._loads.pop(worker_id, None)) is not None and load.alive:
             self.metrics.set_worker_load(dataclasses.replace(load, alive=False))

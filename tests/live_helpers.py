@@ -20,8 +20,10 @@ def free_blocks(server) -> int:
 def idle(server) -> bool:
     """No request queued, running or holding blocks anywhere (cached prefix blocks count as free).
 
-    Load reports and the cleanup of a finished or failed request lag its end by a moment: wait for this.
+    Load reports and the cleanup of a finished or failed request lag its end by a moment: wait for this. The
+    reports are asked for now: the periodic refresh's latest may have been taken before the request began.
     """
+    server.run(server.dispatcher.refresh_loads())
     return all(w["running"] == 0 and w["waiting"] == 0 and w["free_blocks"] == w["total_blocks"]
                for w in server.worker_stats() if w["alive"])
 

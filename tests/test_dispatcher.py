@@ -182,6 +182,36 @@ def test_a_decode_worker_without_room_for_the_lease_is_routed_around_on_fresh_lo
     assert p.calls == [("prefill", "r1/1")]
 
 
+def test_a_report_that_arrives_after_a_later_refreshs_does_not_replace_it():
+    """Refreshes overlap (the periodic one, an added worker's): one held up by a slow worker ends last,
+    and its report, taken before the later refresh's, must not step the router back to it."""
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p, d)
+    asked, slow = asyncio.Event(), asyncio.Event()
+    fast_load = d.load
+
+    async def load(timeout_s: float) -> WorkerLoad:
+        report = await fast_load(timeout_s)
+        if report.free_blocks == 100:  # the older report: held until the later refresh is done
+            asked.set()
+            await slow.wait()
+        return report
+
+    d.load = load
+
+    async def overlapping() -> int:
+        d.free_blocks = 100
+        older = asyncio.create_task(dispatcher.refresh_loads())
+        await asked.wait()
+        d.free_blocks = 200
+        await dispatcher.refresh_loads()
+        slow.set()
+        await older
+        return dispatcher.loads["d0"].free_blocks
+
+    assert asyncio.run(overlapping()) == 200
+
+
 @pytest.mark.parametrize("ttft_slo_s", [30.0, 1e-4, 10_000.0])
 def test_the_decode_reservation_may_wait_for_room_the_ttft_slos_slack_over_the_routers_estimate(ttft_slo_s):
     """The router admitted the request on blocks projected free by its prefill's end; the reservation may wait
