@@ -9,8 +9,10 @@ the model's, the two pick the same token even when neither is the most likely: a
 is accepted whole whatever the temperature, where a greedy draft is kept only with probability p(draft). The
 verification does not change, so neither does the output: this is the Gumbel-max coupling of "Coupling without
 Communication and Drafter-Invariant Speculative Decoding" (Daliri, Musco and Suresh, 2024). A greedy sequence
-drafts the argmax. What only the verification applies (the stop tokens ``min_tokens`` holds back, bad words, a
-structured output's mask) can only cost a draft token, never change a kept one.
+drafts the argmax. The draft also refuses what the verification refuses (``DraftRules``: the stop tokens
+``min_tokens`` holds back, bad words, a structured output's grammar, which each draft token advances and which
+is given the tokens back after the proposal): a JSON answer's draft is JSON, so it is not cut at its first
+token the schema rules out.
 
 The draft model keeps its own paged KV cache: as many blocks as the target's (a draft's blocks are smaller, it
 has fewer layers and heads), handed out by its own block manager without a prefix cache, since the small model
@@ -43,6 +45,7 @@ from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import sample
 from engine.speculative import DraftRequest, SpeculativeConfig
 from engine.streaming_window import StreamingWindow
+from engine.structured_output import GrammarMasks
 
 
 def check_draft_model(speculative_model: str, target: ModelConfig) -> Path:
@@ -86,9 +89,12 @@ class DraftModelProposer:
     samples_drafts = True  # each draft token is sampled, with its verification's draw where it is random
 
     def __init__(self, config: SpeculativeConfig, model: CausalLM, model_config: ModelConfig, num_blocks: int,
-                 engine_config: EngineConfig, attention_backend: str, window: StreamingWindow | None):
-        """``window``: the engine's attention window (None: full attention)."""
+                 engine_config: EngineConfig, attention_backend: str, window: StreamingWindow | None,
+                 grammars: GrammarMasks):
+        """``window``: the engine's attention window (None: full attention); ``grammars``: the engine's, which
+        masks a draft's positions as the verification will."""
         self.config = config
+        self.grammars = grammars
         self.kv_cache = KVCache(model_config, num_blocks, engine_config.block_size, engine_config.dtype,
                                 engine_config.device)
         self.blocks = BlockManager(num_blocks, engine_config.block_size, b"draft", enable_prefix_caching=False)
@@ -137,13 +143,19 @@ class DraftModelProposer:
             return drafts
         logits = self.runner.run(chunks)  # (also when no chunk drafts: it writes the catch-up's K/V)
         live = [(i, room) for i, room, _ in drafting]
-        if live:
-            self._sample_next(logits[[row for _, _, row in drafting]], requests, live, drafts)
-        # one token a pass: each draft token's K/V is written as the next one is predicted
-        while live := [(i, room) for i, room in live if len(drafts[i]) < room]:
-            logits = self.runner.run([SeqChunk([drafts[i][-1]], len(requests[i].token_ids) + len(drafts[i]) - 1,
-                                               self.blocks.block_table(requests[i].seq_id)) for i, _ in live])
-            self._sample_next(logits, requests, live, drafts)
+        taken = [0] * len(requests)  # draft tokens each grammar took, given back below
+        try:
+            if live:
+                live = self._sample_next(logits[[row for _, _, row in drafting]], requests, live, drafts, taken)
+            # one token a pass: each draft token's K/V is written as the next one is predicted
+            while live:
+                logits = self.runner.run([SeqChunk([drafts[i][-1]], len(requests[i].token_ids) + len(drafts[i]) - 1,
+                                                   self.blocks.block_table(requests[i].seq_id)) for i, _ in live])
+                live = self._sample_next(logits, requests, live, drafts, taken)
+        finally:
+            for r, count in zip(requests, taken, strict=True):
+                if count:
+                    r.rules.grammar.give_back(count)
         for i, _, _ in drafting:
             self._states[requests[i].seq_id].written = drafts[i][:-1]
         if self.window is not None:  # free the blocks no later query of the sequence reads
@@ -152,18 +164,30 @@ class DraftModelProposer:
                     self.blocks.drop(r.seq_id, self.window.droppable(self._states[r.seq_id].computed))
         return drafts
 
-    @staticmethod
-    def _sample_next(logits: torch.Tensor, requests: list[DraftRequest], live: list[tuple[int, int]],
-                     drafts: list[list[int]]) -> None:
+    def _sample_next(self, logits: torch.Tensor, requests: list[DraftRequest], live: list[tuple[int, int]],
+                     drafts: list[list[int]], taken: list[int]) -> list[tuple[int, int]]:
         """Append to each live request's draft its next token, sampled from ``logits`` (a row per live request)
-        as the request samples, with the draw its verification will use at that position."""
+        as the request samples, with the draw its verification will use at that position, within its rules
+        (their grammar takes the token: ``taken`` counts them); the requests whose drafts go on."""
         picked = [(requests[i], drafts[i]) for i, _ in live]
-        tokens = sample(logits, [r.params for r, _ in picked], [None] * len(picked),
+        grammars = [None if r.rules is None else r.rules.grammar for r, _ in picked]
+        bitmask = self.grammars.fill(grammars)
+        allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
+        banned = [[] if r.rules is None else r.rules.banned(draft, g is not None and g.complete)
+                  for (r, draft), g in zip(picked, grammars, strict=True)]
+        tokens = sample(allowed, [r.params for r, _ in picked], [None] * len(picked),
                         [[*r.token_ids, *draft] if r.params.has_penalties else r.token_ids for r, draft in picked],
-                        [r.num_prompt_tokens for r, _ in picked],
+                        [r.num_prompt_tokens for r, _ in picked], banned,
                         draws=[None if r.draws is None else r.draws.values[len(draft)] for r, draft in picked])
-        for (i, _), token in zip(live, tokens, strict=True):
+        going = []
+        for (i, room), token, grammar in zip(live, tokens, grammars, strict=True):
+            if grammar is not None and not grammar.take_draft(token):
+                continue  # nothing was left to draft (every token masked or banned): the draft ends here
             drafts[i].append(token)
+            taken[i] += grammar is not None
+            if len(drafts[i]) < room:
+                going.append((i, room))
+        return going
 
     def forget(self, seq_id: int) -> None:
         """Free a finished, aborted or preempted sequence's draft blocks (a preempted one catches up again)."""

@@ -36,7 +36,7 @@ from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import Draws, bad_word_bans, draw_ahead, make_generator, sample, skip_draws, top_logprobs
 from engine.sampling_params import Priority, SamplingParams
 from engine.scheduler import Scheduler, Sequence
-from engine.speculative import DraftRequest, NgramProposer, PredictedOutput, SpeculationStats
+from engine.speculative import DraftRequest, DraftRules, NgramProposer, PredictedOutput, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.tokenizer import load_tokenizer
@@ -108,7 +108,8 @@ class Engine:
         self.grammars = GrammarMasks(self.tokenizer.file if self.tokenizer else None,
                                      self.model_config.vocab_size, sorted(self.eos_token_ids))
         self.proposer = (None if speculative is None else NgramProposer(speculative) if draft is None
-                         else DraftModelProposer(speculative, *draft, num_blocks, config, backend, self.window))
+                         else DraftModelProposer(speculative, *draft, num_blocks, config, backend, self.window,
+                                                 self.grammars))
         if draft is not None and graphed and self.proposer.runner.supports_decode_graphs:
             self.proposer.runner.enable_decode_graphs(config.max_num_seqs, max_blocks)  # its one-token passes
         self.speculation = SpeculationStats()
@@ -247,9 +248,7 @@ class Engine:
         # Structured outputs mask a copy: logprobs stay the model's raw distribution, as vLLM reports them.
         # A complete grammar allows only stop tokens, which min_tokens then no longer holds back.
         allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
-        banned = [(self._stop_tokens(s) if s.num_output_tokens < s.params.min_tokens
-                   and not (s.grammar is not None and s.grammar.complete) else []) + self._bad_word_bans(s)
-                  for s in seqs]
+        banned = [self._banned(s, [], s.grammar is not None and s.grammar.complete) for s in seqs]
         token_ids = sample(allowed, [s.params for s in seqs], [s.generator for s in seqs],
                            [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], banned)
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
@@ -302,7 +301,8 @@ class Engine:
         draws = {seq.seq_id: draw_ahead(seq.generator, room + 1, self.model_config.vocab_size, self.device)
                  for seq, room in asked if self.proposer.samples_drafts and not seq.params.greedy}
         drafts = self.proposer.propose_all([
-            DraftRequest(seq.seq_id, seq.token_ids, room, seq.params, seq.num_prompt_tokens, draws.get(seq.seq_id))
+            DraftRequest(seq.seq_id, seq.token_ids, room, seq.params, seq.num_prompt_tokens, draws.get(seq.seq_id),
+                         self._draft_rules(seq) if self.proposer.samples_drafts else None)
             for seq, room in asked]) if asked else []
         for (seq, _), draft in zip(asked, drafts, strict=True):
             seq.draft_ids = draft
@@ -310,6 +310,15 @@ class Engine:
             if seq.draft_ids and seq.grammar is not None:
                 seq.draft_ids = seq.draft_ids[:seq.grammar.draft_prefix(seq.draft_ids)]
         return draws
+
+    def _draft_rules(self, seq: Sequence) -> DraftRules | None:
+        """What ``seq``'s verification refuses besides its sampling parameters (``DraftRules``); None when
+        nothing (no min_tokens still to reach, no bad words, no started grammar)."""
+        grammar = seq.grammar if seq.grammar is not None and seq.grammar.started else None
+        if (grammar is None and not seq.params.bad_words_token_ids
+                and seq.num_output_tokens >= seq.params.min_tokens):
+            return None
+        return DraftRules(lambda drafted, complete: self._banned(seq, drafted, complete), grammar)
 
     def _draft_room(self, seq: Sequence) -> int:
         """The most draft tokens ``seq`` may verify now: none unless it is decoding (past its prompt, only its
@@ -354,9 +363,7 @@ class Engine:
                 params.append(p)
                 histories.append([*seq.token_ids, *draft[:j]] if p.has_penalties else seq.token_ids)
                 prompt_lens.append(seq.num_prompt_tokens)
-                # (as in _sample: a complete grammar allows only stop tokens, which min_tokens no longer holds back)
-                holds = seq.num_output_tokens + j < p.min_tokens and not complete[j]
-                banned.append((self._stop_tokens(seq) if holds else []) + self._bad_word_bans(seq, draft[:j]))
+                banned.append(self._banned(seq, draft[:j], complete[j]))
         chosen = logits[rows]
         allowed = self.grammars.apply(chosen, torch.cat(bitmasks)) if masks else chosen
         # (no row draws from a generator: a sampled row's draw was taken ahead, a greedy row needs none)
@@ -388,12 +395,16 @@ class Engine:
         self._retire(finished)
         return outputs
 
-    @staticmethod
-    def _bad_word_bans(seq: Sequence, drafted: list[int] | tuple[int, ...] = ()) -> list[int]:
-        """The tokens that would complete one of ``seq``'s bad words after its output (and ``drafted``)."""
+    def _banned(self, seq: Sequence, drafted: list[int], complete: bool) -> list[int]:
+        """The tokens ``seq`` may not sample after its output and ``drafted``: its stop tokens while min_tokens
+        holds them back (not once its grammar is ``complete`` there: a complete grammar allows only stop
+        tokens), and those that would complete one of its bad words."""
+        holds = seq.num_output_tokens + len(drafted) < seq.params.min_tokens and not complete
+        stops = self._stop_tokens(seq) if holds else []
         if not seq.params.bad_words_token_ids:
-            return []
-        return bad_word_bans(seq.params.bad_words_token_ids, [*seq.token_ids[seq.num_prompt_tokens:], *drafted])
+            return stops
+        return stops + bad_word_bans(seq.params.bad_words_token_ids,
+                                     [*seq.token_ids[seq.num_prompt_tokens:], *drafted])
 
     def _stop_tokens(self, seq: Sequence) -> list[int]:
         """The tokens that would end ``seq`` (kept out of its first min_tokens)."""

@@ -23,12 +23,14 @@ better than point masses by drafting with those same draws (``engine/draft_model
 from __future__ import annotations
 
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (engine.config reads SpeculativeConfig from here, and the sampler imports what imports it)
     from engine.sampler import Draws
     from engine.sampling_params import SamplingParams
+    from engine.structured_output import GrammarMatcher
 
 _ITEM = array("i").itemsize  # token ids live in C ints, searched as bytes
 
@@ -45,6 +47,19 @@ class DraftRequest:
     # The draws its draft's positions are verified with, for a proposer that samples (``samples_drafts``) and
     # a sequence that is not greedy; None otherwise
     draws: Draws | None = None
+    rules: DraftRules | None = None  # what its verification refuses, for a proposer that samples
+
+
+@dataclass
+class DraftRules:
+    """What the verification refuses at a sequence's next positions besides what its sampling parameters
+    shape: the stop tokens ``min_tokens`` holds back, the tokens completing a bad word, and what its structured
+    output's grammar rules out. A proposer that samples drafts within them: a draft token they refuse is never
+    kept, and costs the rest of its draft."""
+
+    # the tokens refused after the draft so far, given whether the grammar is complete there
+    banned: Callable[[list[int], bool], list[int]]
+    grammar: GrammarMatcher | None = None  # the sequence's grammar, once started (a draft takes and gives back)
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,11 @@ class GrammarMatcher:
             log.warning("structured output: token %d refused: %s", token_id, self.matcher.get_error())
 
     @property
+    def started(self) -> bool:
+        """Whether the grammar constrains the output yet (it waits for its ``start_after`` tokens, if any)."""
+        return self.matcher is not None
+
+    @property
     def complete(self) -> bool:
         """Whether the grammar can take nothing more than an end-of-sequence token."""
         return self.matcher is not None and self.matcher.is_stopped()
@@ -124,6 +129,18 @@ class GrammarMatcher:
         """The tokens the grammar allows next and nothing else (a draft that cannot miss, as SGLang's
         jump-forward); [] when the next token is a choice, or the grammar has not started."""
         return [] if self.matcher is None else self.matcher.compute_ff_tokens()
+
+    def take_draft(self, token_id: int) -> bool:
+        """Advance a started grammar by a draft token, to be given back (``give_back``); False, and not taken,
+        when the grammar refuses it (taking it would leave the matcher in error)."""
+        if self.matcher.validate_tokens([token_id]) != 1:
+            return False
+        return self.matcher.consume_token(token_id)
+
+    def give_back(self, count: int) -> None:
+        """Return the last ``count`` draft tokens taken (``take_draft``)."""
+        if count:
+            self.matcher.rollback(count)
 
     def draft_prefix(self, tokens: list[int]) -> int:
         """How many leading ``tokens`` a draft may keep: those the grammar accepts in a row; before it starts,
