@@ -16,7 +16,8 @@ than a decode row), and whether both runs gave the same tokens (they must: seede
 layers, its final norm and its head (an early exit, ``benchmarks/early_exit.py``), the one smaller model with
 its tokenizer at hand. It was not trained to stop there, so its drafts are worse than a trained draft's.
 
-    python benchmarks/speculative.py [--tokens 128] [--k 4] [--draft-layers N] [--json speculative.json]
+    python benchmarks/speculative.py [--tokens 128] [--k 4] [--draft-layers N] [--workload NAME ...]
+                                     [--json speculative.json]
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,4", help="batch sizes, comma-separated")
     p.add_argument("--draft-layers", type=int, default=0, metavar="N",
                    help="draft with the model's first N layers (a draft model) instead of prompt lookup")
+    p.add_argument("--workload", action="append", metavar="NAME",
+                   help="run only this workload (repeatable; default: all)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     model_dir = ensure_pretrained()
@@ -144,10 +147,14 @@ def main() -> int:
                                       num_speculative_tokens=k, speculative_model=draft if k else None))
                for k in (0, args.k)}
     prompts = workloads(engines[0])
+    if unknown := set(args.workload or ()) - set(prompts):
+        p.error(f"no workload {sorted(unknown)}; the workloads: {list(prompts)}")
     for engine in engines.values():  # warm up
         run(engine, prompts["repeat a passage"][0][:1], [SamplingParams(max_tokens=8, temperature=0.0)])
     results = []
     for name, (batch_prompts, params) in prompts.items():
+        if args.workload and name not in args.workload:
+            continue
         params = [dataclasses.replace(p, max_tokens=args.tokens) for p in params]
         for batch in (int(b) for b in args.batches.split(",")):
             plain = run(engines[0], batch_prompts[:batch], params[:batch])
