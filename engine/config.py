@@ -726,7 +726,7 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int | None = None  # no drafts while more sequences run; None: always
     # A draft model instead (engine/draft_model.py): a checkpoint directory (or "tiny") with the model's
-    # vocabulary, proposing num_speculative_tokens tokens greedily
+    # vocabulary, proposing num_speculative_tokens tokens sampled as the request samples
     speculative_model: str | None = None
     # LoRA adapters served beside the base model (engine/lora.py): name -> PEFT adapter directory
     lora_modules: dict[str, str] = field(default_factory=dict)

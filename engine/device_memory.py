@@ -3,7 +3,11 @@ on CUDA what the device has left (vLLM's ``--gpu-memory-utilization``).
 
 On CUDA, after the weights are loaded, one profiling forward pass runs at the engine's largest step:
 ``max_num_batched_tokens`` prompt tokens split over ``min(max_num_seqs, tokens)`` sequences (so the
-logits are as many rows as a full batch samples), into a scratch cache just large enough. Then
+logits are as many rows as a full batch samples), into a scratch cache just large enough; then the
+sampler's largest step (``sample_largest_step``, vLLM's dummy sampler run): every row a full batch samples,
+``k + 1`` a sequence when it drafts, through every transform at once (a structured output's mask,
+penalties, temperature, min-p, top-k, top-p, top logprobs) and, with a draft model, the draws taken ahead.
+Then
 
     kv_cache_bytes = total × gpu_memory_utilization − used
     used = peak torch allocation during the pass (weights, activations, anything else this process holds)
@@ -12,9 +16,8 @@ logits are as many rows as a full batch samples), into a scratch cache just larg
              workspaces, and what other processes hold on the device, which this engine cannot have)
 
 as vLLM computes it, so ``gpu_memory_utilization`` caps everything this engine puts on the device. Decode
-steps allocate less than such a prefill; what the pass does not see (split-K scratch, sampling copies, the
-random draws taken ahead for a draft model, allocator fragmentation) comes out of the share left above the
-utilization.
+steps allocate less than such a prefill; what the passes do not see (split-K scratch, a draft model's own
+passes, prompt logprobs' rows, allocator fragmentation) comes out of the share left above the utilization.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from engine.config import EngineConfig, ModelConfig
 from engine.kv_cache import KVCache, num_blocks_for
 from engine.model import CausalLM
 from engine.runner import ModelRunner, SeqChunk
+from engine.sampler import sample, top_logprobs
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured_output import GrammarMasks
 
 GIB = 1024**3
 
@@ -46,7 +52,8 @@ def kv_cache_bytes_for_device(total_bytes: int, used_bytes: int, utilization: fl
 def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: EngineConfig,
                           attention_backend: str) -> tuple[int, int]:
     """(device total bytes, bytes used besides the KV cache) from one forward pass at
-    ``max_num_batched_tokens`` on ``config.device`` (CUDA), as the module docstring defines them."""
+    ``max_num_batched_tokens`` and the sampler's largest step on ``config.device`` (CUDA), as the module
+    docstring defines them."""
     device = torch.device(config.device)
     tokens, B = config.max_num_batched_tokens, config.block_size
     seqs = min(config.max_num_seqs, tokens)
@@ -63,6 +70,7 @@ def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: En
     firsts = [sum(blocks[:i]) for i in range(seqs)]
     runner.run([SeqChunk([0] * n, 0, list(range(first, first + nb)))
                 for n, nb, first in zip(lens, blocks, firsts, strict=True)])
+    sample_largest_step(config, model_config.vocab_size)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     free, total = torch.cuda.mem_get_info(device)
@@ -70,6 +78,28 @@ def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: En
     del runner, scratch
     torch.cuda.empty_cache()
     return total, peak - scratch_bytes + max(0, outside)
+
+
+@torch.inference_mode()
+def sample_largest_step(config: EngineConfig, vocab_size: int) -> int:
+    """Sample the engine's largest batch of rows on ``config.device`` as the costliest request would be sampled,
+    for the profile to see the sampler's peak; the rows sampled: ``max_num_seqs`` times ``k + 1`` (a drafted
+    sequence's chunk is verified row by row), each with logits, a grammar's mask, penalties over a history,
+    temperature, min-p, top-k, top-p and the most top logprobs, and a draw taken ahead where a draft model
+    samples its drafts (``sampler.draw_ahead``)."""
+    rows = config.max_num_seqs * (config.num_speculative_tokens + 1)
+    params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                            presence_penalty=0.1, logprobs=MAX_LOGPROBS)
+    logits = torch.zeros(rows, vocab_size, device=config.device)
+    allowed = GrammarMasks.apply(logits, torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32))
+    draws = None
+    if config.speculative_model is not None:
+        draws = list(torch.empty(rows, vocab_size, device=config.device).exponential_())
+    history = list(range(min(64, vocab_size)))
+    tokens = sample(allowed, [params] * rows, [None] * rows, [history] * rows, [len(history) // 2] * rows,
+                    draws=draws)
+    top_logprobs(logits, tokens, [MAX_LOGPROBS] * rows)
+    return rows
 
 
 def engine_num_blocks(model: CausalLM, model_config: ModelConfig, config: EngineConfig,

@@ -71,6 +71,24 @@ def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
         Engine(_engine_config(model_dir, gpu_memory_utilization=1e-4))
 
 
+@pytest.mark.timeout(120)
+def test_the_profile_sees_the_samplers_largest_step():
+    """A drafted full batch's rows, sampled with every transform and a draft model's draws: at its peak at
+    least the logits, their masked copy, the draws and the penalised copy are on the device at once, and the
+    profile counts them against the utilization."""
+    from engine.config import EngineConfig
+    from engine.device_memory import sample_largest_step
+
+    config = EngineConfig(model="tiny", device="cuda", max_num_seqs=64, num_speculative_tokens=4,
+                          speculative_model="tiny")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    rows = sample_largest_step(config, 32000)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before >= 4 * rows * 32000 * 4
+
+
 def ran_in_a_compiling_process(test: str) -> bool:
     """Skips without triton. If another test module put this process's triton in interpreter mode, runs
     ``test`` (of this file) in a fresh process, asserts it passed and returns True; else False."""

@@ -26,7 +26,7 @@ from test_engine_model import build_hf_checkpoint, longrope, prompts  # noqa: E4
 
 from engine.config import EngineConfig, IntQuant  # noqa: E402
 from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
-from engine.device_memory import GIB, engine_num_blocks, kv_cache_bytes_for_device  # noqa: E402
+from engine.device_memory import GIB, engine_num_blocks, kv_cache_bytes_for_device, sample_largest_step  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.int_weights import write_int_checkpoint  # noqa: E402
 from engine.kernels import common, triton_available  # noqa: E402
@@ -367,6 +367,14 @@ def test_kv_cache_bytes_are_the_utilization_share_minus_what_is_used():
         kv_cache_bytes_for_device(80 * GIB, 72 * GIB, 0.9)  # exactly nothing left
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig(model="tiny", gpu_memory_utilization=1.5)
+
+
+@pytest.mark.parametrize("k, draft, rows", [(0, None, 3), (4, None, 15), (4, "tiny", 15)])
+def test_the_sampler_profile_samples_every_row_a_full_batch_verifies(k, draft, rows):
+    """The profile's sampling step (run here on the CPU; on CUDA its peak counts in the budget): a full batch's
+    rows, k + 1 a sequence when it drafts, through every transform (and a draft model's draws)."""
+    config = EngineConfig(model="tiny", max_num_seqs=3, num_speculative_tokens=k, speculative_model=draft)
+    assert sample_largest_step(config, 1000) == rows
 
 
 def test_cpu_keeps_the_byte_budget_and_num_blocks_overrides(model_dir):
