@@ -97,7 +97,8 @@ def main() -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # every cluster below attaches to it
+    ray.init(address="local", num_cpus=2, include_dashboard=False,  # every cluster below attaches to it
+             log_to_driver=False)
     raw: dict[str, dict[str, list[dict]]] = {}
     try:
         for transport in args.transports.split(","):

@@ -121,7 +121,7 @@ def main() -> int:
     args = p.parse_args()
 
     print(f"load average {load_average()}", flush=True)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         run = asyncio.run(measure(args.prompt_len, args.repeats,
                                   [float(f) for f in args.wait_factors.split(",")], args.seed))

@@ -268,7 +268,7 @@ def main() -> None:
     args = parser.parse_args()
     blocks = blocks_for(args.sizes)
 
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2))
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=max(2, os.cpu_count() or 2))
     receiver = Receiver.remote(max(blocks))
     sender = Sender.remote(ray.get(receiver.endpoints.remote()), receiver)
     ray.get(sender.make_source.remote(kv_header("warmup", 2, args.layerwise)))

@@ -68,14 +68,17 @@ class Cluster:
             self.redis = LocalRedis(password=secrets.token_hex(24), restart_on_exit=True)
             self.redis_url = self.redis.url
         if not ray.is_initialized():
-            if self.config.address:
+            if self.config.address or os.environ.get("RAY_ADDRESS"):  # (Ray reads the variable itself)
                 ray.init(address=self.config.address, log_to_driver=False)
             else:
                 # Each worker asks Ray for its threads as CPUs: give Ray at least that many logical CPUs.
                 cores = os.cpu_count() or 1
                 workers = len(self.config.roles())
                 threads = self.config.threads_per_worker or max(1, cores // workers)
-                ray.init(num_cpus=self.config.ray_num_cpus or max(cores, workers * threads),
+                # "local": an instance of our own. Without it Ray joins the cluster a `ray start` on this
+                # machine last recorded, which refuses a CPU count (or is gone, and the start fails); that one
+                # is joined with --address auto.
+                ray.init(address="local", num_cpus=self.config.ray_num_cpus or max(cores, workers * threads),
                          include_dashboard=False, log_to_driver=False)
                 self.started_ray = True
 

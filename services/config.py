@@ -257,7 +257,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="send KV after the whole prefill instead of layer by layer")
     p.add_argument("--max-kv-channels", type=int, default=c.max_kv_channels,
                    help="collective KV channels each worker keeps open (least recently used closed beyond)")
-    p.add_argument("--address", default=c.address, help="join a Ray cluster ('auto') instead of starting one")
+    p.add_argument("--address", default=c.address, help="join a Ray cluster ('auto': the one `ray start` ran "
+                   "here; or set RAY_ADDRESS) instead of starting an instance of its own")
     p.add_argument("--redis-url", default=c.redis_url, help="use this Redis instead of a private redis-server")
     p.add_argument("--threads-per-worker", type=int, default=c.threads_per_worker,
                    help="CPU threads per worker (default: the cores split evenly)")

@@ -138,7 +138,8 @@ def ray_session():
 
     if not ray.is_initialized():
         # Logical CPUs (a worker asks for one per thread): room for 8 x 8 workers next to the shared servers.
-        ray.init(num_cpus=24, include_dashboard=False, log_to_driver=False,
+        # "local": not a cluster test_multinode's two nodes (or a `ray start`) recorded as this machine's latest
+        ray.init(address="local", num_cpus=24, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield ray
     ray.shutdown()

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -405,11 +407,20 @@ def test_without_replacements_a_role_with_no_live_worker_is_503_with_retry_after
 
 @pytest.mark.timeout(180)
 def test_workers_that_cannot_be_placed_fail_serve_at_once_naming_what_is_missing(serving_model_dir):
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(serving_model_dir), "--colocated", "2",
-         "--gpus-per-worker", "1", "--http-port", str(free_port()), "--grpc-port", str(free_port())],
-        capture_output=True, text=True, timeout=150, cwd=Path(__file__).parents[1],
-    )
+    """Also: serve without --address starts a Ray instance of its own, whatever cluster a `ray start` (or
+    test_multinode's cluster, beside this test) last recorded as this machine's; here a dead one."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths live under it
+    (ray_tmp / "ray").mkdir()
+    (ray_tmp / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{free_port()}")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.cli", "serve", "--model", str(serving_model_dir), "--colocated", "2",
+             "--gpus-per-worker", "1", "--http-port", str(free_port()), "--grpc-port", str(free_port())],
+            capture_output=True, text=True, timeout=150, cwd=Path(__file__).parents[1],
+            env={**os.environ, "RAY_TMPDIR": str(ray_tmp)},
+        )
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode != 0
     assert "tidepool serve: cannot place the workers: 2 workers need 2 GPUs; this Ray cluster has 0 GPUs" \
         in proc.stderr, proc.stderr[-2000:]
