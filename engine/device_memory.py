@@ -32,7 +32,7 @@ from engine.model import CausalLM
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.structured_output import GrammarMasks
+from engine.structured_output import GrammarMasks, all_allowed
 
 GIB = 1024**3
 
@@ -91,7 +91,7 @@ def sample_largest_step(config: EngineConfig, vocab_size: int) -> int:
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                             presence_penalty=0.1, logprobs=MAX_LOGPROBS)
     logits = torch.zeros(rows, vocab_size, device=config.device)
-    allowed = GrammarMasks.apply(logits, torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32))
+    allowed = GrammarMasks.apply(logits, all_allowed(rows, vocab_size))
     draws = None
     if config.speculative_model is not None:
         draws = list(torch.empty(rows, vocab_size, device=config.device).exponential_())

@@ -239,9 +239,7 @@ class GrammarMasks:
         return self._all_allowed(rows) if bitmask is None else bitmask
 
     def _all_allowed(self, rows: int) -> torch.Tensor:
-        import torch
-
-        return torch.full((rows, -(-self.vocab_size // 32)), -1, dtype=torch.int32)
+        return all_allowed(rows, self.vocab_size)
 
     def _end_on_error(self, matcher: Any, row: torch.Tensor) -> None:
         """A matcher that failed (a grammar past llguidance's per-step limits) allows only end-of-sequence
@@ -261,6 +259,13 @@ class GrammarMasks:
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
         return logits.masked_fill(~allowed, float("-inf"))
+
+
+def all_allowed(rows: int, vocab_size: int) -> torch.Tensor:
+    """A bitmask (``GrammarMasks.fill``'s layout) of ``rows`` rows allowing every token."""
+    import torch
+
+    return torch.full((rows, -(-vocab_size // 32)), -1, dtype=torch.int32)
 
 
 def _bit(k: int) -> int:
