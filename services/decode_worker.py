@@ -209,11 +209,13 @@ class DecodeWorker(Worker):
     async def release(self, request_id: str) -> None:
         """Free a lease that never joined the batch (the handoff failed or was cancelled), or end its
         reservation's wait for blocks."""
-        self._granting.pop(request_id, None)  # a wait for its lease that failed is not asked about any more
         if (waiting := self._waiting.get(request_id)) is not None:
-            waiting.released = True  # its reserve() frees whatever it got and gives up
+            # its wait frees whatever it got and ends in ReservationReleased, which stays on record for a
+            # wait_for_lease that comes after this release (``_granted``), as for any failed wait
+            waiting.released = True
             waiting.wake.set()
             return
+        self._granting.pop(request_id, None)  # a wait for its lease that failed is not asked about any more
         if self.receiver.drop_lease(request_id):
             await self.loop.acall(self.engine.release, request_id)
 

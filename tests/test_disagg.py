@@ -254,12 +254,19 @@ def test_a_reservation_without_room_waits_for_the_blocks_a_finishing_request_fre
 
 
 @pytest.mark.timeout(60)
-def test_a_released_waiting_reservation_gives_up_and_holds_nothing(pd_server):
-    """The request failed or was cancelled while its reservation waited: releasing it ends the wait."""
+@pytest.mark.parametrize("asked", ["before", "after"])
+def test_a_released_waiting_reservation_gives_up_and_holds_nothing(pd_server, asked):
+    """The request failed or was cancelled while its reservation waited: releasing it ends the wait, and the
+    prefill worker's wait for the lease learns why, whether it asked before the release or after."""
     async def scenario(decode, bs: int, free: int) -> None:
-        waiter = asyncio.create_task(_reserved(decode, "gives-up", 2 * bs))
-        await _until_waiting(decode, 1, 2, waiter)
+        assert not await decode.reserve("gives-up", 2 * bs, 60.0, 30.0, 10.0)
+        await _until_waiting(decode, 1, 2)
+        if asked == "before":
+            waiter = asyncio.ensure_future(decode.actor.wait_for_lease.remote("gives-up", 60.0))
+            await asyncio.sleep(0.2)  # the wait has begun (a wait_for_lease sent after release is the other case)
         await decode.release("gives-up")
+        if asked == "after":
+            waiter = asyncio.ensure_future(decode.actor.wait_for_lease.remote("gives-up", 60.0))
         with pytest.raises(ReservationReleased, match="'gives-up' was released while it waited"):
             await waiter
 
