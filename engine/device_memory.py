@@ -6,8 +6,8 @@ On CUDA, after the weights are loaded, one profiling forward pass runs at the en
 logits are as many rows as a full batch samples), into a scratch cache just large enough; then the
 sampler's largest step (``sample_largest_step``, vLLM's dummy sampler run): every row a full batch samples,
 ``k + 1`` a sequence when it drafts, through every transform at once (a structured output's mask,
-penalties, temperature, min-p, top-k, top-p, top logprobs) and, with a draft model, the draws taken ahead.
-Then
+penalties, temperature, min-p, top-k, top-p and top logprobs) and, with a draft model, the draws taken ahead,
+beside the most rows of prompt logprobs a step computes (``scheduler.PROMPT_LOGPROBS_ROWS``). Then
 
     kv_cache_bytes = total × gpu_memory_utilization − used
     used = peak torch allocation during the pass (weights, activations, anything else this process holds)
@@ -17,7 +17,7 @@ Then
 
 as vLLM computes it, so ``gpu_memory_utilization`` caps everything this engine puts on the device. Decode
 steps allocate less than such a prefill; what the passes do not see (split-K scratch, a draft model's own
-passes, prompt logprobs' rows, allocator fragmentation) comes out of the share left above the utilization.
+passes, allocator fragmentation) comes out of the share left above the utilization.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from engine.model import CausalLM
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.scheduler import PROMPT_LOGPROBS_ROWS
 from engine.structured_output import GrammarMasks, all_allowed
 
 GIB = 1024**3
@@ -81,16 +82,21 @@ def profile_device_memory(model: CausalLM, model_config: ModelConfig, config: En
 
 
 @torch.inference_mode()
-def sample_largest_step(config: EngineConfig, vocab_size: int) -> int:
+def sample_largest_step(config: EngineConfig, vocab_size: int) -> tuple[int, int]:
     """Sample the engine's largest batch of rows on ``config.device`` as the costliest request would be sampled,
-    for the profile to see the sampler's peak; the rows sampled: ``max_num_seqs`` times ``k + 1`` (a drafted
+    after scoring the most prompt-logprob rows a step computes, for the profile to see the step's peak; returns
+    (rows sampled, prompt-logprob rows). The rows sampled: ``max_num_seqs`` times ``k + 1`` (a drafted
     sequence's chunk is verified row by row), each with logits, a grammar's mask, penalties over a history,
     temperature, min-p, top-k, top-p and the most top logprobs, and a draw taken ahead where a draft model
-    samples its drafts (``sampler.draw_ahead``)."""
+    samples its drafts (``sampler.draw_ahead``). The prompt rows' logits stay on the device meanwhile, as the
+    step's logits hold both (``Engine.step`` scores them, then samples)."""
     rows = config.max_num_seqs * (config.num_speculative_tokens + 1)
+    prompt_rows = min(PROMPT_LOGPROBS_ROWS, config.max_num_batched_tokens)
     params = SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
                             presence_penalty=0.1, logprobs=MAX_LOGPROBS)
-    logits = torch.zeros(rows, vocab_size, device=config.device)
+    step_logits = torch.zeros(prompt_rows + rows, vocab_size, device=config.device)
+    top_logprobs(step_logits[:prompt_rows], [0] * prompt_rows, [MAX_LOGPROBS] * prompt_rows)
+    logits = step_logits[prompt_rows:]
     allowed = GrammarMasks.apply(logits, all_allowed(rows, vocab_size))
     draws = None
     if config.speculative_model is not None:
@@ -99,7 +105,7 @@ def sample_largest_step(config: EngineConfig, vocab_size: int) -> int:
     tokens = sample(allowed, [params] * rows, [None] * rows, [history] * rows, [len(history) // 2] * rows,
                     draws=draws)
     top_logprobs(logits, tokens, [MAX_LOGPROBS] * rows)
-    return rows
+    return rows, prompt_rows
 
 
 def engine_num_blocks(model: CausalLM, model_config: ModelConfig, config: EngineConfig,

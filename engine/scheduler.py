@@ -38,9 +38,10 @@ class SeqStatus(Enum):
     RUNNING = "running"
     FINISHED = "finished"
 
-# Most prompt tokens a step computes for a sequence that collects prompt logprobs: each of them returns a
-# row of logits (vocabulary-wide, float32), which bounds that memory per sequence and step.
-PROMPT_LOGPROBS_CHUNK = 512
+# Most prompt tokens a step computes of the sequences that collect prompt logprobs, all of them together:
+# each returns a row of logits (vocabulary-wide, float32), and the device profile holds this many rows beside
+# the sampler's (``device_memory.sample_largest_step``), so such a step stays within what it measured.
+PROMPT_LOGPROBS_ROWS = 512
 
 
 @dataclass(eq=False)
@@ -177,7 +178,7 @@ class Scheduler:
             held, self.held = self.held, []
             for seq in held:
                 self.add_running(seq)
-        budget = self.max_num_batched_tokens
+        budget, logprob_rows = self.max_num_batched_tokens, PROMPT_LOGPROBS_ROWS
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
@@ -188,7 +189,11 @@ class Scheduler:
         i = 0
         while i < len(order) and budget > 0:
             seq = order[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_ids), budget, self._chunk(seq))
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_ids), budget,
+                    self._chunk(seq, logprob_rows))
+            if n == 0:  # the step's prompt-logprob rows are taken: it goes on next step
+                i += 1
+                continue
             del seq.draft_ids[n - 1:]  # a draft is cut to the budget
             while not self.bm.allocate(seq.seq_id, seq.num_computed_tokens, n):
                 if seq.draft_ids:  # speculation gives way before any sequence is preempted
@@ -204,6 +209,7 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
+                logprob_rows -= n if seq.prompt_logprobs is not None else 0
                 i += 1
         if preempted:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
@@ -216,12 +222,12 @@ class Scheduler:
             seq = self.waiting[i]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
-            if not self._adapter_ready(seq):  # every slot holds a running sequence's adapter
-                i += 1
+            if not self._adapter_ready(seq) or not self._chunk(seq, logprob_rows):
+                i += 1  # every slot holds a running sequence's adapter, or the prompt-logprob rows are taken
                 continue
             prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq), seq.hash_salt)
             num_cached = len(prefix[0]) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget, self._chunk(seq))
+            n = min(seq.num_tokens - num_cached, budget, self._chunk(seq, logprob_rows))
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix, seq.hash_salt):
                 break
             del self.waiting[i]
@@ -235,6 +241,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            logprob_rows -= n if seq.prompt_logprobs is not None else 0
             prompt_tokens += n
         return ScheduledBatch(seqs, counts, preempted)
 
@@ -243,8 +250,10 @@ class Scheduler:
         (a cached position yields no logits, as in vLLM), else ``BlockManager.max_prefix_blocks``."""
         return 0 if seq.prompt_logprobs is not None else self.bm.max_prefix_blocks(seq.num_tokens)
 
-    def _chunk(self, seq: Sequence) -> int:
-        return self.max_chunk if seq.prompt_logprobs is None else min(self.max_chunk, PROMPT_LOGPROBS_CHUNK)
+    def _chunk(self, seq: Sequence, logprob_rows: int) -> int:
+        """The most tokens ``seq`` computes this step: ``max_chunk``, and while it collects prompt logprobs no
+        more than the ``logprob_rows`` the step has left of ``PROMPT_LOGPROBS_ROWS``."""
+        return self.max_chunk if seq.prompt_logprobs is None else min(self.max_chunk, logprob_rows)
 
     def recompute(self, seq: Sequence) -> None:
         """Take ``seq`` out of the batch (if in it) to compute every token of it again, from the waiting queue

@@ -73,9 +73,10 @@ def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_the_profile_sees_the_samplers_largest_step():
-    """A drafted full batch's rows, sampled with every transform and a draft model's draws: at its peak at
-    least the logits, their masked copy, the draws and the penalised copy are on the device at once, and the
-    profile counts them against the utilization."""
+    """A drafted full batch's rows, sampled with every transform and a draft model's draws beside a step's
+    prompt-logprob rows: at its peak at least those rows' logits, the sampled rows' logits, their masked copy,
+    the draws and the penalised copy are on the device at once, and the profile counts them against the
+    utilization."""
     from engine.config import EngineConfig
     from engine.device_memory import sample_largest_step
 
@@ -84,9 +85,9 @@ def test_the_profile_sees_the_samplers_largest_step():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    rows = sample_largest_step(config, 32000)
+    rows, prompt_rows = sample_largest_step(config, 32000)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before >= 4 * rows * 32000 * 4
+    assert torch.cuda.max_memory_allocated() - before >= (prompt_rows + 4 * rows) * 32000 * 4
 
 
 def ran_in_a_compiling_process(test: str) -> bool:

@@ -54,28 +54,33 @@ def assert_match_top0(entries, ids: list[int], ref: torch.Tensor) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_prompt_logprobs_match_transformers_over_chunked_steps(model_dir, monkeypatch):
-    monkeypatch.setattr(scheduler, "PROMPT_LOGPROBS_CHUNK", 48)  # a step computes at most 48 of its tokens
-    engine = make_engine(model_dir, max_num_batched_tokens=64)
-    ids, other = prompt(200, seed=11), prompt(90, seed=12)
-    chunks = []
+def test_prompt_logprobs_match_transformers_over_steps_that_score_a_bounded_number_of_rows(model_dir, monkeypatch):
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROBS_ROWS", 48)  # a step scores at most 48 prompt tokens in all
+    engine = make_engine(model_dir, max_num_batched_tokens=128)
+    ids, second, other = prompt(200, seed=11), prompt(60, seed=14), prompt(90, seed=12)
+    scored_per_step, plain_per_step = [], []
     step = engine.step
 
     def recording_step():
         outputs = step()
         if engine.last_step is not None:
-            chunks.extend(n for rid, n, _ in engine.last_step.prefill_chunks if rid == "scored")
+            chunks = engine.last_step.prefill_chunks
+            scored_per_step.append(sum(n for rid, n, _ in chunks if rid.startswith("scored")))
+            plain_per_step.append(sum(n for rid, n, _ in chunks if rid == "plain"))
         return outputs
 
     engine.step = recording_step
     params = SamplingParams(max_tokens=5, prompt_logprobs=TOP, n=2, **GREEDY)
-    firsts = first_outputs(engine, {"scored": (ids, params),
+    firsts = first_outputs(engine, {"scored": (ids, params), "scored-too": (second, params),
                                     "plain": (other, SamplingParams(max_tokens=5, **GREEDY))})
-    assert max(chunks) <= 48 and sum(chunks) == len(ids)
-    ref = reference(model_dir, ids)
-    for index in (0, 1):  # each of the n samples hands them out with its first token
-        assert len(firsts[("scored", index)].prompt_logprobs) == len(ids) - 1
-        assert_match(firsts[("scored", index)].prompt_logprobs, ids, ref)
+    # both scored prompts share each step's 48 rows; the plain one is not held to them
+    assert max(scored_per_step) == 48 and sum(scored_per_step) == len(ids) + len(second)
+    assert max(plain_per_step) > 48
+    for rid, tokens in (("scored", ids), ("scored-too", second)):
+        ref = reference(model_dir, tokens)
+        for index in (0, 1):  # each of the n samples hands them out with its first token
+            assert len(firsts[(rid, index)].prompt_logprobs) == len(tokens) - 1
+            assert_match(firsts[(rid, index)].prompt_logprobs, tokens, ref)
     assert firsts[("plain", 0)].prompt_logprobs is None
     # the first token is the one the prompt's last row gives, as without prompt logprobs
     assert firsts[("scored", 0)].new_token_ids == alone(model_dir, ids, SamplingParams(max_tokens=1, **GREEDY))

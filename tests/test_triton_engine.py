@@ -369,11 +369,15 @@ def test_kv_cache_bytes_are_the_utilization_share_minus_what_is_used():
         EngineConfig(model="tiny", gpu_memory_utilization=1.5)
 
 
-@pytest.mark.parametrize("k, draft, rows", [(0, None, 3), (4, None, 15), (4, "tiny", 15)])
-def test_the_sampler_profile_samples_every_row_a_full_batch_verifies(k, draft, rows):
+@pytest.mark.parametrize("k, draft, batched, rows", [(0, None, 2048, (3, 512)), (4, None, 2048, (15, 512)),
+                                                     (4, "tiny", 2048, (15, 512)), (0, None, 100, (3, 100))])
+def test_the_sampler_profile_samples_every_row_a_full_batch_verifies_beside_the_prompt_logprob_rows(
+        k, draft, batched, rows):
     """The profile's sampling step (run here on the CPU; on CUDA its peak counts in the budget): a full batch's
-    rows, k + 1 a sequence when it drafts, through every transform (and a draft model's draws)."""
-    config = EngineConfig(model="tiny", max_num_seqs=3, num_speculative_tokens=k, speculative_model=draft)
+    rows, k + 1 a sequence when it drafts, through every transform (and a draft model's draws), after the most
+    prompt-logprob rows a step scores (no more than its tokens)."""
+    config = EngineConfig(model="tiny", max_num_seqs=3, num_speculative_tokens=k, speculative_model=draft,
+                          max_num_batched_tokens=batched)
     assert sample_largest_step(config, 1000) == rows
 
 
