@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import services.dispatcher as dispatcher_module
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
@@ -210,6 +211,43 @@ def test_a_report_that_arrives_after_a_later_refreshs_does_not_replace_it():
         return dispatcher.loads["d0"].free_blocks
 
     assert asyncio.run(overlapping()) == 200
+
+
+def test_an_idle_dispatcher_stops_polling_the_workers_and_a_request_wakes_it(monkeypatch):
+    """Idle (no request for _BUSY_TAIL_S, none here), the refresher waits _IDLE_LOAD_REFRESH_S (an hour here)
+    instead of asking every worker 20 times a second; a request that arrives wakes it at once, and the
+    dispatcher is busy while the request runs."""
+    monkeypatch.setattr(dispatcher_module, "_BUSY_TAIL_S", 0.0)
+    monkeypatch.setattr(dispatcher_module, "_IDLE_LOAD_REFRESH_S", 3600.0)
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p, d)
+    reports = 0
+    fast_load = d.load
+
+    async def load(timeout_s: float) -> WorkerLoad:
+        nonlocal reports
+        reports += 1
+        return await fast_load(timeout_s)
+
+    d.load = load
+
+    async def scenario() -> tuple[int, list[bool], int]:
+        await dispatcher.start()
+        await asyncio.sleep(0.3)  # polled, this would be 6 refreshes
+        idle_reports = reports
+        busy = []
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        async for _ in dispatcher.generate(GenerateRequest("r1", PROMPT, params)):
+            busy.append(dispatcher.busy())
+        async with asyncio.timeout(10):
+            while reports == idle_reports:  # the arrival's refresh, not an hour later
+                await asyncio.sleep(0.01)
+        await dispatcher.stop()
+        return idle_reports, busy, dispatcher.busy()
+
+    idle_reports, busy, busy_after = asyncio.run(scenario())
+    assert idle_reports == 1  # the start's report only
+    assert busy and all(busy) and not busy_after
 
 
 @pytest.mark.parametrize("ttft_slo_s", [30.0, 1e-4, 10_000.0])
