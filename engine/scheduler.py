@@ -222,12 +222,13 @@ class Scheduler:
             seq = self.waiting[i]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
-            if not self._adapter_ready(seq) or not self._chunk(seq, logprob_rows):
+            chunk = self._chunk(seq, logprob_rows)
+            if not self._adapter_ready(seq) or not chunk:
                 i += 1  # every slot holds a running sequence's adapter, or the prompt-logprob rows are taken
                 continue
             prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq), seq.hash_salt)
             num_cached = len(prefix[0]) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget, self._chunk(seq, logprob_rows))
+            n = min(seq.num_tokens - num_cached, budget, chunk)
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix, seq.hash_salt):
                 break
             del self.waiting[i]
