@@ -64,6 +64,8 @@ class ClusterConfig:
     placement_timeout_s: float = 60.0  # workers not placed (and constructed) by then fail the start
     replace_workers: bool = True  # a worker that dies or reports unhealthy is replaced by a new one
     autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    # environment variables for the workers' processes: a Ray runtime env, which costs each worker's start a
+    # setup process (benchmarks/worker_start.py), so none is asked for when this is empty
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def policy_options(self) -> dict:

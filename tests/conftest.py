@@ -138,9 +138,10 @@ def ray_session():
 
     if not ray.is_initialized():
         # Logical CPUs (a worker asks for one per thread): room for 8 x 8 workers next to the shared servers.
-        # "local": not a cluster test_multinode's two nodes (or a `ray start`) recorded as this machine's latest
-        ray.init(address="local", num_cpus=24, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        # "local": not a cluster test_multinode's two nodes (or a `ray start`) recorded as this machine's latest.
+        # No runtime env: each worker would start through a setup process (services/placement.py); Ray sets
+        # OMP_NUM_THREADS to an actor's num_cpus (1 unless it asks for more).
+        ray.init(address="local", num_cpus=24, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

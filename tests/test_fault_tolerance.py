@@ -37,6 +37,7 @@ from engine.config import EngineConfig
 from engine.output import FinishReason
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from services.config import ClusterConfig
 from services.dispatcher import GenerateRequest
 from services.errors import WorkerDiedError, WorkerStalledError
 from services.gateway import errors
@@ -44,6 +45,7 @@ from services.gateway.chat_prompt import encode_chat
 from services.gateway.token_texts import TokenTexts
 from services.local_redis import free_port
 from services.messages import EngineStepError, Role, TokenEvent
+from services.placement import WorkerLauncher
 from services.worker import ColocatedWorker, WorkerSpec
 
 pytestmark = pytest.mark.timeout(240)
@@ -404,6 +406,29 @@ def test_without_replacements_a_role_with_no_live_worker_is_503_with_retry_after
 
 
 # ---- placement ------------------------------------------------------------------------------------------------
+
+def test_workers_start_without_a_runtime_env_unless_extra_env_asks_for_one(ft_server, serving_model_dir):
+    """A runtime env makes Ray start each worker through a setup process of its own (about a second of CPU at
+    every start, benchmarks/worker_start.py): a plain worker has none and still runs one OpenMP thread per CPU
+    it asked for; ClusterConfig.extra_env reaches the worker's environment, while torch keeps the worker's
+    own thread count."""
+    def environment(actor) -> tuple:  # run in the worker's process: defined here, it is pickled by value
+        return (dict(ray.get_runtime_context().runtime_env), os.environ.get("OMP_NUM_THREADS"),
+                torch.get_num_threads(), os.environ.get("TIDEPOOL_TEST_MARK"))
+
+    plain = next(iter(ft_server.dispatcher.workers.values()))
+    assert ray.get(plain.actor.__ray_call__.remote(environment), timeout=30) == ({}, "1", 1, None)
+
+    config = ClusterConfig(engine=EngineConfig(model=str(serving_model_dir), num_blocks=64), colocated=1,
+                           extra_env={"OMP_NUM_THREADS": "3", "TIDEPOOL_TEST_MARK": "kelp"})
+    launcher = WorkerLauncher(config, "env-test", None, 1, "secret", may_grow=False)
+    try:
+        worker = asyncio.run(launcher.launch("colocated-env", Role.COLOCATED))
+        runtime_env, omp, threads, mark = ray.get(worker.actor.__ray_call__.remote(environment), timeout=30)
+        assert runtime_env["env_vars"] == config.extra_env and (omp, threads, mark) == ("3", 1, "kelp")
+    finally:
+        launcher.kill_all()
+
 
 @pytest.mark.timeout(180)
 def test_workers_that_cannot_be_placed_fail_serve_at_once_naming_what_is_missing(serving_model_dir):
