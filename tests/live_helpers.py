@@ -1,5 +1,6 @@
 """Helpers tests share: bounded waiting (never timing asserts), the live-server tests' worker block
-counters, checkpoints with a chat template of a test's own, and greedy chats (whole or streamed)."""
+counters, checkpoints with a chat template of a test's own, greedy chats (whole or streamed), and what one
+engine in the test's process produces for prompts a cluster serves."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import openai
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
 
 
 def free_blocks(server) -> int:
@@ -26,6 +31,20 @@ def idle(server) -> bool:
     server.run(server.dispatcher.refresh_loads())
     return all(w["running"] == 0 and w["waiting"] == 0 and w["free_blocks"] == w["total_blocks"]
                for w in server.worker_stats() if w["alive"])
+
+
+def one_engine_outputs(model_dir, prompts: dict, params: SamplingParams) -> dict:
+    """The tokens ``prompts`` (key -> token ids) get from one engine in this process, all batched together:
+    what a cluster serving the same checkpoint must produce for each, whichever workers serve it."""
+    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=1024))
+    for key, prompt in prompts.items():
+        engine.add_request(repr(key), prompt, params)
+    out = {key: [] for key in prompts}
+    by_id = {repr(key): key for key in prompts}
+    while engine.has_unfinished():
+        for output in engine.step():
+            out[by_id[output.request_id]].extend(output.new_token_ids)
+    return out
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:

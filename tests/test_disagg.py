@@ -10,6 +10,7 @@ import time
 import pytest
 import ray
 import torch
+from live_helpers import one_engine_outputs
 
 from engine.errors import OutOfBlocksError
 from engine.sampling_params import SamplingParams
@@ -82,11 +83,12 @@ def _settled_free_blocks(server, timeout_s: float = 20.0) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def colocated_outputs(start_server):
-    server = start_server(colocated=1)
-    outputs = _run_batch(server, _prompts(16), "colo")
-    server.stop()
-    return outputs
+def colocated_outputs(serving_model_dir) -> list[list[int]]:
+    """The 16 prompts colocated: prefilled and decoded by one engine, batched together, as a colocated
+    worker runs them (here in the test's process, with no worker to start)."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outputs = one_engine_outputs(serving_model_dir, dict(enumerate(_prompts(16))), params)
+    return list(outputs.values())
 
 
 @pytest.mark.timeout(300)

@@ -8,9 +8,8 @@ import asyncio
 import random
 
 import pytest
+from live_helpers import one_engine_outputs
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.sampling_params import SamplingParams
 from services.attempt import Attempt, Deadlines, run_disaggregated
 from services.messages import Role
@@ -66,19 +65,7 @@ def test_every_pair_of_8_by_8_workers_transfers_with_at_most_3_channels_each(sta
         # every worker met 8 peers, so its pool closed pairs and opened them again
         assert all(peak[w][0] == BOUND for w in peak), peak
 
-        assert disaggregated == greedy_on_one_engine(serving_model_dir, prompts, params)
+        assert disaggregated == one_engine_outputs(serving_model_dir, prompts, params)
     finally:
         server.stop()
 
-
-def greedy_on_one_engine(model_dir, prompts: dict, params: SamplingParams) -> dict:
-    """The same prompts decoded by one engine in this process: what every pair must have produced."""
-    engine = Engine(EngineConfig(model=str(model_dir), num_blocks=1024))
-    for key, prompt in prompts.items():
-        engine.add_request(repr(key), prompt, params)
-    out = {key: [] for key in prompts}
-    by_id = {repr(key): key for key in prompts}
-    while engine.has_unfinished():
-        for output in engine.step():
-            out[by_id[output.request_id]].extend(output.new_token_ids)
-    return out
