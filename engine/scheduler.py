@@ -113,6 +113,31 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+@dataclass
+class _StepRoom:
+    """What a step being scheduled has left: tokens of ``max_num_batched_tokens`` and, for the sequences that
+    collect prompt logprobs, rows of ``PROMPT_LOGPROBS_ROWS``; and the chunks put in it so far."""
+
+    tokens: int
+    max_chunk: int
+    logprob_rows: int
+    seqs: list[Sequence] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def most(self, seq: Sequence, wanted: int) -> int:
+        """How many of ``wanted`` tokens ``seq`` computes this step: within the tokens left and ``max_chunk``,
+        and while it collects prompt logprobs within the rows left (0: it waits for the next step)."""
+        chunk = self.max_chunk if seq.prompt_logprobs is None else min(self.max_chunk, self.logprob_rows)
+        return min(wanted, self.tokens, chunk)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.counts.append(n)
+        self.tokens -= n
+        if seq.prompt_logprobs is not None:
+            self.logprob_rows -= n
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_chunk: int | None = None):
@@ -178,19 +203,16 @@ class Scheduler:
             held, self.held = self.held, []
             for seq in held:
                 self.add_running(seq)
-        budget, logprob_rows = self.max_num_batched_tokens, PROMPT_LOGPROBS_ROWS
-        seqs: list[Sequence] = []
-        counts: list[int] = []
+        step = _StepRoom(self.max_num_batched_tokens, self.max_chunk, PROMPT_LOGPROBS_ROWS)
         preempted: list[Sequence] = []
         # decode rows first, then the remainder of partly prefilled prompts, each by the request's own priority
         # (then admission order); preempt from the back: the lowest priority, the latest admitted
         order = sorted((s for s in self.running if s.num_computed_tokens == s.num_tokens - 1), key=_own_priority)
         order += sorted((s for s in self.running if s.num_computed_tokens < s.num_tokens - 1), key=_own_priority)
         i = 0
-        while i < len(order) and budget > 0:
+        while i < len(order) and step.tokens > 0:
             seq = order[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.draft_ids), budget,
-                    self._chunk(seq, logprob_rows))
+            n = step.most(seq, seq.num_tokens - seq.num_computed_tokens + len(seq.draft_ids))
             if n == 0:  # the step's prompt-logprob rows are taken: it goes on next step
                 i += 1
                 continue
@@ -206,29 +228,27 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
-                logprob_rows -= n if seq.prompt_logprobs is not None else 0
+                step.add(seq, n)
                 i += 1
         if preempted:
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         # admit waiting prompts (none while blocks are so short that we had to preempt)
-        prompt_tokens = sum(n for s, n in zip(seqs, counts, strict=True) if s.num_computed_tokens < s.num_tokens - 1)
+        prompt_tokens = sum(n for s, n in zip(step.seqs, step.counts, strict=True)
+                            if s.num_computed_tokens < s.num_tokens - 1)
         i = 0  # the first waiting sequence not passed over (its adapter got no slot)
-        while i < len(self.waiting) and budget > 0 and not preempted:
+        while i < len(self.waiting) and step.tokens > 0 and not preempted:
             if self.prefill_batch_tokens is not None and prompt_tokens >= self.prefill_batch_tokens:
                 break
             seq = self.waiting[i]
             if len(self.running) + seq.fanout > self.max_num_seqs and self.running:
                 break
-            chunk = self._chunk(seq, logprob_rows)
+            chunk = step.most(seq, seq.num_tokens)
             if not self._adapter_ready(seq) or not chunk:
                 i += 1  # every slot holds a running sequence's adapter, or the prompt-logprob rows are taken
                 continue
             prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq), seq.hash_salt)
             num_cached = len(prefix[0]) * self.bm.block_size
-            n = min(seq.num_tokens - num_cached, budget, chunk)
+            n = min(seq.num_tokens - num_cached, chunk)
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix, seq.hash_salt):
                 break
             del self.waiting[i]
@@ -239,22 +259,14 @@ class Scheduler:
                 self.prefix_cache_queries += seq.num_prompt_tokens
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
-            logprob_rows -= n if seq.prompt_logprobs is not None else 0
+            step.add(seq, n)
             prompt_tokens += n
-        return ScheduledBatch(seqs, counts, preempted)
+        return ScheduledBatch(step.seqs, step.counts, preempted)
 
     def cacheable_blocks(self, seq: Sequence) -> int:
         """The most leading blocks ``seq`` takes from the prefix cache: none while it collects prompt logprobs
         (a cached position yields no logits, as in vLLM), else ``BlockManager.max_prefix_blocks``."""
         return 0 if seq.prompt_logprobs is not None else self.bm.max_prefix_blocks(seq.num_tokens)
-
-    def _chunk(self, seq: Sequence, logprob_rows: int) -> int:
-        """The most tokens ``seq`` computes this step: ``max_chunk``, and while it collects prompt logprobs no
-        more than the ``logprob_rows`` the step has left of ``PROMPT_LOGPROBS_ROWS``."""
-        return self.max_chunk if seq.prompt_logprobs is None else min(self.max_chunk, logprob_rows)
 
     def recompute(self, seq: Sequence) -> None:
         """Take ``seq`` out of the batch (if in it) to compute every token of it again, from the waiting queue
