@@ -22,17 +22,19 @@ setup: $(STAMP) $(PROTO_STAMP)
 	@command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl >/dev/null)
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
 
+# uv installs the package and its ~150 dependencies in seconds where pip takes a minute and a half; torch
+# comes first from pip (the exact CPU build: the package accepts a range, which alone would pull a CUDA
+# build) and uv keeps it, pinned again so that no dependency can ask for another build.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The exact CPU build first: the package accepts a range, which alone would pull a CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q torch==2.13.0 uv
+	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' torch==2.13.0
 	touch $(STAMP)
 
-$(PROTO_STAMP): Makefile
+$(PROTO_STAMP): Makefile $(STAMP)
 	test -x $(PROTO_VENV)/bin/python || $(PY) -m venv $(PROTO_VENV)
-	$(PROTO_VENV)/bin/pip install -q $(PROTO_PINS)
+	$(BIN)/uv pip install -q --python $(PROTO_VENV)/bin/python $(PROTO_PINS)
 	touch $(PROTO_STAMP)
 
 # Two pytest-xdist workers: one runs every test of the shared Ray and Redis servers (they wait on those more than
