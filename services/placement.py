@@ -119,9 +119,9 @@ class WorkerLauncher:
             transfer_secret=self.transfer_secret,
         )
         # No runtime env unless asked for: Ray starts a worker that has one through a setup process of its own,
-        # about 1 s of CPU more per worker (benchmarks/worker_start.py). OMP_NUM_THREADS needs none: Ray sets it
-        # to the actor's num_cpus (the worker's threads) when the node's environment leaves it unset, and the
-        # worker sets torch's threads itself.
+        # 0.6 s of CPU and of start time more per worker (benchmarks/worker_start.py). OMP_NUM_THREADS needs
+        # none: Ray sets it to the actor's num_cpus (the worker's threads) when the node's environment leaves
+        # it unset, and the worker sets torch's threads itself.
         runtime_env = {"runtime_env": {"env_vars": self.config.extra_env}} if self.config.extra_env else {}
         actor = ray.remote(_ACTOR_CLASSES[role]).options(
             name=f"tidepool-{self.cluster_id}-{worker_id}", max_concurrency=1000, **runtime_env, **options,

@@ -408,7 +408,7 @@ def test_without_replacements_a_role_with_no_live_worker_is_503_with_retry_after
 # ---- placement ------------------------------------------------------------------------------------------------
 
 def test_workers_start_without_a_runtime_env_unless_extra_env_asks_for_one(ft_server, serving_model_dir):
-    """A runtime env makes Ray start each worker through a setup process of its own (about a second of CPU at
+    """A runtime env makes Ray start each worker through a setup process of its own (0.6 s of CPU more at
     every start, benchmarks/worker_start.py): a plain worker has none and still runs one OpenMP thread per CPU
     it asked for; ClusterConfig.extra_env reaches the worker's environment, while torch keeps the worker's
     own thread count."""

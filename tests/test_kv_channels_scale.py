@@ -68,4 +68,3 @@ def test_every_pair_of_8_by_8_workers_transfers_with_at_most_3_channels_each(sta
         assert disaggregated == one_engine_outputs(serving_model_dir, prompts, params)
     finally:
         server.stop()
-

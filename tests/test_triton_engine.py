@@ -169,7 +169,7 @@ def test_speculative_decoding_on_triton_equals_plain_torch_decoding(model_dir):
     steps = [s for s in compositions if s is not None]
     assert sum(graphs.replays.values()) == sum(not s.prefill_chunks for s in steps)
     verifying = [s for s in steps if s.prefill_chunks and s.drafted_seqs == len(s.prefill_chunks)]
-    fitting = sum(all(n <= 3 for _, n, _ in s.prefill_chunks) for s in verifying)
+    fitting = sum(all(n <= 3 for _, n, _ in s.prefill_chunks) for s in verifying)  # query_len 3: 1 + 2 drafts
     assert 0 < sum(graphs.draft_replays.values()) == fitting < len(verifying)  # and some verified eagerly
 
 
@@ -204,7 +204,7 @@ def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, graph_batch: int
         if backend == "triton":
             engine.runner.enable_decode_graphs(graph_batch, 256 // 8, capture=False)
         runs[backend], _, steps = drive(engine, arrivals, max_tokens=max_tokens)
-    # the sizes of the steps of one-token chunks after some context (what DecodeGraphs.fits takes)
+    # the Triton run's steps of one-token chunks after some context (what DecodeGraphs.fits takes): their sizes
     decode_only = [decode + len(prefills) for decode, prefills in steps
                    if all(n == 1 and pos > 0 for n, pos in prefills)]
     assert sum(engine.runner.graphs.replays.values()) == sum(rows <= graph_batch for rows in decode_only) > 0
@@ -216,8 +216,8 @@ def runs_by_backend(model_dir, arrivals: dict, max_tokens: int, graph_batch: int
 def test_lora_adapters_on_triton_equal_torch_also_through_the_graph_buffers(tmp_path):
     """Sequences of two adapters join a base-model batch that decodes through the static graph buffers, where
     the grouped LoRA kernels read each row's slot: the greedy tokens equal the torch path's (per-adapter
-    matmuls), the three together eagerly, the base alone and the two adapters' rows replayed. An adapter of a lower rank loaded into a freed slot reads nothing of the
-    one before it."""
+    matmuls), the three together eagerly, the base alone and the two adapters' rows replayed. An adapter of a
+    lower rank loaded into a freed slot reads nothing of the one before it."""
     from test_lora import ALL_PROJECTIONS, peft_adapter
 
     hf = build_hf_checkpoint(tmp_path / "base", "llama")
