@@ -24,17 +24,19 @@ setup: $(STAMP) $(PROTO_STAMP)
 
 # uv installs the package and its ~150 dependencies in seconds where pip takes a minute and a half; torch
 # comes first from pip (the exact CPU build: the package accepts a range, which alone would pull a CUDA
-# build) and uv keeps it, pinned again so that no dependency can ask for another build.
+# build) and uv keeps it, pinned again so that no dependency can ask for another build. uv compiles the
+# bytecode as pip does: without it, where PYTHONDONTWRITEBYTECODE is set, every process (each Ray worker
+# among them) would compile Ray's and transformers' sources again.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0 uv
-	$(BIN)/uv pip install -q --python $(BIN)/python -e '.[test]' torch==2.13.0
+	$(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[test]' torch==2.13.0
 	touch $(STAMP)
 
 $(PROTO_STAMP): Makefile $(STAMP)
 	test -x $(PROTO_VENV)/bin/python || $(PY) -m venv $(PROTO_VENV)
-	$(BIN)/uv pip install -q --python $(PROTO_VENV)/bin/python $(PROTO_PINS)
+	$(BIN)/uv pip install -q --compile-bytecode --python $(PROTO_VENV)/bin/python $(PROTO_PINS)
 	touch $(PROTO_STAMP)
 
 # Two pytest-xdist workers: one runs every test of the shared Ray and Redis servers (they wait on those more than
