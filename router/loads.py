@@ -34,6 +34,8 @@ class WorkerLoad:
     waiting_leases / waiting_lease_blocks: decode reservations waiting for room on the worker, and the
     blocks they will take as soon as they are free: the router counts those as used too (``row``).
     updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
+    report_seq: the worker numbers its reports as it takes them, so that of two reports (one pulled, one
+    pushed, or two pulls crossing) the router keeps the later; 0: not numbered (the simulator's).
     queued_features: optional sums of `estimator.prefill_features` over queued_prefills, for callers that
     keep them incrementally (the simulator); None means "sum queued_prefills".
     steps / last_step_s: the worker's step count and its latest step's duration.
@@ -56,6 +58,7 @@ class WorkerLoad:
     block_size: int = 16
     updated_at: float = 0.0
     queued_features: tuple[float, float, float] | None = None
+    report_seq: int = 0
     steps: int = 0  # engine steps run so far, and the time of the latest (for the online TBT refit)
     last_step_s: float = 0.0
     prefill_steps: tuple[tuple[int, float, float, float, float], ...] = ()  # step, pairs, new, chunks, s

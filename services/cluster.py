@@ -29,6 +29,7 @@ from services.attempt import Deadlines
 from services.autoscaler import Autoscaler
 from services.config import ClusterConfig
 from services.dispatcher import Dispatcher
+from services.load_reports import LoadBoard, load_board_key
 from services.local_redis import LocalRedis
 from services.lora_updates import LoRAUpdates
 from services.metrics import Metrics
@@ -144,7 +145,8 @@ class Cluster:
         self.dispatcher = Dispatcher(self.workers, conductor, self.mirror, tokenizer,
                                      Metrics(served[0], first.max_model_len),
                                      self.config.kv_transport, self.redis_url, deadlines, generation_defaults,
-                                     served_model_names=served)
+                                     served_model_names=served,
+                                     load_board=LoadBoard(self.redis_url, load_board_key(self.cluster_id)))
         await self.dispatcher.start()
         if self.config.replace_workers:
             self.supervisor = Supervisor(self.dispatcher, self.launcher.launch)

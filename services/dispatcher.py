@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -29,9 +30,11 @@ from kvstore.hashing import block_hashes, salt_for
 from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLoad
 from router.loads import DECODE_ROLES, PREFILL_ROLES
 from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
+from services.background import cancel_and_wait
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
 from services.fanout import interleave
 from services.in_flight import InFlight
+from services.load_reports import LoadBoard
 from services.messages import PrefillResult, TokenEvent
 from services.metrics import Metrics
 from services.prefix_copies import PrefixCopies
@@ -40,13 +43,16 @@ from services.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
-# Every worker's load report is asked for this often while requests run and for _BUSY_TAIL_S after the last
-# ends (its blocks come back just after its stream ends); idle, only every _IDLE_LOAD_REFRESH_S, as nothing but a
-# lease expiring changes a worker then, and a request that arrives wakes the refresher at once. Each refresh
-# is a call to every worker: polled 20 times a second, an idle cluster of 2 workers kept a core 14% busy.
+# The workers write their load reports on the load board (services/load_reports.py), which the dispatcher reads
+# this often while requests run and for _BUSY_TAIL_S after the last ends (its blocks come back just after its
+# stream ends); idle, only every _IDLE_LOAD_REFRESH_S, and a request that arrives wakes it at once. It asks a
+# worker for its report only when the worker wrote none for _SILENCE_S (four heartbeats: it died, and the call
+# finds that out), and asks every worker while there is no board to read. Each ask is a Ray call: asking every
+# worker 20 times a second, an idle cluster of 2 workers kept a core 14% busy.
 _LOAD_REFRESH_S = 0.05
 _BUSY_TAIL_S = 2.0
 _IDLE_LOAD_REFRESH_S = 0.5
+_SILENCE_S = 1.0
 _LOAD_TIMEOUT_S = 10.0
 _RESUME_LOAD_TIMEOUT_S = 1.0  # a resumed request does not wait long on a stalled worker's report
 _MAX_ATTEMPTS = 4  # a request is resumed at most 3 times
@@ -74,6 +80,7 @@ class Dispatcher:
         deadlines: Deadlines | None = None,
         generation_defaults: GenerationDefaults | None = None,
         served_model_names: tuple[str, ...] = (),
+        load_board: LoadBoard | None = None,
     ) -> None:
         self.workers = {w.worker_id: w for w in workers}
         first = workers[0].info
@@ -98,8 +105,8 @@ class Dispatcher:
         self.deadlines = deadlines or Deadlines()
         self.copies = PrefixCopies(self.workers, conductor, self.block_size, self.deadlines.prefill_s)
         self._loads: dict[str, WorkerLoad] = {}
-        self._refreshes = itertools.count(1)  # numbers the load refreshes in the order they begin
-        self._load_refresh: dict[str, int] = {}  # the refresh that gave each worker's kept report
+        self.load_board = load_board  # where the workers write their reports; None: every report is asked for
+        self._reported_at: dict[str, float] = {}  # when each worker's kept report arrived (monotonic)
         self._deaths: dict[str, asyncio.Event] = {}  # set when the worker is found dead
         self._active: set[asyncio.Task] = set()  # the tasks driving requests, cancelled at shutdown
         self._last_active = time.monotonic()  # when a request last ended (or the dispatcher was made)
@@ -116,16 +123,15 @@ class Dispatcher:
 
     async def stop(self) -> None:
         self.copies.running.cancel()
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
+        await cancel_and_wait([self._refresher])
+        if self.load_board is not None:
+            await self.load_board.close()
 
     async def _refresh_forever(self) -> None:
         while True:
             await self._until_next_refresh()
             try:
-                await self.refresh_loads()
+                await self.refresh_loads(silent_for_s=_SILENCE_S if await self._read_board() else 0.0)
             except Exception:  # the refresher must outlive any one bad report
                 log.exception("load refresh failed")
 
@@ -142,40 +148,54 @@ class Dispatcher:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._request_arrived.wait(), _IDLE_LOAD_REFRESH_S)
 
-    async def refresh_loads(self, timeout_s: float = _LOAD_TIMEOUT_S) -> None:
-        """Ask every worker for its load report. Refreshes overlap (the periodic one, an added worker's, a
-        resume's), and one waiting on a slow worker can end after a later one: a report replaces the kept one
-        only if its refresh began later, so the router never steps back to an older report, nor refits its
-        estimator on steps it has seen."""
-        refresh = next(self._refreshes)
-        workers = list(self.workers.values())
+    async def _read_board(self) -> bool:
+        """Take the reports written on the load board since the last read; False if there is no board to read."""
+        reports = None if self.load_board is None else await self.load_board.read()
+        for load in reports or ():
+            self.take_report(load)
+        return reports is not None
+
+    async def refresh_loads(self, timeout_s: float = _LOAD_TIMEOUT_S, silent_for_s: float = 0.0) -> None:
+        """Ask every worker (only those whose latest report arrived ``silent_for_s`` or more ago) for its load
+        report; a worker found dead is marked so."""
+        now = time.monotonic()
+        workers = [w for w in self.workers.values()
+                   if now - self._reported_at.get(w.worker_id, -math.inf) >= silent_for_s]
         results = await asyncio.gather(*(w.load(timeout_s) for w in workers), return_exceptions=True)
         for worker, result in zip(workers, results, strict=True):
-            if worker.worker_id not in self.workers:  # replaced while the report was on its way
-                continue
             if isinstance(result, WorkerLoad):
-                if self._load_refresh.get(worker.worker_id, 0) > refresh:
-                    continue  # a refresh begun after this one has reported already
-                self._load_refresh[worker.worker_id] = refresh
-                previous = self._loads.get(worker.worker_id)
-                seen = previous.steps if previous is not None else 0
-                # Measured engine steps refit the estimator, each once: those after the previous report.
-                for step, pairs, new, chunks, seconds in result.prefill_steps:
-                    if step > seen:
-                        self.conductor.observe_prefill_step(worker.worker_id, (pairs, new, chunks), seconds)
-                for step, batch, context, seconds in result.decode_steps:
-                    if step > seen:
-                        self.conductor.observe_decode_step(worker.worker_id, batch, context, seconds)
-                for step, batch, context, seconds, tokens in result.drafted_steps:
-                    if step > seen:
-                        self.conductor.observe_drafted_step(worker.worker_id, batch, context, seconds, tokens)
-                self._loads[worker.worker_id] = result
-                self.metrics.set_worker_load(result, self.conductor.prefill_speeds.factor(worker.worker_id),
-                                             self.conductor.decode_speeds.factor(worker.worker_id))
+                self.take_report(result, asked=True)
             elif isinstance(result, WorkerDiedError):
                 self._mark_dead(worker.worker_id)
             else:
                 log.warning("no load report from %s: %s", worker.worker_id, result)
+
+    def take_report(self, load: WorkerLoad, asked: bool = False) -> None:
+        """Keep a worker's load report, ``asked`` for or read on the board. Reports cross (an ask waiting on a
+        slow worker, a board read): one replaces the kept one only if the worker took it later, so the
+        router never steps back to an older report, nor refits its estimator on steps it has seen; and none
+        revives a worker found dead or unhealthy (that is final: a replacement comes under a new id)."""
+        worker_id = load.worker_id
+        previous = self._loads.get(worker_id)
+        if worker_id not in self.workers or (previous is not None and (
+                not previous.alive or load.report_seq <= previous.report_seq)):
+            return  # (or a worker removed while its report was on its way)
+        self._reported_at[worker_id] = time.monotonic()
+        self.metrics.count_load_report(asked)
+        seen = previous.steps if previous is not None else 0
+        # Measured engine steps refit the estimator, each once: those after the previous report.
+        for step, pairs, new, chunks, seconds in load.prefill_steps:
+            if step > seen:
+                self.conductor.observe_prefill_step(worker_id, (pairs, new, chunks), seconds)
+        for step, batch, context, seconds in load.decode_steps:
+            if step > seen:
+                self.conductor.observe_decode_step(worker_id, batch, context, seconds)
+        for step, batch, context, seconds, tokens in load.drafted_steps:
+            if step > seen:
+                self.conductor.observe_drafted_step(worker_id, batch, context, seconds, tokens)
+        self._loads[worker_id] = load
+        self.metrics.set_worker_load(load, self.conductor.prefill_speeds.factor(worker_id),
+                                     self.conductor.decode_speeds.factor(worker_id))
 
     def _mark_dead(self, worker_id: str) -> None:
         load = self._loads.get(worker_id)
@@ -218,7 +238,9 @@ class Dispatcher:
         """Forget a dead or drained worker (requests that were on it resume on their own) and its series."""
         self.workers.pop(worker_id, None)
         self._deaths.pop(worker_id, None)
-        self._load_refresh.pop(worker_id, None)
+        self._reported_at.pop(worker_id, None)
+        if self.load_board is not None:
+            self.load_board.forget(worker_id)
         self.conductor.forget_worker(worker_id)
         if (load := self._loads.pop(worker_id, None)) is not None and load.alive:
             self.metrics.set_worker_load(dataclasses.replace(load, alive=False))

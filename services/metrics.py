@@ -191,6 +191,8 @@ class Metrics:
         # ---- the worker set: added and drained (tidepool scale), replaced after dying (the supervisor)
         self.worker_changes = Counter("tidepool_worker_changes", "Workers added, drained or replaced, by role",
                                       [*m, "role", "change"], registry=r)
+        self.load_reports = Counter("tidepool_load_reports", "Workers' load reports the router took, by how they "
+                                    "came (read on the load board, or asked for)", [*m, "via"], registry=r)
         self.autoscaler_load = Gauge("tidepool_autoscaler_load",
                                      "A role's measured load, in workers kept fully busy (the autoscaler's)",
                                      [*m, "role"], registry=r)
@@ -287,6 +289,9 @@ class Metrics:
 
     def inc_rejection(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason).inc()
+
+    def count_load_report(self, asked: bool) -> None:
+        self.load_reports.labels(self.model_name, "asked" if asked else "board").inc()
 
     def count_worker_change(self, role: str, change: str) -> None:
         """``change``: "added", "drained" or "replaced"."""

@@ -22,6 +22,7 @@ from engine.config import EngineConfig
 from services.config import ClusterConfig
 from services.decode_worker import DecodeWorker
 from services.errors import PlacementError
+from services.load_reports import load_board_key
 from services.messages import Role
 from services.prefill_worker import PrefillWorker
 from services.worker import ColocatedWorker, WorkerSpec
@@ -116,7 +117,7 @@ class WorkerLauncher:
             layerwise=self.config.layerwise, max_kv_channels=self.config.max_kv_channels,
             pool_max_bytes=self.config.pool_max_bytes,
             kv_disk_dir=self.config.kv_disk_dir, kv_disk_bytes=self.config.kv_disk_bytes,
-            transfer_secret=self.transfer_secret,
+            transfer_secret=self.transfer_secret, load_board=load_board_key(self.cluster_id),
         )
         # No runtime env unless asked for: Ray starts a worker that has one through a setup process of its own,
         # 0.6 s of CPU and of start time more per worker (benchmarks/worker_start.py). OMP_NUM_THREADS needs

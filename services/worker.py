@@ -11,6 +11,7 @@ joins its batch (or the lease expires); every exit path frees them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from router.loads import WorkerLoad, step_samples
 from services.background import BackgroundTasks
 from services.engine_loop import EngineLoop
 from services.engine_profile import prefill_batch_tokens, profile_engine
+from services.load_reports import LoadWriter
 from services.messages import (
     EngineStepError,
     PrefixFetch,
@@ -57,6 +59,7 @@ class WorkerSpec:
     kv_disk_dir: str | None  # the worker's disk tier lives under kv_disk_dir/worker_id; None: none
     kv_disk_bytes: int
     transfer_secret: str  # the cluster's: KV transfer servers refuse pushes without it
+    load_board: str  # the Redis hash it writes its load reports in (services/load_reports.py)
 
 
 class Worker:
@@ -68,9 +71,11 @@ class Worker:
         self.loop: EngineLoop | None = None
         self.copier: PrefixCopier | None = None
         self.background = BackgroundTasks("work after a request (pool write, release)")
+        self.reporting = BackgroundTasks("writing load reports")  # for the worker's life
         # Prompt tokens placed from each pool tier and from peers ("host", "redis", "peer", ...); counted on
         # the engine thread, copied whole (atomically under the GIL) by load reports.
         self.hit_tokens: dict[str, int] = {}
+        self._reports = itertools.count(1)  # numbers the load reports in the order they are taken
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -90,6 +95,7 @@ class Worker:
                                  disk_max_bytes=self.spec.kv_disk_bytes,
                                  prefill_model=PrefillModel.fit(profile.prefill))
             self.loop.set_block_event_sink(self.pool.publish)
+            self.reporting.spawn(LoadWriter(self.spec.redis_url, self.spec.load_board, self.load).run())
         return WorkerInfo(
             worker_id=self.spec.worker_id, role=self.spec.role, node=node,
             node_id=ray.get_runtime_context().get_node_id(), device=str(self.engine.device),
@@ -109,7 +115,7 @@ class Worker:
         prefill_steps, decode_steps, drafted_steps = step_samples(tuple(self.loop.step_log))
         return WorkerLoad(
             worker_id=self.spec.worker_id, role=self.spec.role, alive=self.loop.failure is None,
-            queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
+            report_seq=next(self._reports), queued_prefills=list(stats.waiting_prefills), num_running=stats.num_running,
             running_context_tokens=stats.running_context_tokens, free_blocks=stats.free_blocks,
             total_blocks=stats.total_blocks, block_size=self.engine.block_size, updated_at=self.loop.stats_at,
             steps=self.loop.steps, last_step_s=self.loop.step_times_s[-1] if self.loop.step_times_s else 0.0,

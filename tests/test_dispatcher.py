@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 
 import pytest
@@ -23,6 +24,7 @@ from router.loads import WorkerLoad
 from router.view import Replication
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import NoWorkersError, RequestRejected, WorkerDiedError
+from services.load_reports import LoadBoard, LoadWriter, load_board_key
 from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo, WorkerProfile
 from services.metrics import Metrics
 
@@ -52,6 +54,7 @@ class FakeWorker:
         self.fetches: list = []  # the PrefixFetch of each prefill, and of each replication copy
         self.priorities: list = []  # the priority each prefill was queued with
         self.loras: list = []  # the LoRA adapter of each prefill, decode and colocated generate
+        self.reports = itertools.count(1)  # numbers its load reports, as a worker does
 
     @property
     def worker_id(self) -> str:
@@ -65,7 +68,7 @@ class FakeWorker:
         if not self.alive:
             raise WorkerDiedError(self.worker_id, f"{self.worker_id} died")
         return WorkerLoad(self.worker_id, str(self.role), free_blocks=self.free_blocks, total_blocks=256,
-                          updated_at=time.time())
+                          updated_at=time.time(), report_seq=next(self.reports))
 
     async def reserve(self, request_id: str, num_tokens: int, lease_s: float, wait_s: float, timeout_s: float,
                       max_new_tokens: int = 0) -> bool:
@@ -125,7 +128,8 @@ class FakeWorker:
             yield TokenEvent(index, [100 + i], FinishReason.LENGTH if last else None, len(PROMPT), cached, "x")
 
 
-def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin") -> Dispatcher:
+def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin",
+                    load_board: LoadBoard | None = None) -> Dispatcher:
     estimator = Estimator.from_samples(
         prefill_samples=[(16, 0, 0.01), (64, 0, 0.02), (256, 0, 0.08)],
         decode_samples=[(1, 32, 0.01), (4, 128, 0.012), (8, 512, 0.02)], kv_bytes_per_token=1024)
@@ -136,7 +140,7 @@ def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin") -> Dispat
             return {}
 
     return Dispatcher(list(workers), conductor, NoPrefixes(), tokenizer=None, metrics=Metrics(),
-                      kv_transport="grpc")
+                      kv_transport="grpc", load_board=load_board)
 
 
 async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1, priority: int = 0,
@@ -184,8 +188,8 @@ def test_a_decode_worker_without_room_for_the_lease_is_routed_around_on_fresh_lo
 
 
 def test_a_report_that_arrives_after_a_later_refreshs_does_not_replace_it():
-    """Refreshes overlap (the periodic one, an added worker's): one held up by a slow worker ends last,
-    and its report, taken before the later refresh's, must not step the router back to it."""
+    """Refreshes overlap (a resume's, an added worker's): one held up by a slow worker ends last, and its
+    report, taken before the later refresh's, must not step the router back to it."""
     p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
     dispatcher = make_dispatcher(p, d)
     asked, slow = asyncio.Event(), asyncio.Event()
@@ -248,6 +252,116 @@ def test_an_idle_dispatcher_stops_polling_the_workers_and_a_request_wakes_it(mon
     idle_reports, busy, busy_after = asyncio.run(scenario())
     assert idle_reports == 1  # the start's report only
     assert busy and all(busy) and not busy_after
+
+
+def test_a_report_never_steps_the_router_back_nor_revives_a_worker_found_dead():
+    """Reports read on the board and asked for cross: the worker's numbering decides which is later. A worker found dead
+    stays dead whatever report of its arrives late, and a worker the dispatcher does not know is ignored."""
+    dispatcher = make_dispatcher(FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE))
+    dispatcher.take_report(WorkerLoad("d0", "decode", free_blocks=200, report_seq=5))
+    dispatcher.take_report(WorkerLoad("d0", "decode", free_blocks=100, report_seq=4))
+    dispatcher.take_report(WorkerLoad("d0", "decode", free_blocks=100, report_seq=5))
+    assert dispatcher.loads["d0"].free_blocks == 200
+    dispatcher._mark_dead("d0")
+    dispatcher.take_report(WorkerLoad("d0", "decode", free_blocks=300, report_seq=6))
+    assert not dispatcher.loads["d0"].alive and dispatcher.loads["d0"].free_blocks == 200
+    dispatcher.take_report(WorkerLoad("d9", "decode", free_blocks=300, report_seq=1))
+    assert "d9" not in dispatcher.loads
+
+
+def count_asks(*workers: FakeWorker) -> dict[str, int]:
+    """Count the load reports the dispatcher asks each worker for (its ``load`` method, wrapped); the
+    worker's own ``load`` stays reachable as ``report`` for its board writer."""
+    asks = {w.worker_id: 0 for w in workers}
+    for worker in workers:
+        worker.report = worker.load
+
+        async def asked(timeout_s: float, worker=worker) -> WorkerLoad:
+            asks[worker.worker_id] += 1
+            return await worker.report(timeout_s)
+
+        worker.load = asked
+    return asks
+
+
+def writer(redis_url: str, key: str, worker: FakeWorker) -> LoadWriter:
+    return LoadWriter(redis_url, key, lambda: worker.report(1.0), interval_s=0.01, heartbeat_s=0.05)
+
+
+async def until(predicate, timeout_s: float = 20.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def board_reports(dispatcher: Dispatcher) -> float:
+    return dispatcher.metrics.load_reports.labels(dispatcher.metrics.model_name, "board")._value.get()
+
+
+def test_the_board_keeps_the_router_current_and_no_worker_is_asked_while_its_reports_come(redis_url, monkeypatch):
+    """The start asks each worker once; then, busy or idle, the reports the workers write on the board are all
+    the dispatcher needs: a change reaches the router without a call to any worker."""
+    monkeypatch.setattr(dispatcher_module, "_SILENCE_S", 3600.0)  # no worker ever counts as silent here
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    key = load_board_key("current")
+    dispatcher = make_dispatcher(p, d, load_board=LoadBoard(redis_url, key))
+    asks = count_asks(p, d)
+
+    async def scenario() -> list[TokenEvent]:
+        await dispatcher.start()
+        writers = [asyncio.create_task(writer(redis_url, key, w).run()) for w in (p, d)]
+        d.free_blocks = 123
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        events = [e async for e in dispatcher.generate(GenerateRequest("r1", PROMPT, params))]
+        await until(lambda: dispatcher.loads["d0"].free_blocks == 123)  # (busy: the board is read every 50 ms)
+        await asyncio.sleep(0.3)  # asking every worker, this would be 6 rounds
+        for task in writers:
+            task.cancel()
+        await dispatcher.stop()
+        return events
+
+    assert [e.token_ids for e in asyncio.run(scenario())] == [[7], [100], [101], [102]]
+    assert asks == {"p0": 1, "d0": 1}
+    assert board_reports(dispatcher) >= 2
+
+
+def test_a_worker_whose_reports_stop_is_asked_and_found_dead(redis_url, monkeypatch):
+    monkeypatch.setattr(dispatcher_module, "_SILENCE_S", 0.3)
+    monkeypatch.setattr(dispatcher_module, "_IDLE_LOAD_REFRESH_S", 0.05)
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    key = load_board_key("silenced")
+    dispatcher = make_dispatcher(p, d, load_board=LoadBoard(redis_url, key))
+    asks = count_asks(p, d)
+
+    async def scenario() -> None:
+        await dispatcher.start()
+        writers = {w.worker_id: asyncio.create_task(writer(redis_url, key, w).run()) for w in (p, d)}
+        await until(lambda: board_reports(dispatcher) >= 4)
+        writers["d0"].cancel()  # the worker is gone: no more reports, and a call finds it dead
+        d.alive = False
+        await until(lambda: dispatcher.alive_workers() == 1)
+        writers["p0"].cancel()
+        await dispatcher.stop()
+
+    asyncio.run(scenario())
+    assert [w.worker_id for w in dispatcher.dead_workers()] == ["d0"] and asks["d0"] >= 2
+
+
+def test_while_the_board_cant_be_read_every_worker_is_asked():
+    """Redis unreachable: no report can be read, so the dispatcher asks every worker at its usual pace."""
+    p, d = FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(p, d, load_board=LoadBoard("redis://127.0.0.1:1", load_board_key("none")))
+    asks = count_asks(p, d)
+
+    async def scenario() -> None:
+        await dispatcher.start()
+        params = SamplingParams(max_tokens=4, temperature=0.0)
+        _ = [e async for e in dispatcher.generate(GenerateRequest("r1", PROMPT, params))]  # busy: every 50 ms
+        await until(lambda: min(asks.values()) >= 3)
+        assert not dispatcher.load_board.readable
+        await dispatcher.stop()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.parametrize("ttft_slo_s", [30.0, 1e-4, 10_000.0])

@@ -114,7 +114,7 @@ class PoisonedRunner(ModelRunner):
 def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_worker_reports_unhealthy(
         model_dir, ray_session):
     spec = WorkerSpec("colocated-0", Role.COLOCATED, EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=2),
-                      None, 1, "grpc", True, 16, 0, None, 0, "secret")
+                      None, 1, "grpc", True, 16, 0, None, 0, "secret", "unused: no Redis")
 
     async def main() -> None:
         worker = ColocatedWorker(spec)  # in this process: the actor class without Ray's wrapper

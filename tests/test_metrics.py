@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from live_helpers import idle, wait_until
+from live_helpers import greedy_chat, idle, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 from test_dispatcher import PROMPT, FakeWorker, make_dispatcher
 
@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from router.loads import WorkerLoad
 from services.dispatcher import GenerateRequest
 from services.gateway.generation import Generation
+from services.load_reports import decode_load, load_board_key
 from services.messages import Role
 from services.metrics import Metrics, token_buckets
 
@@ -278,6 +279,26 @@ def test_speculative_decoding_counters_follow_the_decode_workers_drafts(live_ser
     after = scrape(live_server)[1]
     assert total(after, "tidepool_spec_decode_num_accepted_tokens_per_pos_total", position="0") >= \
         total(after, "tidepool_spec_decode_num_accepted_tokens_per_pos_total", position="1")
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+def test_the_workers_write_their_load_reports_on_the_board_and_the_router_reads_them(live_server):
+    """Each worker writes its report on the cluster's load board: after a chat, both workers' reports there
+    show the steps they ran, and the router counts the reports it took from the board."""
+    import redis
+
+    cluster = live_server.server.cluster
+    steps = {worker_id: load.steps for worker_id, load in cluster.dispatcher.loads.items()}
+    from_board = total(scrape(live_server)[1], "tidepool_load_reports_total", via="board")
+    greedy_chat(live_server, "Which creatures live in a tide pool?", 8)
+    with redis.Redis.from_url(cluster.redis_url) as client:
+        def both_stepped() -> bool:
+            board = client.hgetall(load_board_key(cluster.cluster_id))
+            return all(w.encode() in board and decode_load(board[w.encode()]).steps > steps[w] for w in steps)
+
+        assert wait_until(both_stepped, 30)
+    assert total(scrape(live_server)[1], "tidepool_load_reports_total", via="board") > from_board
 
 
 @pytest.mark.ray
