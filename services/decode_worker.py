@@ -73,6 +73,7 @@ class DecodeWorker(Worker):
         if needed > self.engine.block_manager.num_blocks:  # no wait can make room for it
             raise OutOfBlocksError(needed, self.loop.stats.free_blocks)
         waiting = self._waiting[request_id] = _Waiting(needed)
+        self.notify_report_changed()  # the router counts a waiting reservation's blocks as used
         # The dict's order is the line's; registered before the first try, so a release always finds it.
         granting = asyncio.create_task(self._wait_in_line(request_id, waiting, num_tokens, lease_s,
                                                           time.monotonic() + wait_s, max_new_tokens))
@@ -147,6 +148,7 @@ class DecodeWorker(Worker):
         finally:
             first = next(iter(self._waiting.values())) is waiting
             del self._waiting[request_id]
+            self.notify_report_changed()
             if first and self._waiting:  # the line moved: the next one tries at once
                 next(iter(self._waiting.values())).wake.set()
         if waiting.released:  # released while the engine reserved: nobody will fill these blocks

@@ -47,6 +47,7 @@ class EngineLoop:
         self.step_log: collections.deque[tuple[int, StepComposition, float]] = collections.deque(maxlen=32)
         self.stats = engine.stats()  # refreshed on the engine thread, read by load reports without a call
         self.stats_at = time.time()  # when: a report covers the requests the engine had admitted by then
+        self.on_stats: Callable[[], None] | None = None  # told on the engine thread each time stats are taken
         self.failure: str | None = None  # what broke a step, once one raised: the worker is unhealthy
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -120,6 +121,8 @@ class EngineLoop:
 
     def _take_stats(self) -> None:
         self.stats, self.stats_at = self.engine.stats(), time.time()
+        if self.on_stats is not None:
+            self.on_stats()
 
     def _fail_step(self, exc: Exception) -> None:
         """End the requests the failed step ran (the engine's running ones) and free their blocks."""

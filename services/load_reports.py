@@ -2,9 +2,10 @@
 them all with one command, instead of asking every worker with a Ray call.
 
 Asking costs the gateway about a millisecond of CPU per worker per ask (``benchmarks/load_reports.py``): at 20
-asks a second, 50 busy workers would take its whole event loop. A worker writes its report whenever it changed
-(checked every ``interval_s``) and at least every ``heartbeat_s``; the dispatcher reads the board on its own
-rhythm (every 50 ms while requests run) and decodes only the reports that changed. A worker's report numbers
+asks a second, 50 busy workers would take its whole event loop. A worker writes its report when it changes (its
+engine took new stats, its reservations moved: a ``ChangeSignal`` wakes the writer), at most every
+``interval_s``, and at least every ``heartbeat_s``; the dispatcher reads the board on its own rhythm (every 50
+ms while requests run) and decodes only the reports that changed. A worker's report numbers
 (``WorkerLoad.report_seq``) advance with each write, so one whose number stops is silent: the dispatcher asks
 it directly (the call finds a dead worker out), as it asks everyone while the board can't be read.
 Mooncake's Conductor reads its workers' state from a shared store the same way.
@@ -16,6 +17,7 @@ read a malformed report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,7 +31,7 @@ from router.loads import WorkerLoad
 
 log = logging.getLogger(__name__)
 
-WRITE_INTERVAL_S = 0.025  # a change waits at most this long for its write (the router reads every 50 ms)
+WRITE_INTERVAL_S = 0.025  # at most one write this often: a busy engine's every step changes the report
 HEARTBEAT_S = 0.25  # an unchanged report is written again (newly numbered) this often
 _BOARD_TTL_MS = 60_000  # the board outlives its last write by this much: a crashed cluster's goes away
 
@@ -98,14 +100,40 @@ def decode_load(data: bytes) -> WorkerLoad:
     return WorkerLoad(**fields)
 
 
-class LoadWriter:
-    """A worker's side: ``run()`` writes ``report()`` on the board when it changed, or when ``heartbeat_s``
-    passed since the last write, until cancelled."""
+class ChangeSignal:
+    """Wakes a writer waiting on its event loop when something its report shows changed, from any thread
+    (the engine thread after a step), at most once per wait: a step's notice costs nothing when the writer
+    is not waiting for one. ``arm()`` before reading the state, so a change while it is read is not missed."""
 
-    def __init__(self, redis_url: str, key: str, report: Callable[[], Awaitable[WorkerLoad]],
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._event = asyncio.Event()
+        self._armed = False
+
+    def notify(self) -> None:
+        if self._armed:
+            self._armed = False
+            self._loop.call_soon_threadsafe(self._event.set)
+
+    def arm(self) -> None:
+        self._event.clear()
+        self._armed = True
+
+    async def wait(self, timeout_s: float) -> None:
+        """Until a change since ``arm()``, or ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), max(timeout_s, 0.0))
+
+
+class LoadWriter:
+    """A worker's side: ``run()`` writes ``report()`` on the board when ``changed`` says it may have changed
+    (at most every ``interval_s``) and it did, or when ``heartbeat_s`` passed since the last write, until
+    cancelled."""
+
+    def __init__(self, redis_url: str, key: str, report: Callable[[], Awaitable[WorkerLoad]], changed: ChangeSignal,
                  interval_s: float = WRITE_INTERVAL_S, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.redis = aioredis.Redis.from_url(redis_url, socket_connect_timeout=1.0, socket_timeout=1.0)
-        self.key, self.report = key, report
+        self.key, self.report, self.changed = key, report, changed
         self.interval_s, self.heartbeat_s = interval_s, heartbeat_s
         self.writes = 0
 
@@ -115,6 +143,7 @@ class LoadWriter:
         failing = False  # log a Redis outage once, not every tick
         try:
             while True:
+                self.changed.arm()
                 load = await self.report()
                 unnumbered = dataclasses.replace(load, report_seq=0)
                 if unnumbered != written or time.monotonic() - written_at >= self.heartbeat_s:
@@ -133,6 +162,7 @@ class LoadWriter:
                         written, written_at = unnumbered, time.monotonic()
                         self.writes += 1
                 await asyncio.sleep(self.interval_s)
+                await self.changed.wait(written_at + self.heartbeat_s - time.monotonic())
         finally:
             await self.redis.aclose()
 

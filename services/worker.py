@@ -28,7 +28,7 @@ from router.loads import WorkerLoad, step_samples
 from services.background import BackgroundTasks
 from services.engine_loop import EngineLoop
 from services.engine_profile import prefill_batch_tokens, profile_engine
-from services.load_reports import LoadWriter
+from services.load_reports import ChangeSignal, LoadWriter
 from services.messages import (
     EngineStepError,
     PrefixFetch,
@@ -76,6 +76,7 @@ class Worker:
         # the engine thread, copied whole (atomically under the GIL) by load reports.
         self.hit_tokens: dict[str, int] = {}
         self._reports = itertools.count(1)  # numbers the load reports in the order they are taken
+        self.report_changed: ChangeSignal | None = None  # wakes the load writer (set up in start)
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -95,7 +96,10 @@ class Worker:
                                  disk_max_bytes=self.spec.kv_disk_bytes,
                                  prefill_model=PrefillModel.fit(profile.prefill))
             self.loop.set_block_event_sink(self.pool.publish)
-            self.reporting.spawn(LoadWriter(self.spec.redis_url, self.spec.load_board, self.load).run())
+            self.report_changed = ChangeSignal(asyncio.get_running_loop())
+            self.loop.on_stats = self.report_changed.notify
+            self.reporting.spawn(LoadWriter(self.spec.redis_url, self.spec.load_board, self.load,
+                                            self.report_changed).run())
         return WorkerInfo(
             worker_id=self.spec.worker_id, role=self.spec.role, node=node,
             node_id=ray.get_runtime_context().get_node_id(), device=str(self.engine.device),
@@ -109,6 +113,11 @@ class Worker:
             loras={name: adapter.adapter_id for name, adapter in self.engine.loras.items()},
             num_speculative_tokens=0 if self.engine.proposer is None else self.engine.proposer.config.num_speculative_tokens,
         )
+
+    def notify_report_changed(self) -> None:
+        """Something the load report shows changed outside the engine's stats (a reservation's line)."""
+        if self.report_changed is not None:
+            self.report_changed.notify()
 
     async def load(self) -> WorkerLoad:
         stats = self.loop.stats

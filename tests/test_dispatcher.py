@@ -24,7 +24,7 @@ from router.loads import WorkerLoad
 from router.view import Replication
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import NoWorkersError, RequestRejected, WorkerDiedError
-from services.load_reports import LoadBoard, LoadWriter, load_board_key
+from services.load_reports import ChangeSignal, LoadBoard, LoadWriter, load_board_key
 from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo, WorkerProfile
 from services.metrics import Metrics
 
@@ -285,7 +285,9 @@ def count_asks(*workers: FakeWorker) -> dict[str, int]:
 
 
 def writer(redis_url: str, key: str, worker: FakeWorker) -> LoadWriter:
-    return LoadWriter(redis_url, key, lambda: worker.report(1.0), interval_s=0.01, heartbeat_s=0.05)
+    """A board writer for ``worker`` (in a running loop), writing on its heartbeat: nothing notifies it."""
+    return LoadWriter(redis_url, key, lambda: worker.report(1.0), ChangeSignal(asyncio.get_running_loop()),
+                      interval_s=0.01, heartbeat_s=0.05)
 
 
 async def until(predicate, timeout_s: float = 20.0) -> None:

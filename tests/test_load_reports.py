@@ -7,12 +7,15 @@ import asyncio
 import contextlib
 import itertools
 import json
+import threading
+import time
 
 import pytest
 from live_helpers import wait_until
 
 from router.loads import WorkerLoad
 from services.load_reports import (
+    ChangeSignal,
     InvalidLoadReportError,
     LoadBoard,
     LoadWriter,
@@ -67,8 +70,10 @@ class Reports:
     def __init__(self) -> None:
         self.free_blocks = 10
         self.numbers = itertools.count(1)
+        self.taken = 0
 
     async def take(self) -> WorkerLoad:
+        self.taken += 1
         return WorkerLoad("decode-0", "decode", free_blocks=self.free_blocks, report_seq=next(self.numbers))
 
 
@@ -93,6 +98,53 @@ async def running(work):
         await asyncio.gather(task, return_exceptions=True)
 
 
+def test_a_notice_from_another_thread_ends_the_wait_armed_before_it_and_an_unarmed_one_schedules_nothing():
+    """Armed before the report is read, a notice that comes meanwhile still ends the next wait; unarmed (the
+    writer not waiting for one), a notice schedules nothing."""
+
+    async def scenario() -> None:
+        signal = ChangeSignal(asyncio.get_running_loop())
+        signal.arm()
+        notifier = threading.Thread(target=signal.notify)  # as the engine thread does after a step
+        notifier.start()
+        notifier.join()
+        async with asyncio.timeout(10):
+            await signal.wait(3600.0)
+        signal.notify()  # not armed again: nothing is scheduled (a set scheduled now would end the wait below)
+        signal.arm()
+        start = time.monotonic()
+        await signal.wait(0.2)  # nothing changed since arming: the whole wait
+        assert time.monotonic() - start >= 0.2
+
+    asyncio.run(scenario())
+
+
+def test_a_change_while_the_report_is_taken_is_written_next_not_at_the_heartbeat(redis_url):
+    """The engine steps while the writer takes the report: the report misses the step, and the step's
+    notice must still wake the writer for the next one."""
+    key = load_board_key("race")
+    reports = Reports()
+
+    async def scenario() -> list[WorkerLoad]:
+        changed = ChangeSignal(asyncio.get_running_loop())
+
+        async def take_while_stepping() -> WorkerLoad:
+            load = await reports.take()
+            if reports.taken == 1:
+                reports.free_blocks = 9
+                changed.notify()
+            return load
+
+        board = LoadBoard(redis_url, key)
+        writer = LoadWriter(redis_url, key, take_while_stepping, changed, interval_s=0.01, heartbeat_s=3600.0)
+        async with running(writer.run()):
+            got = await read_until(board, lambda got: any(r.free_blocks == 9 for r in got), 10)
+        await board.close()
+        return got
+
+    assert [r.free_blocks for r in asyncio.run(scenario())][-1] == 9
+
+
 def test_a_worker_writes_a_changed_report_at_once_and_an_unchanged_one_only_as_a_heartbeat(redis_url,
                                                                                              redis_client):
     key = load_board_key("changes")
@@ -100,21 +152,28 @@ def test_a_worker_writes_a_changed_report_at_once_and_an_unchanged_one_only_as_a
 
     async def scenario() -> None:
         board = LoadBoard(redis_url, key)
-        quiet = LoadWriter(redis_url, key, reports.take, interval_s=0.01, heartbeat_s=3600.0)
+        changed = ChangeSignal(asyncio.get_running_loop())
+        quiet = LoadWriter(redis_url, key, reports.take, changed, interval_s=0.01, heartbeat_s=3600.0)
         async with running(quiet.run()):
             first = await read_until(board, bool)
             assert 0 < redis_client.pttl(key) <= 60_000  # a crashed cluster's board expires
-            await asyncio.sleep(0.3)  # 30 unchanged reports taken: none is written
+            await asyncio.sleep(0.3)  # no notice: the report is not even taken
+            assert reports.taken == 1
+            changed.notify()  # a notice, but the report is the same: taken, not written
+            async with asyncio.timeout(10):
+                while reports.taken < 2:
+                    await asyncio.sleep(0.01)
             assert await board.read() == [] and quiet.writes == 1
             reports.free_blocks = 9
-            changed = await read_until(board, bool)
-        assert [r.free_blocks for r in first + changed] == [10, 9]
-        assert changed[0].report_seq > first[0].report_seq
-        beating = LoadWriter(redis_url, key, reports.take, interval_s=0.01, heartbeat_s=0.05)
+            changed.notify()
+            again = await read_until(board, bool)
+        assert [r.free_blocks for r in first + again] == [10, 9]
+        assert again[0].report_seq > first[0].report_seq
+        beating = LoadWriter(redis_url, key, reports.take, changed, interval_s=0.01, heartbeat_s=0.05)
         async with running(beating.run()):
-            again = await read_until(board, lambda got: len(got) >= 3)  # the same report, newly numbered
-        assert {r.free_blocks for r in again} == {9}
-        assert sorted({r.report_seq for r in again}) == [r.report_seq for r in again]
+            beats = await read_until(board, lambda got: len(got) >= 3)  # the same report, newly numbered
+        assert {r.free_blocks for r in beats} == {9}
+        assert sorted({r.report_seq for r in beats}) == [r.report_seq for r in beats]
         await board.close()
 
     asyncio.run(scenario())
@@ -150,7 +209,8 @@ def test_the_board_is_unreadable_while_redis_restarts_and_reports_come_again_aft
     with LocalRedis(restart_on_exit=True) as server:
         async def scenario() -> None:
             board = LoadBoard(server.url, key)
-            writer = LoadWriter(server.url, key, reports.take, interval_s=0.01, heartbeat_s=0.05)
+            writer = LoadWriter(server.url, key, reports.take, ChangeSignal(asyncio.get_running_loop()),
+                                interval_s=0.01, heartbeat_s=0.05)
             async with running(writer.run()):
                 await read_until(board, bool)
                 server.kill()
