@@ -34,8 +34,8 @@ class WorkerLoad:
     waiting_leases / waiting_lease_blocks: decode reservations waiting for room on the worker, and the
     blocks they will take as soon as they are free: the router counts those as used too (``row``).
     updated_at: when the report was taken, on the router's clock; reported queues drain from then on.
-    report_seq: the worker numbers its reports as it takes them, so that of two reports (one pulled, one
-    pushed, or two pulls crossing) the router keeps the later; 0: not numbered (the simulator's).
+    report_seq: the worker numbers its reports as it takes them, so that of two reports (one asked for, one
+    read on the load board, or two asks crossing) the router keeps the later; 0: not numbered (the simulator's).
     queued_features: optional sums of `estimator.prefill_features` over queued_prefills, for callers that
     keep them incrementally (the simulator); None means "sum queued_prefills".
     steps / last_step_s: the worker's step count and its latest step's duration.

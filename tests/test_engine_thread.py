@@ -85,3 +85,37 @@ def test_layer_hooks_get_the_completing_prompts_on_the_engine_thread(model_dir):
             loop.stop()
 
     asyncio.run(main())
+
+
+def test_the_stats_listener_hears_every_step_and_command_and_a_failed_step_with_nothing_after_it(model_dir):
+    """``on_stats`` (what wakes the load-board writer) is told on the engine thread each time the stats are
+    taken: after each step and each command, and after a step that failed even when no work follows it (the
+    step that ends its aborted requests takes them), so the report that says the worker is unhealthy, with
+    the failed requests' blocks free, goes out at once."""
+
+    async def main() -> None:
+        loop = EngineLoop(make_engine(model_dir), asyncio.get_running_loop())
+        told: list[tuple[str, int, str | None]] = []
+        loop.on_stats = lambda: told.append((threading.current_thread().name, loop.stats.num_running, loop.failure))
+        try:
+            outputs = await generate(loop, "ok", prompt(20, seed=1))
+            assert len(told) >= 1 + len(outputs)  # the add_request command, then every step
+            assert {name for name, _, _ in told} == {"engine-loop"}
+            told.clear()
+
+            def failing_run(*args, **kwargs):  # a kernel fault, once the step has scheduled the request
+                raise RuntimeError("illegal memory access")
+
+            loop.engine.runner.run = failing_run
+            stream = loop.open_stream("doomed")
+            await loop.acall(loop.engine.add_request, "doomed", prompt(20, seed=2),
+                             SamplingParams(max_tokens=4, **GREEDY))
+            await stream.get()  # the step's error
+            async with asyncio.timeout(10):
+                while not any(failure for _, _, failure in told):
+                    await asyncio.sleep(0.01)
+            assert told[-1] == ("engine-loop", 0, "RuntimeError: illegal memory access")
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
