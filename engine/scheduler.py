@@ -109,9 +109,6 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     preempted: list[Sequence]
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 @dataclass
 class _StepRoom:
