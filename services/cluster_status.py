@@ -16,7 +16,8 @@ if TYPE_CHECKING:  # the autoscaler's module imports the workers' actor classes,
 def worker_rows(dispatcher: Dispatcher) -> list[dict]:
     """One JSON row per worker. ``waiting`` counts what waits for the worker: prefills queued on it, and
     decode reservations waiting for free blocks (also apart, as ``waiting_leases``); the time ratios are its
-    measured steps over what the router's shared models predict (``router.worker_speed``)."""
+    measured steps over what the router's shared models predict (``router.worker_speed``); ``report_age_s`` how
+    old the router's view of it is (seconds since its latest load report was taken; None: none yet)."""
     out = []
     for worker in dispatcher.workers.values():
         load = dispatcher.loads.get(worker.worker_id)
@@ -30,6 +31,7 @@ def worker_rows(dispatcher: Dispatcher) -> list[dict]:
             # its measured steps over the router's shared models (router.worker_speed): 1 as modelled
             "prefill_time_ratio": dispatcher.conductor.prefill_speeds.factor(worker.worker_id),
             "decode_time_ratio": dispatcher.conductor.decode_speeds.factor(worker.worker_id),
+            "report_age_s": dispatcher.report_age_s(worker.worker_id),
         })
     return out
 

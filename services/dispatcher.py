@@ -207,6 +207,11 @@ class Dispatcher:
         if worker_id in self._deaths:
             self._deaths[worker_id].set()  # handoffs into it stop waiting
 
+    def report_age_s(self, worker_id: str) -> float | None:
+        """Seconds since the worker's latest report was taken, read on the board or asked for; None: none yet."""
+        taken = self._reported_at.get(worker_id)
+        return None if taken is None else time.monotonic() - taken
+
     @property
     def loads(self) -> dict[str, WorkerLoad]:
         """The latest load report of each worker (read-only: the refresher replaces it)."""

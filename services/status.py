@@ -75,6 +75,12 @@ def _time_ratios(worker: dict) -> str:
     return "-" if None in ratios else "/".join(f"{r:.2f}" for r in ratios)
 
 
+def _report_age(worker: dict) -> str:
+    """How old the router's view of the worker is, as "0.04s" ("-": no report yet, or an older gateway)."""
+    age = worker.get("report_age_s")
+    return "-" if age is None else f"{age:.2f}s"
+
+
 def render_status(status: dict) -> str:
     """The human view: a header, Redis, router and autoscaler lines, then one row per worker (dead ones say
     DEAD)."""
@@ -94,12 +100,12 @@ def render_status(status: dict) -> str:
     ]
     rows = [
         [str(w.get("id", "?")), str(w.get("role", "?")), _num(w.get("node")), _num(w.get("device")),
-         f"{_num(w.get('waiting'))}/{_num(w.get('running'))}", _kv_blocks(w), _time_ratios(w),
+         f"{_num(w.get('waiting'))}/{_num(w.get('running'))}", _kv_blocks(w), _time_ratios(w), _report_age(w),
          "draining" if w.get("draining") else "alive" if w.get("alive") else "DEAD"]
         for w in workers
     ]
     lines += _table(["WORKER", "ROLE", "NODE", "DEVICE", "QUEUE wait/run", "KV BLOCKS used/total",
-                     "STEP TIME prefill/decode", "STATE"], rows)
+                     "STEP TIME prefill/decode", "REPORT AGE", "STATE"], rows)
     dead = sum(1 for w in workers if not w.get("alive"))
     lines += ["", f"{len(workers)} workers: {len(workers) - dead} alive, {dead} dead"]
     return "\n".join(lines)

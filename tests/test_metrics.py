@@ -299,6 +299,9 @@ def test_the_workers_write_their_load_reports_on_the_board_and_the_router_reads_
 
         assert wait_until(both_stepped, 30)
     assert total(scrape(live_server)[1], "tidepool_load_reports_total", via="board") > from_board
+    # what `tidepool status` shows: how old the router's view of each worker is
+    rows = httpx.get(f"{live_server.http_url}/v1/cluster/status", timeout=30).json()["workers"]
+    assert {row["id"] for row in rows} == steps.keys() and all(row["report_age_s"] >= 0.0 for row in rows)
 
 
 @pytest.mark.ray

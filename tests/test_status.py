@@ -22,7 +22,7 @@ STATUS = {
     "workers": [
         {"id": "prefill-0", "role": "prefill", "alive": True, "node": "10.0.0.11", "device": "cuda",
          "waiting": 2, "running": 1, "free_blocks": 750, "total_blocks": 1000, "prefill_time_ratio": 1.8,
-         "decode_time_ratio": 1.0},
+         "decode_time_ratio": 1.0, "report_age_s": 0.031},
         {"id": "decode-0", "role": "decode", "alive": True, "node": "10.0.0.21", "device": "cuda",
          "waiting": 0, "running": 12, "free_blocks": 600, "total_blocks": 1000},
         {"id": "decode-1", "role": "decode", "alive": False, "node": "10.0.0.22", "device": "cuda",
@@ -37,12 +37,13 @@ def _rows(text: str) -> dict[str, list[str]]:
 
 
 @pytest.mark.timeout(60)
-def test_table_shows_each_worker_role_node_device_queue_kv_blocks_and_step_times():
+def test_table_shows_each_worker_role_node_device_queue_kv_blocks_step_times_and_report_age():
     rows = _rows(render_status(STATUS))
     assert rows["prefill-0"] == ["prefill-0", "prefill", "10.0.0.11", "cuda", "2/1", "250/1000", "(25%)",
-                                 "1.80/1.00", "alive"]
-    # an older gateway's rows have no step times
-    assert rows["decode-0"] == ["decode-0", "decode", "10.0.0.21", "cuda", "0/12", "400/1000", "(40%)", "-", "alive"]
+                                 "1.80/1.00", "0.03s", "alive"]
+    # an older gateway's rows have no step times nor report ages
+    assert rows["decode-0"] == ["decode-0", "decode", "10.0.0.21", "cuda", "0/12", "400/1000", "(40%)", "-", "-",
+                                "alive"]
 
 
 @pytest.mark.timeout(60)
@@ -55,12 +56,14 @@ def test_decode_row_counts_reservations_waiting_for_blocks_as_waiting_and_shows_
         loads={"p": WorkerLoad("p", "prefill", queued_prefills=[(100, 0), (50, 16)], total_blocks=64),
                "d": WorkerLoad("d", "decode", num_running=3, free_blocks=2, total_blocks=64,
                                waiting_leases=2, waiting_lease_blocks=20)},
-        draining={"d"}, conductor=SimpleNamespace(prefill_speeds=WorkerSpeeds(warmup=1), decode_speeds=WorkerSpeeds()))
+        draining={"d"}, conductor=SimpleNamespace(prefill_speeds=WorkerSpeeds(warmup=1), decode_speeds=WorkerSpeeds()),
+        report_age_s={"p": 0.2}.get)
     dispatcher.conductor.prefill_speeds.observe("p", predicted_s=0.5, measured_s=1.0)
     rows = {row["id"]: row for row in worker_rows(dispatcher)}
     assert (rows["p"]["prefill_time_ratio"], rows["p"]["decode_time_ratio"], rows["d"]["prefill_time_ratio"]) == (
         2.0, 1.0, 1.0)
     assert (rows["p"]["waiting"], rows["p"]["waiting_leases"], rows["p"]["draining"]) == (2, 0, False)
+    assert (rows["p"]["report_age_s"], rows["d"]["report_age_s"]) == (0.2, None)
     assert (rows["d"]["waiting"], rows["d"]["waiting_leases"], rows["d"]["running"]) == (2, 2, 3)
     table = render_status({"workers": list(rows.values())}).splitlines()
     assert rows["d"]["draining"] and next(line for line in table if line.startswith("d ")).endswith(" draining")
