@@ -126,6 +126,7 @@ class Dispatcher:
         await cancel_and_wait([self._refresher])
         if self.load_board is not None:
             await self.load_board.close()
+        await asyncio.gather(*(worker.close() for worker in self.workers.values()))
 
     async def _refresh_forever(self) -> None:
         while True:

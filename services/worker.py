@@ -2,8 +2,9 @@
 and decode workers are ``services/prefill_worker.py`` and ``services/decode_worker.py``).
 
 Each worker owns one engine, driven on its own thread by ``EngineLoop``; actor methods are async, so a
-worker serves many requests at once. Token streams go back through Ray streaming generators (async
-generator methods). A request's blocks are owned by exactly one side at a time: the prefill worker until
+worker serves many requests at once. A request's tokens come from an async generator (``generate``), and
+go back to its gateway on that gateway's token feed (``services/token_feed.py``: one Ray stream per gateway
+carrying a step's events of all its requests together). A request's blocks are owned by exactly one side at a time: the prefill worker until
 its KV is acknowledged by the decode worker, the decode worker's lease from ``reserve`` until the request
 joins its batch (or the lease expires); every exit path frees them.
 """
@@ -38,6 +39,7 @@ from services.messages import (
 )
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
+from services.token_feed import FeedItem, TokenFeeds
 
 _UNLOAD_POLL_S = 0.05  # how often an adapter being unloaded is checked for requests still running with it
 _COLOCATED_COPY_TIMEOUT_S = 30.0  # a colocated request's prefix copy from a peer (prefills have a deadline)
@@ -77,6 +79,7 @@ class Worker:
         self.hit_tokens: dict[str, int] = {}
         self._reports = itertools.count(1)  # numbers the load reports in the order they are taken
         self.report_changed: ChangeSignal | None = None  # wakes the load writer (set up in start)
+        self.feeds = TokenFeeds()  # the gateways' token feeds (the colocated and decode workers' streams)
 
     # ---- lifecycle and reports -------------------------------------------------------------------------------
     async def start(self) -> WorkerInfo:
@@ -215,6 +218,20 @@ class Worker:
             self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks, salt))
 
     # ---- streaming a request's tokens ------------------------------------------------------------------------
+    async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
+        """Run ``generate(*args)`` for request ``request_id``; its events go out on the gateway's feed
+        ``feed_id`` (``services/token_feed.py``)."""
+        self.feeds.start(feed_id, request_id, self.generate(*args))
+
+    async def stop_stream(self, feed_id: str, request_id: str) -> None:
+        """The gateway stopped reading the request: abort it (its blocks freed) before returning."""
+        await self.feeds.stop(feed_id, request_id)
+
+    async def feed(self, feed_id: str) -> AsyncIterator[list[FeedItem]]:
+        """The gateway's token feed: its requests' events, a step's together."""
+        async for batch in self.feeds.serve(feed_id):
+            yield batch
+
     async def _stream(
         self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
         lora: str | None,
@@ -224,7 +241,7 @@ class Worker:
         ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
         blocks are in the pool already (as are those the engine found cached): once finished, the rest of
         the sequence's blocks are shared (``lora``: its adapter).
-        If the consumer goes away first (Ray cancels the generator), the request is aborted.
+        If the consumer goes away first (the gateway stops the stream, or its feed ends), the request is aborted.
         """
         queue = self.loop.open_stream(request_id)
         finished = False

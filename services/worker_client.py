@@ -3,9 +3,10 @@
 ``WorkerClient`` wraps a Ray actor handle: each method is one actor call with a deadline, and Ray's
 failures become ours: ``WorkerDiedError`` when the actor is gone, ``WorkerFailedError`` when it did not
 answer in time, and the worker's own exception (e.g. ``OutOfBlocksError``) when the call raised there.
-A stream that sends nothing for its inactivity deadline fails with ``WorkerStalledError``. Streams
-cancel the actor's generator and abort the request when the consumer stops early, and a prefill whose
-caller is cancelled is cancelled on the worker too. ``output_ids`` resume a request after the tokens a failed
+A stream that sends nothing for its inactivity deadline fails with ``WorkerStalledError``. Streams arrive on
+the worker's token feed to this gateway (``TokenFeedReader``: every request's events of an engine step in one
+Ray object, ``services/token_feed.py``); a stream whose consumer stops early stops the request on the worker,
+which aborts it, and a prefill whose caller is cancelled is cancelled on the worker too. ``output_ids`` resume a request after the tokens a failed
 attempt streamed. Tests drive the dispatcher with fakes that have the same methods.
 """
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +26,8 @@ from engine.sampling_params import Priority, SamplingParams
 from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledError
 from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
+
+log = logging.getLogger(__name__)
 
 
 def raised_in_worker(exc: RayTaskError) -> BaseException:
@@ -37,6 +42,7 @@ class WorkerClient:
     def __init__(self, info: WorkerInfo, actor: ray.actor.ActorHandle) -> None:
         self.info = info
         self.actor = actor
+        self._token_feed: TokenFeedReader | None = None
 
     @property
     def worker_id(self) -> str:
@@ -99,23 +105,22 @@ class WorkerClient:
                  lora: str | None = None) -> AsyncIterator[TokenEvent]:
         """A colocated worker computes the prompt and decodes it (with LoRA adapter ``lora``); the first event may
         take ``first_timeout_s`` (the prompt's queue and compute), every later one ``token_timeout_s``."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, params, index, fetch, output_ids, priority, lora)
-        return self._stream(gen, request_id, first_timeout_s, token_timeout_s)
+        return self._stream(request_id, (request_id, prompt_ids, params, index, fetch, output_ids, priority, lora),
+                            first_timeout_s, token_timeout_s)
 
     def decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
                index: int, num_cached_tokens: int, output_ids: tuple[int, ...] = (),
                token_timeout_s: float = 60.0, lora: str | None = None) -> AsyncIterator[TokenEvent]:
         """A decode worker continues from its filled lease and the first token the prefill side sampled."""
-        gen = self.actor.generate.remote(request_id, prompt_ids, first_token_id, params, index, num_cached_tokens,
-                                         output_ids, lora)
-        return self._stream(gen, request_id, token_timeout_s, token_timeout_s)
+        return self._stream(request_id, (request_id, prompt_ids, first_token_id, params, index, num_cached_tokens,
+                                         output_ids, lora), token_timeout_s, token_timeout_s)
 
-    async def _stream(self, gen: Any, request_id: str, first_timeout_s: float,
+    async def _stream(self, request_id: str, args: tuple, first_timeout_s: float,
                       token_timeout_s: float) -> AsyncIterator[TokenEvent]:
-        async def next_event() -> TokenEvent:
-            return await (await anext(gen))
-
-        finished = stalled = False
+        """The worker's ``generate(*args)``, its events read off this gateway's token feed."""
+        feed = self._feed()
+        events = feed.open(request_id)
+        finished = stalled = started = False
         timeout_s = first_timeout_s
         try:
             while not finished:
@@ -123,29 +128,47 @@ class WorkerClient:
                     # asyncio.timeout, not wait_for: wait_for (before 3.12) may swallow a cancel that
                     # lands as an event arrives, and the request would run on after its consumer left.
                     async with asyncio.timeout(timeout_s):
-                        event: TokenEvent = await next_event()
-                except StopAsyncIteration:
-                    return
-                except RayTaskError:  # the worker raised: Ray's stand-in may also be a TimeoutError
-                    raise
+                        if not started:
+                            await self.actor.start_stream.remote(feed.feed_id, request_id, args)
+                            started = True
+                        item = await events.get()
                 except TimeoutError as exc:
                     stalled = True
                     raise WorkerStalledError(
                         self.worker_id, f"worker {self.worker_id} sent nothing for {timeout_s:.0f}s") from exc
-                finished = event.finish_reason is not None
+                if item is None:  # the stream ended (after its last event, which finished it)
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
                 timeout_s = token_timeout_s
-                yield event
+                yield item
         except RayActorError as exc:
             raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died mid-stream") from exc
         except RayTaskError as exc:
             raise raised_in_worker(exc) from exc
         finally:
-            if not finished and ray.is_initialized():  # after ray.shutdown a Ray call would start a new Ray
+            feed.forget(request_id)
+            if started and not finished and ray.is_initialized():  # (after ray.shutdown a call starts a new Ray)
                 # The consumer went away (or the stream broke): stop the request and free its blocks. A
-                # stalled worker is not waited for: the cancelled generator aborts the request when it wakes.
-                ray.cancel(gen)
+                # stalled worker is not waited for: it stops the request when it wakes.
+                stop = self.actor.stop_stream.remote(feed.feed_id, request_id)
                 if not stalled:
-                    await self.abort(request_id)
+                    with contextlib.suppress(WorkerFailedError, WorkerDiedError):
+                        await self._call(stop, 10.0)
+
+    async def close(self) -> None:
+        """Stop reading the worker's token feed (the dispatcher is stopping); its requests are aborted there."""
+        if self._token_feed is not None and self._token_feed.loop is asyncio.get_running_loop():
+            await self._token_feed.close()
+
+    def _feed(self) -> TokenFeedReader:
+        """This gateway's feed from the worker, opened on first use, and again after it broke (or in another
+        event loop: a test's)."""
+        loop = asyncio.get_running_loop()
+        if self._token_feed is None or self._token_feed.loop is not loop or self._token_feed.broken:
+            self._token_feed = TokenFeedReader(self.actor, self.worker_id, loop)
+        return self._token_feed
 
     async def _call(self, ref: ray.ObjectRef, timeout_s: float, cancel_with_caller: bool = False) -> Any:
         """``cancel_with_caller``: a cancelled caller cancels the actor's task too (never for cleanup calls,
@@ -166,3 +189,48 @@ class WorkerClient:
             ray.cancel(ref)
             raise WorkerFailedError(
                 f"worker {self.worker_id} did not answer within {timeout_s:.0f}s") from exc
+
+
+class TokenFeedReader:
+    """This gateway's end of a worker's token feed (``services/token_feed.py``): one task reads the feed and
+    hands each request's events to its queue. The worker dying fails every open request's queue with
+    ``WorkerDiedError``; a request opened after that fails the same way when it starts."""
+
+    def __init__(self, actor: ray.actor.ActorHandle, worker_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.actor, self.worker_id, self.loop = actor, worker_id, loop
+        self.feed_id = uuid.uuid4().hex
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._feed = actor.feed.remote(self.feed_id)
+        self._reader = loop.create_task(self._read())
+
+    def open(self, request_id: str) -> asyncio.Queue:
+        """The queue of ``request_id``'s events (registered before the request starts: none is missed)."""
+        queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    @property
+    def broken(self) -> bool:
+        """The feed ended (the worker died, or the feed failed): requests need a new one."""
+        return self._reader.done()
+
+    async def close(self) -> None:
+        if ray.is_initialized():  # (after ray.shutdown a call starts a new Ray)
+            with contextlib.suppress(Exception):  # a dead worker's feed is over already
+                ray.cancel(self._feed)
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+    async def _read(self) -> None:
+        try:
+            async for ref in self._feed:
+                for request_id, item in await ref:
+                    if (queue := self._queues.get(request_id)) is not None:
+                        queue.put_nowait(item)
+        except RayActorError:
+            for queue in self._queues.values():
+                queue.put_nowait(WorkerDiedError(self.worker_id, f"worker {self.worker_id} died mid-stream"))
+        except Exception:  # the requests' own deadlines end them
+            log.exception("the token feed from %s broke", self.worker_id)

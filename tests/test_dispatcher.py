@@ -108,6 +108,9 @@ class FakeWorker:
     async def abort(self, request_id: str) -> None:
         self.calls.append(("abort", request_id))
 
+    async def close(self) -> None:  # (a worker client stops reading the worker's token feed)
+        self.calls.append(("close", ""))
+
     def decode(self, request_id, prompt_ids, first_token_id, params, index, num_cached_tokens, output_ids=(),
                token_timeout_s=60.0, lora=None):
         self.calls.append(("decode", request_id))
