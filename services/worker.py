@@ -4,9 +4,9 @@ and decode workers are ``services/prefill_worker.py`` and ``services/decode_work
 Each worker owns one engine, driven on its own thread by ``EngineLoop``; actor methods are async, so a
 worker serves many requests at once. A request's tokens come from an async generator (``generate``), and
 go back to its gateway on that gateway's token feed (``services/token_feed.py``: one Ray stream per gateway
-carrying a step's events of all its requests together). A request's blocks are owned by exactly one side at a time: the prefill worker until
-its KV is acknowledged by the decode worker, the decode worker's lease from ``reserve`` until the request
-joins its batch (or the lease expires); every exit path frees them.
+carrying a step's events of all its requests together). A request's blocks are owned by exactly one side at
+a time: the prefill worker until its KV is acknowledged by the decode worker, the decode worker's lease from
+``reserve`` until the request joins its batch (or the lease expires); every exit path frees them.
 """
 
 from __future__ import annotations

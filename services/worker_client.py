@@ -6,8 +6,9 @@ answer in time, and the worker's own exception (e.g. ``OutOfBlocksError``) when 
 A stream that sends nothing for its inactivity deadline fails with ``WorkerStalledError``. Streams arrive on
 the worker's token feed to this gateway (``TokenFeedReader``: every request's events of an engine step in one
 Ray object, ``services/token_feed.py``); a stream whose consumer stops early stops the request on the worker,
-which aborts it, and a prefill whose caller is cancelled is cancelled on the worker too. ``output_ids`` resume a request after the tokens a failed
-attempt streamed. Tests drive the dispatcher with fakes that have the same methods.
+which aborts it, and a prefill whose caller is cancelled is cancelled on the worker too. ``output_ids`` resume
+a request after the tokens a failed attempt streamed. Tests drive the dispatcher with fakes that have the same
+methods.
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class WorkerClient:
                             await self.actor.start_stream.remote(feed.feed_id, request_id, args)
                             started = True
                         item = await events.get()
+                except RayTaskError:  # the start raised in the worker: Ray's stand-in may also be a TimeoutError
+                    raise
                 except TimeoutError as exc:
                     stalled = True
                     raise WorkerStalledError(

@@ -170,11 +170,17 @@ def test_session_id_in_the_body_and_delete(live_server):
 
 # ---- disconnect ----------------------------------------------------------------------------------------------
 
-def test_client_disconnect_mid_stream_frees_the_blocks(live_server):
+@pytest.mark.parametrize("server_name", ["live_server", "secured_server"])
+def test_client_disconnect_mid_stream_aborts_the_request_and_frees_the_blocks(server_name, request):
+    """Disaggregated (live_server) and colocated (secured_server, where only the stream's own stop reaches the
+    worker): the request ends when its client leaves, not at max_tokens."""
+    live_server = request.getfixturevalue(server_name)
     assert wait_until(lambda: idle(live_server)), "the server never went idle"
     baseline = free_blocks(live_server)
+    steps = lambda: sum(load.steps for load in live_server.dispatcher.loads.values())  # noqa: E731
+    steps_before, max_tokens = steps(), live_server.dispatcher.max_model_len - 64
     stream = client(live_server).chat.completions.create(model=live_server.model_id, messages=CHAT, stream=True,
-                                                         max_tokens=live_server.dispatcher.max_model_len // 2, temperature=0.0,
+                                                         max_tokens=max_tokens, temperature=0.0,
                                                          extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it), next(it), next(it)
@@ -182,6 +188,10 @@ def test_client_disconnect_mid_stream_frees_the_blocks(live_server):
     stream.close()
     assert wait_until(lambda: idle(live_server) and free_blocks(live_server) == baseline), \
         f"blocks not freed after disconnect: {live_server.worker_stats()}, baseline {baseline}"
+    # Aborted, not run to its end: an answer of max_tokens takes at least max_tokens / (1 + drafts) steps (a
+    # decode step verifies up to that many drafts); the disconnect is noticed well before half of them.
+    drafts = max(w.info.num_speculative_tokens for w in live_server.dispatcher.workers.values())
+    assert steps() - steps_before < max_tokens // (1 + drafts) // 2, "the request ran on after its client left"
 
 
 @pytest.mark.timeout(120)
