@@ -5,11 +5,18 @@ wait for or cancel what is still running."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Coroutine, Iterable
 
 log = logging.getLogger(__name__)
+
+
+def cancel_requested() -> bool:
+    """Whether the running task was asked to stop, even if a library swallowed the ``CancelledError``: redis-py
+    can, when the cancel lands while it hands a connection back to its pool. A loop that must end when cancelled
+    checks this each turn."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task | None]) -> None:
@@ -19,8 +26,13 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task | None]) -> None:
     for task in started:
         task.cancel()
     for task in started:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
+        try:
             await task
+        except asyncio.CancelledError:
+            if cancel_requested():  # the caller was cancelled too, not only the task it waited for
+                raise
+        except Exception:  # whatever it ended with: the loop that owns it is stopping
+            pass
 
 
 class BackgroundTasks:

@@ -30,7 +30,7 @@ from kvstore.hashing import block_hashes, salt_for
 from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLoad
 from router.loads import DECODE_ROLES, PREFILL_ROLES
 from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
-from services.background import cancel_and_wait
+from services.background import cancel_and_wait, cancel_requested
 from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
 from services.fanout import interleave
 from services.in_flight import InFlight
@@ -129,7 +129,7 @@ class Dispatcher:
         await asyncio.gather(*(worker.close() for worker in self.workers.values()))
 
     async def _refresh_forever(self) -> None:
-        while True:
+        while not cancel_requested():  # (its board reads go through redis-py, which may swallow the cancel)
             await self._until_next_refresh()
             try:
                 await self.refresh_loads(silent_for_s=_SILENCE_S if await self._read_board() else 0.0)
@@ -146,8 +146,9 @@ class Dispatcher:
             await asyncio.sleep(_LOAD_REFRESH_S)
             return
         self._request_arrived.clear()
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._request_arrived.wait(), _IDLE_LOAD_REFRESH_S)
+        with contextlib.suppress(TimeoutError):  # (asyncio.timeout: wait_for may swallow a cancel before 3.12)
+            async with asyncio.timeout(_IDLE_LOAD_REFRESH_S):
+                await self._request_arrived.wait()
 
     async def _read_board(self) -> bool:
         """Take the reports written on the load board since the last read; False if there is no board to read."""

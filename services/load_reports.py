@@ -28,6 +28,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from router.loads import WorkerLoad
+from services.background import cancel_requested
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,9 @@ class ChangeSignal:
 
     async def wait(self, timeout_s: float) -> None:
         """Until a change since ``arm()``, or ``timeout_s``."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._event.wait(), max(timeout_s, 0.0))
+        with contextlib.suppress(TimeoutError):  # (asyncio.timeout: wait_for may swallow a cancel before 3.12)
+            async with asyncio.timeout(max(timeout_s, 0.0)):
+                await self._event.wait()
 
 
 class LoadWriter:
@@ -142,7 +144,7 @@ class LoadWriter:
         written_at = 0.0
         failing = False  # log a Redis outage once, not every tick
         try:
-            while True:
+            while not cancel_requested():  # (redis-py may swallow the cancel that stops this loop)
                 self.changed.arm()
                 load = await self.report()
                 unnumbered = dataclasses.replace(load, report_seq=0)

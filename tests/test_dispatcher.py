@@ -7,6 +7,7 @@ retry after a worker death before the first token, and that every exit path free
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -22,6 +23,7 @@ from router.conductor import SLO, Conductor
 from router.estimator import Estimator
 from router.loads import WorkerLoad
 from router.view import Replication
+from services.background import cancel_and_wait
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import NoWorkersError, RequestRejected, WorkerDiedError
 from services.load_reports import ChangeSignal, LoadBoard, LoadWriter, load_board_key
@@ -350,6 +352,55 @@ def test_a_worker_whose_reports_stop_is_asked_and_found_dead(redis_url, monkeypa
 
     asyncio.run(scenario())
     assert [w.worker_id for w in dispatcher.dead_workers()] == ["d0"] and asks["d0"] >= 2
+
+
+class SwallowingBoard:
+    """A load board whose read swallows a cancel that lands in it, as redis-py can (handing a connection back
+    to its pool)."""
+
+    async def read(self) -> list[WorkerLoad]:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(1.0)
+        return []
+
+    async def close(self) -> None:
+        pass
+
+
+def test_the_dispatcher_stops_even_when_a_board_read_swallows_the_refreshers_cancel():
+    dispatcher = make_dispatcher(FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE),
+                                 load_board=SwallowingBoard())
+
+    async def scenario() -> None:
+        await dispatcher.start()
+        await asyncio.sleep(0.3)  # the refresher is inside its first read (0.05 s in, 1 s long)
+        stopping = asyncio.create_task(dispatcher.stop())
+        done, _ = await asyncio.wait({stopping}, timeout=10)
+        assert done, "stop() never returned: the refresher outlived its cancel"
+    asyncio.run(scenario())
+
+
+def test_a_caller_cancelled_while_it_waits_for_the_tasks_it_cancelled_is_cancelled_too():
+    """``cancel_and_wait`` (the dispatcher's, the supervisor's and the autoscaler's stop) suppresses the tasks'
+    own cancellation, never its caller's."""
+
+    async def scenario() -> None:
+        async def slow_to_end() -> None:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.5)  # its cleanup
+                raise
+
+        task = asyncio.create_task(slow_to_end())
+        await asyncio.sleep(0)
+        waiter = asyncio.create_task(cancel_and_wait([task]))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+
+    asyncio.run(scenario())
 
 
 def test_while_the_board_cant_be_read_every_worker_is_asked():
