@@ -8,7 +8,6 @@ engine took new stats, its reservations moved: a ``ChangeSignal`` wakes the writ
 ms while requests run) and decodes only the reports that changed. A worker's report numbers
 (``WorkerLoad.report_seq``) advance with each write, so one whose number stops is silent: the dispatcher asks
 it directly (the call finds a dead worker out), as it asks everyone while the board can't be read.
-Mooncake's Conductor reads its workers' state from a shared store the same way.
 
 Reports are JSON, checked field by field as read: whatever else writes to the hash can't make the router
 read a malformed report.
