@@ -48,7 +48,8 @@ class PacedDecodeWorker:
     def __init__(self, step_s: float) -> None:
         self.feeds = TokenFeeds()
         self.step_s = step_s
-        self.step: asyncio.Future | None = None  # resolved when the next step is done
+        self.step: asyncio.Future | None = None  # resolved when the next step is done (None: no clock running)
+        self.open = 0  # requests decoding
         self.last_token_at: dict[str, float] = {}  # request -> wall time its last token was produced
 
     async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
@@ -66,21 +67,27 @@ class PacedDecodeWorker:
 
     async def _steps(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while self.open:
             await asyncio.sleep(self.step_s)
             done, self.step = self.step, loop.create_future()
             done.set_result(None)
+        self.step = None
 
     async def _decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
                       index: int, *_):
+        self.open += 1
         if self.step is None:
             self.step = asyncio.get_running_loop().create_future()
             asyncio.get_running_loop().create_task(self._steps())
-        for i in range(params.max_tokens):
-            await self.step
-            last = i == params.max_tokens - 1
-            yield TokenEvent(index, [97 + i % 26], "length" if last else None, len(prompt_ids), 0, text=chr(97 + i % 26))
-        self.last_token_at[request_id] = time.time()
+        try:
+            for i in range(params.max_tokens):
+                await self.step
+                last = i == params.max_tokens - 1
+                yield TokenEvent(index, [97 + i % 26], "length" if last else None, len(prompt_ids), 0,
+                                 text=chr(97 + i % 26))
+            self.last_token_at[request_id] = time.time()
+        finally:
+            self.open -= 1
 
 
 def stand_in_client(actor: ray.actor.ActorHandle) -> WorkerClient:

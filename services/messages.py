@@ -7,6 +7,7 @@ no engine objects. The gateway and the router's process import this module witho
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,24 @@ class TokenEvent:
     # Draft tokens of the request's predicted output that these tokens' steps verified: kept, and not kept
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+
+
+def join_events(events: Sequence[TokenEvent]) -> TokenEvent:
+    """One event for consecutive ``events`` of one choice, none but the last finishing it (what a consumer slower
+    than its producer is handed): their tokens, text, logprobs and prediction counts in order, the first's prompt
+    logprobs, the last's finish reason and prompt counts."""
+    if len(events) == 1:
+        return events[0]
+    first, last = events[0], events[-1]
+    return TokenEvent(
+        index=first.index, token_ids=[t for e in events for t in e.token_ids], finish_reason=last.finish_reason,
+        num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
+        text="".join(e.text for e in events),
+        logprobs=None if all(e.logprobs is None for e in events) else [lp for e in events for lp in e.logprobs or ()],
+        prompt_logprobs=first.prompt_logprobs,  # only a choice's first event has them
+        accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e in events),
+        rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e in events),
+    )
 
 
 @dataclass(frozen=True)

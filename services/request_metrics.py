@@ -57,7 +57,7 @@ class RequestTracker:
                 if self.on_ttft is not None:
                     self.on_ttft(self.decision, now - self.routed)
         elif n:
-            # Tokens that arrive together (the worker coalesces while the consumer is slow) share the gap.
+            # Tokens that arrive together (joined while the gateway was behind the worker) share the gap.
             for _ in range(n):
                 m.itl.observe((now - self.last_token_at) / n)
         self.last_token_at = now

@@ -5,12 +5,16 @@ A Ray object costs the gateway's process about 0.3 ms of CPU (``benchmarks/strea
 per request capped a gateway at about 1900 streamed tokens a second, less than one GPU decode worker makes.
 Here each request's own stream (``Worker.generate``, unchanged) runs in a forwarding task that puts its events
 in its gateway's outbox; the gateway's one ``serve`` generator yields whatever the outbox holds each time it
-runs, so one engine step's events for every request of that gateway leave as one object (and more, when the
-gateway was slow). A request's end is ``(request_id, None)``, its failure ``(request_id, exception)``.
+runs, so one engine step's events for every request of that gateway leave as one object. The gateway reads its
+feed with Ray's generator backpressure (``services/worker_client.py``): while it is behind, ``serve`` waits at
+its yield and the steps' events pile up in the outbox, to leave as one object with each request's joined into
+one event, so a gateway slower than the engine gets fewer, larger batches and stays current. A request's end is
+``(request_id, None)``, its failure ``(request_id, exception)``.
 
-Stopping a request's forwarder (``stop``), or the gateway's feed ending (its process went away), cancels the
-request's stream, whose own cleanup aborts it on the engine and frees its blocks, as Ray's cancelling of a
-per-request generator did.
+Stopping a request's forwarder (``stop``), or the gateway's feed ending (its reader closed it, and Ray
+cancelled the generator), cancels the request's stream, whose own cleanup aborts it on the engine and frees
+its blocks, as Ray's cancelling of a per-request generator did. (Ray does not end a generator whose caller's
+process died; a gateway's process owns its workers, which die with it.)
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import pickle
 from collections.abc import AsyncIterator
 
 from engine.errors import InvalidRequestError
-from services.messages import TokenEvent
+from services.messages import TokenEvent, join_events
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,25 @@ def _portable(exc: Exception) -> Exception:
         return exc
     except Exception:
         return StreamFailedError(f"{type(exc).__name__}: {exc}")
+
+
+def _coalesced(items: list[FeedItem]) -> list[FeedItem]:
+    """``items`` with each request's consecutive token events joined into one (they piled up while the gateway
+    was behind); a request's end or failure stays after its events."""
+    runs: list[tuple[str, list]] = []  # (request, its token events to join) or (request, [its end or failure])
+    open_runs: dict[str, list[TokenEvent]] = {}  # request -> its run that later events may join
+    for request_id, item in items:
+        run = open_runs.get(request_id) if isinstance(item, TokenEvent) else None
+        if run is None:
+            run = [item]
+            runs.append((request_id, run))
+        else:
+            run.append(item)
+        if isinstance(item, TokenEvent) and item.finish_reason is None:
+            open_runs[request_id] = run
+        else:
+            open_runs.pop(request_id, None)
+    return [(request_id, join_events(run) if isinstance(run[0], TokenEvent) else run[0]) for request_id, run in runs]
 
 
 class TokenFeeds:
@@ -76,7 +99,7 @@ class TokenFeeds:
                 items = [await feed.outbox.get()]
                 while not feed.outbox.empty():
                     items.append(feed.outbox.get_nowait())
-                yield items
+                yield _coalesced(items)
         finally:  # nobody reads this gateway's requests any more: stop them all
             self._feeds.pop(feed_id, None)
             tasks = list(feed.forwarders.values())

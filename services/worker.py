@@ -36,6 +36,7 @@ from services.messages import (
     Role,
     TokenEvent,
     WorkerInfo,
+    join_events,
 )
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
@@ -255,7 +256,7 @@ class Worker:
                 if isinstance(outputs[-1], EngineStepError):  # it ends the stream: nothing follows it
                     finished = True  # the failed step aborted the request already
                     raise outputs[-1]
-                event = _merge(outputs, index)
+                event = join_events([_event(output, index) for output in outputs])
                 generated += event.token_ids
                 finished = event.finish_reason is not None
                 if finished:
@@ -268,17 +269,13 @@ class Worker:
                 await self.loop.acall(self.engine.abort, request_id)
 
 
-def _merge(outputs: list[RequestOutput], index: int) -> TokenEvent:
-    last = outputs[-1]
+def _event(output: RequestOutput, index: int) -> TokenEvent:
     return TokenEvent(
-        index=index, token_ids=[t for o in outputs for t in o.new_token_ids], finish_reason=last.finish_reason,
-        num_prompt_tokens=last.num_prompt_tokens, num_cached_tokens=last.num_cached_tokens,
-        text="".join(o.text for o in outputs),
-        logprobs=None if all(o.logprobs is None for o in outputs) else [
-            lp for o in outputs for lp in o.logprobs or ()],
-        prompt_logprobs=outputs[0].prompt_logprobs,  # only a choice's first output has them
-        accepted_prediction_tokens=sum(o.accepted_prediction_tokens for o in outputs),
-        rejected_prediction_tokens=sum(o.rejected_prediction_tokens for o in outputs),
+        index=index, token_ids=output.new_token_ids, finish_reason=output.finish_reason,
+        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens, text=output.text,
+        logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
+        accepted_prediction_tokens=output.accepted_prediction_tokens,
+        rejected_prediction_tokens=output.rejected_prediction_tokens,
     )
 
 

@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from engine.sampling_params import Priority, SamplingParams
 from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledError
+from services.event_queue import TokenEventQueue
 from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -194,21 +195,27 @@ class WorkerClient:
                 f"worker {self.worker_id} did not answer within {timeout_s:.0f}s") from exc
 
 
+# Batches the worker may send ahead of this gateway's reading them: past it, the worker's feed waits, and what the
+# engine steps meanwhile leaves as one batch, each request's events joined (Ray's generator backpressure).
+_FEED_BATCHES_AHEAD = 2
+
+
 class TokenFeedReader:
     """This gateway's end of a worker's token feed (``services/token_feed.py``): one task reads the feed and
-    hands each request's events to its queue. The worker dying fails every open request's queue with
-    ``WorkerDiedError``; a request opened after that fails the same way when it starts."""
+    hands each request's events to its queue, where those its consumer has not taken yet are joined
+    (``TokenEventQueue``). The worker dying fails every open request's queue with ``WorkerDiedError``; a request
+    opened after that fails the same way when it starts."""
 
     def __init__(self, actor: ray.actor.ActorHandle, worker_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.actor, self.worker_id, self.loop = actor, worker_id, loop
         self.feed_id = uuid.uuid4().hex
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._feed = actor.feed.remote(self.feed_id)
+        self._queues: dict[str, TokenEventQueue] = {}
+        self._feed = actor.feed.options(_generator_backpressure_num_objects=_FEED_BATCHES_AHEAD).remote(self.feed_id)
         self._reader = loop.create_task(self._read())
 
-    def open(self, request_id: str) -> asyncio.Queue:
+    def open(self, request_id: str) -> TokenEventQueue:
         """The queue of ``request_id``'s events (registered before the request starts: none is missed)."""
-        queue = self._queues[request_id] = asyncio.Queue()
+        queue = self._queues[request_id] = TokenEventQueue()
         return queue
 
     def forget(self, request_id: str) -> None:

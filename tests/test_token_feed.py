@@ -1,17 +1,21 @@
-"""A worker's token feeds (services/token_feed.py), without Ray: one feed per gateway carries its requests'
-events a step's together, a request's end or failure, and stopping a request or losing the gateway runs each
-request's own cleanup (what aborts it on the engine) before it returns."""
+"""A worker's token feeds (services/token_feed.py): one feed per gateway carries its requests' events a step's
+together, each request's joined when they piled up while the gateway was behind, a request's end or failure,
+and stopping a request or losing the gateway runs each request's own cleanup (what aborts it on the engine)
+before it returns. Without Ray, but for the last test: a gateway behind its worker, over Ray's backpressure."""
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
 from engine.errors import InvalidRequestError
 from engine.output import FinishReason
-from services.messages import TokenEvent
+from engine.sampling_params import SamplingParams
+from services.messages import Role, TokenEvent, WorkerInfo, WorkerProfile, join_events
 from services.token_feed import StreamFailedError, TokenFeeds
+from services.worker_client import WorkerClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -119,11 +123,89 @@ def test_a_gateway_that_goes_away_stops_all_its_requests_and_only_its_own():
         gone, staying = feeds.serve("gone"), feeds.serve("staying")
         mine[0].events.put_nowait(event(1))
         assert await next_batch(gone) == [("r0", event(1))]
-        await gone.aclose()  # Ray cancels the feed's generator when the gateway's process is lost
+        await gone.aclose()  # the gateway's reader closed it (its dispatcher stopped): Ray cancels the generator
         assert all(stream.cleaned for stream in mine) and not theirs.cleaned
         theirs.events.put_nowait(event(2))
         assert await next_batch(staying) == [("t", event(2))]
         await staying.aclose()
         assert theirs.cleaned
+
+    asyncio.run(scenario())
+
+
+def test_a_gateway_behind_the_steps_gets_each_requests_piled_up_events_joined_and_its_end_after():
+    async def scenario() -> None:
+        feeds = TokenFeeds()
+        one, two = Stream(), Stream()
+        feeds.start("gw", "r1", one.run())
+        feeds.start("gw", "r2", two.run())
+        feed = feeds.serve("gw")
+        for step in range(3):  # three engine steps while the gateway reads nothing
+            one.events.put_nowait(event(10 + step, last=step == 2))
+            two.events.put_nowait(event(20 + step))
+        one.events.put_nowait(None)
+        await asyncio.sleep(0.05)  # the forwarders hand every step's events to the outbox
+        batch = await next_batch(feed)
+        assert [item for r, item in batch if r == "r1"] == [join_events([event(10), event(11), event(12, True)]), None]
+        assert [item for r, item in batch if r == "r2"] == [join_events([event(20), event(21), event(22)])]
+        await feed.aclose()
+
+    asyncio.run(scenario())
+
+
+class PacedStreams:
+    """A worker's stream methods on the real token feeds, its requests' tokens given by ``step``; counts the
+    batches its feeds sent."""
+
+    def __init__(self) -> None:
+        self.feeds = TokenFeeds()
+        self.streams: dict[str, Stream] = {}
+        self.batches = 0
+
+    async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
+        self.streams[request_id] = Stream()
+        self.feeds.start(feed_id, request_id, self.streams[request_id].run())
+
+    async def stop_stream(self, feed_id: str, request_id: str) -> None:
+        await self.feeds.stop(feed_id, request_id)
+
+    async def feed(self, feed_id: str):
+        async for batch in self.feeds.serve(feed_id):
+            self.batches += 1
+            yield batch
+
+    def open_streams(self) -> int:
+        return len(self.streams)
+
+    async def step(self, steps: int) -> int:
+        """``steps`` engine steps, each a token for every request, ``steps`` - 1 the last; the batches sent."""
+        for i in range(steps):
+            for stream in self.streams.values():
+                stream.events.put_nowait(event(i, last=i == steps - 1))
+            await asyncio.sleep(0.02)  # a step's time: the feed sends what it may
+        return self.batches
+
+
+@pytest.mark.timeout(60)  # (the session's Ray may start here)
+def test_a_gateway_whose_reading_stalls_gets_the_steps_made_meanwhile_in_few_batches_every_token_in_order(
+        ray_session):
+    import ray
+
+    async def scenario() -> None:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (not importable in Ray's workers)
+        actor = ray.remote(num_cpus=0)(PacedStreams).remote()
+        info = WorkerInfo("paced", Role.DECODE, "127.0.0.1", "", "cpu", "m", 16, 4096, 1, 1, WorkerProfile([], []))
+        client = WorkerClient(info, actor)
+        streams = [client.decode(f"r{i}", [1, 2, 3], 0, SamplingParams(max_tokens=20), 0, 0) for i in range(2)]
+        firsts = [asyncio.create_task(anext(s)) for s in streams]  # each started and waiting for its first token
+        while await actor.open_streams.remote() < 2:
+            await asyncio.sleep(0.01)
+        batches = ray.get(actor.step.remote(20))  # blocks this loop: the gateway reads nothing meanwhile
+        assert batches < 20  # the feed waited for the gateway, not sending a batch a step
+        for first, stream in zip(firsts, streams, strict=True):
+            events = [await first] + [e async for e in stream]
+            assert [t for e in events for t in e.token_ids] == list(range(20)) and events[-1].finish_reason
+            assert len(events) < 20  # what piled up came joined
+        await client.close()
 
     asyncio.run(scenario())

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from engine.output import TokenLogprobs
+from services.event_queue import TokenEventQueue
 
 _END = object()  # the dispatcher's generator is exhausted, or the generation was closed
 T = TypeVar("T")
@@ -83,7 +84,7 @@ class Generation:
         self._per_prompt = choices_per_prompt or n
         self._prompt_tokens: dict[int, int] = {}  # prompt -> its tokens
         self._cached_tokens: dict[int, int] = {}  # prompt -> its prefix-cache hit
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._queue = TokenEventQueue()  # what the client has not taken yet is joined: a slow one stays current
         self._pump_task = asyncio.get_running_loop().create_task(self._pump(events))
         self._first: object = _END
 

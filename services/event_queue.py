@@ -1,0 +1,44 @@
+"""The queue between a stream's token events and their consumer, which joins the events of a choice its
+consumer has not taken yet into one (as vLLM's ``RequestOutputCollector`` merges outputs).
+
+A consumer slower than its producer (a gateway turning events into chunks while the workers step faster, a
+client reading slowly) then takes one event for all that piled up, with every token in it, and stays current
+at a cost per turn instead of falling further behind at a cost per token. A consumer that keeps up sees each
+event as it was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.messages import TokenEvent, join_events
+
+
+class _Run(list):
+    """Waiting token events of one choice, joined when taken."""
+
+
+class TokenEventQueue(asyncio.Queue):
+    """An ``asyncio.Queue`` of token events and other items (a stream's end, its failure): a token event put
+    while earlier ones of its choice wait, none finishing it, is taken with them as one. Nothing is joined
+    across another item, which ends the stream. (``_put`` and ``_get`` are asyncio.Queue's hooks, as
+    ``PriorityQueue``'s.)"""
+
+    def _put(self, item: object) -> None:
+        waiting = self._queue
+        if isinstance(item, TokenEvent):
+            for k in range(len(waiting) - 1, -1, -1):
+                run = waiting[k]
+                if not isinstance(run, _Run):
+                    break
+                if run[0].index == item.index:
+                    if run[-1].finish_reason is None:
+                        run.append(item)
+                        return
+                    break
+            item = _Run([item])
+        waiting.append(item)
+
+    def _get(self) -> object:
+        item = self._queue.popleft()
+        return join_events(item) if isinstance(item, _Run) else item
