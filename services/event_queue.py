@@ -15,7 +15,7 @@ from services.messages import TokenEvent, join_events
 
 
 class _Run(list):
-    """Waiting token events of one choice, joined when taken."""
+    """Two or more waiting token events of one choice, joined when taken."""
 
 
 class TokenEventQueue(asyncio.Queue):
@@ -27,16 +27,19 @@ class TokenEventQueue(asyncio.Queue):
     def _put(self, item: object) -> None:
         waiting = self._queue
         if isinstance(item, TokenEvent):
-            for k in range(len(waiting) - 1, -1, -1):
-                run = waiting[k]
-                if not isinstance(run, _Run):
+            for k in range(len(waiting) - 1, -1, -1):  # (nothing waits while the consumer keeps up)
+                earlier = waiting[k]
+                last = earlier[-1] if isinstance(earlier, _Run) else earlier
+                if not isinstance(last, TokenEvent):
                     break
-                if run[0].index == item.index:
-                    if run[-1].finish_reason is None:
-                        run.append(item)
+                if last.index == item.index:
+                    if last.finish_reason is None:
+                        if isinstance(earlier, _Run):
+                            earlier.append(item)
+                        else:
+                            waiting[k] = _Run([earlier, item])
                         return
                     break
-            item = _Run([item])
         waiting.append(item)
 
     def _get(self) -> object:
