@@ -5,6 +5,10 @@ Ray streaming generator per request (a stand-in actor yielding one item a token,
 the workers streamed on before the token feed: one Ray object per token per request, its cost alone.
 
     python benchmarks/stream_cost.py --requests 16 --tokens 200 --json stream_cost.json
+    python benchmarks/stream_cost.py --requests 64 --tokens 300 --stream-interval 1,4,16 --json stream_cost.json
+
+With ``--stream-interval`` (a list), the whole path is measured once per interval (``--stream-interval N``:
+the decode worker sends a stream's tokens N at a time), and the bare generator is not.
 
 The figure is the process's CPU time (every thread, Ray's own included) over the streamed tokens, and the
 tokens a second one gateway core could stream at that cost. The load average is recorded: run it on an
@@ -76,14 +80,17 @@ def row(way: str, tokens: int, cpu: float, wall: float) -> dict:
             "gateway_cpu_us_per_token": 1e6 * cpu / tokens, "tokens_per_gateway_core_s": tokens / cpu}
 
 
-async def run(args: argparse.Namespace) -> list[dict]:
+async def run(args: argparse.Namespace, stream_interval: int = 1) -> list[dict]:
     # SLOs out of the way: this measures streaming, not admission (a slow 2-core decode batch breaks a TBT SLO).
     cluster = Cluster(ClusterConfig(engine=EngineConfig(model=args.model, num_blocks=2048, max_num_seqs=128),
-                                    prefill=1, decode=1, threads_per_worker=1, ttft_slo_s=600.0, tbt_slo_s=600.0))
+                                    prefill=1, decode=1, threads_per_worker=1, ttft_slo_s=600.0, tbt_slo_s=600.0,
+                                    stream_interval=stream_interval))
     dispatcher = await cluster.start()
     try:
         await through_dispatcher(dispatcher, 4, 16, "warm")
         tokens, cpu, wall = await through_dispatcher(dispatcher, args.requests, args.tokens, "measured")
+        if args.stream_interval:
+            return [row(f"whole path, --stream-interval {stream_interval}", tokens, cpu, wall)]
         # The stand-in streams at the decode worker's measured pace, so both ways see the same token rate.
         step_s = wall / args.tokens
         stand_in = TokenStandIn.remote()
@@ -99,9 +106,14 @@ def main() -> None:
     parser.add_argument("--model", default="tiny", help="a checkpoint directory or the built-in tiny model")
     parser.add_argument("--requests", type=int, default=16, help="concurrent streams")
     parser.add_argument("--tokens", type=int, default=200, help="tokens each request streams")
+    parser.add_argument("--stream-interval", type=lambda s: [int(n) for n in s.split(",")], default=None,
+                        help="comma-separated intervals to measure the whole path at (no bare generator then)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    results = asyncio.run(run(args))
+    if args.stream_interval:
+        results = [r for n in args.stream_interval for r in asyncio.run(run(args, n))]
+    else:
+        results = asyncio.run(run(args))
     report = {"model": args.model, "requests": args.requests, "tokens": args.tokens, "load_average": load_average(),
               "results": results}
     print(f"load average {report['load_average']}; {args.requests} streams of {args.tokens} tokens")

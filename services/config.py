@@ -50,6 +50,9 @@ class ClusterConfig:
     replicate_hot_prefixes: bool = False  # the tidepool policy copies hot prefixes to idle prefill workers
     kv_transport: str = "auto"  # grpc | collective | ipc | auto (kvstore/transfer/transports.py)
     layerwise: bool = True  # send each layer's KV as soon as it is computed
+    # Tokens a stream's events hold before they leave the worker (an answer's first and last at once); 1: each
+    # step's. Larger: fewer events and chunks for every hop to the client (SGLang's --stream-interval).
+    stream_interval: int = 1
     max_kv_channels: int = 16  # collective KV channels (process groups) a worker keeps open, LRU-evicted
     address: str | None = None  # "auto" joins a running Ray cluster
     redis_url: str | None = None  # None: start a private redis-server
@@ -257,6 +260,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "gRPC for CPU pairs")
     p.add_argument("--no-layerwise", dest="layerwise", action="store_false", default=c.layerwise,
                    help="send KV after the whole prefill instead of layer by layer")
+    p.add_argument("--stream-interval", type=int, default=c.stream_interval, metavar="N",
+                   help="send a stream's tokens N at a time (an answer's first token and its last at once): "
+                        "fewer events and chunks to carry, coarser streaming; 1: each as it is made")
     p.add_argument("--max-kv-channels", type=int, default=c.max_kv_channels,
                    help="collective KV channels each worker keeps open (least recently used closed beyond)")
     p.add_argument("--address", default=c.address, help="join a Ray cluster ('auto': the one `ray start` ran "
@@ -384,6 +390,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         raise ValueError("use either --colocated N or --prefill/--decode, not both")
     if args.max_kv_channels < 1:
         raise ValueError(f"--max-kv-channels must be at least 1, got {args.max_kv_channels}")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be at least 1, got {args.stream_interval}")
     names = [name for name, _ in args.lora_modules]
     if len(set(names)) < len(names):
         raise ValueError(f"--lora-modules names each adapter once, got {', '.join(names)}")
@@ -422,7 +430,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         generation_config=args.generation_config, override_generation_config=args.override_generation_config,
         served_model_names=tuple(served), chat_template=args.chat_template,
         replicate_hot_prefixes=args.replicate_hot_prefixes, kv_transport=args.kv_transport, layerwise=args.layerwise,
-        max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
+        stream_interval=args.stream_interval, max_kv_channels=args.max_kv_channels, address=args.address, redis_url=args.redis_url,
         threads_per_worker=args.threads_per_worker, ray_num_cpus=args.ray_num_cpus,
         pool_max_bytes=args.pool_max_bytes,
         kv_disk_dir=args.kv_disk_dir,

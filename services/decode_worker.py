@@ -176,8 +176,10 @@ class DecodeWorker(Worker):
 
         sequence = [*prompt_ids, *output_ids, first_token_id]
         # The prefill worker shared the prompt's blocks: the answer's are this worker's to share.
+        # (The answer's first token came from the prefill worker: the stream interval applies from the second.)
         async for event in self._stream(request_id, index, join, sequence,
-                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora):
+                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora,
+                                        first_at_once=False):
             # The prefix-cache hit happened on the prefill side; report it with the decode stream.
             event.num_cached_tokens = num_cached_tokens
             yield event

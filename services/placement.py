@@ -115,6 +115,7 @@ class WorkerLauncher:
             engine=worker_engine(self.config.engine, role, device, self.redis_url is not None),
             redis_url=self.redis_url, num_threads=self.threads, kv_transport=self.config.kv_transport,
             layerwise=self.config.layerwise, max_kv_channels=self.config.max_kv_channels,
+            stream_interval=self.config.stream_interval,
             pool_max_bytes=self.config.pool_max_bytes,
             kv_disk_dir=self.config.kv_disk_dir, kv_disk_bytes=self.config.kv_disk_bytes,
             transfer_secret=self.transfer_secret, load_board=load_board_key(self.cluster_id),

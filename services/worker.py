@@ -63,6 +63,7 @@ class WorkerSpec:
     kv_disk_bytes: int
     transfer_secret: str  # the cluster's: KV transfer servers refuse pushes without it
     load_board: str  # the Redis hash it writes its load reports in (services/load_reports.py)
+    stream_interval: int = 1  # tokens a stream's events hold before they are sent (ClusterConfig's)
 
 
 class Worker:
@@ -235,30 +236,39 @@ class Worker:
 
     async def _stream(
         self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
-        lora: str | None,
+        lora: str | None, first_at_once: bool,
     ) -> AsyncIterator[TokenEvent]:
-        """Run ``start`` on the engine thread, then yield the request's outputs until it finishes.
+        """Run ``start`` on the engine thread, then yield the request's outputs until it finishes, held until
+        they make ``--stream-interval`` tokens or finish it.
 
         ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
         blocks are in the pool already (as are those the engine found cached): once finished, the rest of
-        the sequence's blocks are shared (``lora``: its adapter).
+        the sequence's blocks are shared (``lora``: its adapter). ``first_at_once``: the stream's first output
+        is the answer's first token (its TTFT), which leaves at once whatever the interval.
         If the consumer goes away first (the gateway stops the stream, or its feed ends), the request is aborted.
         """
         queue = self.loop.open_stream(request_id)
         finished = False
         generated: list[int] = []
+        held: list[TokenEvent] = []  # outputs not sent yet, fewer tokens than the stream interval
+        held_tokens = 0
         try:
             await self.loop.acall(start)
             while not finished:
                 outputs = [await queue.get()]
-                while not queue.empty():  # coalesce what piled up while the caller was slow
+                while not queue.empty():  # what piled up while the caller was slow leaves together
                     outputs.append(queue.get_nowait())
                 if isinstance(outputs[-1], EngineStepError):  # it ends the stream: nothing follows it
                     finished = True  # the failed step aborted the request already
                     raise outputs[-1]
-                event = join_events([_event(output, index) for output in outputs])
+                held += [_event(output, index) for output in outputs]
+                held_tokens += sum(len(output.new_token_ids) for output in outputs)
+                finished = outputs[-1].finish_reason is not None
+                if not (finished or first_at_once or held_tokens >= self.spec.stream_interval):
+                    continue
+                event = join_events(held)
+                held, held_tokens, first_at_once = [], 0, False
                 generated += event.token_ids
-                finished = event.finish_reason is not None
                 if finished:
                     cached = event.num_cached_tokens // self.engine.block_size  # shared when computed
                     self._share_finished([*sequence, *generated], max(shared_blocks, cached), lora)
@@ -299,5 +309,5 @@ class ColocatedWorker(Worker):
             self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority, lora)
 
         # The prompt's new blocks are this worker's to share, with the answer's.
-        async for event in self._stream(request_id, index, admit, tokens, 0, lora):
+        async for event in self._stream(request_id, index, admit, tokens, 0, lora, first_at_once=not output_ids):
             yield event
