@@ -1,21 +1,25 @@
 """Helpers tests share: bounded waiting (never timing asserts), the live-server tests' worker block
-counters, checkpoints with a chat template of a test's own, greedy chats (whole or streamed), and what one
-engine in the test's process produces for prompts a cluster serves."""
+counters, checkpoints with a chat template of a test's own, greedy chats (whole or streamed), what one
+engine in the test's process produces for prompts a cluster serves, and a worker run in the test's process."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import openai
+import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
+from services.messages import Role
+from services.worker import WorkerSpec
 
 
 def free_blocks(server) -> int:
@@ -45,6 +49,21 @@ def one_engine_outputs(model_dir, prompts: dict, params: SamplingParams) -> dict
         for output in engine.step():
             out[by_id[output.request_id]].extend(output.new_token_ids)
     return out
+
+
+def colocated_spec(model_dir: Path, **fields) -> WorkerSpec:
+    """A colocated worker's spec for a worker built in the test's process (no Redis, gRPC transport)."""
+    return WorkerSpec("colocated-0", Role.COLOCATED, EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=2),
+                      None, 1, "grpc", True, 16, 0, None, 0, "secret", "unused: no Redis", **fields)
+
+
+def run_keeping_torch_threads(main: Callable[[], Awaitable[None]]) -> None:
+    """``asyncio.run(main())``, then torch's thread count as it was (a worker built in this process sets its own)."""
+    threads = torch.get_num_threads()
+    try:
+        asyncio.run(main())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:

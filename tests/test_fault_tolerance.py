@@ -29,7 +29,15 @@ import pytest
 import ray
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from live_helpers import Streams, greedy_chat, idle, user_message, wait_until
+from live_helpers import (
+    Streams,
+    colocated_spec,
+    greedy_chat,
+    idle,
+    run_keeping_torch_threads,
+    user_message,
+    wait_until,
+)
 from test_dispatcher import PROMPT, FakeWorker, make_dispatcher
 from test_engine_loop import GREEDY, make_engine, prompt, run_outputs, write_model
 
@@ -46,7 +54,7 @@ from services.gateway.token_texts import TokenTexts
 from services.local_redis import free_port
 from services.messages import EngineStepError, Role, TokenEvent
 from services.placement import WorkerLauncher
-from services.worker import ColocatedWorker, WorkerSpec
+from services.worker import ColocatedWorker
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,8 +121,7 @@ class PoisonedRunner(ModelRunner):
 @pytest.mark.timeout(120)
 def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_worker_reports_unhealthy(
         model_dir, ray_session):
-    spec = WorkerSpec("colocated-0", Role.COLOCATED, EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=2),
-                      None, 1, "grpc", True, 16, 0, None, 0, "secret", "unused: no Redis")
+    spec = colocated_spec(model_dir)
 
     async def main() -> None:
         worker = ColocatedWorker(spec)  # in this process: the actor class without Ray's wrapper
@@ -149,11 +156,7 @@ def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_worker_rep
         finally:
             worker.loop.stop()
 
-    threads = torch.get_num_threads()
-    try:
-        asyncio.run(main())
-    finally:
-        torch.set_num_threads(threads)  # the worker set its own
+    run_keeping_torch_threads(main)
     api = errors.classify(EngineStepError("the engine step running r failed: RuntimeError: at 0xdeadbeef"))
     assert (api.http_status, api.code) == (500, "engine_step_failed") and "0xdeadbeef" not in api.message
 

@@ -3,20 +3,17 @@ last with whatever is held; the tokens are the same as one at a time."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from pathlib import Path
 
 import pytest
-import torch
+from live_helpers import colocated_spec, run_keeping_torch_threads
 from test_engine_loop import GREEDY, prompt, write_model
 
-from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from services.cli import build_parser
 from services.config import configs_from_args
-from services.messages import Role
-from services.worker import ColocatedWorker, WorkerSpec
+from services.worker import ColocatedWorker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,8 +25,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def test_a_stream_leaves_its_worker_n_tokens_at_a_time_with_the_first_at_once_and_the_same_tokens(
         model_dir, ray_session):
-    spec = WorkerSpec("colocated-0", Role.COLOCATED, EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=2),
-                      None, 1, "grpc", True, 16, 0, None, 0, "secret", "unused: no Redis", stream_interval=4)
+    spec = colocated_spec(model_dir, stream_interval=4)
     params = SamplingParams(max_tokens=10, **GREEDY)
 
     async def events(worker: ColocatedWorker, request_id: str, output_ids: tuple[int, ...] = ()) -> list:
@@ -54,11 +50,7 @@ def test_a_stream_leaves_its_worker_n_tokens_at_a_time_with_the_first_at_once_an
         finally:
             worker.loop.stop()
 
-    threads = torch.get_num_threads()
-    try:
-        asyncio.run(main())
-    finally:
-        torch.set_num_threads(threads)  # the worker set its own
+    run_keeping_torch_threads(main)
 
 
 def test_the_stream_interval_reaches_the_cluster_config_and_zero_is_refused():

@@ -48,6 +48,14 @@ class Unpicklable(Exception):
         super().__init__(f"{a} and {b}")
 
 
+def streaming(feeds: TokenFeeds, feed_id: str, *request_ids: str) -> list[Stream]:
+    """A started stream for each of ``request_ids``, on ``feed_id``'s feed."""
+    streams = [Stream() for _ in request_ids]
+    for request_id, stream in zip(request_ids, streams, strict=True):
+        feeds.start(feed_id, request_id, stream.run())
+    return streams
+
+
 async def next_batch(feed) -> list:
     async with asyncio.timeout(10):
         return await anext(feed)
@@ -56,9 +64,7 @@ async def next_batch(feed) -> list:
 def test_a_steps_events_for_every_request_of_a_gateway_leave_in_one_batch_and_each_end_is_marked():
     async def scenario() -> None:
         feeds = TokenFeeds()
-        one, two = Stream(), Stream()
-        feeds.start("gw", "r1", one.run())
-        feeds.start("gw", "r2", two.run())
+        one, two = streaming(feeds, "gw", "r1", "r2")
         feed = feeds.serve("gw")
         one.events.put_nowait(event(5))
         two.events.put_nowait(event(7))  # the same engine step
@@ -79,9 +85,7 @@ def test_a_steps_events_for_every_request_of_a_gateway_leave_in_one_batch_and_ea
 def test_a_failed_stream_sends_its_exception_or_its_words_when_the_exception_cannot_travel():
     async def scenario() -> None:
         feeds = TokenFeeds()
-        plain, odd = Stream(), Stream()
-        feeds.start("gw", "plain", plain.run())
-        feeds.start("gw", "odd", odd.run())
+        plain, odd = streaming(feeds, "gw", "plain", "odd")
         feed = feeds.serve("gw")
         plain.events.put_nowait(InvalidRequestError("prompt", "the prompt is empty"))
         (request_id, error), = await next_batch(feed)
@@ -97,9 +101,7 @@ def test_a_failed_stream_sends_its_exception_or_its_words_when_the_exception_can
 def test_stopping_a_request_returns_after_its_cleanup_and_other_requests_stream_on():
     async def scenario() -> None:
         feeds = TokenFeeds()
-        stopped, other = Stream(), Stream()
-        feeds.start("gw", "stopped", stopped.run())
-        feeds.start("gw", "other", other.run())
+        stopped, other = streaming(feeds, "gw", "stopped", "other")
         feed = feeds.serve("gw")
         stopped.events.put_nowait(event(3))
         assert await next_batch(feed) == [("stopped", event(3))]  # streaming, waiting for its next step
@@ -116,10 +118,7 @@ def test_stopping_a_request_returns_after_its_cleanup_and_other_requests_stream_
 def test_a_gateway_that_goes_away_stops_all_its_requests_and_only_its_own():
     async def scenario() -> None:
         feeds = TokenFeeds()
-        mine, theirs = [Stream(), Stream()], Stream()
-        for i, stream in enumerate(mine):
-            feeds.start("gone", f"r{i}", stream.run())
-        feeds.start("staying", "t", theirs.run())
+        mine, (theirs,) = streaming(feeds, "gone", "r0", "r1"), streaming(feeds, "staying", "t")
         gone, staying = feeds.serve("gone"), feeds.serve("staying")
         mine[0].events.put_nowait(event(1))
         assert await next_batch(gone) == [("r0", event(1))]
@@ -136,9 +135,7 @@ def test_a_gateway_that_goes_away_stops_all_its_requests_and_only_its_own():
 def test_a_gateway_behind_the_steps_gets_each_requests_piled_up_events_joined_and_its_end_after():
     async def scenario() -> None:
         feeds = TokenFeeds()
-        one, two = Stream(), Stream()
-        feeds.start("gw", "r1", one.run())
-        feeds.start("gw", "r2", two.run())
+        one, two = streaming(feeds, "gw", "r1", "r2")
         feed = feeds.serve("gw")
         for step in range(3):  # three engine steps while the gateway reads nothing
             one.events.put_nowait(event(10 + step, last=step == 2))
