@@ -25,7 +25,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from engine.sampling_params import Priority, SamplingParams
 from router.loads import WorkerLoad
-from services.errors import WorkerDiedError, WorkerFailedError, WorkerStalledError
+from services.errors import WorkerDiedError, WorkerFailedError, WorkerLostError, WorkerStalledError
 from services.event_queue import TokenEventQueue
 from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
 
@@ -203,8 +203,9 @@ _FEED_BATCHES_AHEAD = 2
 class TokenFeedReader:
     """This gateway's end of a worker's token feed (``services/token_feed.py``): one task reads the feed and
     hands each request's events to its queue, where those its consumer has not taken yet are joined
-    (``TokenEventQueue``). The worker dying fails every open request's queue with ``WorkerDiedError``; a request
-    opened after that fails the same way when it starts."""
+    (``TokenEventQueue``). The worker dying fails every open request's queue with ``WorkerDiedError``, the feed
+    breaking otherwise with ``WorkerLostError`` (both resumable); however the reader stops, it cancels the feed,
+    which the worker's side would otherwise keep waiting for it."""
 
     def __init__(self, actor: ray.actor.ActorHandle, worker_id: str, loop: asyncio.AbstractEventLoop) -> None:
         self.actor, self.worker_id, self.loop = actor, worker_id, loop
@@ -227,10 +228,7 @@ class TokenFeedReader:
         return self._reader.done()
 
     async def close(self) -> None:
-        if ray.is_initialized():  # (after ray.shutdown a call starts a new Ray)
-            with contextlib.suppress(Exception):  # a dead worker's feed is over already
-                ray.cancel(self._feed)
-        self._reader.cancel()
+        self._reader.cancel()  # (which cancels the feed)
         await asyncio.gather(self._reader, return_exceptions=True)
 
     async def _read(self) -> None:
@@ -242,5 +240,11 @@ class TokenFeedReader:
         except RayActorError:
             for queue in self._queues.values():
                 queue.put_nowait(WorkerDiedError(self.worker_id, f"worker {self.worker_id} died mid-stream"))
-        except Exception:  # the requests' own deadlines end them
+        except Exception as exc:
             log.exception("the token feed from %s broke", self.worker_id)
+            for queue in self._queues.values():
+                queue.put_nowait(WorkerLostError(self.worker_id, f"the token feed from {self.worker_id} broke: {exc}"))
+        finally:
+            if ray.is_initialized():  # (after ray.shutdown a call starts a new Ray)
+                with contextlib.suppress(Exception):  # a dead worker's feed is over already
+                    ray.cancel(self._feed)

@@ -13,9 +13,11 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
+from services.errors import WorkerLostError
+from services.event_queue import TokenEventQueue
 from services.messages import Role, TokenEvent, WorkerInfo, WorkerProfile, join_events
 from services.token_feed import StreamFailedError, TokenFeeds
-from services.worker_client import WorkerClient
+from services.worker_client import TokenFeedReader, WorkerClient
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -174,6 +176,9 @@ class PacedStreams:
     def open_streams(self) -> int:
         return len(self.streams)
 
+    def open_feeds(self) -> int:
+        return len(self.feeds._feeds)
+
     async def step(self, steps: int) -> int:
         """``steps`` engine steps, each a token for every request, ``steps`` - 1 the last; the batches sent."""
         for i in range(steps):
@@ -203,6 +208,49 @@ def test_a_gateway_whose_reading_stalls_gets_the_steps_made_meanwhile_in_few_bat
             events = [await first] + [e async for e in stream]
             assert [t for e in events for t in e.token_ids] == list(range(20)) and events[-1].finish_reason
             assert len(events) < 20  # what piled up came joined
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+class RefusingQueue(TokenEventQueue):
+    """A request's queue that fails on a token event, as a bug in the gateway's reader would."""
+
+    def put_nowait(self, item) -> None:
+        if isinstance(item, TokenEvent):
+            raise RuntimeError("a bug in the reader")
+        super().put_nowait(item)
+
+
+@pytest.mark.timeout(60)  # (the session's Ray may start here)
+def test_a_feed_whose_reader_breaks_fails_its_requests_at_once_and_is_cancelled_on_the_worker(
+        ray_session, monkeypatch):
+    import ray
+
+    def open_refusing(reader: TokenFeedReader, request_id: str) -> TokenEventQueue:
+        queue = reader._queues[request_id] = RefusingQueue()
+        return queue
+
+    async def scenario() -> None:
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (not importable in Ray's workers)
+        actor = ray.remote(num_cpus=0)(PacedStreams).remote()
+        info = WorkerInfo("paced", Role.DECODE, "127.0.0.1", "", "cpu", "m", 16, 4096, 1, 1, WorkerProfile([], []))
+        client = WorkerClient(info, actor)
+        stream = client.decode("r0", [1, 2, 3], 0, SamplingParams(max_tokens=5), 0, 0, token_timeout_s=30.0)
+        monkeypatch.setattr(TokenFeedReader, "open", open_refusing)
+        first = asyncio.create_task(anext(stream))
+        while await actor.open_streams.remote() < 1:
+            await asyncio.sleep(0.01)
+        reader = client._token_feed
+        await actor.step.remote(1)
+        with pytest.raises(WorkerLostError, match="the token feed from paced broke: a bug in the reader") as failed:
+            await first  # at once, not after the 30 s the stream may go without a token
+        assert type(failed.value) is WorkerLostError and reader.broken
+        for _ in range(500):  # the reader cancelled the worker's side of the feed
+            if await actor.open_feeds.remote() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await actor.open_feeds.remote() == 0
         await client.close()
 
     asyncio.run(scenario())
