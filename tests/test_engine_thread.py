@@ -119,3 +119,40 @@ def test_the_stats_listener_hears_every_step_and_command_and_a_failed_step_with_
             loop.stop()
 
     asyncio.run(main())
+
+
+class CountingLoop:
+    """The event loop, counting the wake-ups the engine thread asks of it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop, self.wakeups = loop, 0
+
+    def call_soon_threadsafe(self, *args):
+        self.wakeups += 1
+        return self.loop.call_soon_threadsafe(*args)
+
+
+def test_a_steps_outputs_reach_every_request_with_one_wake_up_of_the_event_loop(model_dir):
+    async def main() -> None:
+        counting = CountingLoop(asyncio.get_running_loop())
+        loop = EngineLoop(make_engine(model_dir), counting)
+        try:
+            streams = {f"r{i}": loop.open_stream(f"r{i}") for i in range(8)}
+
+            def add_all() -> None:  # one command: the eight decode in the same steps
+                for i, request_id in enumerate(streams):
+                    loop.engine.add_request(request_id, prompt(10, seed=i), SamplingParams(max_tokens=5, **GREEDY))
+
+            steps = loop.steps
+            await loop.acall(add_all)
+            outputs = {request_id: [] for request_id in streams}
+            async with asyncio.timeout(60):
+                for request_id, stream in streams.items():
+                    while not (outputs[request_id] and outputs[request_id][-1].finished):
+                        outputs[request_id].append(await stream.get())
+            assert all(sum(len(o.new_token_ids) for o in outs) == 5 for outs in outputs.values())
+            assert counting.wakeups <= loop.steps - steps  # one a step for all eight, not one an output
+        finally:
+            loop.stop()
+
+    asyncio.run(main())
