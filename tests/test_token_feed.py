@@ -1,7 +1,8 @@
 """A worker's token feeds (services/token_feed.py): one feed per gateway carries its requests' events a step's
 together, each request's joined when they piled up while the gateway was behind, a request's end or failure,
 and stopping a request or losing the gateway runs each request's own cleanup (what aborts it on the engine)
-before it returns. Without Ray, but for the last test: a gateway behind its worker, over Ray's backpressure."""
+before it returns. Without Ray, but for the last two tests: a gateway's reader that stalls (Ray's backpressure
+holds the worker's feed) and one that breaks (it cancels the worker's feed)."""
 
 from __future__ import annotations
 
@@ -180,12 +181,21 @@ class PacedStreams:
         return len(self.feeds._feeds)
 
     async def step(self, steps: int) -> int:
-        """``steps`` engine steps, each a token for every request, ``steps`` - 1 the last; the batches sent."""
+        """``steps`` engine steps, each a token for every request (the last step's finishing it); the batches
+        its feeds sent so far."""
         for i in range(steps):
             for stream in self.streams.values():
                 stream.events.put_nowait(event(i, last=i == steps - 1))
             await asyncio.sleep(0.02)  # a step's time: the feed sends what it may
         return self.batches
+
+
+def paced_worker(ray) -> tuple:
+    """A ``PacedStreams`` actor and the worker client the gateway reads it with."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (not importable in Ray's workers)
+    actor = ray.remote(num_cpus=0)(PacedStreams).remote()
+    info = WorkerInfo("paced", Role.DECODE, "127.0.0.1", "", "cpu", "m", 16, 4096, 1, 1, WorkerProfile([], []))
+    return actor, WorkerClient(info, actor)
 
 
 @pytest.mark.timeout(60)  # (the session's Ray may start here)
@@ -194,10 +204,7 @@ def test_a_gateway_whose_reading_stalls_gets_the_steps_made_meanwhile_in_few_bat
     import ray
 
     async def scenario() -> None:
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (not importable in Ray's workers)
-        actor = ray.remote(num_cpus=0)(PacedStreams).remote()
-        info = WorkerInfo("paced", Role.DECODE, "127.0.0.1", "", "cpu", "m", 16, 4096, 1, 1, WorkerProfile([], []))
-        client = WorkerClient(info, actor)
+        actor, client = paced_worker(ray)
         streams = [client.decode(f"r{i}", [1, 2, 3], 0, SamplingParams(max_tokens=20), 0, 0) for i in range(2)]
         firsts = [asyncio.create_task(anext(s)) for s in streams]  # each started and waiting for its first token
         while await actor.open_streams.remote() < 2:
@@ -232,10 +239,7 @@ def test_a_feed_whose_reader_breaks_fails_its_requests_at_once_and_is_cancelled_
         return queue
 
     async def scenario() -> None:
-        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # (not importable in Ray's workers)
-        actor = ray.remote(num_cpus=0)(PacedStreams).remote()
-        info = WorkerInfo("paced", Role.DECODE, "127.0.0.1", "", "cpu", "m", 16, 4096, 1, 1, WorkerProfile([], []))
-        client = WorkerClient(info, actor)
+        actor, client = paced_worker(ray)
         stream = client.decode("r0", [1, 2, 3], 0, SamplingParams(max_tokens=5), 0, 0, token_timeout_s=30.0)
         monkeypatch.setattr(TokenFeedReader, "open", open_refusing)
         first = asyncio.create_task(anext(stream))
