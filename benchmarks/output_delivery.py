@@ -50,7 +50,8 @@ def main() -> None:
 
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
-    engine_loop = EngineLoop(Engine(EngineConfig(model="tiny", num_blocks=16)), loop)  # its engine idles: only _deliver is called here
+    # Its engine idles: only _deliver is called here.
+    engine_loop = EngineLoop(Engine(EngineConfig(model="tiny", num_blocks=16)), loop)
 
     drains: list[asyncio.Task] = []  # a worker's streams, taking what arrives
 

@@ -36,14 +36,14 @@ from services.gateway.generation import Generation  # noqa: E402
 from services.gateway.http_streams import chat_stream  # noqa: E402
 from services.gateway.responses import ResponseShape  # noqa: E402
 from services.messages import Role, TokenEvent, WorkerInfo, WorkerProfile  # noqa: E402
-from services.token_feed import TokenFeeds  # noqa: E402
+from services.token_feed import FeedServer, TokenFeeds  # noqa: E402
 from services.worker_client import WorkerClient  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
-class PacedDecodeWorker:
+class PacedDecodeWorker(FeedServer):
     """Stands in for a GPU decode worker: every ``step_s`` each open request gets one token (as one batch step
-    gives them), sent on the real token feeds. Only the stream methods the gateway calls are here."""
+    gives them), sent on the real token feeds by the worker's own stream methods (``FeedServer``)."""
 
     def __init__(self, step_s: float) -> None:
         self.feeds = TokenFeeds()
@@ -51,16 +51,6 @@ class PacedDecodeWorker:
         self.step: asyncio.Future | None = None  # resolved when the next step is done (None: no clock running)
         self.open = 0  # requests decoding
         self.last_token_at: dict[str, float] = {}  # request -> wall time its last token was produced
-
-    async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
-        self.feeds.start(feed_id, request_id, self._decode(*args))
-
-    async def stop_stream(self, feed_id: str, request_id: str) -> None:
-        await self.feeds.stop(feed_id, request_id)
-
-    async def feed(self, feed_id: str):
-        async for batch in self.feeds.serve(feed_id):
-            yield batch
 
     def produced(self) -> dict[str, float]:
         return self.last_token_at
@@ -73,7 +63,7 @@ class PacedDecodeWorker:
             done.set_result(None)
         self.step = None
 
-    async def _decode(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
+    async def generate(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
                       index: int, *_):
         self.open += 1
         if self.step is None:

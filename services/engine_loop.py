@@ -3,7 +3,8 @@
 The engine is not thread-safe: every call into it (add, abort, export, import, stats) runs on the engine
 thread through ``call``/``acall``; step outputs are delivered to per-request asyncio queues on the actor's
 event loop, a step's with one wake-up of the loop. The engine's block events go to the block-event sink (the
-worker's pool link) from the engine thread, after every step and every command. Step times are kept for the load reports the router reads.
+worker's pool link) from the engine thread, after every step and every command. Step times are kept for the load
+reports the router reads.
 A step that raises ends the requests it ran with an ``EngineStepError`` on their queues (their blocks
 freed), and sets ``failure``: the worker reports itself unhealthy from then on, and is replaced.
 """

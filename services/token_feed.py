@@ -116,3 +116,24 @@ class TokenFeeds:
             feed.outbox.put_nowait((request_id, _portable(exc)))
         finally:
             feed.forwarders.pop(request_id, None)
+
+
+class FeedServer:
+    """The actor methods a gateway streams requests with (``WorkerClient``): the worker's, and any class with a
+    ``generate(*args)`` stream of token events and ``feeds`` inherits them."""
+
+    feeds: TokenFeeds
+
+    async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
+        """Run ``generate(*args)`` for request ``request_id``; its events go out on the gateway's feed
+        ``feed_id``."""
+        self.feeds.start(feed_id, request_id, self.generate(*args))  # type: ignore[attr-defined]
+
+    async def stop_stream(self, feed_id: str, request_id: str) -> None:
+        """The gateway stopped reading the request: cancel its stream (which aborts it) before returning."""
+        await self.feeds.stop(feed_id, request_id)
+
+    async def feed(self, feed_id: str) -> AsyncIterator[list[FeedItem]]:
+        """The gateway's token feed: its requests' events, a step's together."""
+        async for batch in self.feeds.serve(feed_id):
+            yield batch

@@ -40,7 +40,7 @@ from services.messages import (
 )
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
-from services.token_feed import FeedItem, TokenFeeds
+from services.token_feed import FeedServer, TokenFeeds
 
 _UNLOAD_POLL_S = 0.05  # how often an adapter being unloaded is checked for requests still running with it
 _COLOCATED_COPY_TIMEOUT_S = 30.0  # a colocated request's prefix copy from a peer (prefills have a deadline)
@@ -66,7 +66,7 @@ class WorkerSpec:
     stream_interval: int = 1  # tokens a stream's events hold before they are sent (ClusterConfig's)
 
 
-class Worker:
+class Worker(FeedServer):
     def __init__(self, spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.num_threads)
         self.spec = spec
@@ -219,21 +219,7 @@ class Worker:
             salt = self.engine.prefix_salt(lora, len(token_ids) - 1)
             self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks, salt))
 
-    # ---- streaming a request's tokens ------------------------------------------------------------------------
-    async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
-        """Run ``generate(*args)`` for request ``request_id``; its events go out on the gateway's feed
-        ``feed_id`` (``services/token_feed.py``)."""
-        self.feeds.start(feed_id, request_id, self.generate(*args))
-
-    async def stop_stream(self, feed_id: str, request_id: str) -> None:
-        """The gateway stopped reading the request: abort it (its blocks freed) before returning."""
-        await self.feeds.stop(feed_id, request_id)
-
-    async def feed(self, feed_id: str) -> AsyncIterator[list[FeedItem]]:
-        """The gateway's token feed: its requests' events, a step's together."""
-        async for batch in self.feeds.serve(feed_id):
-            yield batch
-
+    # ---- streaming a request's tokens (start_stream, stop_stream, feed: FeedServer's) --------------------------
     async def _stream(
         self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
         lora: str | None, first_at_once: bool,
@@ -251,7 +237,6 @@ class Worker:
         finished = False
         generated: list[int] = []
         held: list[TokenEvent] = []  # outputs not sent yet, fewer tokens than the stream interval
-        held_tokens = 0
         try:
             await self.loop.acall(start)
             while not finished:
@@ -262,12 +247,12 @@ class Worker:
                     finished = True  # the failed step aborted the request already
                     raise outputs[-1]
                 held += [_event(output, index) for output in outputs]
-                held_tokens += sum(len(output.new_token_ids) for output in outputs)
                 finished = outputs[-1].finish_reason is not None
+                held_tokens = sum(len(e.token_ids) for e in held)
                 if not (finished or first_at_once or held_tokens >= self.spec.stream_interval):
                     continue
                 event = join_events(held)
-                held, held_tokens, first_at_once = [], 0, False
+                held, first_at_once = [], False
                 generated += event.token_ids
                 if finished:
                     cached = event.num_cached_tokens // self.engine.block_size  # shared when computed

@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from services.errors import WorkerLostError
 from services.event_queue import TokenEventQueue
 from services.messages import Role, TokenEvent, WorkerInfo, WorkerProfile, join_events
-from services.token_feed import StreamFailedError, TokenFeeds
+from services.token_feed import FeedServer, StreamFailedError, TokenFeeds
 from services.worker_client import TokenFeedReader, WorkerClient
 
 pytestmark = pytest.mark.timeout(30)
@@ -153,24 +153,21 @@ def test_a_gateway_behind_the_steps_gets_each_requests_piled_up_events_joined_an
     asyncio.run(scenario())
 
 
-class PacedStreams:
-    """A worker's stream methods on the real token feeds, its requests' tokens given by ``step``; counts the
-    batches its feeds sent."""
+class PacedStreams(FeedServer):
+    """The worker's stream methods (``FeedServer``) on the real token feeds, its requests' tokens given by
+    ``step``; counts the batches its feeds sent."""
 
     def __init__(self) -> None:
         self.feeds = TokenFeeds()
         self.streams: dict[str, Stream] = {}
         self.batches = 0
 
-    async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
+    def generate(self, request_id: str, *_):
         self.streams[request_id] = Stream()
-        self.feeds.start(feed_id, request_id, self.streams[request_id].run())
-
-    async def stop_stream(self, feed_id: str, request_id: str) -> None:
-        await self.feeds.stop(feed_id, request_id)
+        return self.streams[request_id].run()
 
     async def feed(self, feed_id: str):
-        async for batch in self.feeds.serve(feed_id):
+        async for batch in super().feed(feed_id):
             self.batches += 1
             yield batch
 
