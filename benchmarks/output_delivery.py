@@ -1,7 +1,7 @@
 """What handing a step's outputs to their streams costs the engine thread, between one step and the next.
 
-The engine runs on its own thread (``services/engine_loop.py``); each step's outputs go to per-request asyncio
-queues on the worker's event loop. Waking the loop once per output (a write to its self-pipe under its lock,
+The engine runs on its own thread (``services/engine_loop.py``); each step's outputs go to their requests'
+streams on the worker's event loop (here asyncio queues, drained as they fill). Waking the loop once per output (a write to its self-pipe under its lock,
 what the engine loop did) is measured against ``EngineLoop._deliver`` (one wake-up a step for all of them), in
 the same run: the engine thread's CPU time per step, for batches of ``--batches`` requests, with the loop
 thread consuming as a worker's streams do and a ``--step-ms`` pause standing in for the GPU step.
@@ -29,12 +29,12 @@ from engine.output import RequestOutput  # noqa: E402
 from services.engine_loop import EngineLoop  # noqa: E402
 
 
-def per_step_cpu_us(deliver, queues: list[asyncio.Queue], steps: int, step_s: float) -> float:
-    """The calling thread's CPU time per step, in µs, to hand one output to each of ``queues``."""
-    outputs = [RequestOutput(f"r{i}", 0, [7], False, None, 16, 0) for i in range(len(queues))]
+def per_step_cpu_us(deliver, sinks: list, steps: int, step_s: float) -> float:
+    """The calling thread's CPU time per step, in µs, to hand one output to each of ``sinks``."""
+    outputs = [RequestOutput(f"r{i}", 0, [7], False, None, 16, 0) for i in range(len(sinks))]
     cpu = time.thread_time()
     for _ in range(steps):
-        deliver(list(zip(queues, outputs, strict=True)))
+        deliver(list(zip(sinks, outputs, strict=True)))
         time.sleep(step_s)
     return 1e6 * (time.thread_time() - cpu) / steps
 
@@ -70,17 +70,18 @@ def main() -> None:
         await asyncio.gather(*drains, return_exceptions=True)
 
     def one_wakeup_each(items: list) -> None:
-        for q, output in items:
-            loop.call_soon_threadsafe(q.put_nowait, output)
+        for sink, output in items:
+            loop.call_soon_threadsafe(sink, output)
 
     rows = []
     try:
         for batch in args.batches:
             queues = asyncio.run_coroutine_threadsafe(make_queues(batch), loop).result()
+            sinks = [q.put_nowait for q in queues]  # the streams' (EngineLoop.open_stream's)
             each, once = [], []
             for _ in range(args.rounds):  # alternating, so both see the same machine
-                each.append(per_step_cpu_us(one_wakeup_each, queues, args.steps, args.step_ms / 1000))
-                once.append(per_step_cpu_us(engine_loop._deliver, queues, args.steps, args.step_ms / 1000))
+                each.append(per_step_cpu_us(one_wakeup_each, sinks, args.steps, args.step_ms / 1000))
+                once.append(per_step_cpu_us(engine_loop._deliver, sinks, args.steps, args.step_ms / 1000))
             rows.append({"batch": batch, "one_wakeup_each_us": statistics.median(each),
                          "one_wakeup_a_step_us": statistics.median(once)})
     finally:

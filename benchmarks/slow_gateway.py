@@ -63,8 +63,8 @@ class PacedDecodeWorker(FeedServer):
             done.set_result(None)
         self.step = None
 
-    async def generate(self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
-                      index: int, *_):
+    async def generate(self, emit, request_id: str, prompt_ids: list[int], first_token_id: int,
+                       params: SamplingParams, index: int, *_) -> None:
         self.open += 1
         if self.step is None:
             self.step = asyncio.get_running_loop().create_future()
@@ -73,8 +73,8 @@ class PacedDecodeWorker(FeedServer):
             for i in range(params.max_tokens):
                 await self.step
                 last = i == params.max_tokens - 1
-                yield TokenEvent(index, [97 + i % 26], "length" if last else None, len(prompt_ids), 0,
-                                 text=chr(97 + i % 26))
+                emit(TokenEvent(index, [97 + i % 26], "length" if last else None, len(prompt_ids), 0,
+                                text=chr(97 + i % 26)))
             self.last_token_at[request_id] = time.time()
         finally:
             self.open -= 1

@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
 
 from engine.errors import InvalidRequestError, OutOfBlocksError
 from engine.sampling_params import SamplingParams
@@ -22,6 +21,7 @@ from router.loads import WorkerLoad
 from services.errors import ReservationReleased
 from services.kv_receiver import HandoffReceiver
 from services.messages import TokenEvent, WorkerInfo
+from services.token_feed import Emit
 from services.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -163,10 +163,11 @@ class DecodeWorker(Worker):
                                    waiting_lease_blocks=sum(w.blocks for w in self._waiting.values()))
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
+        self, emit: Emit, request_id: str, prompt_ids: list[int], first_token_id: int, params: SamplingParams,
         index: int = 0, num_cached_tokens: int = 0, output_ids: tuple[int, ...] = (), lora: str | None = None,
-    ) -> AsyncIterator[TokenEvent]:
-        """``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease); ``lora``: the
+    ) -> None:
+        """Decode from the filled lease, handing the token events to ``emit``; returns once it finished.
+        ``output_ids``: tokens a failed attempt already streamed (their K/V is in the lease); ``lora``: the
         LoRA adapter the prompt was computed with, and the decode runs with (None: the base model)."""
         lease = self.receiver.take_filled_lease(request_id)
 
@@ -177,12 +178,12 @@ class DecodeWorker(Worker):
         sequence = [*prompt_ids, *output_ids, first_token_id]
         # The prefill worker shared the prompt's blocks: the answer's are this worker's to share.
         # (The answer's first token came from the prefill worker: the stream interval applies from the second.)
-        async for event in self._stream(request_id, index, join, sequence,
-                                        (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora,
-                                        first_at_once=False):
-            # The prefix-cache hit happened on the prefill side; report it with the decode stream.
-            event.num_cached_tokens = num_cached_tokens
-            yield event
+        def emit_with_prefill_hit(event: TokenEvent) -> None:
+            event.num_cached_tokens = num_cached_tokens  # the prefix-cache hit happened on the prefill side
+            emit(event)
+
+        await self._stream(emit_with_prefill_hit, request_id, index, join, sequence,
+                           (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora, first_at_once=False)
 
     async def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
         """The address of the collective channel ``prefill_id``'s next transfer uses (opened on demand),

@@ -1,11 +1,11 @@
 """Drives one ``engine.Engine`` on a dedicated thread, so a Ray actor's event loop never blocks on a step.
 
-The engine is not thread-safe: every call into it (add, abort, export, import, stats) runs on the engine
-thread through ``call``/``acall``; step outputs are delivered to per-request asyncio queues on the actor's
-event loop, a step's with one wake-up of the loop. The engine's block events go to the block-event sink (the
-worker's pool link) from the engine thread, after every step and every command. Step times are kept for the load
-reports the router reads.
-A step that raises ends the requests it ran with an ``EngineStepError`` on their queues (their blocks
+The engine is not thread-safe: every call into it (add, abort, export, import, stats) runs on the engine thread
+through ``call``/``acall``; a step's outputs are delivered to their requests' streams (callbacks, e.g. an
+``OutputStream``'s or an asyncio queue's) on the actor's event loop, with one wake-up of the loop. The engine's
+block events go to the block-event sink (the worker's pool link) from the engine thread, after every step and
+every command. Step times are kept for the load reports the router reads.
+A step that raises ends the requests it ran with an ``EngineStepError`` in their streams (their blocks
 freed), and sets ``failure``: the worker reports itself unhealthy from then on, and is replaced.
 """
 
@@ -29,6 +29,9 @@ from services.messages import EngineStepError
 
 log = logging.getLogger(__name__)
 
+# Where a request's outputs go, called on the event loop: each of its outputs, or the error that ends it.
+StreamSink = Callable[[RequestOutput | EngineStepError], None]
+
 _IDLE_WAIT_S = 0.05
 
 
@@ -39,7 +42,7 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable[..., Any], tuple, concurrent.futures.Future]] = (
             queue.SimpleQueue()
         )
-        self._streams: dict[str, asyncio.Queue[RequestOutput | EngineStepError]] = {}
+        self._streams: dict[str, StreamSink] = {}
         self._layer_hooks: list[LayerHook] = []
         self._block_event_sink: Callable[[list[BlockEvent]], None] | None = None
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=32)
@@ -64,11 +67,15 @@ class EngineLoop:
     async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self.call(fn, *args))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[RequestOutput | EngineStepError]:
-        """Register the queue that receives ``request_id``'s outputs (before the request is added), or
-        the ``EngineStepError`` that ends it."""
+    def open_stream(self, request_id: str, sink: StreamSink) -> None:
+        """Register ``sink`` (before the request is added): it is called on the event loop with each of
+        ``request_id``'s outputs, or the ``EngineStepError`` that ends it."""
+        self._streams[request_id] = sink
+
+    def open_queue(self, request_id: str) -> asyncio.Queue[RequestOutput | EngineStepError]:
+        """``open_stream`` into a queue, for a caller that awaits the outputs one by one."""
         stream: asyncio.Queue[RequestOutput | EngineStepError] = asyncio.Queue()
-        self._streams[request_id] = stream
+        self.open_stream(request_id, stream.put_nowait)
         return stream
 
     def close_stream(self, request_id: str) -> None:
@@ -135,8 +142,8 @@ class EngineLoop:
             errors.append((stream, EngineStepError(f"the engine step running {request_id} failed: {self.failure}")))
         self._deliver(errors)
 
-    def _deliver(self, items: list[tuple[asyncio.Queue | None, RequestOutput | EngineStepError]]) -> None:
-        """Put a step's outputs in their streams' queues (None: a stream closed) with one wake-up of the event
+    def _deliver(self, items: list[tuple[StreamSink | None, RequestOutput | EngineStepError]]) -> None:
+        """Hand a step's outputs to their streams (None: a stream closed) with one wake-up of the event
         loop: a wake-up each (a write to the loop's self-pipe under its lock) took the engine thread about 1.4 ms
         a step for a batch of 256, between one step and the next."""
         items = [(stream, item) for stream, item in items if stream is not None]
@@ -182,6 +189,6 @@ class EngineLoop:
                 return True
 
 
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput | EngineStepError]]) -> None:
-    for stream, item in items:
-        stream.put_nowait(item)
+def _put_all(items: list[tuple[StreamSink, RequestOutput | EngineStepError]]) -> None:
+    for sink, item in items:
+        sink(item)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.output import FinishReason, TokenLogprobs
+from engine.output import FinishReason, TokenLogprobs, pickled_by_fields
 
 
 class EngineStepError(Exception):
@@ -91,6 +91,7 @@ class WorkerInfo:
     num_speculative_tokens: int = 0  # the most draft tokens its engine verifies a step; 0: it does not speculate
 
 
+@pickled_by_fields
 @dataclass
 class TokenEvent:
     """New tokens of one choice of a request, as a worker streams them."""

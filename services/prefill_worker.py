@@ -42,7 +42,7 @@ class PrefillWorker(Worker):
         salt = self.engine.prefix_salt(lora, len(tokens))
         fetched = await self._fetch_prefix(tokens, params, fetch, deadline_s, salt)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
-        queue = self.loop.open_stream(request_id)
+        queue = self.loop.open_queue(request_id)
         lease = PendingLease(kv_target, request_id, deadline) if lease_pending else None
         handoff = self.sender.open(request_id, tokens, kv_target, deadline, salt, lease)
 

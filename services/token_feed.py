@@ -3,18 +3,21 @@ step's together, instead of one Ray streaming generator (one Ray object per toke
 
 A Ray object costs the gateway's process about 0.3 ms of CPU (``benchmarks/stream_cost.py``): one per token
 per request capped a gateway at about 1900 streamed tokens a second, less than one GPU decode worker makes.
-Here each request's own stream (``Worker.generate``, unchanged) runs in a forwarding task that puts its events
-in its gateway's outbox; the gateway's one ``serve`` generator yields whatever the outbox holds each time it
-runs, so one engine step's events for every request of that gateway leave as one object. The gateway reads its
-feed with Ray's generator backpressure (``services/worker_client.py``): while it is behind, ``serve`` waits at
-its yield and the steps' events pile up in the outbox, to leave as one object with each request's joined into
-one event, so a gateway slower than the engine gets fewer, larger batches and stays current. A request's end is
-``(request_id, None)``, its failure ``(request_id, exception)``.
+Each request runs in a task of its own (``Worker.generate``), which hands its events to its gateway's outbox
+(``emit``: the worker's ``OutputStream`` does it as the engine delivers each step, without waking the task); the
+gateway's one ``serve`` generator yields whatever the outbox holds each time it runs, so one engine step's
+events for every request of that gateway leave as one object: bytes the feed pickles itself (``encode_batch``),
+which Ray passes as they are, instead of a list Ray would pickle with cloudpickle, object by object, at three
+times the cost (``benchmarks/worker_loop.py``). The gateway reads its feed with Ray's generator backpressure
+(``services/worker_client.py``): while it is behind, ``serve`` waits at its yield and the steps' events pile up
+in the outbox, to leave as one object with each request's joined into one event, so a gateway slower than the
+engine gets fewer, larger batches and stays current. A request's end is ``(request_id, None)``, its failure
+``(request_id, exception)``.
 
-Stopping a request's forwarder (``stop``), or the gateway's feed ending (its reader closed it, and Ray
-cancelled the generator), cancels the request's stream, whose own cleanup aborts it on the engine and frees
-its blocks, as Ray's cancelling of a per-request generator did. (Ray does not end a generator whose caller's
-process died; a gateway's process owns its workers, which die with it.)
+Stopping a request (``stop``), or the gateway's feed ending (its reader closed it, and Ray cancelled the
+generator), cancels the request's task, whose own cleanup aborts it on the engine and frees its blocks, as Ray's
+cancelling of a per-request generator did; nothing it emits after the stop is sent. (Ray does not end a
+generator whose caller's process died; a gateway's process owns its workers, which die with it.)
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from engine.errors import InvalidRequestError
 from services.messages import TokenEvent, join_events
@@ -30,16 +33,70 @@ from services.messages import TokenEvent, join_events
 log = logging.getLogger(__name__)
 
 FeedItem = tuple[str, TokenEvent | BaseException | None]
+Emit = Callable[[TokenEvent], None]
+
+
+def encode_batch(items: list[FeedItem]) -> bytes:
+    return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_batch(data: bytes) -> list[FeedItem]:
+    """A batch the feed sent (the gateway's reader): its items, in order."""
+    return pickle.loads(data)
 
 
 class StreamFailedError(RuntimeError):
     """A request's stream failed with an exception that could not travel to the gateway as it was."""
 
 
+class _Outbox:
+    """What a feed has yet to send, in order. A list and a wake-up, not an ``asyncio.Queue``: every event of every
+    step goes in and out, and a queue's bookkeeping cost a microsecond an item (200 µs a step for a batch of 256)."""
+
+    def __init__(self) -> None:
+        self._items: list[FeedItem] = []
+        self._waiter: asyncio.Future | None = None  # the feed, waiting for the next item
+
+    def put(self, item: FeedItem) -> None:
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[FeedItem]:
+        """Everything waiting, once there is something."""
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
 class _Feed:
     def __init__(self) -> None:
-        self.outbox: asyncio.Queue[FeedItem] = asyncio.Queue()
-        self.forwarders: dict[str, asyncio.Task] = {}
+        self.outbox = _Outbox()
+        self.requests: dict[str, _Request] = {}
+
+
+class _Request:
+    """A request streaming on a feed: its task, and its events' way into the feed until it is stopped."""
+
+    def __init__(self, request_id: str, outbox: _Outbox) -> None:
+        self.request_id, self.outbox = request_id, outbox
+        self.task: asyncio.Task | None = None
+        self.stopped = False
+
+    def send(self, item: TokenEvent | BaseException | None) -> None:
+        """One of its events (its ``emit``), then its end or failure."""
+        if not self.stopped:  # (a step delivered between the stop and the task's cleanup: nobody reads it)
+            self.outbox.put((self.request_id, item))
+
+    def stop(self) -> asyncio.Task:
+        self.stopped = True
+        self.task.cancel()
+        return self.task
 
 
 def _portable(exc: Exception) -> Exception:
@@ -54,6 +111,8 @@ def _portable(exc: Exception) -> Exception:
 def _coalesced(items: list[FeedItem]) -> list[FeedItem]:
     """``items`` with each request's consecutive token events joined into one (they piled up while the gateway
     was behind); a request's end or failure stays after its events."""
+    if len({request_id for request_id, _ in items}) == len(items):  # one item a request: nothing to join
+        return items
     runs: list[tuple[str, list]] = []  # (request, its token events to join) or (request, [its end or failure])
     open_runs: dict[str, list[TokenEvent]] = {}  # request -> its run that later events may join
     for request_id, item in items:
@@ -76,64 +135,61 @@ class TokenFeeds:
     def __init__(self) -> None:
         self._feeds: dict[str, _Feed] = {}
 
-    def start(self, feed_id: str, request_id: str, stream: AsyncIterator[TokenEvent]) -> None:
-        """Forward ``stream``'s events to ``feed_id``'s feed (created if the gateway has not opened it yet)."""
+    def start(self, feed_id: str, request_id: str, run: Callable[[Emit], Awaitable[None]]) -> None:
+        """Run ``run(emit)`` for ``request_id``, its events (``emit``'s) sent on ``feed_id``'s feed (created if
+        the gateway has not opened it yet), then its end, or the exception it raised."""
         feed = self._feeds.setdefault(feed_id, _Feed())
-        if request_id in feed.forwarders:
+        if request_id in feed.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already streaming")
-        feed.forwarders[request_id] = asyncio.create_task(self._forward(feed, request_id, stream))
+        request = feed.requests[request_id] = _Request(request_id, feed.outbox)
+        request.task = asyncio.create_task(self._run(feed, request, run))
 
     async def stop(self, feed_id: str, request_id: str) -> None:
-        """The gateway stopped reading the request: cancel its stream (which aborts it) and wait for that."""
+        """The gateway stopped reading the request: cancel its task (which aborts it) and wait for that."""
         feed = self._feeds.get(feed_id)
-        task = None if feed is None else feed.forwarders.get(request_id)
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        request = None if feed is None else feed.requests.get(request_id)
+        if request is not None:
+            await asyncio.gather(request.stop(), return_exceptions=True)
 
-    async def serve(self, feed_id: str) -> AsyncIterator[list[FeedItem]]:
-        """The gateway's feed: every batch of events waiting in its outbox, until the gateway goes away."""
+    async def serve(self, feed_id: str) -> AsyncIterator[bytes]:
+        """The gateway's feed: every batch of events waiting in its outbox (``encode_batch``'s), until the
+        gateway goes away."""
         feed = self._feeds.setdefault(feed_id, _Feed())
         try:
             while True:
-                items = [await feed.outbox.get()]
-                while not feed.outbox.empty():
-                    items.append(feed.outbox.get_nowait())
-                yield _coalesced(items)
+                yield encode_batch(_coalesced(await feed.outbox.take()))
         finally:  # nobody reads this gateway's requests any more: stop them all
             self._feeds.pop(feed_id, None)
-            tasks = list(feed.forwarders.values())
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*[request.stop() for request in list(feed.requests.values())],
+                                 return_exceptions=True)
 
-    async def _forward(self, feed: _Feed, request_id: str, stream: AsyncIterator[TokenEvent]) -> None:
+    async def _run(self, feed: _Feed, request: _Request, run: Callable[[Emit], Awaitable[None]]) -> None:
         try:
-            async for event in stream:
-                feed.outbox.put_nowait((request_id, event))
-            feed.outbox.put_nowait((request_id, None))
-        except Exception as exc:  # (a cancel lands inside the stream, the only await here: its cleanup runs there)
-            feed.outbox.put_nowait((request_id, _portable(exc)))
+            await run(request.send)
+            request.send(None)
+        except Exception as exc:  # (a cancel lands inside ``run``, the only await here: its cleanup runs there)
+            request.send(_portable(exc))
         finally:
-            feed.forwarders.pop(request_id, None)
+            feed.requests.pop(request.request_id, None)
 
 
 class FeedServer:
     """The actor methods a gateway streams requests with (``WorkerClient``): the worker's, and any class with a
-    ``generate(*args)`` stream of token events and ``feeds`` inherits them."""
+    ``generate(emit, *args)`` coroutine (it hands a request's token events to ``emit`` and returns when the request
+    has finished) and ``feeds`` inherits them."""
 
     feeds: TokenFeeds
 
     async def start_stream(self, feed_id: str, request_id: str, args: tuple) -> None:
-        """Run ``generate(*args)`` for request ``request_id``; its events go out on the gateway's feed
+        """Run ``generate(emit, *args)`` for request ``request_id``; its events go out on the gateway's feed
         ``feed_id``."""
-        self.feeds.start(feed_id, request_id, self.generate(*args))  # type: ignore[attr-defined]
+        self.feeds.start(feed_id, request_id, lambda emit: self.generate(emit, *args))  # type: ignore[attr-defined]
 
     async def stop_stream(self, feed_id: str, request_id: str) -> None:
         """The gateway stopped reading the request: cancel its stream (which aborts it) before returning."""
         await self.feeds.stop(feed_id, request_id)
 
-    async def feed(self, feed_id: str) -> AsyncIterator[list[FeedItem]]:
-        """The gateway's token feed: its requests' events, a step's together."""
+    async def feed(self, feed_id: str) -> AsyncIterator[bytes]:
+        """The gateway's token feed: its requests' events, a step's together (``decode_batch`` reads them)."""
         async for batch in self.feeds.serve(feed_id):
             yield batch

@@ -1,12 +1,13 @@
 """Ray actors wrapping ``engine.Engine``: the base every worker shares and the colocated worker (the prefill
 and decode workers are ``services/prefill_worker.py`` and ``services/decode_worker.py``).
 
-Each worker owns one engine, driven on its own thread by ``EngineLoop``; actor methods are async, so a
-worker serves many requests at once. A request's tokens come from an async generator (``generate``), and
-go back to its gateway on that gateway's token feed (``services/token_feed.py``: one Ray stream per gateway
-carrying a step's events of all its requests together). A request's blocks are owned by exactly one side at
-a time: the prefill worker until its KV is acknowledged by the decode worker, the decode worker's lease from
-``reserve`` until the request joins its batch (or the lease expires); every exit path frees them.
+Each worker owns one engine, driven on its own thread by ``EngineLoop``; actor methods are async, so a worker
+serves many requests at once. A request runs in a task of its own (``generate``), and its tokens go back to its
+gateway on that gateway's token feed (``services/token_feed.py``: one Ray stream per gateway carrying a step's
+events of all its requests together), handed there as the engine delivers them (``OutputStream``). A request's
+blocks are owned by exactly one side at a time: the prefill worker until its KV is acknowledged by the decode
+worker, the decode worker's lease from ``reserve`` until the request joins its batch (or the lease expires);
+every exit path frees them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -22,7 +23,6 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine, EngineStats
-from engine.output import RequestOutput
 from engine.sampling_params import Priority, SamplingParams
 from router.estimator import PrefillModel
 from router.loads import WorkerLoad, step_samples
@@ -30,17 +30,11 @@ from services.background import BackgroundTasks
 from services.engine_loop import EngineLoop
 from services.engine_profile import prefill_batch_tokens, profile_engine
 from services.load_reports import ChangeSignal, LoadWriter
-from services.messages import (
-    EngineStepError,
-    PrefixFetch,
-    Role,
-    TokenEvent,
-    WorkerInfo,
-    join_events,
-)
+from services.messages import PrefixFetch, Role, WorkerInfo
+from services.output_stream import OutputStream
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
-from services.token_feed import FeedServer, TokenFeeds
+from services.token_feed import Emit, FeedServer, TokenFeeds
 
 _UNLOAD_POLL_S = 0.05  # how often an adapter being unloaded is checked for requests still running with it
 _COLOCATED_COPY_TIMEOUT_S = 30.0  # a colocated request's prefix copy from a peer (prefills have a deadline)
@@ -221,68 +215,42 @@ class Worker(FeedServer):
 
     # ---- streaming a request's tokens (start_stream, stop_stream, feed: FeedServer's) --------------------------
     async def _stream(
-        self, request_id: str, index: int, start: Callable[[], None], sequence: list[int], shared_blocks: int,
-        lora: str | None, first_at_once: bool,
-    ) -> AsyncIterator[TokenEvent]:
-        """Run ``start`` on the engine thread, then yield the request's outputs until it finishes, held until
-        they make ``--stream-interval`` tokens or finish it.
+        self, emit: Emit, request_id: str, index: int, start: Callable[[], None], sequence: list[int],
+        shared_blocks: int, lora: str | None, first_at_once: bool,
+    ) -> None:
+        """Run ``start`` on the engine thread, then hand the request's events to ``emit`` as the engine delivers
+        them (``OutputStream``: held until they make ``--stream-interval`` tokens or finish it), until it finishes.
 
-        ``sequence``: the tokens before the ones this stream yields, of which the first ``shared_blocks``
+        ``sequence``: the tokens before the ones this stream emits, of which the first ``shared_blocks``
         blocks are in the pool already (as are those the engine found cached): once finished, the rest of
         the sequence's blocks are shared (``lora``: its adapter). ``first_at_once``: the stream's first output
         is the answer's first token (its TTFT), which leaves at once whatever the interval.
-        If the consumer goes away first (the gateway stops the stream, or its feed ends), the request is aborted.
+        If the task is cancelled first (the gateway stops the stream, or its feed ends), the request is aborted.
         """
-        queue = self.loop.open_stream(request_id)
-        finished = False
-        generated: list[int] = []
-        held: list[TokenEvent] = []  # outputs not sent yet, fewer tokens than the stream interval
+        stream = OutputStream(index, self.spec.stream_interval, first_at_once, emit)
+        self.loop.open_stream(request_id, stream.push)
         try:
             await self.loop.acall(start)
-            while not finished:
-                outputs = [await queue.get()]
-                while not queue.empty():  # what piled up while the caller was slow leaves together
-                    outputs.append(queue.get_nowait())
-                if isinstance(outputs[-1], EngineStepError):  # it ends the stream: nothing follows it
-                    finished = True  # the failed step aborted the request already
-                    raise outputs[-1]
-                held += [_event(output, index) for output in outputs]
-                finished = outputs[-1].finish_reason is not None
-                held_tokens = sum(len(e.token_ids) for e in held)
-                if not (finished or first_at_once or held_tokens >= self.spec.stream_interval):
-                    continue
-                event = join_events(held)
-                held, first_at_once = [], False
-                generated += event.token_ids
-                if finished:
-                    cached = event.num_cached_tokens // self.engine.block_size  # shared when computed
-                    self._share_finished([*sequence, *generated], max(shared_blocks, cached), lora)
-                yield event
+            generated, cached_tokens = await stream.done
+            # The blocks the engine found cached were shared when they were computed.
+            self._share_finished([*sequence, *generated], max(shared_blocks, cached_tokens // self.engine.block_size),
+                                 lora)
         finally:
             self.loop.close_stream(request_id)
-            if not finished:
+            if not stream.ended:  # (a failed step aborted its requests already)
                 await self.loop.acall(self.engine.abort, request_id)
-
-
-def _event(output: RequestOutput, index: int) -> TokenEvent:
-    return TokenEvent(
-        index=index, token_ids=output.new_token_ids, finish_reason=output.finish_reason,
-        num_prompt_tokens=output.num_prompt_tokens, num_cached_tokens=output.num_cached_tokens, text=output.text,
-        logprobs=output.logprobs, prompt_logprobs=output.prompt_logprobs,
-        accepted_prediction_tokens=output.accepted_prediction_tokens,
-        rejected_prediction_tokens=output.rejected_prediction_tokens,
-    )
 
 
 class ColocatedWorker(Worker):
     """Prefill and decode in one engine: the comparison baseline, and the single-worker deployment."""
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
+        self, emit: Emit, request_id: str, prompt_ids: list[int], params: SamplingParams, index: int = 0,
         fetch: PrefixFetch | None = None, output_ids: tuple[int, ...] = (), priority: Priority | None = None,
         lora: str | None = None,
-    ) -> AsyncIterator[TokenEvent]:
-        """``output_ids``: the tokens a failed attempt already streamed; the stream continues after them.
+    ) -> None:
+        """Compute the prompt and decode it, handing its token events to ``emit``; returns once it finished.
+        ``output_ids``: the tokens a failed attempt already streamed; the stream continues after them.
         ``priority``: the request's place among waiting prompts (its own priority, then the router's order).
         ``lora``: the LoRA adapter it runs with (None: the base model)."""
         tokens = [*prompt_ids, *output_ids]
@@ -294,5 +262,4 @@ class ColocatedWorker(Worker):
             self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority, lora)
 
         # The prompt's new blocks are this worker's to share, with the answer's.
-        async for event in self._stream(request_id, index, admit, tokens, 0, lora, first_at_once=not output_ids):
-            yield event
+        await self._stream(emit, request_id, index, admit, tokens, 0, lora, first_at_once=not output_ids)

@@ -28,6 +28,7 @@ from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError, WorkerLostError, WorkerStalledError
 from services.event_queue import TokenEventQueue
 from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
+from services.token_feed import decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class WorkerClient:
 
     async def _stream(self, request_id: str, args: tuple, first_timeout_s: float,
                       token_timeout_s: float) -> AsyncIterator[TokenEvent]:
-        """The worker's ``generate(*args)``, its events read off this gateway's token feed."""
+        """The worker's ``generate(emit, *args)``, its events read off this gateway's token feed."""
         feed = self._feed()
         events = feed.open(request_id)
         finished = stalled = started = False
@@ -234,7 +235,7 @@ class TokenFeedReader:
     async def _read(self) -> None:
         try:
             async for ref in self._feed:
-                for request_id, item in await ref:
+                for request_id, item in decode_batch(await ref):
                     if (queue := self._queues.get(request_id)) is not None:
                         queue.put_nowait(item)
         except RayActorError:

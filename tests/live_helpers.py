@@ -1,6 +1,7 @@
 """Helpers tests share: bounded waiting (never timing asserts), the live-server tests' worker block
 counters, checkpoints with a chat template of a test's own, greedy chats (whole or streamed), what one
-engine in the test's process produces for prompts a cluster serves, and a worker run in the test's process."""
+engine in the test's process produces for prompts a cluster serves, and a worker run in the test's process
+(its requests' events read off its token feed, as a gateway reads them)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import openai
@@ -18,8 +19,9 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from services.messages import Role
-from services.worker import WorkerSpec
+from services.messages import Role, TokenEvent
+from services.token_feed import decode_batch
+from services.worker import Worker, WorkerSpec
 
 
 def free_blocks(server) -> int:
@@ -55,6 +57,23 @@ def colocated_spec(model_dir: Path, **fields) -> WorkerSpec:
     """A colocated worker's spec for a worker built in the test's process (no Redis, gRPC transport)."""
     return WorkerSpec("colocated-0", Role.COLOCATED, EngineConfig(model=str(model_dir), num_blocks=64, max_num_seqs=2),
                       None, 1, "grpc", True, 16, 0, None, 0, "secret", "unused: no Redis", **fields)
+
+
+async def request_events(worker: Worker, request_id: str, *args) -> AsyncIterator[TokenEvent]:
+    """``worker.generate(emit, request_id, *args)``'s events as its gateway receives them: on a token feed (one
+    of the request's own), through the worker's stream methods; a failure raises. Closing it stops the request."""
+    feed = worker.feed(request_id)
+    await worker.start_stream(request_id, request_id, (request_id, *args))
+    try:
+        async for batch in feed:
+            for _, item in decode_batch(batch):
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        await feed.aclose()
 
 
 def run_keeping_torch_threads(main: Callable[[], Awaitable[None]]) -> None:

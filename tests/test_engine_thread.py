@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 async def generate(loop: EngineLoop, request_id: str, ids: list[int], prefill_only: bool = False
                    ) -> list[RequestOutput]:
-    stream = loop.open_stream(request_id)
+    stream = loop.open_queue(request_id)
     await loop.acall(loop.engine.add_request, request_id, ids, SamplingParams(max_tokens=4, **GREEDY),
                      prefill_only)
     outputs = [await stream.get()]
@@ -107,7 +107,7 @@ def test_the_stats_listener_hears_every_step_and_command_and_a_failed_step_with_
                 raise RuntimeError("illegal memory access")
 
             loop.engine.runner.run = failing_run
-            stream = loop.open_stream("doomed")
+            stream = loop.open_queue("doomed")
             await loop.acall(loop.engine.add_request, "doomed", prompt(20, seed=2),
                              SamplingParams(max_tokens=4, **GREEDY))
             await stream.get()  # the step's error
@@ -137,7 +137,7 @@ def test_a_steps_outputs_reach_every_request_with_one_wake_up_of_the_event_loop(
         counting = CountingLoop(asyncio.get_running_loop())
         loop = EngineLoop(make_engine(model_dir), counting)
         try:
-            streams = {f"r{i}": loop.open_stream(f"r{i}") for i in range(8)}
+            streams = {f"r{i}": loop.open_queue(f"r{i}") for i in range(8)}
 
             def add_all() -> None:  # one command: the eight decode in the same steps
                 for i, request_id in enumerate(streams):

@@ -34,6 +34,7 @@ from live_helpers import (
     colocated_spec,
     greedy_chat,
     idle,
+    request_events,
     run_keeping_torch_threads,
     user_message,
     wait_until,
@@ -130,9 +131,9 @@ def test_a_failing_step_fails_its_requests_frees_their_blocks_and_the_worker_rep
         try:
             assert (await worker.load()).alive
             engine.runner = PoisonedRunner(engine.model, engine.model_config, engine.kv_cache, engine.window)
-            running = worker.generate("running", prompt(20, seed=1), SamplingParams(max_tokens=300, **GREEDY))
+            running = request_events(worker, "running", prompt(20, seed=1), SamplingParams(max_tokens=300, **GREEDY))
             assert (await anext(running)).token_ids  # decoding when the poisoned prompt joins its batch
-            bad, later = worker.loop.open_stream("bad"), worker.loop.open_stream("later")
+            bad, later = worker.loop.open_queue("bad"), worker.loop.open_queue("later")
             params = SamplingParams(max_tokens=4, **GREEDY)
 
             def add_both() -> None:  # in one command: "later" waits (two sequences at most) while the step fails

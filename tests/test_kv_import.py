@@ -160,7 +160,7 @@ def test_a_corrupted_push_into_a_lease_is_refused_never_decoded_and_a_good_one_t
             await asyncio.to_thread(client.push, header, payload, 30)
             client.close()
             lease = receiver.take_filled_lease("r")
-            stream = loop.open_stream("r")
+            stream = loop.open_queue("r")
             await loop.acall(engine.add_imported_request, "r", prompt, first, params, lease.block_ids)
             out = [first]
             while True:

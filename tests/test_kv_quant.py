@@ -276,7 +276,7 @@ def test_a_pool_block_of_another_format_is_a_miss():
 async def generate(loop: EngineLoop, request_id: str, prompt: list[int], prefill_only: bool = False
                    ) -> tuple[list[int], int]:
     """(tokens, cached prompt tokens) of one greedy request on the engine thread."""
-    stream = loop.open_stream(request_id)
+    stream = loop.open_queue(request_id)
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     await loop.acall(loop.engine.add_request, request_id, prompt, params, prefill_only)
     out, cached = [], 0

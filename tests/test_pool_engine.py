@@ -29,7 +29,7 @@ def _engine(model_dir) -> Engine:
 async def _generate(loop: EngineLoop, request_id: str, prompt: list[int], params: SamplingParams,
                     prefill_only: bool = False, lora: str | None = None) -> tuple[list[int], int]:
     """(tokens, cached prompt tokens) of one request on the engine thread (``lora``: its adapter)."""
-    stream = loop.open_stream(request_id)
+    stream = loop.open_queue(request_id)
     await loop.acall(loop.engine.add_request, request_id, prompt, params, prefill_only, (), None, lora)
     tokens, cached = [], 0
     while True:

@@ -9,7 +9,14 @@ import threading
 from pathlib import Path
 
 import pytest
-from live_helpers import colocated_spec, greedy, openai_client, run_keeping_torch_threads, user_message
+from live_helpers import (
+    colocated_spec,
+    greedy,
+    openai_client,
+    request_events,
+    run_keeping_torch_threads,
+    user_message,
+)
 from test_engine_loop import GREEDY, prompt, write_model
 
 from engine.sampling_params import SamplingParams
@@ -32,7 +39,7 @@ def test_a_stream_leaves_its_worker_n_tokens_at_a_time_with_the_first_at_once_an
     params = SamplingParams(max_tokens=10, **GREEDY)
 
     async def events(worker: ColocatedWorker, request_id: str, output_ids: tuple[int, ...] = ()) -> list:
-        return [e async for e in worker.generate(request_id, prompt(12, seed=5), params, output_ids=output_ids)]
+        return [e async for e in request_events(worker, request_id, prompt(12, seed=5), params, 0, None, output_ids)]
 
     async def main() -> None:
         worker = ColocatedWorker(spec)  # in this process: the actor class without Ray's wrapper
@@ -47,7 +54,7 @@ def test_a_stream_leaves_its_worker_n_tokens_at_a_time_with_the_first_at_once_an
 
         try:
             worker.engine.step = second_step_waits
-            stream = worker.generate("held", prompt(12, seed=5), params)
+            stream = request_events(worker, "held", prompt(12, seed=5), params)
             first = await anext(stream)
             first_seen.set()
             held = [first] + [e async for e in stream]

@@ -12,31 +12,31 @@ import sys
 import pytest
 
 from engine.errors import InvalidRequestError
-from engine.output import FinishReason
+from engine.output import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from services.errors import WorkerLostError
 from services.event_queue import TokenEventQueue
 from services.messages import Role, TokenEvent, WorkerInfo, WorkerProfile, join_events
-from services.token_feed import FeedServer, StreamFailedError, TokenFeeds
+from services.token_feed import FeedServer, StreamFailedError, TokenFeeds, decode_batch, encode_batch
 from services.worker_client import TokenFeedReader, WorkerClient
 
 pytestmark = pytest.mark.timeout(30)
 
 
 class Stream:
-    """A request's event stream as a worker's ``generate`` makes it: events put in by the test (an engine
-    step), ended by ``None`` or an exception; ``cleaned`` once its ``finally`` ran (the worker's abort)."""
+    """A request as a worker's ``generate`` runs it: events put in by the test (an engine step) are emitted,
+    ``None`` ends it and an exception fails it; ``cleaned`` once its ``finally`` ran (the worker's abort)."""
 
     def __init__(self) -> None:
         self.events: asyncio.Queue = asyncio.Queue()
         self.cleaned = False
 
-    async def run(self):
+    async def run(self, emit) -> None:
         try:
             while (item := await self.events.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                emit(item)
         finally:
             await asyncio.sleep(0)  # the worker's abort is a call to the engine thread
             self.cleaned = True
@@ -55,13 +55,14 @@ def streaming(feeds: TokenFeeds, feed_id: str, *request_ids: str) -> list[Stream
     """A started stream for each of ``request_ids``, on ``feed_id``'s feed."""
     streams = [Stream() for _ in request_ids]
     for request_id, stream in zip(request_ids, streams, strict=True):
-        feeds.start(feed_id, request_id, stream.run())
+        feeds.start(feed_id, request_id, stream.run)
     return streams
 
 
 async def next_batch(feed) -> list:
+    """The feed's next batch, as the gateway's reader decodes it."""
     async with asyncio.timeout(10):
-        return await anext(feed)
+        return decode_batch(await anext(feed))
 
 
 def test_a_steps_events_for_every_request_of_a_gateway_leave_in_one_batch_and_each_end_is_marked():
@@ -79,10 +80,20 @@ def test_a_steps_events_for_every_request_of_a_gateway_leave_in_one_batch_and_ea
             rest += await next_batch(feed)
         assert rest == [("r1", event(6, last=True)), ("r1", None)] and one.cleaned
         with pytest.raises(InvalidRequestError, match="already streaming"):
-            feeds.start("gw", "r2", Stream().run())
+            feeds.start("gw", "r2", Stream().run)
         await feed.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_batch_decodes_to_what_was_encoded_every_field_of_every_event_its_ends_and_failures():
+    logprobs = [TokenLogprobs(5, -0.25, ((5, -0.25), (9, -2.0)), 1), TokenLogprobs(6, -1.5, (), 3)]
+    prompt_logprobs = [TokenLogprobs(1, None), TokenLogprobs(2, -0.75, ((4, -0.5),), 2)]
+    full = TokenEvent(3, [5, 6], FinishReason.STOP, 40, 16, "héllo", logprobs, prompt_logprobs, 2, 1)
+    items = [("r1", full), ("r1", None), ("r2", event(7)), ("r3", InvalidRequestError("prompt", "the prompt is empty"))]
+    decoded = decode_batch(encode_batch(items))
+    assert decoded[:3] == items[:3] and decoded[3][0] == "r3"
+    assert isinstance(decoded[3][1], InvalidRequestError) and str(decoded[3][1]) == str(items[3][1])
 
 
 def test_a_failed_stream_sends_its_exception_or_its_words_when_the_exception_cannot_travel():
@@ -118,6 +129,28 @@ def test_stopping_a_request_returns_after_its_cleanup_and_other_requests_stream_
     asyncio.run(scenario())
 
 
+def test_what_a_stopped_request_emits_before_its_cleanup_is_not_sent():
+    async def scenario() -> None:
+        feeds = TokenFeeds()
+
+        async def late_step(emit) -> None:  # the engine delivers a step between the stop and the cleanup
+            try:
+                await asyncio.Event().wait()
+            finally:
+                emit(event(99))
+
+        feeds.start("gw", "stopped", late_step)
+        (other,) = streaming(feeds, "gw", "other")
+        feed = feeds.serve("gw")
+        await asyncio.sleep(0)
+        await feeds.stop("gw", "stopped")
+        other.events.put_nowait(event(9))
+        assert await next_batch(feed) == [("other", event(9))]
+        await feed.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_a_gateway_that_goes_away_stops_all_its_requests_and_only_its_own():
     async def scenario() -> None:
         feeds = TokenFeeds()
@@ -144,7 +177,7 @@ def test_a_gateway_behind_the_steps_gets_each_requests_piled_up_events_joined_an
             one.events.put_nowait(event(10 + step, last=step == 2))
             two.events.put_nowait(event(20 + step))
         one.events.put_nowait(None)
-        await asyncio.sleep(0.05)  # the forwarders hand every step's events to the outbox
+        await asyncio.sleep(0.05)  # the requests' tasks hand every step's events to the outbox
         batch = await next_batch(feed)
         assert [item for r, item in batch if r == "r1"] == [join_events([event(10), event(11), event(12, True)]), None]
         assert [item for r, item in batch if r == "r2"] == [join_events([event(20), event(21), event(22)])]
@@ -162,9 +195,9 @@ class PacedStreams(FeedServer):
         self.streams: dict[str, Stream] = {}
         self.batches = 0
 
-    def generate(self, request_id: str, *_):
+    async def generate(self, emit, request_id: str, *_) -> None:
         self.streams[request_id] = Stream()
-        return self.streams[request_id].run()
+        await self.streams[request_id].run(emit)
 
     async def feed(self, feed_id: str):
         async for batch in super().feed(feed_id):
