@@ -7,8 +7,8 @@ Each request runs in a task of its own (``Worker.generate``), which hands its ev
 (``emit``: the worker's ``OutputStream`` does it as the engine delivers each step, without waking the task); the
 gateway's one ``serve`` generator yields whatever the outbox holds each time it runs, so one engine step's
 events for every request of that gateway leave as one object: bytes the feed pickles itself (``encode_batch``),
-which Ray passes as they are, instead of a list Ray would pickle with cloudpickle, object by object, at three
-times the cost (``benchmarks/worker_loop.py``). The gateway reads its feed with Ray's generator backpressure
+which Ray passes as they are, instead of a list Ray would pickle with cloudpickle, object by object (1.0 ms for
+a step's 256 events, against 0.37 ms). The gateway reads its feed with Ray's generator backpressure
 (``services/worker_client.py``): while it is behind, ``serve`` waits at its yield and the steps' events pile up
 in the outbox, to leave as one object with each request's joined into one event, so a gateway slower than the
 engine gets fewer, larger batches and stays current. A request's end is ``(request_id, None)``, its failure
@@ -51,7 +51,7 @@ class StreamFailedError(RuntimeError):
 
 class _Outbox:
     """What a feed has yet to send, in order. A list and a wake-up, not an ``asyncio.Queue``: every event of every
-    step goes in and out, and a queue's bookkeeping cost a microsecond an item (200 µs a step for a batch of 256)."""
+    step goes in and out, and a queue's bookkeeping cost nearly a microsecond an item (200 µs a step for 256)."""
 
     def __init__(self) -> None:
         self._items: list[FeedItem] = []
