@@ -4,7 +4,8 @@ The engine runs on its own thread (``services/engine_loop.py``); each step's out
 streams on the worker's event loop (here asyncio queues, drained as they fill). Waking the loop once per output (a write to its self-pipe under its lock,
 what the engine loop did) is measured against ``EngineLoop._deliver`` (one wake-up a step for all of them), in
 the same run: the engine thread's CPU time per step, for batches of ``--batches`` requests, with the loop
-thread consuming as a worker's streams do and a ``--step-ms`` pause standing in for the GPU step.
+thread consuming as a worker's streams do and a ``--step-ms`` pause standing in for the GPU step. Every output
+handed out must reach its stream, either way, or the run fails.
 
     python benchmarks/output_delivery.py --batches 64,256 --json output_delivery.json
 """
@@ -54,6 +55,7 @@ def main() -> None:
     engine_loop = EngineLoop(Engine(EngineConfig(model="tiny", num_blocks=16)), loop)
 
     drains: list[asyncio.Task] = []  # a worker's streams, taking what arrives
+    delivered = [0]  # outputs the streams took: every one handed out must arrive, either way
 
     async def make_queues(n: int) -> list[asyncio.Queue]:
         queues = [asyncio.Queue() for _ in range(n)]
@@ -63,6 +65,14 @@ def main() -> None:
     async def drain(q: asyncio.Queue) -> None:
         while True:
             await q.get()
+            delivered[0] += 1
+
+    async def arrived(expected: int) -> int:  # what arrived, given a second to reach ``expected``
+        for _ in range(100):
+            if delivered[0] >= expected:
+                break
+            await asyncio.sleep(0.01)
+        return delivered[0]
 
     async def stop_draining() -> None:
         for task in drains:
@@ -82,6 +92,10 @@ def main() -> None:
             for _ in range(args.rounds):  # alternating, so both see the same machine
                 each.append(per_step_cpu_us(one_wakeup_each, sinks, args.steps, args.step_ms / 1000))
                 once.append(per_step_cpu_us(engine_loop._deliver, sinks, args.steps, args.step_ms / 1000))
+            expected = 2 * args.rounds * args.steps * batch
+            if (got := asyncio.run_coroutine_threadsafe(arrived(expected), loop).result()) != expected:
+                raise SystemExit(f"{got} outputs reached the streams of {expected} handed out")
+            delivered[0] = 0
             rows.append({"batch": batch, "one_wakeup_each_us": statistics.median(each),
                          "one_wakeup_a_step_us": statistics.median(once)})
     finally:
