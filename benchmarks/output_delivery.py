@@ -1,11 +1,11 @@
 """What handing a step's outputs to their streams costs the engine thread, between one step and the next.
 
 The engine runs on its own thread (``services/engine_loop.py``); each step's outputs go to their requests'
-streams on the worker's event loop (here asyncio queues, drained as they fill). Waking the loop once per output (a write to its self-pipe under its lock,
-what the engine loop did) is measured against ``EngineLoop._deliver`` (one wake-up a step for all of them), in
-the same run: the engine thread's CPU time per step, for batches of ``--batches`` requests, with the loop
-thread consuming as a worker's streams do and a ``--step-ms`` pause standing in for the GPU step. Every output
-handed out must reach its stream, either way, or the run fails.
+streams on the worker's event loop (here asyncio queues, drained as they fill). Waking the loop once per output
+(a write to its self-pipe under its lock, what the engine loop did) is measured against ``EngineLoop._deliver``
+(one wake-up a step for all of them), in the same run: the engine thread's CPU time per step, for batches of
+``--batches`` requests, with the loop thread consuming as a worker's streams do and a ``--step-ms`` pause
+standing in for the GPU step. Every output handed out must reach its stream, either way, or the run fails.
 
     python benchmarks/output_delivery.py --batches 64,256 --json output_delivery.json
 """
