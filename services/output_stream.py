@@ -12,10 +12,10 @@ step for a large batch, taken from the engine thread wherever it needs the GIL. 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from engine.output import RequestOutput
 from services.messages import EngineStepError, TokenEvent, join_events
+from services.token_feed import Emit
 
 
 class OutputStream:
@@ -24,7 +24,7 @@ class OutputStream:
     once whatever the interval. ``done`` resolves when the request finishes, with the tokens it generated and the
     prompt tokens the engine found cached, or fails with what ended it (the failed step's ``EngineStepError``)."""
 
-    def __init__(self, index: int, interval: int, first_at_once: bool, emit: Callable[[TokenEvent], None]) -> None:
+    def __init__(self, index: int, interval: int, first_at_once: bool, emit: Emit) -> None:
         self.index, self.interval, self.first_at_once, self.emit = index, interval, first_at_once, emit
         self.done: asyncio.Future[tuple[list[int], int]] = asyncio.get_running_loop().create_future()
         self.ended = False  # the engine is done with the request (finished, or its step failed and aborted it)

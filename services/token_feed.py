@@ -37,6 +37,7 @@ Emit = Callable[[TokenEvent], None]
 
 
 def encode_batch(items: list[FeedItem]) -> bytes:
+    """A batch for the gateway's reader, pickled here: Ray passes bytes through without pickling them again."""
     return pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL)
 
 
