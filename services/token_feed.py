@@ -82,22 +82,32 @@ class _Feed:
 
 
 class _Request:
-    """A request streaming on a feed: its task, and its events' way into the feed until it is stopped."""
+    """A request streaming on a feed: its task running ``run(emit)``, and its events' way into the feed until it
+    is stopped; once it ends it leaves the feed's requests."""
 
-    def __init__(self, request_id: str, outbox: _Outbox) -> None:
-        self.request_id, self.outbox = request_id, outbox
-        self.task: asyncio.Task | None = None
+    def __init__(self, request_id: str, feed: _Feed, run: Callable[[Emit], Awaitable[None]]) -> None:
+        self.request_id, self.feed = request_id, feed
         self.stopped = False
+        self.task = asyncio.create_task(self._run(run))
 
     def send(self, item: TokenEvent | BaseException | None) -> None:
         """One of its events (its ``emit``), then its end or failure."""
         if not self.stopped:  # (a step delivered between the stop and the task's cleanup: nobody reads it)
-            self.outbox.put((self.request_id, item))
+            self.feed.outbox.put((self.request_id, item))
 
     def stop(self) -> asyncio.Task:
         self.stopped = True
         self.task.cancel()
         return self.task
+
+    async def _run(self, run: Callable[[Emit], Awaitable[None]]) -> None:
+        try:
+            await run(self.send)
+            self.send(None)
+        except Exception as exc:  # (a cancel lands inside ``run``, the only await here: its cleanup runs there)
+            self.send(_portable(exc))
+        finally:
+            self.feed.requests.pop(self.request_id, None)
 
 
 def _portable(exc: Exception) -> Exception:
@@ -142,8 +152,7 @@ class TokenFeeds:
         feed = self._feeds.setdefault(feed_id, _Feed())
         if request_id in feed.requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already streaming")
-        request = feed.requests[request_id] = _Request(request_id, feed.outbox)
-        request.task = asyncio.create_task(self._run(feed, request, run))
+        feed.requests[request_id] = _Request(request_id, feed, run)
 
     async def stop(self, feed_id: str, request_id: str) -> None:
         """The gateway stopped reading the request: cancel its task (which aborts it) and wait for that."""
@@ -163,15 +172,6 @@ class TokenFeeds:
             self._feeds.pop(feed_id, None)
             await asyncio.gather(*[request.stop() for request in list(feed.requests.values())],
                                  return_exceptions=True)
-
-    async def _run(self, feed: _Feed, request: _Request, run: Callable[[Emit], Awaitable[None]]) -> None:
-        try:
-            await run(request.send)
-            request.send(None)
-        except Exception as exc:  # (a cancel lands inside ``run``, the only await here: its cleanup runs there)
-            request.send(_portable(exc))
-        finally:
-            feed.requests.pop(request.request_id, None)
 
 
 class FeedServer:
