@@ -3,8 +3,9 @@
 A decode step of a small model is bound by the CPU launching a few hundred kernels, not by the GPU. So,
 as vLLM and nano-vllm do, the whole forward pass of a decode-only step is captured once per batch size
 (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``) over static buffers (token ids, positions, slots, block
-tables, context lengths) and replayed: a step copies its inputs into the buffers, pads the batch up to
-the next captured size and launches one graph. Padded rows write nothing (slot -1, which the K/V write
+tables, context lengths) and replayed: a step writes its inputs into host mirrors of the buffers (pinned;
+a row's block table only where it changed since the last step, as vLLM's persistent batch does), copies
+them over in three copies, pads the batch up to the next captured size and launches one graph. Padded rows write nothing (slot -1, which the K/V write
 kernel skips) and attend over one position of a valid block; their logits are dropped. Every shape is
 fixed at capture: the decode kernel's split-K factor follows from the batch size and the largest context
 (``max_blocks`` x block size), never from a step's own lengths, and each table row is read only up to its
@@ -54,14 +55,27 @@ class DecodeGraphs:
         self.runner, self.sizes, self.query_len = runner, graph_batch_sizes(max_batch), query_len
         device, top, B = runner.device, self.sizes[-1], runner.block_size
         rows = top * query_len
-        self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
-        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+        # The static buffers, as views of three tensors that a step fills with one host-to-device copy each from
+        # host mirrors (pinned on CUDA): token ids, positions and slots by row; each row's LoRA slot - 1 (-1: the
+        # base model, and the padding) then each sequence's context length; the block tables.
+        pin = device.type == "cuda"
+        self._host_rows = torch.zeros(3, rows, dtype=torch.long, pin_memory=pin)
+        self._host_rows[2] = -1  # no slot: a row writes nothing until a step fills it
+        self._host_ints = torch.tensor([-1] * rows + [1] * top, dtype=torch.int32)
+        self._host_ints = self._host_ints.pin_memory() if pin else self._host_ints
+        # a drafted step's padding rows sit up to query_len - 1 positions past the context: its table has room.
+        # Every entry past a row's table holds block 0, so whatever a padded row reads is a valid block.
+        self._host_tables = torch.zeros(top, max_blocks + -(-(query_len - 1) // B), dtype=torch.int32,
+                                        pin_memory=pin)
+        self._known_tables: list[list[int]] = [[] for _ in range(top)]  # what each row of _host_tables holds
+        self._padding_table = [0] * -(-query_len // B)  # a padding sequence's: its q positions in block 0
+        self._row_inputs = self._host_rows.to(device, copy=True)
+        self._int_inputs = self._host_ints.to(device, copy=True)
+        self.input_ids, self.positions, self.slots = self._row_inputs.unbind()
+        self.lora_index = self._int_inputs[:rows] if runner.with_lora else None
+        self.context_lens = self._int_inputs[rows:]  # decode: position + 1; drafted: the sequence's length
+        self.tables = torch.zeros_like(self._host_tables, device=device)
         self.rows = torch.arange(rows, dtype=torch.long, device=device)
-        self.lora_index = torch.full((rows,), -1, dtype=torch.int32, device=device) if runner.with_lora else None
-        # a drafted step's padding rows sit up to query_len - 1 positions past the context: its table has room
-        self.tables = torch.zeros(top, max_blocks + -(-(query_len - 1) // B), dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(top, dtype=torch.int32, device=device)  # decode: position + 1; drafted: seq len
         self.cu_seqlens = torch.arange(top + 1, dtype=torch.int32, device=device) * query_len
         self.max_context_len = max_blocks * B
         self._no_prefill = (torch.zeros(0, self.tables.shape[1], dtype=torch.int32, device=device),
@@ -87,26 +101,7 @@ class DecodeGraphs:
     def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Float32 logits of the step: a row per decode chunk and per token of a drafted chunk, in the order of
         ``chunks`` (valid until the next step)."""
-        n, B = len(chunks), self.runner.block_size
-        q = self.query_len if any(len(c.token_ids) > 1 for c in chunks) else 1
-        size = next(s for s in self.sizes if s >= n)
-        width = max((c.start_pos + q - 1) // B + 1 for c in chunks)
-        # each sequence's rows: its tokens, then padding up to q rows (no token, position 0, writes nothing);
-        # last, the sequence's length as the kernels see it: a decode row sees positions up to its own, a
-        # drafted chunk's rows are the last q of its sequence
-        rows = torch.tensor([[c.token_ids[j], c.start_pos + j, c.block_table[(c.start_pos + j) // B] * B
-                              + (c.start_pos + j) % B, c.lora - 1, c.start_pos + q] if j < len(c.token_ids)
-                             else [0, 0, -1, -1, c.start_pos + q] for c in chunks for j in range(q)],
-                            dtype=torch.long).to(self.runner.device)
-        tables = torch.tensor([c.block_table[:width] + [0] * (width - len(c.block_table[:width])) for c in chunks],
-                              dtype=torch.int32).to(self.runner.device)
-        m = n * q
-        self.input_ids[:m], self.positions[:m], self.slots[:m] = rows[:, 0], rows[:, 1], rows[:, 2]
-        self.context_lens[:n] = rows[::q, 4].to(torch.int32)
-        self.tables[:n, :width] = tables
-        self.slots[m:size * q], self.context_lens[n:size] = -1, q  # padding sequences: write nothing
-        if self.lora_index is not None:
-            self.lora_index[:m], self.lora_index[m:size * q] = rows[:, 3].to(torch.int32), -1
+        n, size, q = len(chunks), *self.load(chunks)
         (self.replays if q == 1 else self.draft_replays)[size] += 1
         if (size, q) in self._graphs:
             self._graphs[size, q].replay()
@@ -117,6 +112,51 @@ class DecodeGraphs:
             return logits[:n]
         keep = [i * q + j for i, c in enumerate(chunks) for j in range(len(c.token_ids))]
         return logits[torch.tensor(keep, device=logits.device)]
+
+    def load(self, chunks: list[SeqChunk]) -> tuple[int, int]:
+        """Copy the step's inputs into the static buffers, padded up to the next captured batch size: (that
+        size, rows a sequence). The host work a replayed step waits on, so it costs a few list comprehensions
+        and three copies; a block table is rewritten only where it changed since its row last held it."""
+        n, B = len(chunks), self.runner.block_size
+        q = self.query_len if any(len(c.token_ids) > 1 for c in chunks) else 1
+        size = next(s for s in self.sizes if s >= n)
+        m, padded = n * q, size * q
+        rows, ints = self._host_rows.numpy(), self._host_ints.numpy()
+        lens = ints[self.rows.numel():]
+        if q == 1:
+            rows[0, :m], rows[1, :m] = [c.token_ids[0] for c in chunks], [c.start_pos for c in chunks]
+            rows[2, :m] = [c.block_table[c.start_pos // B] * B + c.start_pos % B for c in chunks]
+        else:  # each sequence's tokens, then padding up to q rows (no token, position 0, writes nothing)
+            rows[0, :m] = [c.token_ids[j] if j < len(c.token_ids) else 0 for c in chunks for j in range(q)]
+            rows[1, :m] = [c.start_pos + j if j < len(c.token_ids) else 0 for c in chunks for j in range(q)]
+            rows[2, :m] = [c.block_table[(c.start_pos + j) // B] * B + (c.start_pos + j) % B
+                           if j < len(c.token_ids) else -1 for c in chunks for j in range(q)]
+        ints[:m] = [c.lora - 1 for c in chunks for _ in range(q)]
+        # a decode row sees positions up to its own; a drafted chunk's rows are the last q of its sequence
+        lens[:n] = [c.start_pos + q for c in chunks]
+        rows[2, m:padded], ints[m:padded], lens[n:size] = -1, -1, q  # padding sequences: write nothing
+        self._load_tables([c.block_table for c in chunks] + [self._padding_table] * (size - n))
+        width = max((c.start_pos + q - 1) // B + 1 for c in chunks)
+        # (the first two are a few KiB: copied whole, they need no slicing on either side)
+        self._row_inputs.copy_(self._host_rows)
+        self._int_inputs.copy_(self._host_ints)
+        self.tables[:size, :width].copy_(self._host_tables[:size, :width])
+        return size, q
+
+    def _load_tables(self, tables: list[list[int]]) -> None:
+        """Write each table into its row of the host mirror where the row held another: a decode step mostly
+        finds its rows as the last step left them, or grown by a block. What a shorter table no longer covers
+        goes back to block 0."""
+        host, known, cols = self._host_tables.numpy(), self._known_tables, self._host_tables.shape[1]
+        for i, table in enumerate(tables):
+            held = known[i]
+            if table == held:
+                continue
+            start = len(held) if len(held) < len(table) and table[:len(held)] == held else 0
+            end = min(len(table), cols)
+            host[i, start:end] = table[start:end]
+            host[i, end:min(len(held), cols)] = 0
+            known[i] = list(table)
 
     def _forward(self, size: int, q: int) -> torch.Tensor:
         """The forward pass of ``size`` sequences of ``q`` rows each over the static buffers (what a graph

@@ -25,7 +25,7 @@ from test_engine_loop import GREEDY, prompt, write_model  # noqa: E402
 from test_engine_model import build_hf_checkpoint, longrope, prompts  # noqa: E402
 
 from engine.config import EngineConfig, IntQuant  # noqa: E402
-from engine.cuda_graphs import graph_batch_sizes  # noqa: E402
+from engine.cuda_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
 from engine.device_memory import GIB, engine_num_blocks, kv_cache_bytes_for_device, sample_largest_step  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.int_weights import write_int_checkpoint  # noqa: E402
@@ -137,6 +137,53 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
     # (to float32 rounding: a padded batch's matmuls round differently; a padded row's write would not)
     torch.testing.assert_close(graphed.kv_cache.data, eager.kv_cache.data, atol=1e-5, rtol=0)
     assert graph_batch_sizes(8) == [1, 2, 4, 8] and graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+
+
+def test_graph_buffers_hold_each_steps_tables_as_its_rows_change(model_dir):
+    """DecodeGraphs.load keeps a host mirror of the block tables and rewrites a row only where it changed: over
+    steps whose rows grow by a block, change in place (a copy-on-write, a window's dropped block), shrink, move
+    to another row as a batch loses a sequence, and become padding, every row's table up to the step's width is
+    the chunk's own, block 0 past its end, and a padding sequence reads block 0 and writes nothing."""
+    engine = Engine(EngineConfig(model=str(model_dir), block_size=4, num_blocks=64, max_num_seqs=4,
+                                 attention_backend="torch"))
+    graphs = DecodeGraphs(engine.runner, 4, 16, capture=False, query_len=3)
+    a, b, c = [1, 2, 3], [7, 8], [9]  # live tables, changed in place as the block manager changes them
+
+    def grown(table: list[int], *blocks: int) -> list[int]:
+        table.extend(blocks)
+        return table
+
+    def replaced(table: list[int], index: int, block: int) -> list[int]:
+        table[index] = block
+        return table
+
+    steps = [
+        lambda: [(a, 9, 5), (b, 5, 6), (c, 2, 7)],
+        lambda: [(grown(a, 4), 12, 5), (b, 6, 6), (c, 3, 7)],  # a row grows by a block
+        lambda: [(replaced(a, 1, 20), 13, 5), (replaced(grown(b, 11), 0, -1), 8, 6), (c, 3, 7)],  # in place
+        lambda: [(b, 9, 6), (c, 3, 7)],  # the first sequence ended: the others move up a row
+        lambda: [([30, 31, 32, 33, 34], 17, 1), (grown(c, 5), 4, 2), (b, 10, 3), ([2], 1, 4)],
+        lambda: [(c, 5, 2), (b, 11, 3), ([2, 6], 5, 4)],  # the last row, which held a table, is padding now
+    ]
+    for make_step in steps:
+        step = make_step()
+        chunks = [SeqChunk([token], pos, table) for table, pos, token in step]
+        size, q = graphs.load(chunks)
+        n, B = len(chunks), engine.block_size
+        width = max(pos // B + 1 for _, pos, _ in step)
+        assert (size, q) == (4 if n > 2 else 2, 1)
+        for i, (table, pos, token) in enumerate(step):
+            assert graphs.tables[i, :width].tolist() == (table + [0] * width)[:width]
+            assert graphs.input_ids[i] == token and graphs.positions[i] == pos and graphs.context_lens[i] == pos + 1
+            assert graphs.slots[i] == table[pos // B] * B + pos % B
+        for i in range(n, size):  # padding sequences
+            assert graphs.tables[i, 0] == 0 and graphs.slots[i] == -1 and graphs.context_lens[i] == 1
+    drafted = [SeqChunk([5, 6, 7], 6, [3, 4, 9]), SeqChunk([8], 3, [2])]  # a draft to verify, beside a decode row
+    drafted[0].drafted = True
+    assert graphs.load(drafted) == (2, 3)
+    assert graphs.input_ids[:6].tolist() == [5, 6, 7, 8, 0, 0] and graphs.positions[:6].tolist() == [6, 7, 8, 3, 0, 0]
+    assert graphs.slots[:6].tolist() == [18, 19, 36, 11, -1, -1] and graphs.context_lens[:2].tolist() == [9, 6]
+    assert graphs.tables[:2, :3].tolist() == [[3, 4, 9], [2, 0, 0]]
 
 
 @needs_interpreter
