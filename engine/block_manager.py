@@ -229,6 +229,8 @@ class BlockManager:
             return
         s, B = self.seqs[seq_id], self.block_size
         full = min(num_computed // B, len(s.table))
+        if s.registered >= full:  # no block filled since the last call, none waiting to register: a decode step's
+            return  # usual case
         parent = s.hashes[-1] if s.hashes else None
         for i in range(len(s.hashes), full):
             tokens = tuple(token_ids[i * B:(i + 1) * B])

@@ -87,6 +87,7 @@ class OutputText:
                                                    context=prompt_ids[-DETOKENIZER_CONTEXT:])
         self._stop = params.stop
         self._keep_stop = params.include_stop_str_in_output
+        self._hold = max((len(s) for s in self._stop), default=1) - 1  # what might begin a stop string
         self.text = ""
         self._sent = 0  # characters of ``text`` already handed out
 
@@ -106,8 +107,7 @@ class OutputText:
     def emit(self, final: bool) -> str:
         """Text not handed out yet: all of it when the sample is done, else all but a tail that might
         begin a stop string."""
-        hold = max((len(s) for s in self._stop), default=1) - 1
-        visible = len(self.text) if final else max(self._sent, len(self.text) - hold)
+        visible = len(self.text) if final else max(self._sent, len(self.text) - self._hold)
         new = self.text[self._sent:visible]
         self._sent = max(self._sent, visible)
         return new
