@@ -3,13 +3,14 @@
 A decode step of a small model is bound by the CPU launching a few hundred kernels, not by the GPU. So,
 as vLLM and nano-vllm do, the whole forward pass of a decode-only step is captured once per batch size
 (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``) over static buffers (token ids, positions, slots, block
-tables, context lengths) and replayed: a step writes its inputs into host mirrors of the buffers (pinned;
-a row's block table only where it changed since the last step, as vLLM's persistent batch does), copies
-them over in three copies, pads the batch up to the next captured size and launches one graph. Padded rows write nothing (slot -1, which the K/V write
-kernel skips) and attend over one position of a valid block; their logits are dropped. Every shape is
-fixed at capture: the decode kernel's split-K factor follows from the batch size and the largest context
-(``max_blocks`` x block size), never from a step's own lengths, and each table row is read only up to its
-row's context length, so stale entries past it are harmless. With speculative decoding a second ladder
+tables, context lengths) and replayed: a step writes its inputs into pinned host mirrors of the buffers
+(a row's block table only where it changed since the last step, as vLLM's persistent batch does), pads
+the batch up to the next captured size, copies the mirrors over in three copies and launches one graph.
+Padded rows write nothing (slot -1, which the K/V write kernel skips) and attend over one position of a
+valid block; their logits are dropped. Every shape is fixed at capture: the decode kernel's split-K factor
+follows from the batch size and the largest context (``max_blocks`` x block size), never from a step's own
+lengths, and each table row is read only up to its row's context length, so stale entries past it are
+harmless. With speculative decoding a second ladder
 holds the steps that verify drafts: every sequence of the step gets ``query_len`` rows (its last token and
 draft, or a decode row, then padding that writes nothing), attended by the prefill kernel over each
 sequence's last ``query_len`` positions (the padding after a sequence's real rows, so those see only real
@@ -122,7 +123,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         m, padded = n * q, size * q
         rows, ints = self._host_rows.numpy(), self._host_ints.numpy()
-        lens = ints[self.rows.numel():]
+        lens = ints[len(self.rows):]  # (after every row's LoRA slot)
         if q == 1:
             rows[0, :m], rows[1, :m] = [c.token_ids[0] for c in chunks], [c.start_pos for c in chunks]
             rows[2, :m] = [c.block_table[c.start_pos // B] * B + c.start_pos % B for c in chunks]
