@@ -69,6 +69,9 @@ class DecodeGraphs:
         self._host_tables = torch.zeros(top, max_blocks + -(-(query_len - 1) // B), dtype=torch.int32,
                                         pin_memory=pin)
         self._known_tables: list[list[int]] = [[] for _ in range(top)]  # what each row of _host_tables holds
+        # (the mirrors as numpy arrays, which take a Python list's ints in one call)
+        self._rows_np, self._ints_np = self._host_rows.numpy(), self._host_ints.numpy()
+        self._lens_np, self._tables_np = self._ints_np[rows:], self._host_tables.numpy()  # lengths: after LoRA slots
         self._padding_table = [0] * -(-query_len // B)  # a padding sequence's: its q positions in block 0
         self._row_inputs = self._host_rows.to(device, copy=True)
         self._int_inputs = self._host_ints.to(device, copy=True)
@@ -122,8 +125,7 @@ class DecodeGraphs:
         q = self.query_len if any(len(c.token_ids) > 1 for c in chunks) else 1
         size = next(s for s in self.sizes if s >= n)
         m, padded = n * q, size * q
-        rows, ints = self._host_rows.numpy(), self._host_ints.numpy()
-        lens = ints[len(self.rows):]  # (after every row's LoRA slot)
+        rows, ints, lens = self._rows_np, self._ints_np, self._lens_np
         if q == 1:
             rows[0, :m], rows[1, :m] = [c.token_ids[0] for c in chunks], [c.start_pos for c in chunks]
             rows[2, :m] = [c.block_table[c.start_pos // B] * B + c.start_pos % B for c in chunks]
@@ -148,7 +150,7 @@ class DecodeGraphs:
         """Write each table into its row of the host mirror where the row held another: a decode step mostly
         finds its rows as the last step left them, or grown by a block. What a shorter table no longer covers
         goes back to block 0."""
-        host, known, cols = self._host_tables.numpy(), self._known_tables, self._host_tables.shape[1]
+        host, known, cols = self._tables_np, self._known_tables, self._tables_np.shape[1]
         for i, table in enumerate(tables):
             held = known[i]
             if table == held:

@@ -60,8 +60,8 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _weights() -> dict[str, torch.Tensor]:
-    c = CONFIG
+def _weights(c: dict) -> dict[str, torch.Tensor]:
+    """Seeded random weights of a Llama of config ``c``."""
     h, inter = c["hidden_size"], c["intermediate_size"]
     q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h), "model.norm.weight": (h,),
@@ -103,12 +103,13 @@ def write_dir_atomically(path: Path, marker: str, fill: Callable[[Path], None], 
 def write_tiny_checkpoint(path: Path, config: dict | None = None,
                           weights: dict[str, torch.Tensor] | None = None) -> None:
     """The built-in checkpoint at ``path``, written atomically (``write_dir_atomically``). ``config`` and
-    ``weights`` default to the built-in model; other byte-level Llamas pass theirs to share its
-    tokenizer files (benchmarks/train_tiny.py)."""
+    ``weights`` default to the built-in model's (seeded random weights of ``config`` without ``weights``);
+    other byte-level Llamas pass theirs to share its tokenizer files (benchmarks/train_tiny.py,
+    benchmarks/engine_host.py)."""
     config = config or CONFIG
 
     def fill(tmp: Path) -> None:
-        save_file(_weights() if weights is None else weights, str(tmp / "model.safetensors"),
+        save_file(_weights(config) if weights is None else weights, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "tokenizer.json").write_text(_tokenizer_json())
         (tmp / "tokenizer_config.json").write_text(json.dumps({

@@ -1,0 +1,48 @@
+"""Benchmarks that need neither Ray nor a GPU run on the current code and write their figures, so a change to
+what they drive shows here, not on the next person's benchmark run: ``benchmarks/output_delivery.py`` drives
+``EngineLoop._deliver`` directly; ``benchmarks/engine_host.py`` splits the engine's decode steps into the forward
+pass, the torch path's input preparation and the rest, and loads each step's chunks into a ``DecodeGraphs``'
+buffers (it fails if a step decodes fewer than the batch)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, args: list[str], tmp_path: Path) -> list[dict]:
+    """The ``results`` that ``benchmarks/<script>`` writes with ``args``."""
+    out = tmp_path / "results.json"
+    subprocess.run([sys.executable, f"benchmarks/{script}", *args, "--json", str(out)], cwd=REPO, check=True,
+                   timeout=100)
+    return json.loads(out.read_text())["results"]
+
+
+@pytest.mark.timeout(120)
+def test_the_output_delivery_benchmark_measures_both_ways_of_delivering_a_step(tmp_path):
+    rows = run_benchmark("output_delivery.py", ["--batches", "4,16", "--steps", "5", "--rounds", "1",
+                                                "--step-ms", "0.5"], tmp_path)
+    assert [row["batch"] for row in rows] == [4, 16]
+    assert all(math.isfinite(row[way]) and row[way] > 0
+               for row in rows for way in ("one_wakeup_each_us", "one_wakeup_a_step_us"))
+
+
+@pytest.mark.timeout(120)
+def test_the_host_benchmark_splits_a_decode_step_and_loads_the_graph_buffers(tmp_path):
+    rows = run_benchmark("engine_host.py", ["--batches", "3,8", "--prompt-len", "20", "--steps", "6",
+                                            "--rounds", "1"], tmp_path)
+    assert [(row["batch"], row["prompt_len"], row["steps"]) for row in rows] == [(3, 20, 6), (8, 20, 6)]
+    for row in rows:
+        assert 0 < row["forward_ms"] < row["step_ms"] and row["graph_load_ms"] > 0 and row["schedule_ms"] > 0
+        parts = row["forward_ms"] + row["torch_prepare_ms"] + row["schedule_ms"] + row["rest_ms"]
+        assert parts == pytest.approx(row["step_ms"])
+        assert row["graphed_host_ms"] == pytest.approx(row["step_ms"] - row["forward_ms"] - row["torch_prepare_ms"]
+                                                       + row["graph_load_ms"])
+        assert row["graphed_host_us_per_seq"] == pytest.approx(1e3 * row["graphed_host_ms"] / row["batch"])
