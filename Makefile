@@ -63,7 +63,7 @@ run: setup
 # then issues 12 and 13's goals against the figures (benchmarks/gpu_goals.py, also as goals.json).
 # GPU_BUDGET_S=540 fits the whole run into that many seconds, the most valuable steps first.
 gpu-check:
-	PY=$(PY) benchmarks/gpu_check.sh $(GPU_OUT) engine-gpu transfer-gpu gpu-tests engine-gpu-long speculative-gpu moe-gpu lora-gpu engine-gpu-fp8 \
+	PY=$(PY) benchmarks/gpu_check.sh $(GPU_OUT) engine-gpu transfer-gpu gpu-tests engine-gpu-async engine-gpu-long speculative-gpu moe-gpu lora-gpu engine-gpu-fp8 \
 	  engine-gpu-int4 moe-gpu-int4 engine-gpu-int8 speculative-gpu-draft; rc=$$?; \
 	$(PY) benchmarks/gpu_goals.py $(GPU_OUT) --json $(GPU_OUT)/goals.json; exit $$rc
 

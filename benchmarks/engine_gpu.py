@@ -24,13 +24,16 @@ resident, and is freed before ``generate`` runs; with a quantized ``--kv-cache-d
 that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int-weights LAYOUT``
 (the checkpoint rewritten with integer projections of ``--int-bits`` 4 or 8, AWQ's (4-bit only), GPTQ's or
 compressed-tensors' layout, in groups of 128 before the engine loads it; transformers still runs the 16-bit
-weights) the weights' own bytes. Writes one JSON object (``--json``). ``--device cpu
+weights) the weights' own bytes. With ``--async-scheduling`` each step is launched before the last one's
+tokens reach the host (``EngineConfig.async_scheduling``), and a step's time is the wall time between two
+``step`` calls, with no synchronization between them (what a served step takes once the host's work hides
+behind the device's); otherwise each step is timed to the device's end of it. Writes one JSON object (``--json``). ``--device cpu
 --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
-        [--kv-cache-dtype auto|int8|fp8|kivi2]
+        [--kv-cache-dtype auto|int8|fp8|kivi2] [--async-scheduling]
         [--quantization fp8 | --int-weights awq|gptq|compressed-tensors [--int-bits 4|8]]
 """
 
@@ -152,7 +155,9 @@ def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[in
 
 def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Every prompt at once to completion: wall seconds, the tokens, and each step's (seconds, prompt
-    chunks as (tokens, tokens before them), decode rows, their context tokens)."""
+    chunks as (tokens, tokens before them), decode rows, their context tokens). An async-scheduled engine's
+    steps are not waited for: a step's seconds run to the next ``step`` call."""
+    wait = not engine.config.async_scheduling
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     steps = []
@@ -163,10 +168,12 @@ def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dic
     while engine.has_unfinished():
         t = time.perf_counter()
         outputs = engine.step()
-        sync(engine.device)
+        if wait:
+            sync(engine.device)
         s = engine.last_step
-        steps.append((time.perf_counter() - t, [(n, pos) for _, n, pos in s.prefill_chunks], s.decode_seqs,
-                      s.decode_context_tokens))
+        if s is not None:  # (None: a last call that only took the last step's tokens)
+            steps.append((time.perf_counter() - t, [(n, pos) for _, n, pos in s.prefill_chunks], s.decode_seqs,
+                          s.decode_context_tokens))
         for out in outputs:
             tokens[out.request_id] += out.new_token_ids
     return {"seconds": time.perf_counter() - start, "tokens": [tokens[str(i)] for i in range(len(prompts))],
@@ -235,7 +242,7 @@ def bench_shape(shape: str, args: argparse.Namespace, device: torch.device, dtyp
             model=tmp, dtype=str(dtype).removeprefix("torch."), device=str(device), max_num_seqs=max(batches),
             max_num_batched_tokens=args.max_batched_tokens, enable_prefix_caching=False,
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
-            quantization=args.quantization))
+            quantization=args.quantization, async_scheduling=args.async_scheduling))
         result["engine_load_s"] = time.perf_counter() - t
     cfg = engine.model_config
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -297,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--skip-hf", action="store_true", help="the engine and the device limits only")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8", "kivi2"))
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="launch each step before the last one's tokens reach the host")
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                          help="fp8: the projections quantized as they load (the roofline counts their bytes)")
@@ -323,6 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
+        "async_scheduling": args.async_scheduling,
         "quantization": args.quantization, "int_weights": args.int_weights,
         "int_bits": None if args.int_weights is None else args.int_bits,
         "shapes": {shape: bench_shape(shape, args, device, dtype, bandwidth, peak)

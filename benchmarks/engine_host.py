@@ -10,9 +10,11 @@ byte-level tokenizer, so the text is detokenized as a served request's is, decod
 (the device's work on a GPU, left out), the torch path's input preparation (which a replayed step does not
 run), and the rest. Each step's chunks are also loaded into a ``DecodeGraphs``' static buffers (uncaptured),
 timed apart: what a replayed step runs instead. The host work of a graphed step is therefore
-``step - torch run + graph load``, reported per sequence.
+``step - torch run + graph load``, reported per sequence. ``--async-scheduling`` runs the engine that way
+(``EngineConfig.async_scheduling``): the same host work, done while the device computes the next step on a
+GPU, plus what feeding the tokens on the device costs; on the CPU nothing overlaps, so the figures compare.
 
-    python benchmarks/engine_host.py --batches 64,256 --prompt-len 512 --json engine_host.json
+    python benchmarks/engine_host.py --batches 64,256 --prompt-len 512 [--async-scheduling] --json engine_host.json
 
 Timings are wall clock in one thread; the load average is recorded: run it on an otherwise quiet machine.
 """
@@ -62,9 +64,10 @@ class Timer:
         setattr(owner, name, timed)
 
 
-def measure(model_dir: Path, batch: int, prompt_len: int, steps: int) -> dict:
+def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_scheduling: bool = False) -> dict:
     """Decode ``batch`` requests for ``steps`` steps once their prompts are in; the split of a step, in ms."""
-    config = EngineConfig(model=str(model_dir), attention_backend="torch", max_num_seqs=batch)
+    config = EngineConfig(model=str(model_dir), attention_backend="torch", max_num_seqs=batch,
+                          async_scheduling=async_scheduling)
     # The prompts are taken a few a step, so the first ones decode while the last are computed: room for those
     # tokens too (decode rows take some of the steps' token budget), so that no sequence ends while the decode
     # is measured.
@@ -86,7 +89,7 @@ def measure(model_dir: Path, batch: int, prompt_len: int, steps: int) -> dict:
     torch_run = engine.runner.run
 
     def run_and_load(chunks, *args):  # the same chunks loaded into the graph's buffers, timed apart
-        graphs.load(chunks)
+        graphs.load(chunks, *args[1:])  # (with the tokens fed from the device, if any)
         return torch_run(chunks, *args)
     engine.runner.run = run_and_load
     start = time.perf_counter()
@@ -111,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--prompt-len", type=lambda s: [int(n) for n in s.split(",")], default=[512])
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="each figure is the median of the rounds")
+    parser.add_argument("--async-scheduling", action="store_true", help="run the engine with async scheduling")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a GPU server's engine thread has one core; the forward pass is left out anyway
@@ -119,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
         write_tiny_checkpoint(Path(tmp), MICRO)
         for prompt_len in args.prompt_len:
             for batch in args.batches:
-                rounds = [measure(Path(tmp), batch, prompt_len, args.steps) for _ in range(args.rounds)]
+                rounds = [measure(Path(tmp), batch, prompt_len, args.steps, args.async_scheduling)
+                          for _ in range(args.rounds)]
                 results.append({key: statistics.median(r[key] for r in rounds) for key in rounds[0]})
     headers = ["batch", "prompt", "step ms", "forward ms", "torch prepare ms", "schedule ms",
                "the rest ms", "graph load ms", "graphed host ms", "µs per sequence"]
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
                                   f"{r['graphed_host_ms']:.2f}", f"{r['graphed_host_us_per_seq']:.1f}"]
                                  for r in results]))
     print(f"load average: {load_average()}")
-    out = {"results": results, "load_average": load_average()}
+    out = {"results": results, "async_scheduling": args.async_scheduling, "load_average": load_average()}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return out

@@ -13,6 +13,7 @@
 #   engine-gpu        benchmarks/engine_gpu.py (issue 12: decode step, roofline, prefill MFU, vs transformers)
 #   transfer-gpu      benchmarks/transfer_gpu.py (issue 13: CUDA IPC, gloo and gRPC from device memory)
 #   gpu-tests         the `gpu` tests (fp32 parity, compiled kernels, CUDA graphs, device-memory sizing)
+#   engine-gpu-async  benchmarks/engine_gpu.py --async-scheduling: the 1.1B shape's decode step, host work hidden
 #   engine-gpu-long   2,048-token prompts, the int8 cache against the bf16 one (decode reads mostly KV)
 #   speculative-gpu   benchmarks/speculative_gpu.py: a drafted step's cost against a graph-replayed decode step
 #   moe-gpu           benchmarks/moe_gpu.py: the fused MoE kernels against the expert loop and the roofline
@@ -65,6 +66,8 @@ for name in "$@"; do
     transfer-gpu) step "$name" 180 "$py" benchmarks/transfer_gpu.py --json "$out/transfer_gpu.json" ;;
     gpu-tests) step "$name" 420 "$py" -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py \
       tests/test_engine_model.py --junitxml "$out/gpu_tests.xml" ;;
+    engine-gpu-async) step "$name" 150 "$py" benchmarks/engine_gpu.py --shapes tinyllama-1.1b --batches 1,64,256 \
+      --skip-hf --async-scheduling --json "$out/engine_gpu_async.json" ;;
     engine-gpu-long)
       for kv in auto int8; do
         step "$name-$kv" 180 "$py" benchmarks/engine_gpu.py --shapes tinyllama-1.1b --batches 64,256 \

@@ -5,7 +5,9 @@ as vLLM and nano-vllm do, the whole forward pass of a decode-only step is captur
 (1, 2, 4, 8, 16, 32, ... up to ``max_num_seqs``) over static buffers (token ids, positions, slots, block
 tables, context lengths) and replayed: a step writes its inputs into pinned host mirrors of the buffers
 (a row's block table only where it changed since the last step, as vLLM's persistent batch does), pads
-the batch up to the next captured size, copies the mirrors over in three copies and launches one graph.
+the batch up to the next captured size, copies the mirrors over in three copies that do not wait for the
+device's queued work and launches one graph. With async scheduling (``Engine``) some token ids are still on
+the device, sampled by the step before: they are gathered into the token buffer there, before the replay.
 Padded rows write nothing (slot -1, which the K/V write kernel skips) and attend over one position of a
 valid block; their logits are dropped. Every shape is fixed at capture: the decode kernel's split-K factor
 follows from the batch size and the largest context (``max_blocks`` x block size), never from a step's own
@@ -39,7 +41,7 @@ from engine.model import AttentionMetadata
 from engine.triton_attention import PagedAttentionMeta
 
 if TYPE_CHECKING:
-    from engine.runner import ModelRunner, SeqChunk
+    from engine.runner import ModelRunner, SeqChunk, TokenFeed
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -57,11 +59,12 @@ class DecodeGraphs:
         device, top, B = runner.device, self.sizes[-1], runner.block_size
         rows = top * query_len
         # The static buffers, as views of three tensors that a step fills with one host-to-device copy each from
-        # host mirrors (pinned on CUDA): token ids, positions and slots by row; each row's LoRA slot - 1 (-1: the
-        # base model, and the padding) then each sequence's context length; the block tables.
+        # host mirrors (pinned on CUDA): token ids, positions, slots and the row of a token fed from the device
+        # (-1: none) by row; each row's LoRA slot - 1 (-1: the base model, and the padding) then each sequence's
+        # context length; the block tables.
         pin = device.type == "cuda"
-        self._host_rows = torch.zeros(3, rows, dtype=torch.long, pin_memory=pin)
-        self._host_rows[2] = -1  # no slot: a row writes nothing until a step fills it
+        self._host_rows = torch.zeros(4, rows, dtype=torch.long, pin_memory=pin)
+        self._host_rows[2:] = -1  # no slot: a row writes nothing until a step fills it
         self._host_ints = torch.tensor([-1] * rows + [1] * top, dtype=torch.int32)
         self._host_ints = self._host_ints.pin_memory() if pin else self._host_ints
         # a drafted step's padding rows sit up to query_len - 1 positions past the context: its table has room.
@@ -75,7 +78,9 @@ class DecodeGraphs:
         self._padding_table = [0] * -(-query_len // B)  # a padding sequence's: its q positions in block 0
         self._row_inputs = self._host_rows.to(device, copy=True)
         self._int_inputs = self._host_ints.to(device, copy=True)
-        self.input_ids, self.positions, self.slots = self._row_inputs.unbind()
+        self.input_ids, self.positions, self.slots, self._fed_rows = self._row_inputs.unbind()
+        # recorded after a step's copies: the mirrors are written again only once those have run
+        self._copied = torch.cuda.Event() if pin else None
         self.lora_index = self._int_inputs[:rows] if runner.with_lora else None
         self.context_lens = self._int_inputs[rows:]  # decode: position + 1; drafted: the sequence's length
         self.tables = torch.zeros_like(self._host_tables, device=device)
@@ -102,10 +107,10 @@ class DecodeGraphs:
             for c in chunks)
 
     @torch.inference_mode()
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def run(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> torch.Tensor:
         """Float32 logits of the step: a row per decode chunk and per token of a drafted chunk, in the order of
-        ``chunks`` (valid until the next step)."""
-        n, size, q = len(chunks), *self.load(chunks)
+        ``chunks`` (valid until the next step). ``feed``: token ids still on the device."""
+        n, size, q = len(chunks), *self.load(chunks, feed)
         (self.replays if q == 1 else self.draft_replays)[size] += 1
         if (size, q) in self._graphs:
             self._graphs[size, q].replay()
@@ -117,10 +122,12 @@ class DecodeGraphs:
         keep = [i * q + j for i, c in enumerate(chunks) for j in range(len(c.token_ids))]
         return logits[torch.tensor(keep, device=logits.device)]
 
-    def load(self, chunks: list[SeqChunk]) -> tuple[int, int]:
+    def load(self, chunks: list[SeqChunk], feed: TokenFeed | None = None) -> tuple[int, int]:
         """Copy the step's inputs into the static buffers, padded up to the next captured batch size: (that
         size, rows a sequence). The host work a replayed step waits on, so it costs a few list comprehensions
         and three copies; a block table is rewritten only where it changed since its row last held it."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read the mirrors (long since, as a rule)
         n, B = len(chunks), self.runner.block_size
         q = self.query_len if any(len(c.token_ids) > 1 for c in chunks) else 1
         size = next(s for s in self.sizes if s >= n)
@@ -138,12 +145,20 @@ class DecodeGraphs:
         # a decode row sees positions up to its own; a drafted chunk's rows are the last q of its sequence
         lens[:n] = [c.start_pos + q for c in chunks]
         rows[2, m:padded], ints[m:padded], lens[n:size] = -1, -1, q  # padding sequences: write nothing
+        rows[3, :padded] = -1
+        if feed is not None:
+            rows[3, [k * q for k in feed.chunks]] = feed.rows
         self._load_tables([c.block_table for c in chunks] + [self._padding_table] * (size - n))
         width = max((c.start_pos + q - 1) // B + 1 for c in chunks)
         # (the first two are a few KiB: copied whole, they need no slicing on either side)
-        self._row_inputs.copy_(self._host_rows)
-        self._int_inputs.copy_(self._host_ints)
-        self.tables[:size, :width].copy_(self._host_tables[:size, :width])
+        self._row_inputs.copy_(self._host_rows, non_blocking=True)
+        self._int_inputs.copy_(self._host_ints, non_blocking=True)
+        self.tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        if feed is not None:
+            ids, fed = self.input_ids[:padded], self._fed_rows[:padded]
+            ids.copy_(torch.where(fed >= 0, feed.tokens[fed.clamp(min=0)], ids))
         return size, q
 
     def _load_tables(self, tables: list[list[int]]) -> None:

@@ -15,6 +15,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -32,10 +33,19 @@ from engine.lora import PackedAdapter, adapter_id, read_adapter
 from engine.lora_slots import DEFAULT_MAX_LORA_RANK, LoRASlots
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
 from engine.request_limits import RequestLimits
-from engine.runner import ModelRunner, SeqChunk
-from engine.sampler import Draws, bad_word_bans, draw_ahead, make_generator, sample, skip_draws, top_logprobs
+from engine.runner import ModelRunner, SeqChunk, TokenFeed
+from engine.sampler import (
+    Draws,
+    bad_word_bans,
+    draw_ahead,
+    make_generator,
+    sample,
+    sample_tokens,
+    skip_draws,
+    top_logprobs,
+)
 from engine.sampling_params import Priority, SamplingParams
-from engine.scheduler import Scheduler, Sequence
+from engine.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
 from engine.speculative import DraftRequest, DraftRules, NgramProposer, PredictedOutput, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
@@ -46,6 +56,40 @@ from kvstore.hashing import salt_for
 # on_layer_done(layer, completing): layer ``layer``'s K/V of this step is written; ``completing`` maps each
 # prefill-only request whose prompt completes in this step to its block table (to ship that layer early).
 LayerHook = Callable[[int, dict[str, list[int]]], None]
+
+# What a sequence's token_ids hold, under async scheduling, for a token still on the device (never a token id:
+# a step that read it as one fails at the embedding instead of computing on a wrong token).
+TOKEN_ON_DEVICE = -1
+
+
+@dataclass
+class _StepInFlight:
+    """A step launched with async scheduling whose sampled tokens have not been seen by the host yet."""
+
+    seqs: list[Sequence]  # the sequences it sampled, by row
+    positions: list[int]  # where each one's token goes in its token_ids (TOKEN_ON_DEVICE until then)
+    tokens: torch.Tensor  # the tokens on the device: the next step's inputs read them there
+    host: torch.Tensor  # ... and copied to the host, there once ``copied`` has passed (off CUDA: ``tokens``)
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor) -> _StepInFlight:
+        """Start copying ``tokens`` to the host behind the step's queued work, and hold a place for each."""
+        positions = [s.num_tokens for s in seqs]
+        for s in seqs:
+            s.token_ids.append(TOKEN_ON_DEVICE)
+        if tokens.device.type != "cuda":
+            return cls(seqs, positions, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(seqs, positions, tokens, host, copied)
+
+    def wait(self) -> None:
+        """Until the step's work on the device, its writes to the K/V blocks included, is done."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
 class Engine:
@@ -113,11 +157,15 @@ class Engine:
         if draft is not None and graphed and self.proposer.runner.supports_decode_graphs:
             self.proposer.runner.enable_decode_graphs(config.max_num_seqs, max_blocks)  # its one-token passes
         self.speculation = SpeculationStats()
+        # Async scheduling: a speculating engine verifies drafts on the host, and a LongRoPE one may recompute a
+        # sequence at any step, so those run every step synchronously
+        self._async = config.async_scheduling and self.proposer is None and self.model_config.long_rope_from is None
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
         self.prompt_tokens_computed, self._seq_ids = 0, itertools.count(1)
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
+        self._in_flight: _StepInFlight | None = None  # async scheduling: the step whose tokens are on the device
         self._step_times: deque[float] = deque(maxlen=64)
         self.last_step: StepComposition | None = None  # what the latest step() computed; None: nothing
 
@@ -131,6 +179,7 @@ class Engine:
         self._check(request_id, prompt_ids, params, prefill_only, lora=lora)
         seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids, lora=lora)
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
+        seq.samples_on_device = self._may_sample_on_device(seq)
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
             seq.token_ids, self.scheduler.cacheable_blocks(seq), seq.hash_salt)[0])
@@ -150,12 +199,17 @@ class Engine:
         self.release(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._in_flight is not None
 
     def step(self, on_layer_done: LayerHook | None = None) -> list[RequestOutput]:
         """Run one batch (decode rows, then prefill chunks) and sample where a sequence is complete;
-        ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``)."""
-        outputs, self._pending = self._pending, []
+        ``on_layer_done(layer, completing)`` runs after each layer (see ``LayerHook``). With async scheduling
+        (``EngineConfig.async_scheduling``) a step whose every sequence samples on the device returns the
+        outputs of the step before (``_step_ahead``)."""
+        if self._async and on_layer_done is None and self._all_sample_on_device():
+            return self._step_ahead()
+        before, self._in_flight = self._in_flight, None  # (a sequence that needs its tokens on the host came)
+        outputs, self._pending = self._pending + self._resolve(before), []
         self.last_step = None
         self._recompute_with_long_rope()
         start = time.perf_counter()  # (a draft model's passes are part of the step)
@@ -168,6 +222,47 @@ class Engine:
                 self.proposer.forget(seq.seq_id)
         if not batch.seqs:
             return outputs
+        chunks, completing, step = self._chunks(batch)
+        layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
+        # Structured outputs: the tokens each completing sequence may sample, found while the forward pass runs
+        bitmask = self.grammars.fill([seq.grammar if seq.num_computed_tokens + n == seq.num_tokens else None
+                                      for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
+        # ... and a drafting one's, at each position of its draft
+        draft_masks = {seq.seq_id: self.grammars.draft_masks(seq.grammar, seq.draft_ids) for seq in batch.seqs
+                       if seq.draft_ids and seq.grammar is not None}
+        logits = self.runner.run(chunks, layer_done)
+        rows: list[int] = []  # the logits row each sampled sequence draws from
+        mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
+        sampled: list[Sequence] = []
+        drafted: list[tuple[Sequence, int]] = []  # sequences whose draft is verified, and their first row
+        last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
+        for i, (seq, n, chunk) in enumerate(zip(batch.seqs, batch.num_new_tokens, chunks, strict=True)):
+            pos, first = seq.num_computed_tokens, last + 1
+            last += n if chunk.all_logits else 1
+            if seq.draft_ids:
+                drafted.append((seq, first))
+                continue
+            if chunk.all_logits:
+                self._collect_prompt_logprobs(seq, pos, logits[first:last + 1])
+            self._count_prompt_tokens(seq, n)
+            self._computed(seq, pos + n)
+            if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
+                for s in self._fork(seq) if seq.fanout > 1 else (seq,):  # forks start where their prompt's grammar is
+                    rows.append(last)
+                    mask_rows.append(i)
+                    sampled.append(s)
+        if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
+            outputs += self._sample(self._rows(logits, rows), sampled, None if bitmask is None else bitmask[mask_rows])
+        verified = self._verify(logits, drafted, draft_masks, draws) if drafted else []
+        outputs += verified
+        step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
+        self._step_times.append(time.perf_counter() - start)
+        self.last_step = step
+        return outputs
+
+    def _chunks(self, batch: ScheduledBatch) -> tuple[list[SeqChunk], dict[str, list[int]], StepComposition]:
+        """The step's chunks; the block tables of the prefill-only requests whose prompt it completes; what it
+        computes. Copies the blocks copy-on-write asks for first."""
         bm = self.block_manager
         for src, dst in bm.take_copies():
             self.kv_cache.copy_block(src, dst)
@@ -194,44 +289,87 @@ class Engine:
                 if seq.draft_ids:
                     step.drafted_seqs += 1
                     step.drafted_context_tokens += pos + 1
-        layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
-        # Structured outputs: the tokens each completing sequence may sample, found while the forward pass runs
-        bitmask = self.grammars.fill([seq.grammar if seq.num_computed_tokens + n == seq.num_tokens else None
-                                      for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)])
-        # ... and a drafting one's, at each position of its draft
-        draft_masks = {seq.seq_id: self.grammars.draft_masks(seq.grammar, seq.draft_ids) for seq in batch.seqs
-                       if seq.draft_ids and seq.grammar is not None}
-        logits = self.runner.run(chunks, layer_done)
-        rows: list[int] = []  # the logits row each sampled sequence draws from
-        mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
-        sampled: list[Sequence] = []
-        drafted: list[tuple[Sequence, int]] = []  # sequences whose draft is verified, and their first row
-        last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
-        for i, (seq, n, chunk) in enumerate(zip(batch.seqs, batch.num_new_tokens, chunks, strict=True)):
-            pos, first = seq.num_computed_tokens, last + 1
-            last += n if chunk.all_logits else 1
-            if seq.draft_ids:
-                drafted.append((seq, first))
-                continue
-            if chunk.all_logits:
-                self._collect_prompt_logprobs(seq, pos, logits[first:last + 1])
-            if pos < seq.num_prompt_tokens:
-                self.prompt_tokens_computed += min(n, seq.num_prompt_tokens - pos)
-            self._computed(seq, pos + n)
-            if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
-                for s in self._fork(seq) if seq.fanout > 1 else (seq,):  # forks start where their prompt's grammar is
-                    rows.append(last)
-                    mask_rows.append(i)
-                    sampled.append(s)
-        if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
-            every_row_once = rows == list(range(logits.shape[0]))
-            outputs += self._sample(logits if every_row_once else logits[rows], sampled,
-                                    None if bitmask is None else bitmask[mask_rows])
-        verified = self._verify(logits, drafted, draft_masks, draws) if drafted else []
-        outputs += verified
-        step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
+        return chunks, completing, step
+
+    @staticmethod
+    def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """``logits``' rows ``rows`` (the tensor itself when they are all of its rows, in order)."""
+        return logits if rows == list(range(logits.shape[0])) else logits[rows]
+
+    def _count_prompt_tokens(self, seq: Sequence, n: int) -> None:
+        """Count the prompt tokens among the ``n`` that ``seq`` computes in this step."""
+        if seq.num_computed_tokens < seq.num_prompt_tokens:
+            self.prompt_tokens_computed += min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+
+    # -- async scheduling --------------------------------------------------------------------------
+    def _all_sample_on_device(self) -> bool:
+        """Whether every live sequence may have its tokens sampled and fed to the next step on the device."""
+        s = self.scheduler
+        return (all(seq.samples_on_device for seq in s.running) and all(seq.samples_on_device for seq in s.waiting)
+                and all(seq.samples_on_device for seq in s.held))
+
+    def _may_sample_on_device(self, seq: Sequence) -> bool:
+        """Whether nothing of ``seq``'s sampling reads its token history or a token's host-side result (penalties,
+        bad words, logprobs, a grammar, n samples forked from its prompt, a prefill-only request's hand-off)."""
+        p = seq.params
+        return not (seq.prefill_only or p.n > 1 or p.has_penalties or p.bad_words_token_ids
+                    or p.logprobs is not None or p.prompt_logprobs is not None or seq.grammar is not None)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """A step launched while the last one's tokens are still on the device (vLLM's async scheduling, SGLang's
+        overlap scheduler): it is scheduled and launched with those tokens fed to it on the device, and only then
+        are they taken to the host, appended, detokenized and checked for a stop, while the device computes this
+        one; its own tokens stay on the device until the next step. A sequence that ended at a token of the last
+        step has computed one more here, which is dropped. Returns the last step's outputs."""
+        outputs, self._pending = self._pending, []
+        self.last_step = None
+        start = time.perf_counter()
+        before, self._in_flight = self._in_flight, None
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return outputs + self._resolve(before)
+        chunks, _, step = self._chunks(batch)
+        feed = None
+        fed = [i for i, chunk in enumerate(chunks) if chunk.token_ids[-1] == TOKEN_ON_DEVICE]
+        if fed:  # (a token on the device is a sequence's last: its chunk is a decode chunk)
+            row_of = {id(seq): row for row, seq in enumerate(before.seqs)}
+            feed = TokenFeed(fed, [row_of[id(batch.seqs[i])] for i in fed], before.tokens)
+        logits = self.runner.run(chunks, None, feed)
+        computed, rows, sampled = [], [], []
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+            self._count_prompt_tokens(seq, n)
+            computed.append(seq.num_computed_tokens + n)
+            if computed[-1] == seq.num_tokens:
+                rows.append(i)
+                sampled.append(seq)
+        if sampled:
+            tokens = sample_tokens(self._rows(logits, rows), [s.params for s in sampled],
+                                   [s.generator for s in sampled], banned=[self._banned(s, [], False) for s in sampled])
+            self._in_flight = _StepInFlight.launch(sampled, tokens)
+        outputs += self._resolve(before)
+        for seq, num_computed in zip(batch.seqs, computed, strict=True):
+            if seq.status is SeqStatus.RUNNING:  # not ended by its token of the last step
+                self._computed(seq, num_computed)  # (which registers blocks holding that token, known now)
+        step.decoded_tokens = step.decode_seqs
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
+        return outputs
+
+    def _resolve(self, flight: _StepInFlight | None) -> list[RequestOutput]:
+        """Take an async-scheduled step's tokens to the host: append, detokenize, check each for a stop."""
+        if flight is None:
+            return []
+        flight.wait()
+        outputs, finished = [], []
+        for seq, pos, tok in zip(flight.seqs, flight.positions, flight.host.tolist(), strict=True):
+            if seq.status is SeqStatus.FINISHED:  # aborted, or ended at its token of the step before
+                continue
+            seq.token_ids[pos] = tok
+            out = self._emit(seq, tok, None, pos + 1 - seq.num_prompt_tokens)
+            if out.finished:
+                finished.append(seq)
+            outputs.append(out)
+        self._retire(finished)
         return outputs
 
     @staticmethod
@@ -414,9 +552,13 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""
         seq.token_ids.append(tok)
+        return self._emit(seq, tok, logprobs, seq.num_output_tokens)
+
+    def _emit(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None, num_output: int) -> RequestOutput:
+        """The output of ``seq``'s ``num_output``-th token ``tok``, in its token_ids: done or not, its text."""
         if seq.grammar is not None:
             seq.grammar.advance(tok)
-        reason, seq.stop_reason = check_finish(tok, seq.num_output_tokens, seq.params, self.eos_token_ids,
+        reason, seq.stop_reason = check_finish(tok, num_output, seq.params, self.eos_token_ids,
                                                seq.text, seq.prefill_only)
         seq.finish_reason = reason
         text = "" if seq.text is None else seq.text.emit(final=reason not in (None, FinishReason.PREFILLED))
@@ -461,6 +603,8 @@ class Engine:
         free: taking them would preempt a sequence (a decode worker recomputes a preempted one's prompt)."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        if self._in_flight is not None:  # a block freed meanwhile may still take a write of the step in flight
+            self._in_flight.wait()  # (a sequence that ended computes a token more), and K/V lands on another stream
         seq_id = next(self._seq_ids)
         block_ids = self.block_manager.reserve(
             seq_id, num_tokens, keep_free=self._growth_blocks(self.config.num_reserved_decode_tokens),
@@ -499,6 +643,7 @@ class Engine:
         self.requests[request_id] = [seq]
         self.block_manager.salt_hashes(seq_id, seq.hash_salt)
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
+        seq.samples_on_device = self._may_sample_on_device(seq)
         self.scheduler.add_running(seq)
 
     # -- KV pool ---------------------------------------------------------------------------------

@@ -41,6 +41,17 @@ class SeqChunk:
     drafted: bool = False  # the sequence's last token and a draft to verify (speculative decoding)
 
 
+@dataclass
+class TokenFeed:
+    """Input tokens a step takes from the device (async scheduling, ``Engine``): the one token of decode chunk
+    ``chunks[k]`` is ``tokens[rows[k]]``, which the step before sampled and the host has not seen yet (the
+    chunk holds a placeholder for it)."""
+
+    chunks: list[int]
+    rows: list[int]
+    tokens: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, model_config: ModelConfig, kv_cache: KVCache,
                  window: StreamingWindow | None = None, attention_backend: str = "torch", with_lora: bool = False):
@@ -90,10 +101,11 @@ class ModelRunner:
                              f"{c.start_pos + n - 1}")
         return n
 
-    def prepare(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                          torch.Tensor]:
+    def prepare(self, chunks: list[SeqChunk], feed: TokenFeed | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """(input_ids, positions, attention metadata, the rows whose logits the pass returns) for one pass:
-        each chunk's last row, or all of its rows when it asks for ``all_logits``, in the order of ``chunks``.
+        each chunk's last row, or all of its rows when it asks for ``all_logits``, in the order of ``chunks``;
+        the tokens ``feed`` names are taken from the device.
 
         Decode chunks (one token after some context) take the first rows so attention can treat them
         as one contiguous batch; logits still come back in the order of ``chunks``."""
@@ -143,8 +155,11 @@ class ModelRunner:
             self._decode_meta(meta, [chunks[i] for i in decode], pos)
         rows = last_rows if not first_rows else [
             row for i, last in enumerate(last_rows) for row in range(first_rows.get(i, last), last + 1)]
-        return (torch.tensor(token_ids, dtype=torch.long, device=self.device), pos, meta,
-                torch.tensor(rows, dtype=torch.long, device=self.device))
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if feed is not None:  # a fed chunk is a decode chunk: its one row is its last
+            input_ids[torch.tensor([last_rows[i] for i in feed.chunks], device=self.device)] = \
+                feed.tokens[torch.tensor(feed.rows, device=self.device)]
+        return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _lora_rows(self, slots: list[int]) -> LoRARows:
         """Each adapter's rows of the step (row i is ``slots[i]``'s); None for an adapter with every row."""
@@ -199,13 +214,14 @@ class ModelRunner:
                                                         self.kv_cache.dtype, self.model.rope_scale)
 
     @torch.inference_mode()
-    def run(self, chunks: list[SeqChunk],
-            on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+    def run(self, chunks: list[SeqChunk], on_layer_done: Callable[[int], None] | None = None,
+            feed: TokenFeed | None = None) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` of each chunk's last token (of each of its tokens when it asks for
-        ``all_logits``), in the order of ``chunks``; writes the chunks' K/V."""
+        ``all_logits``), in the order of ``chunks``; writes the chunks' K/V. ``feed``: input tokens still on
+        the device."""
         if self.graphs is not None and self.graphs.fits(chunks):  # completes no prompt: no layer hook
-            return self.graphs.run(chunks)
-        input_ids, positions, meta, logit_rows = self.prepare(chunks)
+            return self.graphs.run(chunks, feed)
+        input_ids, positions, meta, logit_rows = self.prepare(chunks, feed)
         kv_layers = self.kv_cache.for_step(meta.slot_mapping, [(c.block_table, c.start_pos,
                                                                  c.start_pos + len(c.token_ids)) for c in chunks])
         return self.model(input_ids, positions, meta, kv_layers, logit_rows, on_layer_done)

@@ -67,16 +67,24 @@ def draw_ahead(generator: torch.Generator | None, count: int, vocab_size: int, d
     return Draws(values, states)
 
 
+def device_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``, copied from pinned memory on CUDA without waiting for the device's
+    queued work (a plain copy from pageable memory waits for it, which would stall an async-scheduled step)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus."""
     vocab = logits.shape[-1]
     ordered, order = logits.sort(dim=-1)  # ascending: the kept tokens are at the end
     if any(k > 0 for k in top_k):
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=logits.device)
+        k = device_values([k if 0 < k < vocab else vocab for k in top_k], torch.long, logits.device)
         kth = ordered.gather(1, (vocab - k).unsqueeze(1))
         ordered.masked_fill_(ordered < kth, float("-inf"))
     if any(p < 1.0 for p in top_p):
-        p = torch.tensor(top_p, dtype=logits.dtype, device=logits.device)
+        p = device_values(top_p, logits.dtype, logits.device)
         cum = ordered.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= (1 - p).unsqueeze(1)
         drop[:, -1] = False  # the most likely token always survives
@@ -87,7 +95,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
 def _apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) each row's tokens less likely than its ``min_p`` times its most likely token's
     probability: ``p_i < min_p * p_max`` is ``logit_i < logit_max + log(min_p)``, no softmax needed."""
-    floor = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).log().unsqueeze(1)  # log 0: -inf
+    floor = device_values(min_p, logits.dtype, logits.device).log().unsqueeze(1)  # log 0: -inf
     return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + floor, float("-inf"))
 
 
@@ -145,8 +153,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """The distribution each row of ``logits`` is sampled from: its temperature (1 for a greedy row), then
     min-p, top-k and top-p (penalties and bias are the caller's: ``apply_penalties``)."""
-    temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], dtype=logits.dtype,
-                         device=logits.device)
+    temps = device_values([1.0 if p.greedy else p.temperature for p in params], logits.dtype, logits.device)
     scaled = logits / temps.unsqueeze(1)
     if any(p.min_p > 0 for p in params):
         scaled = _apply_min_p(scaled, [p.min_p for p in params])
@@ -163,10 +170,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     each row's history, needed only when a row has penalties, and ``banned`` the tokens each row may not
     sample (see ``apply_penalties``). ``draws[r]``, where given, is row r's random draw (``draw_ahead``),
     used instead of one from its generator."""
+    return sample_tokens(logits, params, generators, token_ids, num_prompt_tokens, banned, draws).tolist()
+
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                  token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
+                  banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None
+                  ) -> torch.Tensor:
+    """``sample``'s tokens as a tensor on the logits' device, left there: a greedy, temperature, min-p, top-k or
+    top-p batch of unseeded or seeded rows is sampled without waiting for the device."""
     logits = apply_penalties(logits, params, token_ids, num_prompt_tokens, banned)
     greedy = [p.greedy for p in params]
     if all(greedy):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     probs = sampling_probs(logits, params)
     given = [] if draws is None else [row for row, d in enumerate(draws) if d is not None]
     q = torch.empty_like(probs)
@@ -179,9 +195,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             q[row].exponential_(generator=g)
     tokens = (probs / q).argmax(dim=-1)
     if any(greedy):
-        mask = torch.tensor(greedy, device=logits.device)
-        tokens = torch.where(mask, logits.argmax(dim=-1), tokens)
-    return tokens.tolist()
+        tokens = torch.where(device_values(greedy, torch.bool, logits.device), logits.argmax(dim=-1), tokens)
+    return tokens
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | None]

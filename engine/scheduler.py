@@ -80,6 +80,9 @@ class Sequence:
     # What its blocks' chain hashes are salted with in the prefix cache (None: the engine's): an adapter's and a
     # long LongRoPE sequence's blocks are not the base model's, nor a short sequence's (``Engine._salt``).
     hash_salt: bytes | None = None
+    # Async scheduling (``Engine``): its tokens may be sampled on the device and fed to the next step before
+    # the host sees them, since nothing of its sampling reads its history or a token's host-side result.
+    samples_on_device: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -203,8 +206,10 @@ class Scheduler:
         step = _StepRoom(self.max_num_batched_tokens, self.max_chunk, PROMPT_LOGPROBS_ROWS)
         preempted: list[Sequence] = []
         # decode rows first, then the remainder of partly prefilled prompts, each by the request's own priority
-        # (then admission order); preempt from the back: the lowest priority, the latest admitted
-        order = sorted((s for s in self.running if s.num_computed_tokens == s.num_tokens - 1), key=_own_priority)
+        # (then admission order); preempt from the back: the lowest priority, the latest admitted. A sequence
+        # whose last token, still on the device (async scheduling), is its max_tokens-th has ended.
+        order = sorted((s for s in self.running if s.num_computed_tokens == s.num_tokens - 1
+                        and s.num_tokens - s.num_prompt_tokens < s.params.max_tokens), key=_own_priority)
         order += sorted((s for s in self.running if s.num_computed_tokens < s.num_tokens - 1), key=_own_priority)
         i = 0
         while i < len(order) and step.tokens > 0:

@@ -304,6 +304,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "profiling pass leaves")
     p.add_argument("--enforce-eager", action="store_true", default=e.enforce_eager,
                    help="run every step eagerly: no CUDA graphs for decode steps")
+    p.add_argument("--async-scheduling", action="store_true", default=e.async_scheduling,
+                   help="launch each decode step before the last one's tokens reach the host, which handles "
+                        "them while the GPU computes (a sequence computes one token past its stop)")
     p.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged attention: triton kernels reading blocks in place, quantized codes "
                         "dequantized as they are read (auto: on GPUs, unless --kv-sinks) or torch "
@@ -421,6 +424,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ClusterConfig, GatewayC
         kv_cache_dtype=args.kv_cache_dtype,
         kv_residual_blocks=args.kv_residual_blocks, kv_window=args.kv_window, kv_sinks=args.kv_sinks, attention_backend=args.attention_backend,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         num_reserved_decode_tokens=args.num_reserved_decode_tokens,
         **speculation, lora_modules=dict(args.lora_modules), max_loras=max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras,

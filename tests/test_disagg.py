@@ -92,12 +92,16 @@ def colocated_outputs(serving_model_dir) -> list[list[int]]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("transport", "layerwise"), [
-    ("grpc", True), ("grpc", False), ("collective", True), ("collective", False),
-    ("ipc", True),  # shared memory on one node: the whole KV once computed, whatever --layerwise says
-], ids=["grpc-layerwise", "grpc-whole", "collective-layerwise", "collective-whole", "ipc"])
-def test_disaggregated_greedy_equals_colocated(start_server, colocated_outputs, transport, layerwise):
-    server = start_server(prefill=1, decode=1, kv_transport=transport, layerwise=layerwise)
+@pytest.mark.parametrize(("transport", "layerwise", "async_scheduling"), [
+    ("grpc", True, False), ("grpc", False, False), ("collective", True, False), ("collective", False, False),
+    ("ipc", True, False),  # shared memory on one node: the whole KV once computed, whatever --layerwise says
+    ("grpc", True, True),  # the decode worker launching each step before the last one's tokens reach the host
+], ids=["grpc-layerwise", "grpc-whole", "collective-layerwise", "collective-whole", "ipc",
+        "grpc-layerwise-async-scheduling"])
+def test_disaggregated_greedy_equals_colocated(start_server, colocated_outputs, transport, layerwise,
+                                               async_scheduling):
+    server = start_server(prefill=1, decode=1, kv_transport=transport, layerwise=layerwise,
+                          engine_options={"async_scheduling": async_scheduling})
     try:
         assert _run_batch(server, _prompts(16), f"{transport}-{layerwise}") == colocated_outputs
         metrics = server.server.cluster.dispatcher.metrics

@@ -148,6 +148,46 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 
 
 @pytest.mark.timeout(600)
+def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_wait_for_the_device(tmp_path):
+    """Async scheduling on compiled kernels and captured decode graphs: float32 tokens, greedy and seeded with
+    top-p, equal the synchronous engine's, requests joining while others decode; and once every request
+    decodes, a step neither copies from pageable memory nor synchronizes a stream (torch's sync debug mode
+    raises on either): the host never waits for the device's step in flight."""
+    if ran_in_a_compiling_process(
+            "test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_wait_for_the_device"):
+        return
+    from test_engine_loop import GREEDY, prompt, run, write_model
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model_dir = write_model(tmp_path)
+    requests = {f"r{i}": (prompt(7 + 11 * i, i), SamplingParams(max_tokens=16 + i, **GREEDY) if i % 2 else
+                          SamplingParams(max_tokens=16 + i, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True))
+                for i in range(6)}
+    runs, replays = {}, {}
+    for async_scheduling in (False, True):
+        engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=64,
+                                       async_scheduling=async_scheduling))
+        runs[async_scheduling] = run(engine, requests, arrivals=[0, 0, 0, 3, 3, 5])
+        replays[async_scheduling] = sum(engine.runner.graphs.replays.values())
+    assert runs[True] == runs[False] and replays[True] > 0
+    engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=256, async_scheduling=True))
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    engine.step()  # every prompt
+    engine.step()  # the first decode step, fed the prompts' tokens from the device
+    before = sum(engine.runner.graphs.replays.values())
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sum(engine.runner.graphs.replays.values()) == before + 8
+
+
+@pytest.mark.timeout(600)
 def test_speculative_steps_on_cuda_replay_graphs_and_match_torch_decoding(tmp_path):
     """n-gram drafts verified in captured graphs of their own (each sequence padded to 1 + 3 rows) beside
     plain decode graphs: the float32 greedy tokens equal the torch backend's without drafts; so do a draft

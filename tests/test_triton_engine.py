@@ -119,17 +119,23 @@ def test_decode_steps_through_the_graph_buffers_equal_eager_steps(model_dir):
     """DecodeGraphs' padded pass over static buffers (what CUDA captures; run uncaptured here): three
     sequences padded to a batch of 4, then four, then one alone, with the prefill steps between them run
     eagerly: the greedy tokens equal the eager Triton path's, and the caches end up equal, so no padded
-    row wrote anything (an int8 cache's write kernel skips them as well: test_kernels)."""
+    row wrote anything (an int8 cache's write kernel skips them as well: test_kernels). So does a run with
+    async scheduling, whose decode steps take the last step's tokens into the buffers on the device."""
     arrivals = {0: [("a", prompt(5, 1)), ("b", prompt(19, 2)), ("c", prompt(9, 3))], 4: [("d", prompt(11, 5))]}
     engines = {}
-    for mode in ("eager", "graphs"):
+    for mode in ("eager", "graphs", "graphs, async"):
         engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64,
-                                     max_num_batched_tokens=32, max_num_seqs=8, attention_backend="triton"))
-        if mode == "graphs":
+                                     max_num_batched_tokens=32, max_num_seqs=8, attention_backend="triton",
+                                     async_scheduling=mode.endswith("async")))
+        if mode != "eager":
             engine.runner.enable_decode_graphs(8, 512 // 8, capture=False)
         engines[mode] = (engine, drive(engine, arrivals, max_tokens=8))
     (eager, (want, _, _)), (graphed, (got, _, steps)) = engines["eager"], engines["graphs"]
     assert got == want and all(len(t) == 8 for t in got.values())
+    ahead, (got_ahead, _, _) = engines["graphs, async"]
+    assert got_ahead == want and sum(ahead.runner.graphs.replays.values()) == sum(graphed.runner.graphs.replays.values())
+    # (every request ends by its length, which async scheduling knows ahead: no row is computed past an end)
+    torch.testing.assert_close(ahead.kv_cache.data, graphed.kv_cache.data, atol=1e-5, rtol=0)
     replays = graphed.runner.graphs.replays
     # every step of one-token chunks went through the buffers (a prompt's last chunk of one token included:
     # it is a decode row to attention), and only those

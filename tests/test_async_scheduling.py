@@ -1,0 +1,167 @@
+"""Async scheduling (``EngineConfig.async_scheduling``, engine/engine.py ``_step_ahead``): a step is launched
+before the last one's tokens reach the host, fed those tokens on the device, and the host handles them while
+it runs. Every request gets the tokens, text and finish reason of synchronous steps (greedy and seeded
+sampling, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others decode, an abort,
+preemption), its outputs one step later; a sequence ended by a stop computes one token more and no other
+does; a request that needs its tokens on the host runs every step synchronously while it is live; and every
+block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
+Triton graph buffers' feed: test_triton_engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.output import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.tiny import CONFIG, write_tiny_checkpoint
+from services.cli import build_parser
+from services.config import configs_from_args
+
+pytestmark = pytest.mark.timeout(120)
+
+# one layer, hidden 64: the tiny model's tokenizer, steps of a few milliseconds
+SMALL = dict(CONFIG, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("async-scheduling")
+    write_tiny_checkpoint(path, SMALL)
+    return path
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 37 + 11 * j) % 250 + 1 for j in range(n)]
+
+
+def drive(engine: Engine, requests: dict[str, tuple[int, list[int], SamplingParams]],
+          abort_after: tuple[str, int] | None = None) -> tuple[dict, list[dict[str, int]], int]:
+    """Run to completion, adding each request (arrival call, prompt, params) before that call of ``step``,
+    aborting ``abort_after[0]`` once it has received ``abort_after[1]`` tokens; returns (each request's
+    tokens, text, finish reason and logprobs; per call, the tokens each request received; the decode rows
+    the steps computed)."""
+    results: dict[str, tuple] = {}
+    calls: list[dict[str, int]] = []
+    call = decode_rows = 0
+    while call <= max(arrival for arrival, _, _ in requests.values()) or engine.has_unfinished():
+        for rid, (arrival, ids, params) in requests.items():
+            if arrival == call:
+                engine.add_request(rid, ids, params)
+        received: dict[str, int] = {}
+        for out in engine.step():
+            tokens, text, _, logprobs = results.get(out.request_id, ([], "", None, []))
+            results[out.request_id] = (tokens + out.new_token_ids, text + out.text, out.finish_reason,
+                                       logprobs + (out.logprobs or []))
+            received[out.request_id] = received.get(out.request_id, 0) + len(out.new_token_ids)
+        calls.append(received)
+        decode_rows += 0 if engine.last_step is None else engine.last_step.decode_seqs
+        if abort_after is not None:
+            rid, count = abort_after
+            if len(results.get(rid, [[]])[0]) >= count and results[rid][2] is None:
+                engine.abort(rid)
+        call += 1
+    return results, calls, decode_rows
+
+
+def both(model_dir: Path, requests: dict, abort_after: tuple[str, int] | None = None, **options
+         ) -> dict[bool, tuple[dict, list, Engine]]:
+    """``drive`` on a synchronous engine and an async-scheduled one, alike otherwise."""
+    runs = {}
+    for async_scheduling in (False, True):
+        engine = Engine(EngineConfig(model=str(model_dir), attention_backend="torch",
+                                     async_scheduling=async_scheduling, **options))
+        runs[async_scheduling] = (*drive(engine, requests, abort_after)[:2], engine)
+    return runs
+
+
+def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
+    """Greedy and seeded requests of every stop kind; some arrive while others decode."""
+    return {
+        "greedy-length": (0, prompt(40, 1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+        "seeded": (0, prompt(23, 2), SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=7,
+                                                    ignore_eos=True)),
+        "stop-token": (0, prompt(31, 3), SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[82])),
+        "stop-string": (2, prompt(17, 4), SamplingParams(max_tokens=40, temperature=0.0, stop=["h\n"])),
+        "min-tokens": (3, prompt(50, 5), SamplingParams(max_tokens=20, temperature=0.8, seed=3, min_tokens=12,
+                                                        stop_token_ids=[115, 116, 117])),
+        "late": (9, prompt(64, 6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+    }
+
+
+def test_async_steps_give_each_request_the_tokens_text_and_finish_of_synchronous_steps_a_step_later(model_dir):
+    runs = both(model_dir, mixed_requests())
+    (sync, sync_calls, _), (ahead, ahead_calls, engine) = runs[False], runs[True]
+    assert ahead == sync
+    reasons = {rid: reason for rid, (_, _, reason, _) in sync.items()}
+    # the workload has what it claims: each kind of end, and a stop string cut out of the text
+    assert reasons["stop-token"] is reasons["stop-string"] is FinishReason.STOP
+    assert reasons["greedy-length"] is reasons["late"] is FinishReason.LENGTH
+    assert len(sync["min-tokens"][0]) >= 12 and sync["stop-string"][0][-2:] == [104, 10]
+    assert "h" not in sync["stop-string"][1]
+    # a request's tokens reach the caller one call later: what a call returns is the step before's
+    for rid in sync:
+        first_sync = next(i for i, got in enumerate(sync_calls) if rid in got)
+        first_ahead = next(i for i, got in enumerate(ahead_calls) if rid in got)
+        assert first_ahead == first_sync + 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_only_a_sequence_ended_by_a_stop_computes_a_token_past_its_end(model_dir):
+    """One ended by its stop token or stop string is found ended while the next step runs, which computed a
+    row for it; one ended by max_tokens is known to end and is not scheduled again."""
+    decode_rows = {}
+    for async_scheduling in (False, True):
+        engine = Engine(EngineConfig(model=str(model_dir), attention_backend="torch",
+                                     async_scheduling=async_scheduling))
+        results, _, decode_rows[async_scheduling] = drive(engine, mixed_requests())
+    stopped = sum(reason is FinishReason.STOP for _, _, reason, _ in results.values())
+    assert stopped == 3 and decode_rows[True] == decode_rows[False] + stopped
+
+
+def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchronous_ones(model_dir):
+    """Few blocks: sequences are preempted (a decoding one's last token is still on the device then: it is
+    recomputed with that token once it is known) and one request is aborted while its next token is in
+    flight; the others' outputs are the synchronous run's, the aborted one's a prefix of its, and no block
+    is lost."""
+    requests = {f"r{i}": (i // 3, prompt(30 + 7 * i, i), SamplingParams(
+        max_tokens=26, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True)) for i in range(8)}
+    runs = both(model_dir, requests, abort_after=("r2", 5), num_blocks=36, block_size=16)
+    (sync, _, sync_engine), (ahead, _, engine) = runs[False], runs[True]
+    assert engine.scheduler.num_preemptions > 0 and sync_engine.scheduler.num_preemptions > 0
+    assert {rid: r for rid, r in ahead.items() if rid != "r2"} == {rid: r for rid, r in sync.items() if rid != "r2"}
+    aborted_tokens, _, reason, _ = ahead["r2"]
+    assert reason is FinishReason.ABORT and aborted_tokens == sync["r2"][0][:len(aborted_tokens)]
+    assert len(aborted_tokens) >= 5
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_that_needs_its_tokens_on_the_host_makes_the_steps_synchronous_while_it_is_live(model_dir):
+    """A logprobs request arrives among async-scheduled ones: while it is live every step is synchronous
+    (its outputs come in the call that computed them), after it ends the steps run ahead again; every
+    request's outputs, the logprobs included, equal the synchronous run's."""
+    requests = {
+        "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+        "logprobs": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                      logprobs=2)),
+    }
+    runs = both(model_dir, requests)
+    (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
+    assert ahead == sync and len(ahead["logprobs"][3]) == 6 and len(ahead["logprobs"][3][0].top) == 2
+    sync_plain = [got.get("plain", 0) for got in sync_calls]
+    ahead_plain = [got.get("plain", 0) for got in ahead_calls]
+    # "plain" gets its tokens a call late before "logprobs" comes and after it goes, on time while it runs
+    assert sum(ahead_plain) == sum(sync_plain) == 30
+    both_live = [i for i, got in enumerate(ahead_calls) if "logprobs" in got]
+    assert all(ahead_plain[i] == sync_plain[i] for i in both_live[1:])
+    assert ahead_plain.index(1) == sync_plain.index(1) + 1 and len(ahead_plain) > len(sync_plain)
+
+
+def test_async_scheduling_is_a_serve_flag_and_off_by_default():
+    args = build_parser().parse_args(["serve", "--async-scheduling"])
+    assert configs_from_args(args)[0].engine.async_scheduling
+    assert not configs_from_args(build_parser().parse_args(["serve"]))[0].engine.async_scheduling
