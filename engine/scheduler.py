@@ -209,7 +209,7 @@ class Scheduler:
         # (then admission order); preempt from the back: the lowest priority, the latest admitted. A sequence
         # whose last token, still on the device (async scheduling), is its max_tokens-th has ended.
         order = sorted((s for s in self.running if s.num_computed_tokens == s.num_tokens - 1
-                        and s.num_tokens - s.num_prompt_tokens < s.params.max_tokens), key=_own_priority)
+                        and s.num_output_tokens < s.params.max_tokens), key=_own_priority)
         order += sorted((s for s in self.running if s.num_computed_tokens < s.num_tokens - 1), key=_own_priority)
         i = 0
         while i < len(order) and step.tokens > 0:

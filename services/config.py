@@ -305,7 +305,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true", default=e.enforce_eager,
                    help="run every step eagerly: no CUDA graphs for decode steps")
     p.add_argument("--async-scheduling", action="store_true", default=e.async_scheduling,
-                   help="launch each decode step before the last one's tokens reach the host, which handles "
+                   help="launch each step before the last one's tokens reach the host, which handles "
                         "them while the GPU computes (a sequence computes one token past its stop)")
     p.add_argument("--attention-backend", default=e.attention_backend, choices=ATTENTION_BACKENDS,
                    help="paged attention: triton kernels reading blocks in place, quantized codes "
