@@ -10,6 +10,7 @@ event as it was sent.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from services.messages import TokenEvent, join_events
 
@@ -22,9 +23,14 @@ class TokenEventQueue(asyncio.Queue):
     """An ``asyncio.Queue`` of token events and other items (a stream's end, its failure): a token event put
     while earlier ones of its choice wait, none finishing it, is taken with them as one. Nothing is joined
     across another item, which ends the stream. (``_put`` and ``_get`` are asyncio.Queue's hooks, as
-    ``PriorityQueue``'s.)"""
+    ``PriorityQueue``'s.) ``last_put``: when an item last came (``time.monotonic``), or the queue was made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last_put = time.monotonic()
 
     def _put(self, item: object) -> None:
+        self.last_put = time.monotonic()
         waiting = self._queue
         if isinstance(item, TokenEvent):
             for k in range(len(waiting) - 1, -1, -1):  # (nothing waits while the consumer keeps up)

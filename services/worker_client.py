@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -124,35 +125,40 @@ class WorkerClient:
         feed = self._feed()
         events = feed.open(request_id)
         finished = stalled = started = False
-        timeout_s = first_timeout_s
+        watch: StallWatch | None = None  # from the first event on
         try:
             while not finished:
-                try:
-                    # asyncio.timeout, not wait_for: wait_for (before 3.12) may swallow a cancel that
-                    # lands as an event arrives, and the request would run on after its consumer left.
-                    async with asyncio.timeout(timeout_s):
-                        if not started:
+                if watch is not None:
+                    item = await events.get()
+                else:
+                    try:
+                        # asyncio.timeout, not wait_for: wait_for (before 3.12) may swallow a cancel that
+                        # lands as an event arrives, and the request would run on after its consumer left.
+                        async with asyncio.timeout(first_timeout_s):
                             await self.actor.start_stream.remote(feed.feed_id, request_id, args)
                             started = True
-                        item = await events.get()
-                except RayTaskError:  # the start raised in the worker: Ray's stand-in may also be a TimeoutError
-                    raise
-                except TimeoutError as exc:
-                    stalled = True
-                    raise WorkerStalledError(
-                        self.worker_id, f"worker {self.worker_id} sent nothing for {timeout_s:.0f}s") from exc
+                            item = await events.get()
+                    except RayTaskError:  # the start raised in the worker: Ray's stand-in may also be a TimeoutError
+                        raise
+                    except TimeoutError as exc:
+                        stalled = True
+                        raise WorkerStalledError(self.worker_id, f"worker {self.worker_id} sent nothing for "
+                                                                 f"{first_timeout_s:.0f}s") from exc
+                    watch = StallWatch(events, token_timeout_s, self.worker_id)
                 if item is None:  # the stream ended (after its last event, which finished it)
                     return
                 if isinstance(item, BaseException):
+                    stalled = isinstance(item, WorkerStalledError)
                     raise item
                 finished = item.finish_reason is not None
-                timeout_s = token_timeout_s
                 yield item
         except RayActorError as exc:
             raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died mid-stream") from exc
         except RayTaskError as exc:
             raise raised_in_worker(exc) from exc
         finally:
+            if watch is not None:
+                watch.cancel()
             feed.forget(request_id)
             if started and not finished and ray.is_initialized():  # (after ray.shutdown a call starts a new Ray)
                 # The consumer went away (or the stream broke): stop the request and free its blocks. A
@@ -199,6 +205,30 @@ class WorkerClient:
 # Batches the worker may send ahead of this gateway's reading them: past it, the worker's feed waits, and what the
 # engine steps meanwhile leaves as one batch, each request's events joined (Ray's generator backpressure).
 _FEED_BATCHES_AHEAD = 2
+
+
+class StallWatch:
+    """Fails a stream's queue with ``WorkerStalledError`` once ``timeout_s`` pass without the worker sending it
+    anything (``TokenEventQueue.last_put``): one timer a stream, which, firing while events still come, moves on
+    to the last one's time plus the timeout; a timeout around each wait for an event cost the gateway's event
+    loop 7 µs an event (a timer scheduled and cancelled each time). A consumer that is slow to take events
+    does not make its worker look stalled."""
+
+    def __init__(self, queue: TokenEventQueue, timeout_s: float, worker_id: str) -> None:
+        self.queue, self.timeout_s, self.worker_id = queue, timeout_s, worker_id
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(timeout_s, self._check)
+
+    def _check(self) -> None:
+        quiet_s = time.monotonic() - self.queue.last_put
+        if quiet_s < self.timeout_s:
+            self._timer = self._loop.call_later(self.timeout_s - quiet_s, self._check)
+        else:
+            self.queue.put_nowait(WorkerStalledError(
+                self.worker_id, f"worker {self.worker_id} sent nothing for {self.timeout_s:.0f}s"))
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 class TokenFeedReader:

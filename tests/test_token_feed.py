@@ -14,7 +14,7 @@ import pytest
 from engine.errors import InvalidRequestError
 from engine.output import FinishReason, TokenLogprobs
 from engine.sampling_params import SamplingParams
-from services.errors import WorkerLostError
+from services.errors import WorkerLostError, WorkerStalledError
 from services.event_queue import TokenEventQueue
 from services.messages import Role, TokenEvent, WorkerInfo, WorkerProfile, join_events
 from services.token_feed import FeedServer, StreamFailedError, TokenFeeds, decode_batch, encode_batch
@@ -210,12 +210,12 @@ class PacedStreams(FeedServer):
     def open_feeds(self) -> int:
         return len(self.feeds._feeds)
 
-    async def step(self, steps: int) -> int:
-        """``steps`` engine steps, each a token for every request (the last step's finishing it); the batches
-        its feeds sent so far."""
+    async def step(self, steps: int, finish: bool = True) -> int:
+        """``steps`` engine steps, each a token for every request (the last step's finishing it, if ``finish``);
+        the batches its feeds sent so far."""
         for i in range(steps):
             for stream in self.streams.values():
-                stream.events.put_nowait(event(i, last=i == steps - 1))
+                stream.events.put_nowait(event(i, last=finish and i == steps - 1))
             await asyncio.sleep(0.02)  # a step's time: the feed sends what it may
         return self.batches
 
@@ -245,6 +245,36 @@ def test_a_gateway_whose_reading_stalls_gets_the_steps_made_meanwhile_in_few_bat
             events = [await first] + [e async for e in stream]
             assert [t for e in events for t in e.token_ids] == list(range(20)) and events[-1].finish_reason
             assert len(events) < 20  # what piled up came joined
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)  # (the session's Ray may start here)
+def test_a_stream_fails_as_stalled_once_its_worker_sends_nothing_for_the_token_timeout_not_while_it_sends(
+        ray_session):
+    """Its worker sends 3 tokens, then 40 more over a second while the consumer takes none (a slow client
+    does not make the worker look stalled), then goes quiet: the consumer gets all 43, then WorkerStalledError
+    once 0.5 s passed without an event, not at once."""
+    import ray
+
+    async def scenario() -> None:
+        actor, client = paced_worker(ray)
+        stream = client.generate("r0", [1, 2, 3], SamplingParams(max_tokens=100), 0, None, first_timeout_s=30.0,
+                                 token_timeout_s=0.5)
+        first = asyncio.create_task(anext(stream))
+        while await actor.open_streams.remote() < 1:
+            await asyncio.sleep(0.01)
+        await actor.step.remote(3, False)
+        tokens = (await first).token_ids
+        await actor.step.remote(40, False)  # 0.8 s, longer than the timeout, while nothing is taken
+        loop = asyncio.get_running_loop()
+        sent = loop.time()  # (the last token left the worker a step's 0.02 s before)
+        with pytest.raises(WorkerStalledError, match="worker paced sent nothing for"):
+            async for e in stream:
+                tokens += e.token_ids
+        assert tokens == list(range(3)) + list(range(40))
+        assert loop.time() - sent >= 0.3  # the timeout ran from the last token, not from when it was taken
         await client.close()
 
     asyncio.run(scenario())
