@@ -36,6 +36,7 @@ from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk, TokenFeed
 from engine.sampler import (
     Draws,
+    LogprobFigures,
     bad_word_bans,
     draw_ahead,
     make_generator,
@@ -70,21 +71,24 @@ class _StepInFlight:
     positions: list[int]  # where each one's token goes in its token_ids (TOKEN_ON_DEVICE until then)
     tokens: torch.Tensor  # the tokens on the device: the next step's inputs read them there
     host: torch.Tensor  # ... and copied to the host, there once ``copied`` has passed (off CUDA: ``tokens``)
+    logprobs: LogprobFigures | None  # on the host too, for the rows that asked for them
     copied: torch.cuda.Event | None
 
     @classmethod
-    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor) -> _StepInFlight:
-        """Start copying ``tokens`` to the host behind the step's queued work, and hold a place for each."""
+    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: LogprobFigures | None) -> _StepInFlight:
+        """Start copying ``tokens`` (and ``logprobs``) to the host behind the step's queued work, and hold a place
+        for each token."""
         positions = [s.num_tokens for s in seqs]
         for s in seqs:
             s.token_ids.append(TOKEN_ON_DEVICE)
+        logprobs = None if logprobs is None else logprobs.to_host()
         if tokens.device.type != "cuda":
-            return cls(seqs, positions, tokens, tokens, None)
+            return cls(seqs, positions, tokens, tokens, logprobs, None)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        return cls(seqs, positions, tokens, host, copied)
+        return cls(seqs, positions, tokens, host, logprobs, copied)
 
     def wait(self) -> None:
         """Until the step's work on the device, its writes to the K/V blocks included, is done."""
@@ -310,10 +314,11 @@ class Engine:
 
     def _may_sample_on_device(self, seq: Sequence) -> bool:
         """Whether nothing of ``seq``'s sampling reads its token history or a token's host-side result (penalties,
-        bad words, logprobs, a grammar, n samples forked from its prompt, a prefill-only request's hand-off)."""
+        bad words, prompt logprobs, a grammar, n samples forked from its prompt, a prefill-only request's hand-off);
+        a sampled token's logprobs are computed on the device with it."""
         p = seq.params
         return not (seq.prefill_only or p.n > 1 or p.has_penalties or p.bad_words_token_ids
-                    or p.logprobs is not None or p.prompt_logprobs is not None or seq.grammar is not None)
+                    or p.prompt_logprobs is not None or seq.grammar is not None)
 
     def _step_ahead(self) -> list[RequestOutput]:
         """A step launched while the last one's tokens are still on the device (vLLM's async scheduling, SGLang's
@@ -343,9 +348,11 @@ class Engine:
                 rows.append(i)
                 sampled.append(seq)
         if sampled:
-            tokens = sample_tokens(self._rows(logits, rows), [s.params for s in sampled],
-                                   [s.generator for s in sampled], banned=[self._banned(s, [], False) for s in sampled])
-            self._in_flight = _StepInFlight.launch(sampled, tokens)
+            logits = self._rows(logits, rows)
+            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled],
+                                   banned=[self._banned(s, [], False) for s in sampled])
+            self._in_flight = _StepInFlight.launch(
+                sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
         outputs += self._resolve(before)
         for seq, num_computed in zip(batch.seqs, computed, strict=True):
             if seq.status is SeqStatus.RUNNING:  # not ended by its token of the last step
@@ -361,11 +368,13 @@ class Engine:
             return []
         flight.wait()
         outputs, finished = [], []
-        for seq, pos, tok in zip(flight.seqs, flight.positions, flight.host.tolist(), strict=True):
+        tokens = flight.host.tolist()
+        logprobs = [None] * len(tokens) if flight.logprobs is None else flight.logprobs.token_logprobs(tokens)
+        for seq, pos, tok, lp in zip(flight.seqs, flight.positions, tokens, logprobs, strict=True):
             if seq.status is SeqStatus.FINISHED:  # aborted, or ended at its token of the step before
                 continue
             seq.token_ids[pos] = tok
-            out = self._emit(seq, tok, None, pos + 1 - seq.num_prompt_tokens)
+            out = self._emit(seq, tok, lp, pos + 1 - seq.num_prompt_tokens)
             if out.finished:
                 finished.append(seq)
             outputs.append(out)

@@ -204,19 +204,53 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | 
     """Per row: the sampled token's logprob, its rank and the row's ``counts[row]`` most likely tokens, from
     the model's raw distribution (before penalties, temperature, top-k and top-p, as vLLM reports them); None
     for a row whose count is None (its request asked for no logprobs)."""
-    out: list[TokenLogprobs | None] = [None] * len(counts)
-    want = [row for row, n in enumerate(counts) if n is not None]
-    if not want:
+    figures = LogprobFigures.of(logits, device_values(token_ids, torch.long, logits.device), counts)
+    return [None] * len(counts) if figures is None else figures.token_logprobs(token_ids)
+
+
+@dataclass
+class LogprobFigures:
+    """``top_logprobs``' figures, as tensors (on the logits' device until ``to_host``): an async-scheduled step
+    computes them behind its sampling and reads them once its tokens reach the host."""
+
+    counts: list[int | None]  # every row's (None: it asked for none)
+    rows: list[int]  # the rows that asked, in order
+    chosen: torch.Tensor  # [len(rows)]: the sampled token's logprob
+    ranks: torch.Tensor  # [len(rows)]: its place, 1 = the most likely (ties share the best)
+    top_ids: torch.Tensor  # [len(rows), k]: the k most likely tokens, k the largest count
+    top_values: torch.Tensor  # [len(rows), k]: their logprobs
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> LogprobFigures | None:
+        """The figures of ``tokens`` (one a row, on the logits' device) for the rows with a count; None: none."""
+        rows = [row for row, n in enumerate(counts) if n is not None]
+        if not rows:
+            return None
+        index = device_values(rows, torch.long, logits.device)
+        logprobs = logits.index_select(0, index).float().log_softmax(dim=-1)
+        top_values, top_ids = logprobs.topk(max(counts[row] for row in rows), dim=-1)
+        chosen = logprobs.gather(1, tokens.index_select(0, index)[:, None])
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        return cls(counts, rows, chosen[:, 0], ranks, top_ids, top_values)
+
+    def to_host(self) -> LogprobFigures:
+        """The tensors copied into pinned host memory behind the device's queued work (on CUDA): valid once an
+        event recorded after this call has passed."""
+        if self.chosen.device.type != "cuda":
+            return self
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+        return LogprobFigures(self.counts, self.rows, copy(self.chosen), copy(self.ranks), copy(self.top_ids),
+                              copy(self.top_values))
+
+    def token_logprobs(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
+        """Each row's ``TokenLogprobs`` of its token ``token_ids[row]`` (None for a row that asked for none)."""
+        out: list[TokenLogprobs | None] = [None] * len(self.counts)
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        top_ids, top_values = self.top_ids.tolist(), self.top_values.tolist()
+        for i, row in enumerate(self.rows):
+            n = self.counts[row]
+            out[row] = TokenLogprobs(token_ids[row], chosen[i], tuple(zip(top_ids[i][:n], top_values[i][:n],
+                                                                          strict=True)), ranks[i])
         return out
-    logprobs = logits[want].float().log_softmax(dim=-1)
-    k = max(counts[row] for row in want)
-    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-    chosen = logprobs.gather(1, torch.tensor([token_ids[row] for row in want], device=logits.device)[:, None])
-    chosen_vals = chosen[:, 0].tolist()
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # ties share the best place, as vLLM counts
-    top = list(zip(top_ids.tolist(), top_vals.tolist(), strict=True)) if k else []
-    for i, row in enumerate(want):
-        n = counts[row]
-        pairs = tuple(zip(top[i][0][:n], top[i][1][:n], strict=True)) if n else ()
-        out[row] = TokenLogprobs(token_ids[row], chosen_vals[i], pairs, ranks[i])
-    return out

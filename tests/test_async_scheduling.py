@@ -1,10 +1,10 @@
 """Async scheduling (``EngineConfig.async_scheduling``, engine/engine.py ``_step_ahead``): a step is launched
 before the last one's tokens reach the host, fed those tokens on the device, and the host handles them while
-it runs. Every request gets the tokens, text and finish reason of synchronous steps (greedy and seeded
-sampling, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others decode, an abort,
-preemption), its outputs one step later; a sequence ended by a stop computes one token more and no other
-does; a request that needs its tokens on the host runs every step synchronously while it is live; and every
-block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
+it runs. Every request gets the tokens, text, finish reason and logprobs of synchronous steps (greedy and
+seeded sampling, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others decode, an
+abort, preemption), its outputs one step later; a sequence ended by a stop computes one token more and no
+other does; a request that needs its tokens on the host runs every step synchronously while it is live; and
+every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
 Triton graph buffers' feed: test_triton_engine)."""
 
 from __future__ import annotations
@@ -80,11 +80,13 @@ def both(model_dir: Path, requests: dict, abort_after: tuple[str, int] | None = 
 
 
 def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
-    """Greedy and seeded requests of every stop kind; some arrive while others decode."""
+    """Greedy and seeded requests of every stop kind, two asking for logprobs; some arrive while others
+    decode."""
     return {
-        "greedy-length": (0, prompt(40, 1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)),
+        "greedy-length": (0, prompt(40, 1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                           logprobs=3)),
         "seeded": (0, prompt(23, 2), SamplingParams(max_tokens=30, temperature=0.9, top_p=0.9, seed=7,
-                                                    ignore_eos=True)),
+                                                    ignore_eos=True, logprobs=0)),
         "stop-token": (0, prompt(31, 3), SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[82])),
         "stop-string": (2, prompt(17, 4), SamplingParams(max_tokens=40, temperature=0.0, stop=["h\n"])),
         "min-tokens": (3, prompt(50, 5), SamplingParams(max_tokens=20, temperature=0.8, seed=3, min_tokens=12,
@@ -96,8 +98,17 @@ def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
 def test_async_steps_give_each_request_the_tokens_text_and_finish_of_synchronous_steps_a_step_later(model_dir):
     runs = both(model_dir, mixed_requests())
     (sync, sync_calls, _), (ahead, ahead_calls, engine) = runs[False], runs[True]
-    assert ahead == sync
+    assert {rid: r[:3] for rid, r in ahead.items()} == {rid: r[:3] for rid, r in sync.items()}
     reasons = {rid: reason for rid, (_, _, reason, _) in sync.items()}
+    # logprobs, computed on the device with each token: the sampled token's, its rank and the top ones asked for
+    # (to float32 rounding: a step that computes a row for an ended sequence batches its matmuls otherwise)
+    for rid in ("greedy-length", "seeded"):
+        got, want = ahead[rid][3], sync[rid][3]
+        assert [(lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in got] == [
+            (lp.token_id, lp.rank, [t for t, _ in lp.top]) for lp in want]
+        assert [lp.logprob for lp in got] == pytest.approx([lp.logprob for lp in want], abs=1e-5)
+    assert [len(lp.top) for lp in ahead["greedy-length"][3]] == [3] * 24 and len(ahead["seeded"][3]) == 30
+    assert all(lp.rank == 1 for lp in ahead["greedy-length"][3])
     # the workload has what it claims: each kind of end, and a stop string cut out of the text
     assert reasons["stop-token"] is reasons["stop-string"] is FinishReason.STOP
     assert reasons["greedy-length"] is reasons["late"] is FinishReason.LENGTH
@@ -141,22 +152,22 @@ def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchrono
 
 
 def test_a_request_that_needs_its_tokens_on_the_host_makes_the_steps_synchronous_while_it_is_live(model_dir):
-    """A logprobs request arrives among async-scheduled ones: while it is live every step is synchronous
-    (its outputs come in the call that computed them), after it ends the steps run ahead again; every
-    request's outputs, the logprobs included, equal the synchronous run's."""
+    """A request with a repetition penalty (which reads its history) arrives among async-scheduled ones:
+    while it is live every step is synchronous (its outputs come in the call that computed them), after it
+    ends the steps run ahead again; every request's outputs equal the synchronous run's."""
     requests = {
         "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-        "logprobs": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                      logprobs=2)),
+        "penalized": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                       repetition_penalty=1.3)),
     }
     runs = both(model_dir, requests)
     (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
-    assert ahead == sync and len(ahead["logprobs"][3]) == 6 and len(ahead["logprobs"][3][0].top) == 2
+    assert ahead == sync and len(ahead["penalized"][0]) == 6
     sync_plain = [got.get("plain", 0) for got in sync_calls]
     ahead_plain = [got.get("plain", 0) for got in ahead_calls]
-    # "plain" gets its tokens a call late before "logprobs" comes and after it goes, on time while it runs
+    # "plain" gets its tokens a call late before "penalized" comes and after it goes, on time while it runs
     assert sum(ahead_plain) == sum(sync_plain) == 30
-    both_live = [i for i, got in enumerate(ahead_calls) if "logprobs" in got]
+    both_live = [i for i, got in enumerate(ahead_calls) if "penalized" in got]
     assert all(ahead_plain[i] == sync_plain[i] for i in both_live[1:])
     assert ahead_plain.index(1) == sync_plain.index(1) + 1 and len(ahead_plain) > len(sync_plain)
 
