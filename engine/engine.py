@@ -313,12 +313,12 @@ class Engine:
                 and all(seq.samples_on_device for seq in s.held))
 
     def _may_sample_on_device(self, seq: Sequence) -> bool:
-        """Whether nothing of ``seq``'s sampling reads its token history or a token's host-side result (penalties,
-        bad words, prompt logprobs, a grammar, n samples forked from its prompt, a prefill-only request's hand-off);
-        a sampled token's logprobs are computed on the device with it."""
+        """Whether nothing of ``seq``'s sampling needs a token's host-side result (bad words, prompt logprobs, a
+        grammar, n samples forked from its prompt, a prefill-only request's hand-off): penalties take its last
+        token from the device, and a sampled token's logprobs are computed there with it."""
         p = seq.params
-        return not (seq.prefill_only or p.n > 1 or p.has_penalties or p.bad_words_token_ids
-                    or p.prompt_logprobs is not None or seq.grammar is not None)
+        return not (seq.prefill_only or p.n > 1 or p.bad_words_token_ids or p.prompt_logprobs is not None
+                    or seq.grammar is not None)
 
     def _step_ahead(self) -> list[RequestOutput]:
         """A step launched while the last one's tokens are still on the device (vLLM's async scheduling, SGLang's
@@ -336,8 +336,8 @@ class Engine:
         chunks, _, step = self._chunks(batch)
         feed = None
         fed = [i for i, chunk in enumerate(chunks) if chunk.token_ids[-1] == TOKEN_ON_DEVICE]
+        row_of = {} if before is None else {id(seq): row for row, seq in enumerate(before.seqs)}
         if fed:  # (a token on the device is a sequence's last: its chunk is a decode chunk)
-            row_of = {id(seq): row for row, seq in enumerate(before.seqs)}
             feed = TokenFeed(fed, [row_of[id(batch.seqs[i])] for i in fed], before.tokens)
         logits = self.runner.run(chunks, None, feed)
         computed, rows, sampled = [], [], []
@@ -349,8 +349,15 @@ class Engine:
                 sampled.append(seq)
         if sampled:
             logits = self._rows(logits, rows)
-            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled],
-                                   banned=[self._banned(s, [], False) for s in sampled])
+            histories = pending = None
+            if any(s.params.has_penalties for s in sampled):  # a token still on the device is pending, not history
+                pending = [before.tokens[row_of[id(s)]].view(1) if s.token_ids[-1] == TOKEN_ON_DEVICE else None
+                           for s in sampled]
+                histories = [s.token_ids if last is None else s.token_ids[:-1]
+                             for s, last in zip(sampled, pending, strict=True)]
+            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled], histories,
+                                   [s.num_prompt_tokens for s in sampled],
+                                   [self._banned(s, [], False) for s in sampled], pending=pending)
             self._in_flight = _StepInFlight.launch(
                 sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
         outputs += self._resolve(before)

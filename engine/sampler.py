@@ -111,13 +111,16 @@ def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
 
 
 def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
-                    num_prompt_tokens: list[int] | None, banned: list[list[int]] | None = None) -> torch.Tensor:
+                    num_prompt_tokens: list[int] | None, banned: list[list[int]] | None = None,
+                    pending: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """``logits`` with each row's penalties and logit bias applied, and the tokens outside its
     allowed_token_ids and its ``banned[r]`` ones ruled out (a copy; the input stays raw).
 
     Row r's history is ``token_ids[r]``: its prompt (the first ``num_prompt_tokens[r]``), then its output;
     only rows with penalties need one. The repetition penalty covers both (HF's
-    ``RepetitionPenaltyLogitsProcessor``); presence and frequency penalties only the output (OpenAI)."""
+    ``RepetitionPenaltyLogitsProcessor``); presence and frequency penalties only the output (OpenAI).
+    ``pending[r]``, where given: row r's latest output token, still on the device (a one-element tensor: async
+    scheduling), which its history does not hold yet."""
     rows = [r for r, p in enumerate(params)
             if p.has_penalties or p.logit_bias or p.allowed_token_ids is not None or (banned and banned[r])]
     if not rows:
@@ -128,25 +131,30 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
     vocab, device = logits.shape[-1], logits.device
     for r in rows:
         p, row = params[r], out[r]
+        last = None if pending is None else pending[r]
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(token_ids[r])), dtype=torch.long, device=device)
+            seen = device_values(sorted(set(token_ids[r])), torch.long, device)
+            if last is not None:  # (a token seen before too is in twice: both places get the same value)
+                seen = torch.cat([seen, last])
             score = row[seen]
             row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
         if p.frequency_penalty or p.presence_penalty:
-            output = token_ids[r][num_prompt_tokens[r]:]
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=device), minlength=vocab)
-            counts = counts.to(row.dtype)
+            output = device_values(token_ids[r][num_prompt_tokens[r]:], torch.long, device)
+            if last is not None:
+                output = torch.cat([output, last])
+            # (index_add_, not bincount, which reads the largest id back to the host on CUDA)
+            counts = torch.zeros(vocab, dtype=row.dtype, device=device)
+            counts.index_add_(0, output, torch.ones(output.shape, dtype=row.dtype, device=device))
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias, strict=True)
-            row.index_add_(0, torch.tensor(ids, dtype=torch.long, device=device),
-                           torch.tensor(biases, dtype=row.dtype, device=device))
+            row.index_add_(0, device_values(ids, torch.long, device), device_values(biases, row.dtype, device))
         if p.allowed_token_ids is not None:
             keep = torch.zeros(vocab, dtype=torch.bool, device=device)
-            keep[torch.tensor(p.allowed_token_ids, dtype=torch.long, device=device)] = True
+            keep[device_values(p.allowed_token_ids, torch.long, device)] = True
             row.masked_fill_(~keep, float("-inf"))
         if banned and banned[r]:
-            row[torch.tensor(banned[r], dtype=torch.long, device=device)] = float("-inf")
+            row[device_values(banned[r], torch.long, device)] = float("-inf")
     return out
 
 
@@ -175,11 +183,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                   token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
-                  banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None
-                  ) -> torch.Tensor:
-    """``sample``'s tokens as a tensor on the logits' device, left there: a greedy, temperature, min-p, top-k or
-    top-p batch of unseeded or seeded rows is sampled without waiting for the device."""
-    logits = apply_penalties(logits, params, token_ids, num_prompt_tokens, banned)
+                  banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None,
+                  pending: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """``sample``'s tokens as a tensor on the logits' device, left there, sampled without waiting for the device
+    (``pending``: see ``apply_penalties``)."""
+    logits = apply_penalties(logits, params, token_ids, num_prompt_tokens, banned, pending)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)

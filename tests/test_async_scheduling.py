@@ -1,8 +1,8 @@
 """Async scheduling (``EngineConfig.async_scheduling``, engine/engine.py ``_step_ahead``): a step is launched
 before the last one's tokens reach the host, fed those tokens on the device, and the host handles them while
 it runs. Every request gets the tokens, text, finish reason and logprobs of synchronous steps (greedy and
-seeded sampling, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others decode, an
-abort, preemption), its outputs one step later; a sequence ended by a stop computes one token more and no
+seeded sampling, penalties, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others
+decode, an abort, preemption), its outputs one step later; a sequence ended by a stop computes one token more and no
 other does; a request that needs its tokens on the host runs every step synchronously while it is live; and
 every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
 Triton graph buffers' feed: test_triton_engine)."""
@@ -80,8 +80,8 @@ def both(model_dir: Path, requests: dict, abort_after: tuple[str, int] | None = 
 
 
 def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
-    """Greedy and seeded requests of every stop kind, two asking for logprobs; some arrive while others
-    decode."""
+    """Greedy and seeded requests of every stop kind, two asking for logprobs, two with penalties; some arrive
+    while others decode."""
     return {
         "greedy-length": (0, prompt(40, 1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                                                            logprobs=3)),
@@ -92,6 +92,13 @@ def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
         "min-tokens": (3, prompt(50, 5), SamplingParams(max_tokens=20, temperature=0.8, seed=3, min_tokens=12,
                                                         stop_token_ids=[115, 116, 117])),
         "late": (9, prompt(64, 6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+        # Penalties read the history, whose last token is still on the device when the next one is sampled.
+        # Two tokens allowed, none in the prompt: the penalty of the one just sampled decides the next.
+        "repetition": (0, prompt(30, 7), SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True,
+                                                        repetition_penalty=1.4, allowed_token_ids=[252, 253])),
+        "frequency": (4, prompt(26, 8), SamplingParams(max_tokens=28, temperature=0.3, seed=5, ignore_eos=True,
+                                                       frequency_penalty=0.8, presence_penalty=0.5,
+                                                       allowed_token_ids=[254, 255])),
     }
 
 
@@ -152,22 +159,23 @@ def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchrono
 
 
 def test_a_request_that_needs_its_tokens_on_the_host_makes_the_steps_synchronous_while_it_is_live(model_dir):
-    """A request with a repetition penalty (which reads its history) arrives among async-scheduled ones:
-    while it is live every step is synchronous (its outputs come in the call that computed them), after it
-    ends the steps run ahead again; every request's outputs equal the synchronous run's."""
+    """A request with bad words (whose bans follow from its last tokens, on the host) arrives among
+    async-scheduled ones: while it is live every step is synchronous (its outputs come in the call that
+    computed them), after it ends the steps run ahead again; every request's outputs equal the synchronous
+    run's."""
     requests = {
         "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-        "penalized": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                       repetition_penalty=1.3)),
+        "bad-words": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                       bad_words_token_ids=[[5, 6], [7]])),
     }
     runs = both(model_dir, requests)
     (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
-    assert ahead == sync and len(ahead["penalized"][0]) == 6
+    assert ahead == sync and len(ahead["bad-words"][0]) == 6
     sync_plain = [got.get("plain", 0) for got in sync_calls]
     ahead_plain = [got.get("plain", 0) for got in ahead_calls]
-    # "plain" gets its tokens a call late before "penalized" comes and after it goes, on time while it runs
+    # "plain" gets its tokens a call late before "bad-words" comes and after it goes, on time while it runs
     assert sum(ahead_plain) == sum(sync_plain) == 30
-    both_live = [i for i, got in enumerate(ahead_calls) if "penalized" in got]
+    both_live = [i for i, got in enumerate(ahead_calls) if "bad-words" in got]
     assert all(ahead_plain[i] == sync_plain[i] for i in both_live[1:])
     assert ahead_plain.index(1) == sync_plain.index(1) + 1 and len(ahead_plain) > len(sync_plain)
 

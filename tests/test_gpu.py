@@ -150,9 +150,9 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 @pytest.mark.timeout(600)
 def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_wait_for_the_device(tmp_path):
     """Async scheduling on compiled kernels and captured decode graphs: float32 tokens, greedy and seeded with
-    top-p, some with logprobs, equal the synchronous engine's, requests joining while others decode; and once
-    every request decodes, a step neither copies from pageable memory nor synchronizes a stream (torch's sync
-    debug mode raises on either): the host never waits for the device's step in flight."""
+    top-p, some with logprobs or penalties, equal the synchronous engine's, requests joining while others
+    decode; and once every request decodes, a step neither copies from pageable memory nor synchronizes a
+    stream (torch's sync debug mode raises on either): the host never waits for the device's step in flight."""
     if ran_in_a_compiling_process(
             "test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_wait_for_the_device"):
         return
@@ -162,11 +162,12 @@ def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_w
     from engine.sampling_params import SamplingParams
 
     model_dir = write_model(tmp_path)
-    requests = {f"r{i}": (prompt(7 + 11 * i, i), SamplingParams(max_tokens=16 + i, logprobs=i % 3 or None,
-                                                                **GREEDY) if i % 2 else
-                          SamplingParams(max_tokens=16 + i, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True,
-                                         logprobs=i % 3 or None))
-                for i in range(6)}
+    def params(i: int) -> SamplingParams:
+        sampling = GREEDY if i % 2 else dict(temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        return SamplingParams(max_tokens=16 + i, logprobs=i % 3 or None, repetition_penalty=1.3 if i == 3 else 1.0,
+                              frequency_penalty=0.5 if i == 4 else 0.0, **sampling)
+
+    requests = {f"r{i}": (prompt(7 + 11 * i, i), params(i)) for i in range(6)}
     runs, replays = {}, {}
     for async_scheduling in (False, True):
         engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=64,
