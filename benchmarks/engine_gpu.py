@@ -27,8 +27,8 @@ compressed-tensors' layout, in groups of 128 before the engine loads it; transfo
 weights) the weights' own bytes. With ``--async-scheduling`` each step is launched before the last one's
 tokens reach the host (``EngineConfig.async_scheduling``), and a step's time is the wall time between two
 ``step`` calls, with no synchronization between them (what a served step takes once the host's work hides
-behind the device's); otherwise each step is timed to the device's end of it. Writes one JSON object (``--json``). ``--device cpu
---shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
+behind the device's); otherwise each step is timed to the device's end of it. Writes one JSON object
+(``--json``). ``--device cpu --shapes tiny-test`` runs the same code on a tiny float32 shape on CPU (a smoke test). Imports only torch,
 transformers, safetensors (through the engine's loader) and the engine.
 
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]

@@ -14,7 +14,8 @@ timed apart: what a replayed step runs instead. The host work of a graphed step 
 (``EngineConfig.async_scheduling``): the same host work, done while the device computes the next step on a
 GPU, plus what feeding the tokens on the device costs; on the CPU nothing overlaps, so the figures compare.
 
-    python benchmarks/engine_host.py --batches 64,256 --prompt-len 512 [--async-scheduling] --json engine_host.json
+    python benchmarks/engine_host.py --batches 64,256 --prompt-len 512 [--async-scheduling] \
+        --json engine_host.json
 
 Timings are wall clock in one thread; the load average is recorded: run it on an otherwise quiet machine.
 """

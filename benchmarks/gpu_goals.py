@@ -1,8 +1,8 @@
 """Issues 12 and 13's goals against what one `make gpu-check` run measured: one line a goal, met or not.
 
 Reads what ``benchmarks/gpu_check.sh`` leaves in its folder (``engine_gpu.json``, ``engine_gpu_async.json``,
-``transfer_gpu.json``, ``gpu_tests.xml``) and prints each goal with the figure it is judged on, so the run that a lent GPU allows
-is read the same way every time; a goal whose figure the run lacks (a step that failed, timed out or was
+``transfer_gpu.json``, ``gpu_tests.xml``) and prints each goal with the figure it is judged on, so the run
+that a lent GPU allows is read the same way every time; a goal whose figure the run lacks (a step that failed, timed out or was
 not run) says so rather than passing. ``--json`` writes the same as data.
 
     python benchmarks/gpu_goals.py gpu-results [--json gpu-results/goals.json]
@@ -103,7 +103,8 @@ def goals(folder: Path) -> list[Verdict]:
         _judge(12, "1.1B shape, batch 64: median decode step <= 2.0 ms", _batch(engine, TINY, 64), no_engine,
                _tiny_step),
         _judge(12, "1.1B shape, batch 64, --async-scheduling: median decode step <= 2.0 ms",
-               _batch(engine_async, TINY, 64), "not measured on a GPU (engine_gpu_async.json lacks it)", _tiny_step),
+               _batch(engine_async, TINY, 64), "not measured on a GPU (engine_gpu_async.json lacks it)",
+               _tiny_step),
         _judge(12, "1.1B shape, batch 64: >= 10x transformers generate tok/s", _batch(engine, TINY, 64), no_engine,
                _vs_generate),
         _judge(12, "8B shape, batch 64: decode step within 1.6x of its roofline", _batch(engine, LLAMA8B, 64),

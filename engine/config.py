@@ -713,9 +713,9 @@ class EngineConfig:
     # Decode-only steps (and steps verifying drafts) replay CUDA graphs (engine/cuda_graphs.py) on CUDA with
     # the triton backend and a GRAPH_KV_FORMATS cache; True: every step runs eagerly.
     enforce_eager: bool = False
-    # Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): a step is launched before the last
-    # one's sampled tokens reach the host, which appends, detokenizes and checks them for a stop while the device
-    # computes. A sequence then computes one token past its stop, dropped. Steps of sequences that need their
+    # Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): a step is launched before the
+    # last one's sampled tokens reach the host, which appends, detokenizes and checks them for a stop while the
+    # device computes. A sequence then computes one token past its stop, dropped. Steps of sequences that need their
     # tokens on the host to sample (bad words, prompt logprobs, structured outputs, n > 1, prefill-only
     # hand-offs), and engines that speculate or serve a LongRoPE model, run synchronously.
     async_scheduling: bool = False

@@ -50,6 +50,7 @@ from engine.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
 from engine.speculative import DraftRequest, DraftRules, NgramProposer, PredictedOutput, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
+from engine.to_device import device_values
 from engine.tokenizer import load_tokenizer
 from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
@@ -75,9 +76,10 @@ class _StepInFlight:
     copied: torch.cuda.Event | None
 
     @classmethod
-    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor, logprobs: LogprobFigures | None) -> _StepInFlight:
-        """Start copying ``tokens`` (and ``logprobs``) to the host behind the step's queued work, and hold a place
-        for each token."""
+    def launch(cls, seqs: list[Sequence], tokens: torch.Tensor,
+               logprobs: LogprobFigures | None) -> _StepInFlight:
+        """Start copying ``tokens`` (and ``logprobs``) to the host behind the step's queued work, and hold a
+        place for each token."""
         positions = [s.num_tokens for s in seqs]
         for s in seqs:
             s.token_ids.append(TOKEN_ON_DEVICE)
@@ -163,13 +165,14 @@ class Engine:
         self.speculation = SpeculationStats()
         # Async scheduling: a speculating engine verifies drafts on the host, and a LongRoPE one may recompute a
         # sequence at any step, so those run every step synchronously
-        self._async = config.async_scheduling and self.proposer is None and self.model_config.long_rope_from is None
+        self._async = (config.async_scheduling and self.proposer is None
+                       and self.model_config.long_rope_from is None)
         self.requests: dict[str, list[Sequence]] = {}  # live (waiting or running) samples per request
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
         self.prompt_tokens_computed, self._seq_ids = 0, itertools.count(1)
         self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
-        self._in_flight: _StepInFlight | None = None  # async scheduling: the step whose tokens are on the device
+        self._in_flight: _StepInFlight | None = None  # async scheduling: the step whose tokens are on device
         self._step_times: deque[float] = deque(maxlen=64)
         self.last_step: StepComposition | None = None  # what the latest step() computed; None: nothing
 
@@ -256,7 +259,8 @@ class Engine:
                     mask_rows.append(i)
                     sampled.append(s)
         if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
-            outputs += self._sample(self._rows(logits, rows), sampled, None if bitmask is None else bitmask[mask_rows])
+            outputs += self._sample(self._rows(logits, rows), sampled,
+                                    None if bitmask is None else bitmask[mask_rows])
         verified = self._verify(logits, drafted, draft_masks, draws) if drafted else []
         outputs += verified
         step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
@@ -298,7 +302,9 @@ class Engine:
     @staticmethod
     def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """``logits``' rows ``rows`` (the tensor itself when they are all of its rows, in order)."""
-        return logits if rows == list(range(logits.shape[0])) else logits[rows]
+        if rows == list(range(logits.shape[0])):
+            return logits
+        return logits.index_select(0, device_values(rows, torch.long, logits.device))
 
     def _count_prompt_tokens(self, seq: Sequence, n: int) -> None:
         """Count the prompt tokens among the ``n`` that ``seq`` computes in this step."""
@@ -309,7 +315,8 @@ class Engine:
     def _all_sample_on_device(self) -> bool:
         """Whether every live sequence may have its tokens sampled and fed to the next step on the device."""
         s = self.scheduler
-        return (all(seq.samples_on_device for seq in s.running) and all(seq.samples_on_device for seq in s.waiting)
+        return (all(seq.samples_on_device for seq in s.running)
+                and all(seq.samples_on_device for seq in s.waiting)
                 and all(seq.samples_on_device for seq in s.held))
 
     def _may_sample_on_device(self, seq: Sequence) -> bool:
@@ -321,10 +328,10 @@ class Engine:
                     or seq.grammar is not None)
 
     def _step_ahead(self) -> list[RequestOutput]:
-        """A step launched while the last one's tokens are still on the device (vLLM's async scheduling, SGLang's
-        overlap scheduler): it is scheduled and launched with those tokens fed to it on the device, and only then
-        are they taken to the host, appended, detokenized and checked for a stop, while the device computes this
-        one; its own tokens stay on the device until the next step. A sequence that ended at a token of the last
+        """A step launched while the last one's tokens are still on the device (vLLM's async scheduling,
+        SGLang's overlap scheduler): it is scheduled and launched with those tokens fed to it on the device, and
+        only then are they taken to the host, appended, detokenized and checked for a stop, while the device
+        computes this one; its own tokens stay on the device until the next step. A sequence that ended at a token of the last
         step has computed one more here, which is dropped. Returns the last step's outputs."""
         outputs, self._pending = self._pending, []
         self.last_step = None
@@ -350,13 +357,13 @@ class Engine:
         if sampled:
             logits = self._rows(logits, rows)
             histories = pending = None
-            if any(s.params.has_penalties for s in sampled):  # a token still on the device is pending, not history
+            if any(s.params.has_penalties for s in sampled):  # a token on the device is pending, not history
                 pending = [before.tokens[row_of[id(s)]].view(1) if s.token_ids[-1] == TOKEN_ON_DEVICE else None
                            for s in sampled]
                 histories = [s.token_ids if last is None else s.token_ids[:-1]
                              for s, last in zip(sampled, pending, strict=True)]
-            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled], histories,
-                                   [s.num_prompt_tokens for s in sampled],
+            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled],
+                                   histories, [s.num_prompt_tokens for s in sampled],
                                    [self._banned(s, [], False) for s in sampled], pending=pending)
             self._in_flight = _StepInFlight.launch(
                 sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
@@ -619,8 +626,10 @@ class Engine:
         free: taking them would preempt a sequence (a decode worker recomputes a preempted one's prompt)."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        if self._in_flight is not None:  # a block freed meanwhile may still take a write of the step in flight
-            self._in_flight.wait()  # (a sequence that ended computes a token more), and K/V lands on another stream
+        # A block freed meanwhile may still take a write of the step in flight (a sequence that ended computes a
+        # token more), and the K/V imported into it lands on another stream.
+        if self._in_flight is not None:
+            self._in_flight.wait()
         seq_id = next(self._seq_ids)
         block_ids = self.block_manager.reserve(
             seq_id, num_tokens, keep_free=self._growth_blocks(self.config.num_reserved_decode_tokens),

@@ -21,6 +21,7 @@ from engine.kv_cache import KVCache
 from engine.lora import LoRABatch, LoRARows
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
 from engine.streaming_window import StreamingWindow
+from engine.to_device import device_values
 from engine.triton_attention import paged_metadata
 
 
@@ -136,7 +137,7 @@ class ModelRunner:
                 first_rows[i] = begin
             if not self.paged:
                 prefills.append(self._prefill_meta(c, begin, n, pos))
-        meta = AttentionMetadata(torch.tensor(slots, device=self.device), prefills, len(decode))
+        meta = AttentionMetadata(device_values(slots, torch.long, self.device), prefills, len(decode))
         if any(chunks[i].long_rope for i in prefill):
             meta.long_rope_rows = torch.tensor([False] * len(decode) + [
                 chunks[i].long_rope for i in prefill for _ in range(lens[i])], device=self.device)
@@ -144,9 +145,9 @@ class ModelRunner:
             slots = [chunks[i].lora for i in decode] + [chunks[i].lora for i in prefill for _ in range(lens[i])]
             # a decode step on the Triton backend takes every adapter in two grouped launches a layer;
             # prompt rows keep the per-adapter matmuls (each row of the grouped kernel reads its whole A)
-            meta.lora = (LoRABatch(index=torch.tensor([s - 1 for s in slots], device=self.device))
+            meta.lora = (LoRABatch(index=device_values([s - 1 for s in slots], torch.long, self.device))
                          if self.paged and not prefill else LoRABatch(self._lora_rows(slots)))
-        pos = torch.tensor(positions, device=self.device)
+        pos = device_values(positions, torch.long, self.device)
         if self.paged:
             meta.paged = paged_metadata([(chunks[i].block_table, chunks[i].start_pos + 1) for i in decode],
                                         [(chunks[i].block_table, lens[i], chunks[i].start_pos + lens[i])
@@ -155,11 +156,11 @@ class ModelRunner:
             self._decode_meta(meta, [chunks[i] for i in decode], pos)
         rows = last_rows if not first_rows else [
             row for i, last in enumerate(last_rows) for row in range(first_rows.get(i, last), last + 1)]
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        input_ids = device_values(token_ids, torch.long, self.device)
         if feed is not None:  # a fed chunk is a decode chunk: its one row is its last
-            input_ids[torch.tensor([last_rows[i] for i in feed.chunks], device=self.device)] = \
-                feed.tokens[torch.tensor(feed.rows, device=self.device)]
-        return input_ids, pos, meta, torch.tensor(rows, dtype=torch.long, device=self.device)
+            input_ids[device_values([last_rows[i] for i in feed.chunks], torch.long, self.device)] = \
+                feed.tokens[device_values(feed.rows, torch.long, self.device)]
+        return input_ids, pos, meta, device_values(rows, torch.long, self.device)
 
     def _lora_rows(self, slots: list[int]) -> LoRARows:
         """Each adapter's rows of the step (row i is ``slots[i]``'s); None for an adapter with every row."""
@@ -169,7 +170,7 @@ class ModelRunner:
         for row, slot in enumerate(slots):
             if slot:
                 by_slot.setdefault(slot, []).append(row)
-        return [(slot, torch.tensor(rows, device=self.device)) for slot, rows in by_slot.items()]
+        return [(slot, device_values(rows, torch.long, self.device)) for slot, rows in by_slot.items()]
 
     def _prefill_meta(self, c: SeqChunk, begin: int, n: int, pos: torch.Tensor) -> PrefillMeta:
         """The torch path's view of one chunk: its context blocks and mask, unless nothing precedes it in a

@@ -18,6 +18,7 @@ import torch
 
 from engine.output import TokenLogprobs
 from engine.sampling_params import SamplingParams
+from engine.to_device import device_values
 
 
 def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
@@ -65,14 +66,6 @@ def draw_ahead(generator: torch.Generator | None, count: int, vocab_size: int, d
         states.append(generator.get_state())
     generator.set_state(start)
     return Draws(values, states)
-
-
-def device_values(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``, copied from pinned memory on CUDA without waiting for the device's
-    queued work (a plain copy from pageable memory waits for it, which would stall an async-scheduled step)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -230,7 +223,8 @@ class LogprobFigures:
 
     @classmethod
     def of(cls, logits: torch.Tensor, tokens: torch.Tensor, counts: list[int | None]) -> LogprobFigures | None:
-        """The figures of ``tokens`` (one a row, on the logits' device) for the rows with a count; None: none."""
+        """The figures of ``tokens`` (one a row, on the logits' device) for the rows with a count (None: no row
+        has one)."""
         rows = [row for row, n in enumerate(counts) if n is not None]
         if not rows:
             return None

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.kernels.common import QuantizedKV
 from engine.kv_cache import DenseLayerKV, QuantLayerKV
 from engine.kv_quant import field_view
+from engine.to_device import device_values
 
 _SHORT_QUERY_TILE = 16  # the smallest tl.dot side
 
@@ -77,14 +78,14 @@ def paged_metadata(decode: list[tuple[list[int], int]], prefill: list[tuple[list
                    block_size: int, device: torch.device, window: int = 0) -> PagedAttentionMeta:
     """``decode``: (block table, context length) per decode row; ``prefill``: (block table, query length,
     sequence length) per chunk, in row order; ``window``: a sliding window's length (0: none). Everything
-    travels to the device as one int32 copy."""
+    travels to the device as one int32 copy, which does not wait for the device."""
     dec_flat, dec_width = _padded([t for t, _ in decode], [n for _, n in decode], block_size)
     pre_flat, pre_width = _padded([t for t, _, _ in prefill], [n for _, _, n in prefill], block_size)
     cu = [0]
     for _, q, _ in prefill:
         cu.append(cu[-1] + q)
     parts = [dec_flat, [n for _, n in decode], pre_flat, cu, [n for _, _, n in prefill]]
-    data = torch.tensor([x for part in parts for x in part], dtype=torch.int32).to(device)
+    data = device_values([x for part in parts for x in part], torch.int32, device)
     views, start = [], 0
     for part in parts:
         views.append(data[start:start + len(part)])

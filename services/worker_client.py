@@ -138,7 +138,7 @@ class WorkerClient:
                             await self.actor.start_stream.remote(feed.feed_id, request_id, args)
                             started = True
                             item = await events.get()
-                    except RayTaskError:  # the start raised in the worker: Ray's stand-in may also be a TimeoutError
+                    except RayTaskError:  # the start raised in the worker (Ray's stand-in may be a TimeoutError)
                         raise
                     except TimeoutError as exc:
                         stalled = True

@@ -2,9 +2,9 @@
 before the last one's tokens reach the host, fed those tokens on the device, and the host handles them while
 it runs. Every request gets the tokens, text, finish reason and logprobs of synchronous steps (greedy and
 seeded sampling, penalties, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others
-decode, an abort, preemption), its outputs one step later; a sequence ended by a stop computes one token more and no
-other does; a request that needs its tokens on the host runs every step synchronously while it is live; and
-every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
+decode, an abort, preemption), its outputs one step later; a sequence ended by a stop computes one token more
+and no other does; a request that needs its tokens on the host runs every step synchronously while it is
+live; and every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
 Triton graph buffers' feed: test_triton_engine)."""
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchrono
     runs = both(model_dir, requests, abort_after=("r2", 5), num_blocks=36, block_size=16)
     (sync, _, sync_engine), (ahead, _, engine) = runs[False], runs[True]
     assert engine.scheduler.num_preemptions > 0 and sync_engine.scheduler.num_preemptions > 0
-    assert {rid: r for rid, r in ahead.items() if rid != "r2"} == {rid: r for rid, r in sync.items() if rid != "r2"}
+    assert {rid: r for rid, r in ahead.items() if rid != "r2"} == {
+        rid: r for rid, r in sync.items() if rid != "r2"}
     aborted_tokens, _, reason, _ = ahead["r2"]
     assert reason is FinishReason.ABORT and aborted_tokens == sync["r2"][0][:len(aborted_tokens)]
     assert len(aborted_tokens) >= 5

@@ -164,8 +164,9 @@ def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_w
     model_dir = write_model(tmp_path)
     def params(i: int) -> SamplingParams:
         sampling = GREEDY if i % 2 else dict(temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
-        return SamplingParams(max_tokens=16 + i, logprobs=i % 3 or None, repetition_penalty=1.3 if i == 3 else 1.0,
-                              frequency_penalty=0.5 if i == 4 else 0.0, **sampling)
+        return SamplingParams(max_tokens=16 + i, logprobs=i % 3 or None,
+                              repetition_penalty=1.3 if i == 3 else 1.0, frequency_penalty=0.5 if i == 4 else 0.0,
+                              **sampling)
 
     requests = {f"r{i}": (prompt(7 + 11 * i, i), params(i)) for i in range(6)}
     runs, replays = {}, {}
@@ -175,7 +176,8 @@ def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_w
         runs[async_scheduling] = run(engine, requests, arrivals=[0, 0, 0, 3, 3, 5])
         replays[async_scheduling] = sum(engine.runner.graphs.replays.values())
     assert runs[True] == runs[False] and replays[True] > 0
-    engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=256, async_scheduling=True))
+    engine = Engine(_engine_config(model_dir, num_blocks=128, max_num_batched_tokens=256,
+                                   async_scheduling=True))
     for rid, (ids, params) in requests.items():
         engine.add_request(rid, ids, params)
     engine.step()  # every prompt
@@ -188,6 +190,37 @@ def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_w
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert sum(engine.runner.graphs.replays.values()) == before + 8
+
+
+@pytest.mark.timeout(600)
+def test_an_async_scheduled_step_with_a_prompt_in_it_does_not_wait_for_the_device_either(tmp_path):
+    """A prompt joining decoding sequences makes an eager step (one with prompt tokens replays no graph): its
+    inputs and attention metadata reach the device from pinned memory too, so under torch's sync debug mode
+    that step and the decode steps around it raise nothing."""
+    if ran_in_a_compiling_process(
+            "test_an_async_scheduled_step_with_a_prompt_in_it_does_not_wait_for_the_device_either"):
+        return
+    from test_engine_loop import GREEDY, prompt, write_model
+
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    engine = Engine(_engine_config(write_model(tmp_path), num_blocks=128, max_num_batched_tokens=256,
+                                   async_scheduling=True))
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    for i in range(3):
+        engine.add_request(f"r{i}", prompt(9 + 5 * i, i), params)
+    engine.step()  # the prompts
+    engine.step()  # the first decode step
+    engine.add_request("joining", prompt(40, 9), params)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.step()
+        mixed = engine.last_step
+        engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert mixed.decode_seqs == 3 and [n for _, n, _ in mixed.prefill_chunks] == [40]
 
 
 @pytest.mark.timeout(600)

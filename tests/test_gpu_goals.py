@@ -18,7 +18,8 @@ def smoke_runs(tmp_path_factory):
     """The two benchmarks' own JSON from their CPU smoke runs (tiny shape, 1 MiB transfers), the engine's
     with and without async scheduling."""
     folder = tmp_path_factory.mktemp("gpu-results")
-    for name, extra in (("engine_gpu.json", []), ("engine_gpu_async.json", ["--async-scheduling", "--skip-hf"])):
+    async_run = ["--async-scheduling", "--skip-hf"]
+    for name, extra in (("engine_gpu.json", []), ("engine_gpu_async.json", async_run)):
         engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "16,64", "--prompt-len", "16",
                          "--new-tokens", "4", "--json", str(folder / name), *extra])
     transfer_gpu.main(["--device", "cpu", "--sizes", "1", "--repeats", "1", "--json", str(folder / "transfer_gpu.json")])

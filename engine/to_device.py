@@ -1,0 +1,19 @@
+"""Host values onto the device without waiting for it.
+
+A plain ``torch.tensor(values, device="cuda")`` copies from pageable memory, which CUDA does by waiting for
+every kernel queued before it: under async scheduling (``Engine._step_ahead``) that would make the host wait
+for the step in flight before it could launch the next one. Values staged in pinned memory are copied behind
+the queued work instead (the pinned block is not reused before its copy has run: torch's caching host
+allocator records the copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def device_values(values: list | tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``; on CUDA copied from pinned memory without waiting for the device."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
