@@ -716,8 +716,9 @@ class EngineConfig:
     # Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): a step is launched before the
     # last one's sampled tokens reach the host, which appends, detokenizes and checks them for a stop while the
     # device computes. A sequence then computes one token past its stop, dropped. Steps of sequences that need their
-    # tokens on the host to sample (bad words, prompt logprobs, structured outputs, n > 1, prefill-only
-    # hand-offs), and engines that speculate or serve a LongRoPE model, run synchronously.
+    # tokens on the host to sample (bad words, prompt logprobs, structured outputs, the prompt of a request for
+    # n > 1 samples, prefill-only hand-offs), and engines that speculate or serve a LongRoPE model, run
+    # synchronously.
     async_scheduling: bool = False
     # A decode reservation (Engine.reserve_blocks) leaves each running sequence, and each lease still waiting
     # for its K/V, the blocks to grow this many more tokens (never past its max_tokens). More means fewer

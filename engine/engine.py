@@ -321,10 +321,10 @@ class Engine:
 
     def _may_sample_on_device(self, seq: Sequence) -> bool:
         """Whether nothing of ``seq``'s sampling needs a token's host-side result (bad words, prompt logprobs, a
-        grammar, n samples forked from its prompt, a prefill-only request's hand-off): penalties take its last
-        token from the device, and a sampled token's logprobs are computed there with it."""
+        grammar, n samples still to fork from its prompt, a prefill-only request's hand-off): penalties take its
+        last token from the device, and a sampled token's logprobs are computed there with it."""
         p = seq.params
-        return not (seq.prefill_only or p.n > 1 or p.bad_words_token_ids or p.prompt_logprobs is not None
+        return not (seq.prefill_only or seq.fanout > 1 or p.bad_words_token_ids or p.prompt_logprobs is not None
                     or seq.grammar is not None)
 
     def _step_ahead(self) -> list[RequestOutput]:
@@ -858,4 +858,6 @@ class Engine:
             self.requests[parent.request_id].append(child)
             samples.append(child)
         parent.fanout = 1
+        for s in samples:  # each decodes on its own from here: async scheduling may take it
+            s.samples_on_device = self._may_sample_on_device(s)
         return samples

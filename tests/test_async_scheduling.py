@@ -54,10 +54,11 @@ def drive(engine: Engine, requests: dict[str, tuple[int, list[int], SamplingPara
                 engine.add_request(rid, ids, params)
         received: dict[str, int] = {}
         for out in engine.step():
-            tokens, text, _, logprobs = results.get(out.request_id, ([], "", None, []))
-            results[out.request_id] = (tokens + out.new_token_ids, text + out.text, out.finish_reason,
-                                       logprobs + (out.logprobs or []))
-            received[out.request_id] = received.get(out.request_id, 0) + len(out.new_token_ids)
+            key = out.request_id if out.index == 0 else f"{out.request_id}#{out.index}"  # (samples of n > 1)
+            tokens, text, _, logprobs = results.get(key, ([], "", None, []))
+            results[key] = (tokens + out.new_token_ids, text + out.text, out.finish_reason,
+                            logprobs + (out.logprobs or []))
+            received[key] = received.get(key, 0) + len(out.new_token_ids)
         calls.append(received)
         decode_rows += 0 if engine.last_step is None else engine.last_step.decode_seqs
         if abort_after is not None:
@@ -179,6 +180,25 @@ def test_a_request_that_needs_its_tokens_on_the_host_makes_the_steps_synchronous
     both_live = [i for i, got in enumerate(ahead_calls) if "bad-words" in got]
     assert all(ahead_plain[i] == sync_plain[i] for i in both_live[1:])
     assert ahead_plain.index(1) == sync_plain.index(1) + 1 and len(ahead_plain) > len(sync_plain)
+
+
+def test_the_samples_of_a_request_for_n_run_ahead_once_forked_from_their_prompt(model_dir):
+    """A request for n = 3 seeded samples joins a decoding one: the step that computes its prompt and forks it
+    is synchronous (the samples' first tokens come in the call that computed them), the steps after run ahead
+    (each sample's last token comes a call later); every sample equals the synchronous run's."""
+    requests = {
+        "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
+        "three": (3, prompt(15, 2), SamplingParams(max_tokens=12, n=3, temperature=0.8, seed=11, ignore_eos=True)),
+    }
+    runs = both(model_dir, requests)
+    (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
+    samples = ["three", "three#1", "three#2"]
+    assert ahead == sync and all(len(sync[key][0]) == 12 for key in samples)
+    assert len({tuple(sync[key][0]) for key in samples}) == 3  # three samples, not one thrice
+    for key in samples:
+        calls = {run: [i for i, got in enumerate(c) if key in got] for run, c in (("sync", sync_calls),
+                                                                                   ("ahead", ahead_calls))}
+        assert calls["ahead"][0] == calls["sync"][0] and calls["ahead"][-1] == calls["sync"][-1] + 1
 
 
 def test_async_scheduling_is_a_serve_flag_and_off_by_default():
