@@ -331,8 +331,8 @@ class Engine:
         """A step launched while the last one's tokens are still on the device (vLLM's async scheduling,
         SGLang's overlap scheduler): it is scheduled and launched with those tokens fed to it on the device, and
         only then are they taken to the host, appended, detokenized and checked for a stop, while the device
-        computes this one; its own tokens stay on the device until the next step. A sequence that ended at a token of the last
-        step has computed one more here, which is dropped. Returns the last step's outputs."""
+        computes this one; its own tokens stay on the device until the next step. A sequence that ended at a
+        token of the last step has computed one more here, which is dropped. Returns the last step's outputs."""
         outputs, self._pending = self._pending, []
         self.last_step = None
         start = time.perf_counter()
