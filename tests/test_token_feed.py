@@ -253,8 +253,8 @@ def test_a_gateway_whose_reading_stalls_gets_the_steps_made_meanwhile_in_few_bat
 @pytest.mark.timeout(60)  # (the session's Ray may start here)
 def test_a_stream_fails_as_stalled_once_its_worker_sends_nothing_for_the_token_timeout_not_while_it_sends(
         ray_session):
-    """Its worker sends 3 tokens, then 40 more over a second while the consumer takes none (a slow client
-    does not make the worker look stalled), then goes quiet: the consumer gets all 43, then WorkerStalledError
+    """Its worker sends 3 tokens, then 40 more over 0.8 s while the consumer takes none (a slow client does
+    not make the worker look stalled), then goes quiet: the consumer gets all 43, then WorkerStalledError
     once 0.5 s passed without an event, not at once."""
     import ray
 
