@@ -50,7 +50,7 @@ from engine.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
 from engine.speculative import DraftRequest, DraftRules, NgramProposer, PredictedOutput, SpeculationStats
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
-from engine.to_device import device_values
+from engine.to_device import device_values, host_copy
 from engine.tokenizer import load_tokenizer
 from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
@@ -83,13 +83,10 @@ class _StepInFlight:
         positions = [s.num_tokens for s in seqs]
         for s in seqs:
             s.token_ids.append(TOKEN_ON_DEVICE)
-        logprobs = None if logprobs is None else logprobs.to_host()
-        if tokens.device.type != "cuda":
-            return cls(seqs, positions, tokens, tokens, logprobs, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        host, logprobs = host_copy(tokens), None if logprobs is None else logprobs.to_host()
+        copied = torch.cuda.Event() if tokens.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
         return cls(seqs, positions, tokens, host, logprobs, copied)
 
     def wait(self) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from engine.output import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.to_device import device_values
+from engine.to_device import device_values, host_copy
 
 
 def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
@@ -236,15 +236,9 @@ class LogprobFigures:
         return cls(counts, rows, chosen[:, 0], ranks, top_ids, top_values)
 
     def to_host(self) -> LogprobFigures:
-        """The tensors copied into pinned host memory behind the device's queued work (on CUDA): valid once an
-        event recorded after this call has passed."""
-        if self.chosen.device.type != "cuda":
-            return self
-
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-        return LogprobFigures(self.counts, self.rows, copy(self.chosen), copy(self.ranks), copy(self.top_ids),
-                              copy(self.top_values))
+        """The tensors copied to the host without waiting for the device (``to_device.host_copy``)."""
+        return LogprobFigures(self.counts, self.rows, host_copy(self.chosen), host_copy(self.ranks),
+                              host_copy(self.top_ids), host_copy(self.top_values))
 
     def token_logprobs(self, token_ids: list[int]) -> list[TokenLogprobs | None]:
         """Each row's ``TokenLogprobs`` of its token ``token_ids[row]`` (None for a row that asked for none)."""

@@ -1,4 +1,4 @@
-"""Host values onto the device without waiting for it.
+"""Host values onto the device, and device values back, without waiting for the device.
 
 A plain ``torch.tensor(values, device="cuda")`` copies from pageable memory, which CUDA does by waiting for
 every kernel queued before it: under async scheduling (``Engine._step_ahead``) that would make the host wait
@@ -17,3 +17,11 @@ def device_values(values: list | tuple, dtype: torch.dtype, device: torch.device
     if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor copied into pinned host memory behind the device's queued work: valid once an event
+    recorded after this call has passed. Off CUDA, the tensor itself."""
+    if tensor.device.type != "cuda":
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor, non_blocking=True)
