@@ -623,10 +623,6 @@ class Engine:
         free: taking them would preempt a sequence (a decode worker recomputes a preempted one's prompt)."""
         if request_id in self.requests or request_id in self.held:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
-        # A block freed meanwhile may still take a write of the step in flight (a sequence that ended computes a
-        # token more), and the K/V imported into it lands on another stream.
-        if self._in_flight is not None:
-            self._in_flight.wait()
         seq_id = next(self._seq_ids)
         block_ids = self.block_manager.reserve(
             seq_id, num_tokens, keep_free=self._growth_blocks(self.config.num_reserved_decode_tokens),

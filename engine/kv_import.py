@@ -12,7 +12,8 @@ changes the window pool's bookkeeping.
 The blocks are reserved and in no sequence's table until the caller commits, so bytes written before a
 failed checksum are never read: the caller frees the blocks instead. Writes touch only these blocks, so
 they may run on a transport thread while the engine computes on others. On CUDA, host bytes (gRPC) are
-copied on a side stream, neither waiting behind nor stalling the forward pass; ``finish`` waits for them.
+copied on a side stream, neither waiting behind nor stalling a forward pass launched after the import began
+(the stream starts after the device work queued before it); ``finish`` waits for them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class BlockImport:
             self._rows, self._window_rows = rows, window
             self._index = torch.as_tensor(self.block_ids, dtype=torch.long, device=cache.device)
             self._stream = torch.cuda.Stream(cache.device)
+            # A reserved block was free, but a step queued before may still write it (under async scheduling a
+            # sequence that ended computes a token more): the side stream's copies come after that work.
+            self._stream.wait_stream(torch.cuda.current_stream(cache.device))
 
     @property
     def needs_engine_thread(self) -> bool:
