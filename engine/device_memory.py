@@ -32,8 +32,9 @@ from engine.model import CausalLM
 from engine.runner import ModelRunner, SeqChunk
 from engine.sampler import sample, top_logprobs
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.scheduler import PROMPT_LOGPROBS_ROWS
+from engine.scheduler import PROMPT_LOGPROBS_ROWS, Sequence
 from engine.structured_output import GrammarMasks, all_allowed
+from engine.token_counts import TokenCounts
 
 GIB = 1024**3
 
@@ -86,8 +87,8 @@ def sample_largest_step(config: EngineConfig, vocab_size: int) -> tuple[int, int
     """Sample the engine's largest batch of rows on ``config.device`` as the costliest request would be sampled,
     after scoring the most prompt-logprob rows a step computes, for the profile to see the step's peak; returns
     (rows sampled, prompt-logprob rows). The rows sampled: ``max_num_seqs`` times ``k + 1`` (a drafted
-    sequence's chunk is verified row by row), each with logits, a grammar's mask, penalties over a history,
-    temperature, min-p, top-k, top-p and the most top logprobs, and a draw taken ahead where a draft model
+    sequence's chunk is verified row by row), each with logits, a grammar's mask, penalties over a history
+    (read from count tables sized for every sequence, a draft model's too: ``token_counts``), temperature, min-p, top-k, top-p and the most top logprobs, and a draw taken ahead where a draft model
     samples its drafts (``sampler.draw_ahead``). The prompt rows' logits stay on the device meanwhile, as the
     step's logits hold both (``Engine.step`` scores them, then samples)."""
     rows = config.max_num_seqs * (config.num_speculative_tokens + 1)
@@ -101,9 +102,14 @@ def sample_largest_step(config: EngineConfig, vocab_size: int) -> tuple[int, int
     draws = None
     if config.speculative_model is not None:
         draws = list(torch.empty(rows, vocab_size, device=config.device).exponential_())
+    # Every sequence's penalty counts, and a draft model's of them too (``token_counts.TokenCounts``)
+    sequences = config.max_num_seqs * (2 if config.speculative_model is not None else 1)
+    counts = TokenCounts(vocab_size, config.device, sequences)
     history = list(range(min(64, vocab_size)))
-    tokens = sample(allowed, [params] * rows, [None] * rows, [history] * rows, [len(history) // 2] * rows,
-                    draws=draws)
+    per_seq = config.num_speculative_tokens + 1
+    penalties = counts.penalties([Sequence(row // per_seq, "", history, len(history) // 2, params)
+                                  for row in range(rows)])
+    tokens = sample(allowed, [params] * rows, [None] * rows, penalties, draws=draws)
     top_logprobs(logits, tokens, [MAX_LOGPROBS] * rows)
     return rows, prompt_rows
 

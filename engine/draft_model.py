@@ -46,6 +46,8 @@ from engine.sampler import sample
 from engine.speculative import DraftRequest, SpeculativeConfig
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
+from engine.to_device import device_values
+from engine.token_counts import TokenCounts
 
 
 def check_draft_model(speculative_model: str, target: ModelConfig) -> Path:
@@ -107,6 +109,8 @@ class DraftModelProposer:
             raise ValueError(f"the speculative model: {exc}") from None
         self.window = window or own
         self.runner = ModelRunner(model, model_config, self.kv_cache, self.window, attention_backend)
+        # its penalized drafts' counts: the sequence's history, then its draft so far
+        self.token_counts = TokenCounts(model_config.vocab_size, self.kv_cache.device, engine_config.max_num_seqs)
         self.token_budget = engine_config.max_num_batched_tokens  # catch-up tokens computed per proposal
         # ... in chunks of at most a window, as the engine's scheduler prefills under one
         self.chunk_limit = sys.maxsize if self.window is None else self.window.window
@@ -175,9 +179,11 @@ class DraftModelProposer:
         allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
         banned = [[] if r.rules is None else r.rules.banned(draft, g is not None and g.complete)
                   for (r, draft), g in zip(picked, grammars, strict=True)]
+        drafted = [(row, token) for row, (r, draft) in enumerate(picked) if r.params.has_penalties for token in draft]
+        extra = None if not drafted else ([row for row, _ in drafted],
+                                          device_values([t for _, t in drafted], torch.long, logits.device))
         tokens = sample(allowed, [r.params for r, _ in picked], [None] * len(picked),
-                        [[*r.token_ids, *draft] if r.params.has_penalties else r.token_ids for r, draft in picked],
-                        [r.num_prompt_tokens for r, _ in picked], banned,
+                        self.token_counts.penalties([r for r, _ in picked], extra=extra), banned,
                         draws=[None if r.draws is None else r.draws.values[len(draft)] for r, draft in picked])
         going = []
         for (i, room), token, grammar in zip(live, tokens, grammars, strict=True):
@@ -193,3 +199,4 @@ class DraftModelProposer:
         """Free a finished, aborted or preempted sequence's draft blocks (a preempted one catches up again)."""
         self._states.pop(seq_id, None)
         self.blocks.free(seq_id)
+        self.token_counts.forget(seq_id)

@@ -51,6 +51,7 @@ from engine.speculative import DraftRequest, DraftRules, NgramProposer, Predicte
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.to_device import device_values, host_copy
+from engine.token_counts import PenaltyCounts, TokenCounts
 from engine.tokenizer import load_tokenizer
 from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
@@ -160,6 +161,7 @@ class Engine:
         if draft is not None and graphed and self.proposer.runner.supports_decode_graphs:
             self.proposer.runner.enable_decode_graphs(config.max_num_seqs, max_blocks)  # its one-token passes
         self.speculation = SpeculationStats()
+        self.token_counts = TokenCounts(self.model_config.vocab_size, self.device, config.max_num_seqs)
         # Async scheduling: a speculating engine verifies drafts on the host, and a LongRoPE one may recompute a
         # sequence at any step, so those run every step synchronously
         self._async = (config.async_scheduling and self.proposer is None
@@ -196,8 +198,7 @@ class Engine:
         self.scheduler.remove(seqs)
         for s in seqs:
             self.block_manager.free(s.seq_id)
-            if self.proposer is not None:
-                self.proposer.forget(s.seq_id)
+            self._forget(s.seq_id)
             self._pending.append(RequestOutput(request_id, s.index, [], True, FinishReason.ABORT,
                                                s.num_prompt_tokens, s.num_cached_tokens))
         self.release(request_id)
@@ -220,10 +221,7 @@ class Engine:
         draws: dict[int, Draws] = {}  # seq_id -> the draws a sampling proposer drafted with
         if self.proposer is not None:
             draws = self._propose_drafts(self.proposer.config.drafts_at(len(self.scheduler.running)))
-        batch = self.scheduler.schedule()
-        if self.proposer is not None:  # what a preempted sequence holds for drafting goes with its blocks
-            for seq in batch.preempted:
-                self.proposer.forget(seq.seq_id)
+        batch = self._schedule()
         if not batch.seqs:
             return outputs
         chunks, completing, step = self._chunks(batch)
@@ -264,6 +262,20 @@ class Engine:
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs
+
+    def _schedule(self) -> ScheduledBatch:
+        """The step's batch; what a preempted sequence holds for sampling and drafting goes with its blocks."""
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted:
+            self._forget(seq.seq_id)
+        return batch
+
+    def _forget(self, seq_id: int) -> None:
+        """Drop a finished, aborted or preempted sequence's token counts and draft state (a preempted one builds
+        them again when it runs again)."""
+        self.token_counts.forget(seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
 
     def _chunks(self, batch: ScheduledBatch) -> tuple[list[SeqChunk], dict[str, list[int]], StepComposition]:
         """The step's chunks; the block tables of the prefill-only requests whose prompt it completes; what it
@@ -334,7 +346,7 @@ class Engine:
         self.last_step = None
         start = time.perf_counter()
         before, self._in_flight = self._in_flight, None
-        batch = self.scheduler.schedule()
+        batch = self._schedule()
         if not batch.seqs:
             return outputs + self._resolve(before)
         chunks, _, step = self._chunks(batch)
@@ -353,15 +365,9 @@ class Engine:
                 sampled.append(seq)
         if sampled:
             logits = self._rows(logits, rows)
-            histories = pending = None
-            if any(s.params.has_penalties for s in sampled):  # a token on the device is pending, not history
-                pending = [before.tokens[row_of[id(s)]].view(1) if s.token_ids[-1] == TOKEN_ON_DEVICE else None
-                           for s in sampled]
-                histories = [s.token_ids if last is None else s.token_ids[:-1]
-                             for s, last in zip(sampled, pending, strict=True)]
             tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled],
-                                   histories, [s.num_prompt_tokens for s in sampled],
-                                   [self._banned(s, [], False) for s in sampled], pending=pending)
+                                   self._penalties_ahead(sampled, before, row_of),
+                                   [self._banned(s, [], False) for s in sampled])
             self._in_flight = _StepInFlight.launch(
                 sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
         outputs += self._resolve(before)
@@ -372,6 +378,20 @@ class Engine:
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
         return outputs
+
+    def _penalties_ahead(self, sampled: list[Sequence], before: _StepInFlight | None,
+                         row_of: dict[int, int]) -> PenaltyCounts | None:
+        """The token counts of the penalized ones of ``sampled``, a token of which may still be on the device
+        (``before``'s row ``row_of[id(seq)]``): counted from there, not from its history."""
+        if not any(s.params.has_penalties for s in sampled):
+            return None
+        pending = [i for i, s in enumerate(sampled) if s.params.has_penalties and s.token_ids[-1] == TOKEN_ON_DEVICE]
+        extra = None
+        if pending:
+            rows = device_values([row_of[id(sampled[i])] for i in pending], torch.long, self.device)
+            extra = (pending, before.tokens.index_select(0, rows))
+        return self.token_counts.penalties(
+            sampled, [s.num_tokens - (s.token_ids[-1] == TOKEN_ON_DEVICE) for s in sampled], extra)
 
     def _resolve(self, flight: _StepInFlight | None) -> list[RequestOutput]:
         """Take an async-scheduled step's tokens to the host: append, detokenize, check each for a stop."""
@@ -408,7 +428,7 @@ class Engine:
         allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
         banned = [self._banned(s, [], s.grammar is not None and s.grammar.complete) for s in seqs]
         token_ids = sample(allowed, [s.params for s in seqs], [s.generator for s in seqs],
-                           [s.token_ids for s in seqs], [s.num_prompt_tokens for s in seqs], banned)
+                           self.token_counts.penalties(seqs), banned)
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         self._retire([seq for seq, out in zip(seqs, outputs, strict=True) if out.finished])
@@ -431,8 +451,7 @@ class Engine:
             live.remove(seq)
             if not live:
                 del self.requests[seq.request_id]
-            if self.proposer is not None:
-                self.proposer.forget(seq.seq_id)
+            self._forget(seq.seq_id)
             if seq.finish_reason is FinishReason.PREFILLED:
                 self.held[seq.request_id] = seq.seq_id
             else:
@@ -501,7 +520,8 @@ class Engine:
         token; each kept token passes the stop checks plain decoding applies. ``masks``: a structured
         output's bitmask and completeness at each position (``GrammarMasks.draft_masks``), by seq_id; ``draws``:
         the draws a sampled sequence drafted with, by seq_id (the others' are taken ahead here)."""
-        rows, params, histories, prompt_lens, banned = [], [], [], [], []
+        rows, params, histories, banned = [], [], [], []
+        drafted_rows, drafted_tokens = [], []  # the draft tokens before each penalized row's position
         bitmasks: list[torch.Tensor] = []  # each row's allowed tokens, when some row is constrained
         row_draws: list[torch.Tensor | None] = []  # each row's random draw (None: a greedy row)
         for seq, first in drafted:
@@ -517,15 +537,19 @@ class Engine:
                                                    self.device)
                 row_draws += list(draws[seq.seq_id].values[:len(draft) + 1])
             for j in range(len(draft) + 1):
+                if p.has_penalties:
+                    drafted_rows += [len(rows)] * j
+                    drafted_tokens += draft[:j]
                 rows.append(first + j)
                 params.append(p)
-                histories.append([*seq.token_ids, *draft[:j]] if p.has_penalties else seq.token_ids)
-                prompt_lens.append(seq.num_prompt_tokens)
+                histories.append(seq)
                 banned.append(self._banned(seq, draft[:j], complete[j]))
         chosen = logits[rows]
         allowed = self.grammars.apply(chosen, torch.cat(bitmasks)) if masks else chosen
         # (no row draws from a generator: a sampled row's draw was taken ahead, a greedy row needs none)
-        token_ids = sample(allowed, params, [None] * len(rows), histories, prompt_lens, banned, row_draws)
+        extra = (drafted_rows, device_values(drafted_tokens, torch.long, self.device)) if drafted_rows else None
+        penalties = self.token_counts.penalties(histories, extra=extra)
+        token_ids = sample(allowed, params, [None] * len(rows), penalties, banned, row_draws)
         logprobs = top_logprobs(chosen, token_ids, [p.logprobs for p in params])
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []

@@ -19,6 +19,7 @@ import torch
 from engine.output import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.to_device import device_values, host_copy
+from engine.token_counts import PenaltyCounts
 
 
 def make_generator(seed: int | None, index: int, device: torch.device | str) -> torch.Generator | None:
@@ -103,42 +104,24 @@ def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
     return sorted(bans)
 
 
-def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]] | None,
-                    num_prompt_tokens: list[int] | None, banned: list[list[int]] | None = None,
-                    pending: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], penalties: PenaltyCounts | None = None,
+                    banned: list[list[int]] | None = None) -> torch.Tensor:
     """``logits`` with each row's penalties and logit bias applied, and the tokens outside its
     allowed_token_ids and its ``banned[r]`` ones ruled out (a copy; the input stays raw).
 
-    Row r's history is ``token_ids[r]``: its prompt (the first ``num_prompt_tokens[r]``), then its output;
-    only rows with penalties need one. The repetition penalty covers both (HF's
-    ``RepetitionPenaltyLogitsProcessor``); presence and frequency penalties only the output (OpenAI).
-    ``pending[r]``, where given: row r's latest output token, still on the device (a one-element tensor: async
-    scheduling), which its history does not hold yet."""
-    rows = [r for r, p in enumerate(params)
-            if p.has_penalties or p.logit_bias or p.allowed_token_ids is not None or (banned and banned[r])]
-    if not rows:
-        return logits
-    if (token_ids is None or num_prompt_tokens is None) and any(params[r].has_penalties for r in rows):
-        raise ValueError("penalties need each row's token history")
-    out = logits.clone()
+    ``penalties``: the counts of the rows with penalties (``TokenCounts.penalties``). The repetition penalty
+    covers the prompt and the output (HF's ``RepetitionPenaltyLogitsProcessor``); presence and frequency
+    penalties only the output (OpenAI). They are applied to all those rows at once."""
+    rows = [r for r, p in enumerate(params) if p.logit_bias or p.allowed_token_ids is not None or (banned and banned[r])]
+    if penalties is None:
+        if any(p.has_penalties for p in params):
+            raise ValueError("penalties need each penalized row's token counts (TokenCounts.penalties)")
+        if not rows:
+            return logits
+    out = logits.clone() if penalties is None else _penalized(logits, params, penalties)
     vocab, device = logits.shape[-1], logits.device
     for r in rows:
         p, row = params[r], out[r]
-        last = None if pending is None else pending[r]
-        if p.repetition_penalty != 1.0:
-            seen = device_values(sorted(set(token_ids[r])), torch.long, device)
-            if last is not None:  # (a token seen before too is in twice: both places get the same value)
-                seen = torch.cat([seen, last])
-            score = row[seen]
-            row[seen] = torch.where(score < 0, score * p.repetition_penalty, score / p.repetition_penalty)
-        if p.frequency_penalty or p.presence_penalty:
-            output = device_values(token_ids[r][num_prompt_tokens[r]:], torch.long, device)
-            if last is not None:
-                output = torch.cat([output, last])
-            # (index_add_, not bincount, which reads the largest id back to the host on CUDA)
-            counts = torch.zeros(vocab, dtype=row.dtype, device=device)
-            counts.index_add_(0, output, torch.ones(output.shape, dtype=row.dtype, device=device))
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         if p.logit_bias:
             ids, biases = zip(*p.logit_bias, strict=True)
             row.index_add_(0, device_values(ids, torch.long, device), device_values(biases, row.dtype, device))
@@ -149,6 +132,20 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], token_id
         if banned and banned[r]:
             row[device_values(banned[r], torch.long, device)] = float("-inf")
     return out
+
+
+def _penalized(logits: torch.Tensor, params: list[SamplingParams], penalties: PenaltyCounts) -> torch.Tensor:
+    """A copy of ``logits`` with the repetition, frequency and presence penalties of ``penalties``' rows."""
+    chosen = [params[r] for r in penalties.rows]
+    figures = device_values([[p.repetition_penalty for p in chosen], [p.frequency_penalty for p in chosen],
+                             [p.presence_penalty for p in chosen]], logits.dtype, logits.device).unsqueeze(-1)
+    every = len(chosen) == logits.shape[0]  # (rows are in order: then they are all of them)
+    scores = logits if every else logits.index_select(0, penalties.row_index)
+    # (a repetition penalty of 1, or a zero frequency or presence penalty, leaves a score as it is, exactly)
+    scores = torch.where(penalties.seen, torch.where(scores < 0, scores * figures[0], scores / figures[0]), scores)
+    counts = penalties.output_counts
+    scores = scores - (figures[1] * counts + figures[2] * (counts > 0).to(scores.dtype))
+    return scores if every else logits.index_copy(0, penalties.row_index, scores)
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -165,22 +162,21 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
-           banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None) -> list[int]:
-    """One token per row of float32 ``logits [rows, vocab]``; ``token_ids`` / ``num_prompt_tokens`` are
-    each row's history, needed only when a row has penalties, and ``banned`` the tokens each row may not
-    sample (see ``apply_penalties``). ``draws[r]``, where given, is row r's random draw (``draw_ahead``),
-    used instead of one from its generator."""
-    return sample_tokens(logits, params, generators, token_ids, num_prompt_tokens, banned, draws).tolist()
+           penalties: PenaltyCounts | None = None, banned: list[list[int]] | None = None,
+           draws: list[torch.Tensor | None] | None = None) -> list[int]:
+    """One token per row of float32 ``logits [rows, vocab]``; ``penalties`` holds the token counts of the rows
+    with penalties (none needed otherwise), and ``banned`` the tokens each row may not sample (see
+    ``apply_penalties``). ``draws[r]``, where given, is row r's random draw (``draw_ahead``), used instead of
+    one from its generator."""
+    return sample_tokens(logits, params, generators, penalties, banned, draws).tolist()
 
 
 def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-                  token_ids: list[list[int]] | None = None, num_prompt_tokens: list[int] | None = None,
-                  banned: list[list[int]] | None = None, draws: list[torch.Tensor | None] | None = None,
-                  pending: list[torch.Tensor | None] | None = None) -> torch.Tensor:
-    """``sample``'s tokens as a tensor on the logits' device, left there, sampled without waiting for the device
-    (``pending``: see ``apply_penalties``)."""
-    logits = apply_penalties(logits, params, token_ids, num_prompt_tokens, banned, pending)
+                  penalties: PenaltyCounts | None = None, banned: list[list[int]] | None = None,
+                  draws: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """``sample``'s tokens as a tensor on the logits' device, left there, sampled without waiting for the
+    device."""
+    logits = apply_penalties(logits, params, penalties, banned)
     greedy = [p.greedy for p in params]
     if all(greedy):
         return logits.argmax(dim=-1)

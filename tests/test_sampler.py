@@ -11,6 +11,8 @@ from engine.errors import InvalidRequestError
 from engine.output import TokenLogprobs
 from engine.sampler import apply_penalties, bad_word_bans, draw_ahead, make_generator, sample, top_logprobs
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Sequence
+from engine.token_counts import PenaltyCounts, TokenCounts
 
 V = 50
 pytestmark = pytest.mark.timeout(30)
@@ -18,6 +20,13 @@ pytestmark = pytest.mark.timeout(30)
 
 def logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def counts(params: list[SamplingParams], histories: list[list[int]], prompt_lens: list[int]) -> PenaltyCounts | None:
+    """The penalty counts of rows whose sequences hold these histories, from a fresh table."""
+    seqs = [Sequence(row, "", history, n, p)
+            for row, (p, history, n) in enumerate(zip(params, histories, prompt_lens, strict=True))]
+    return TokenCounts(V, "cpu", len(seqs)).penalties(seqs)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -174,7 +183,7 @@ def test_repetition_penalty_matches_transformers(penalty):
     x = logits(3, seed=5)
     histories = [[1, 4, 4, 9], [0, 2, 2, 2, 7, 30], [49]]
     params = [SamplingParams(repetition_penalty=penalty)] * 3
-    ours = apply_penalties(x, params, histories, [2, 3, 1])
+    ours = apply_penalties(x, params, counts(params, histories, [2, 3, 1]))
     for row, history in enumerate(histories):
         theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), x[row:row + 1].clone())
         torch.testing.assert_close(ours[row], theirs[0], rtol=0, atol=0)
@@ -184,7 +193,8 @@ def test_repetition_penalty_matches_transformers(penalty):
 def test_presence_and_frequency_penalties_follow_openai_over_the_output_only():
     x = logits(1, seed=6)
     history = [3, 3, 5, 8, 8, 8]  # prompt [3, 3], output [5, 8, 8, 8]
-    out = apply_penalties(x, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [history], [2])[0]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)]
+    out = apply_penalties(x, params, counts(params, [history], [2]))[0]
     expected = x[0].clone()
     expected[5] -= 0.25 * 1 + 0.5
     expected[8] -= 0.25 * 3 + 0.5
@@ -207,7 +217,7 @@ def test_allowed_token_ids_are_the_only_tokens_a_row_draws_and_leave_other_rows_
     allowed = [3, 17, 29]
     params = [SamplingParams(temperature=1.0, seed=2, allowed_token_ids=allowed),
               SamplingParams(temperature=0, allowed_token_ids=[x[1].argmin().item()]), SamplingParams(temperature=0)]
-    masked = apply_penalties(x, params, None, None)
+    masked = apply_penalties(x, params)
     assert torch.isfinite(masked[0]).nonzero().flatten().tolist() == allowed and torch.equal(masked[2], x[2])
     for _ in range(5):
         tokens = sample(x, params, [make_generator(2, 0, "cpu"), None, None])
@@ -228,8 +238,9 @@ def test_a_frequency_penalty_stops_greedy_repetition_and_keeps_rows_independent(
     x[:, 9] = 0.9
     history = [1, 2, 7]  # ... unless the penalty counts the 7 already in the output
     plain, penalized = SamplingParams(temperature=0), SamplingParams(temperature=0, frequency_penalty=0.5)
-    assert sample(x, [plain, penalized], [None, None], [history, history], [2, 2]) == [7, 9]
-    assert sample(x, [penalized, plain], [None, None], [history, history], [2, 2]) == [9, 7]
+    for params in ([plain, penalized], [penalized, plain]):
+        expected = [9 if p is penalized else 7 for p in params]
+        assert sample(x, params, [None, None], counts(params, [history, history], [2, 2])) == expected
 
 
 def test_seeded_penalized_rows_reproduce_whatever_the_batch():
@@ -240,6 +251,7 @@ def test_seeded_penalized_rows_reproduce_whatever_the_batch():
     def draw(rows: list[int]) -> int:
         batch = [params if r == 0 else SamplingParams(temperature=0.8) for r in rows]
         gens = [make_generator(42, 0, "cpu") if r == 0 else None for r in rows]
-        return sample(x[rows], batch, gens, [history] * len(rows), [3] * len(rows))[rows.index(0)]
+        penalties = counts(batch, [history] * len(rows), [3] * len(rows))
+        return sample(x[rows], batch, gens, penalties)[rows.index(0)]
 
     assert draw([0]) == draw([1, 0, 2]) == draw([2, 1, 0])
