@@ -10,12 +10,15 @@ byte-level tokenizer, so the text is detokenized as a served request's is, decod
 (the device's work on a GPU, left out), the torch path's input preparation (which a replayed step does not
 run), and the rest. Each step's chunks are also loaded into a ``DecodeGraphs``' static buffers (uncaptured),
 timed apart: what a replayed step runs instead. The host work of a graphed step is therefore
-``step - torch run + graph load``, reported per sequence. ``--async-scheduling`` runs the engine that way
+``step - torch run + graph load``, reported per sequence, and ``ops`` counts the torch ops such a step runs
+outside the graph (views left out; on a GPU each is about one kernel launch or copy). ``--async-scheduling`` runs the engine that way
 (``EngineConfig.async_scheduling``): the same host work, done while the device computes the next step on a
 GPU, plus what feeding the tokens on the device costs; on the CPU nothing overlaps, so the figures compare.
+``--repetition-penalty`` / ``--frequency-penalty`` give every request those penalties, as a checkpoint's
+generation config may (Qwen2.5's asks for a repetition penalty of 1.05).
 
     python benchmarks/engine_host.py --batches 64,256 --prompt-len 512 [--async-scheduling] \
-        --json engine_host.json
+        [--repetition-penalty 1.05] --json engine_host.json
 
 Timings are wall clock in one thread; the load average is recorded: run it on an otherwise quiet machine.
 """
@@ -33,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from benchmarks._report import format_table, load_average  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
@@ -65,8 +69,24 @@ class Timer:
         setattr(owner, name, timed)
 
 
-def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_scheduling: bool = False) -> dict:
-    """Decode ``batch`` requests for ``steps`` steps once their prompts are in; the split of a step, in ms."""
+class OpCounter(TorchDispatchMode):
+    """Counts the torch ops that compute (views left out) while on and not ``paused``: on a GPU, each is about
+    one kernel launch or copy, paid in host time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops, self.paused = 0, False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not func.is_view:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_scheduling: bool = False,
+            repetition_penalty: float = 1.0, frequency_penalty: float = 0.0) -> dict:
+    """Decode ``batch`` requests for ``steps`` steps once their prompts are in, each with the penalties given;
+    the split of a step, in ms."""
     config = EngineConfig(model=str(model_dir), attention_backend="torch", max_num_seqs=batch,
                           async_scheduling=async_scheduling)
     # The prompts are taken a few a step, so the first ones decode while the last are computed: room for those
@@ -75,7 +95,8 @@ def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_sche
     max_tokens = steps + 16 + 2 * batch * prompt_len // config.max_num_batched_tokens
     config.num_blocks = batch * -(-(prompt_len + max_tokens + 1) // 16)
     engine = Engine(config)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty)
     for i in range(batch):
         engine.add_request(str(i), [(7 * i + j) % 250 + 1 for j in range(prompt_len)], params)
     while engine.last_step is None or engine.last_step.prefill_chunks or engine.last_step.decode_seqs < batch:
@@ -89,9 +110,15 @@ def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_sche
     timer.wrap(engine.runner, "run", "torch_run")
     torch_run = engine.runner.run
 
+    counter = OpCounter()
+
     def run_and_load(chunks, *args):  # the same chunks loaded into the graph's buffers, timed apart
         graphs.load(chunks, *args[1:])  # (with the tokens fed from the device, if any)
-        return torch_run(chunks, *args)
+        counter.paused = True  # (a replayed graph runs the forward pass and its input preparation)
+        try:
+            return torch_run(chunks, *args)
+        finally:
+            counter.paused = False
     engine.runner.run = run_and_load
     start = time.perf_counter()
     for _ in range(steps):
@@ -100,13 +127,18 @@ def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_sche
             raise RuntimeError(f"a step decoded {engine.last_step.decode_seqs} of {batch} sequences")
     total = time.perf_counter() - start - timer.seconds["graph_load"]  # (the engine did not wait for those)
     ms = {label: 1e3 * s / steps for label, s in timer.seconds.items()}
+    counted = 4  # a few more steps, untimed, count the ops of a graphed step
+    with counter:
+        for _ in range(counted):
+            engine.step()
     step_ms = 1e3 * total / steps
     host_ms = step_ms - ms["torch_run"] + ms["graph_load"]
     return {"batch": batch, "prompt_len": prompt_len, "steps": steps, "step_ms": step_ms,
             "forward_ms": ms["forward"], "torch_prepare_ms": ms["torch_run"] - ms["forward"],
             "graph_load_ms": ms["graph_load"], "schedule_ms": ms["schedule"],
             "rest_ms": step_ms - ms["torch_run"] - ms["schedule"],
-            "graphed_host_ms": host_ms, "graphed_host_us_per_seq": 1e3 * host_ms / batch}
+            "graphed_host_ms": host_ms, "graphed_host_us_per_seq": 1e3 * host_ms / batch,
+            "graphed_step_ops": counter.ops / counted}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -116,6 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="each figure is the median of the rounds")
     parser.add_argument("--async-scheduling", action="store_true", help="run the engine with async scheduling")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="every request's (a Qwen2.5 checkpoint's generation config asks for 1.05)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a GPU server's engine thread has one core; the forward pass is left out anyway
@@ -124,18 +159,21 @@ def main(argv: list[str] | None = None) -> dict:
         write_tiny_checkpoint(Path(tmp), MICRO)
         for prompt_len in args.prompt_len:
             for batch in args.batches:
-                rounds = [measure(Path(tmp), batch, prompt_len, args.steps, args.async_scheduling)
-                          for _ in range(args.rounds)]
+                rounds = [measure(Path(tmp), batch, prompt_len, args.steps, args.async_scheduling,
+                                  args.repetition_penalty, args.frequency_penalty) for _ in range(args.rounds)]
                 results.append({key: statistics.median(r[key] for r in rounds) for key in rounds[0]})
     headers = ["batch", "prompt", "step ms", "forward ms", "torch prepare ms", "schedule ms",
-               "the rest ms", "graph load ms", "graphed host ms", "µs per sequence"]
+               "the rest ms", "graph load ms", "graphed host ms", "µs per sequence", "ops"]
     print(format_table(headers, [[r["batch"], r["prompt_len"], f"{r['step_ms']:.2f}", f"{r['forward_ms']:.2f}",
                                   f"{r['torch_prepare_ms']:.2f}", f"{r['schedule_ms']:.2f}",
                                   f"{r['rest_ms']:.2f}", f"{r['graph_load_ms']:.3f}",
-                                  f"{r['graphed_host_ms']:.2f}", f"{r['graphed_host_us_per_seq']:.1f}"]
+                                  f"{r['graphed_host_ms']:.2f}", f"{r['graphed_host_us_per_seq']:.1f}",
+                                  f"{r['graphed_step_ops']:.0f}"]
                                  for r in results]))
     print(f"load average: {load_average()}")
-    out = {"results": results, "async_scheduling": args.async_scheduling, "load_average": load_average()}
+    out = {"results": results, "async_scheduling": args.async_scheduling,
+           "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+           "load_average": load_average()}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
     return out
