@@ -75,8 +75,9 @@ def test_kv_cache_takes_the_device_memory_left_below_the_utilization(tmp_path):
 def test_the_profile_sees_the_samplers_largest_step():
     """A drafted full batch's rows, sampled with every transform and a draft model's draws beside a step's
     prompt-logprob rows: at its peak at least those rows' logits, the sampled rows' logits, their masked copy,
-    the draws and the penalised copy are on the device at once, and the profile counts them against the
-    utilization."""
+    the draws and the penalised copy are on the device at once, beside the penalty count tables of every
+    sequence, the draft model's too (int32 counts and a bool prompt mask a vocabulary entry), and the profile
+    counts them against the utilization."""
     from engine.config import EngineConfig
     from engine.device_memory import sample_largest_step
 
@@ -87,7 +88,8 @@ def test_the_profile_sees_the_samplers_largest_step():
     torch.cuda.reset_peak_memory_stats()
     rows, prompt_rows = sample_largest_step(config, 32000)
     torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - before >= (prompt_rows + 4 * rows) * 32000 * 4
+    tables = 2 * config.max_num_seqs * 32000 * (4 + 1)
+    assert torch.cuda.max_memory_allocated() - before >= (prompt_rows + 4 * rows) * 32000 * 4 + tables
 
 
 def ran_in_a_compiling_process(test: str) -> bool:
