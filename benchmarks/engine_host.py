@@ -11,9 +11,10 @@ byte-level tokenizer, so the text is detokenized as a served request's is, decod
 run), and the rest. Each step's chunks are also loaded into a ``DecodeGraphs``' static buffers (uncaptured),
 timed apart: what a replayed step runs instead. The host work of a graphed step is therefore
 ``step - torch run + graph load``, reported per sequence, and ``ops`` counts the torch ops such a step runs
-outside the graph (views left out; on a GPU each is about one kernel launch or copy). ``--async-scheduling`` runs the engine that way
-(``EngineConfig.async_scheduling``): the same host work, done while the device computes the next step on a
-GPU, plus what feeding the tokens on the device costs; on the CPU nothing overlaps, so the figures compare.
+outside the graph (views left out; on a GPU each is about one kernel launch or copy). ``--async-scheduling``
+runs the engine that way (``EngineConfig.async_scheduling``): the same host work, done while the device
+computes the next step on a GPU, plus what feeding the tokens on the device costs; on the CPU nothing
+overlaps, so the figures compare.
 ``--repetition-penalty`` / ``--frequency-penalty`` give every request those penalties, as a checkpoint's
 generation config may (Qwen2.5's asks for a repetition penalty of 1.05).
 

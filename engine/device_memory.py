@@ -88,8 +88,9 @@ def sample_largest_step(config: EngineConfig, vocab_size: int) -> tuple[int, int
     after scoring the most prompt-logprob rows a step computes, for the profile to see the step's peak; returns
     (rows sampled, prompt-logprob rows). The rows sampled: ``max_num_seqs`` times ``k + 1`` (a drafted
     sequence's chunk is verified row by row), each with logits, a grammar's mask, penalties over a history
-    (read from count tables sized for every sequence, a draft model's too: ``token_counts``), temperature, min-p, top-k, top-p and the most top logprobs, and a draw taken ahead where a draft model
-    samples its drafts (``sampler.draw_ahead``). The prompt rows' logits stay on the device meanwhile, as the
+    (read from count tables sized for every sequence, a draft model's too: ``token_counts``), temperature,
+    min-p, top-k, top-p and the most top logprobs, and a draw taken ahead where a draft model samples its
+    drafts (``sampler.draw_ahead``). The prompt rows' logits stay on the device meanwhile, as the
     step's logits hold both (``Engine.step`` scores them, then samples)."""
     rows = config.max_num_seqs * (config.num_speculative_tokens + 1)
     prompt_rows = min(PROMPT_LOGPROBS_ROWS, config.max_num_batched_tokens)

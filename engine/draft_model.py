@@ -110,7 +110,8 @@ class DraftModelProposer:
         self.window = window or own
         self.runner = ModelRunner(model, model_config, self.kv_cache, self.window, attention_backend)
         # its penalized drafts' counts: the sequence's history, then its draft so far
-        self.token_counts = TokenCounts(model_config.vocab_size, self.kv_cache.device, engine_config.max_num_seqs)
+        self.token_counts = TokenCounts(model_config.vocab_size, self.kv_cache.device,
+                                        engine_config.max_num_seqs)
         self.token_budget = engine_config.max_num_batched_tokens  # catch-up tokens computed per proposal
         # ... in chunks of at most a window, as the engine's scheduler prefills under one
         self.chunk_limit = sys.maxsize if self.window is None else self.window.window
@@ -179,7 +180,8 @@ class DraftModelProposer:
         allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
         banned = [[] if r.rules is None else r.rules.banned(draft, g is not None and g.complete)
                   for (r, draft), g in zip(picked, grammars, strict=True)]
-        drafted = [(row, token) for row, (r, draft) in enumerate(picked) if r.params.has_penalties for token in draft]
+        drafted = [(row, token) for row, (r, draft) in enumerate(picked) if r.params.has_penalties
+                   for token in draft]
         extra = None if not drafted else ([row for row, _ in drafted],
                                           device_values([t for _, t in drafted], torch.long, logits.device))
         tokens = sample(allowed, [r.params for r, _ in picked], [None] * len(picked),

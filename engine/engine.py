@@ -170,7 +170,9 @@ class Engine:
         self.held: dict[str, int] = {}  # request -> block-manager id of blocks kept (prefilled / reserved)
         self._leases: dict[int, tuple[int, int]] = {}  # reserved id -> (tokens imported, tokens it may decode)
         self.prompt_tokens_computed, self._seq_ids = 0, itertools.count(1)
-        self._pending: list[RequestOutput] = []  # abort notices, returned by the next step()
+        # Outputs held for the caller until a step returns them (abort notices, tokens taken from a step in
+        # flight): a step that fails loses none
+        self._pending: list[RequestOutput] = []
         self._in_flight: _StepInFlight | None = None  # async scheduling: the step whose tokens are on device
         self._step_times: deque[float] = deque(maxlen=64)
         self.last_step: StepComposition | None = None  # what the latest step() computed; None: nothing
@@ -214,7 +216,7 @@ class Engine:
         if self._async and on_layer_done is None and self._all_sample_on_device():
             return self._step_ahead()
         before, self._in_flight = self._in_flight, None  # (a sequence that needs its tokens on the host came)
-        outputs, self._pending = self._pending + self._resolve(before), []
+        self._pending += self._resolve(before)
         self.last_step = None
         self._recompute_with_long_rope()
         start = time.perf_counter()  # (a draft model's passes are part of the step)
@@ -223,7 +225,7 @@ class Engine:
             draws = self._propose_drafts(self.proposer.config.drafts_at(len(self.scheduler.running)))
         batch = self._schedule()
         if not batch.seqs:
-            return outputs
+            return self._take_outputs()
         chunks, completing, step = self._chunks(batch)
         layer_done = None if on_layer_done is None else lambda layer: on_layer_done(layer, completing)
         # Structured outputs: the tokens each completing sequence may sample, found while the forward pass runs
@@ -237,6 +239,7 @@ class Engine:
         mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
         sampled: list[Sequence] = []
         drafted: list[tuple[Sequence, int]] = []  # sequences whose draft is verified, and their first row
+        outputs: list[RequestOutput] = []
         last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
         for i, (seq, n, chunk) in enumerate(zip(batch.seqs, batch.num_new_tokens, chunks, strict=True)):
             pos, first = seq.num_computed_tokens, last + 1
@@ -261,7 +264,12 @@ class Engine:
         step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
         self._step_times.append(time.perf_counter() - start)
         self.last_step = step
-        return outputs
+        return self._take_outputs(outputs)
+
+    def _take_outputs(self, outputs: list[RequestOutput] | None = None) -> list[RequestOutput]:
+        """What a step returns: the outputs held for the caller, then its own ``outputs``."""
+        taken, self._pending = self._pending + (outputs or []), []
+        return taken
 
     def _schedule(self) -> ScheduledBatch:
         """The step's batch; what a preempted sequence holds for sampling and drafting goes with its blocks."""
@@ -341,14 +349,35 @@ class Engine:
         SGLang's overlap scheduler): it is scheduled and launched with those tokens fed to it on the device, and
         only then are they taken to the host, appended, detokenized and checked for a stop, while the device
         computes this one; its own tokens stay on the device until the next step. A sequence that ended at a
-        token of the last step has computed one more here, which is dropped. Returns the last step's outputs."""
-        outputs, self._pending = self._pending, []
+        token of the last step has computed one more here, which is dropped. Returns the last step's outputs.
+        If this step fails before it is launched, the last one stays in flight for the next step to take."""
         self.last_step = None
         start = time.perf_counter()
         before, self._in_flight = self._in_flight, None
+        try:
+            launched = self._launch_ahead(before)
+        except BaseException:  # (else a preempted sequence would keep its place for a token never taken)
+            self._in_flight = before
+            raise
+        self._pending += self._resolve(before)
+        if launched is not None:
+            batch, computed, step = launched
+            for seq, num_computed in zip(batch.seqs, computed, strict=True):
+                if seq.status is SeqStatus.RUNNING:  # not ended by its token of the last step
+                    self._computed(seq, num_computed)  # (which registers blocks holding that token, known now)
+            step.decoded_tokens = step.decode_seqs
+            self._step_times.append(time.perf_counter() - start)
+            self.last_step = step
+        return self._take_outputs()
+
+    def _launch_ahead(self, before: _StepInFlight | None
+                      ) -> tuple[ScheduledBatch, list[int], StepComposition] | None:
+        """Schedule a step and launch it, fed ``before``'s tokens on the device, its own tokens sampled into a
+        new step in flight; returns (its batch, each sequence's computed tokens once it is done, what it
+        computes), None when nothing is scheduled."""
         batch = self._schedule()
         if not batch.seqs:
-            return outputs + self._resolve(before)
+            return None
         chunks, _, step = self._chunks(batch)
         feed = None
         fed = [i for i, chunk in enumerate(chunks) if chunk.token_ids[-1] == TOKEN_ON_DEVICE]
@@ -370,14 +399,7 @@ class Engine:
                                    [self._banned(s, [], False) for s in sampled])
             self._in_flight = _StepInFlight.launch(
                 sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
-        outputs += self._resolve(before)
-        for seq, num_computed in zip(batch.seqs, computed, strict=True):
-            if seq.status is SeqStatus.RUNNING:  # not ended by its token of the last step
-                self._computed(seq, num_computed)  # (which registers blocks holding that token, known now)
-        step.decoded_tokens = step.decode_seqs
-        self._step_times.append(time.perf_counter() - start)
-        self.last_step = step
-        return outputs
+        return batch, computed, step
 
     def _penalties_ahead(self, sampled: list[Sequence], before: _StepInFlight | None,
                          row_of: dict[int, int]) -> PenaltyCounts | None:
@@ -385,7 +407,8 @@ class Engine:
         (``before``'s row ``row_of[id(seq)]``): counted from there, not from its history."""
         if not any(s.params.has_penalties for s in sampled):
             return None
-        pending = [i for i, s in enumerate(sampled) if s.params.has_penalties and s.token_ids[-1] == TOKEN_ON_DEVICE]
+        pending = [i for i, s in enumerate(sampled)
+                   if s.params.has_penalties and s.token_ids[-1] == TOKEN_ON_DEVICE]
         extra = None
         if pending:
             rows = device_values([row_of[id(sampled[i])] for i in pending], torch.long, self.device)

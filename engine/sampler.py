@@ -112,7 +112,8 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], penaltie
     ``penalties``: the counts of the rows with penalties (``TokenCounts.penalties``). The repetition penalty
     covers the prompt and the output (HF's ``RepetitionPenaltyLogitsProcessor``); presence and frequency
     penalties only the output (OpenAI). They are applied to all those rows at once."""
-    rows = [r for r, p in enumerate(params) if p.logit_bias or p.allowed_token_ids is not None or (banned and banned[r])]
+    rows = [r for r, p in enumerate(params)
+            if p.logit_bias or p.allowed_token_ids is not None or (banned and banned[r])]
     if penalties is None:
         if any(p.has_penalties for p in params):
             raise ValueError("penalties need each penalized row's token counts (TokenCounts.penalties)")
@@ -142,7 +143,8 @@ def _penalized(logits: torch.Tensor, params: list[SamplingParams], penalties: Pe
     every = len(chosen) == logits.shape[0]  # (rows are in order: then they are all of them)
     scores = logits if every else logits.index_select(0, penalties.row_index)
     # (a repetition penalty of 1, or a zero frequency or presence penalty, leaves a score as it is, exactly)
-    scores = torch.where(penalties.seen, torch.where(scores < 0, scores * figures[0], scores / figures[0]), scores)
+    repeated = torch.where(scores < 0, scores * figures[0], scores / figures[0])
+    scores = torch.where(penalties.seen, repeated, scores)
     counts = penalties.output_counts
     scores = scores - (figures[1] * counts + figures[2] * (counts > 0).to(scores.dtype))
     return scores if every else logits.index_copy(0, penalties.row_index, scores)

@@ -40,7 +40,7 @@ class PenaltyCounts:
 
     rows: list[int]  # the logits rows, in order
     row_index: torch.Tensor  # the same, on the device
-    output_counts: torch.Tensor  # [len(rows), vocab] in the logits' dtype: each token's count in the row's output
+    output_counts: torch.Tensor  # [len(rows), vocab], the logits' dtype: each token's count in the row's output
     seen: torch.Tensor  # [len(rows), vocab] bool: in the row's prompt or output (the repetition penalty's set)
 
 

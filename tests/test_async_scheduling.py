@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.engine import TOKEN_ON_DEVICE, Engine
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.tiny import CONFIG, write_tiny_checkpoint
@@ -205,3 +205,76 @@ def test_async_scheduling_is_a_serve_flag_and_off_by_default():
     args = build_parser().parse_args(["serve", "--async-scheduling"])
     assert configs_from_args(args)[0].engine.async_scheduling
     assert not configs_from_args(build_parser().parse_args(["serve"]))[0].engine.async_scheduling
+
+
+def test_a_step_that_fails_loses_no_token_of_the_step_in_flight(model_dir):
+    """A step fails (injected in its forward pass) right after it preempted a sequence whose last token was
+    still on the device; the caller then ends the requests the failed step ran, as ``EngineLoop`` does. The
+    preempted sequence gets that token from the step before, which stays in flight, and ends as the
+    synchronous run's; no other step fails and no block is lost."""
+    requests = {f"r{i}": (i // 3, prompt(30 + 7 * i, i), SamplingParams(
+        max_tokens=26, temperature=0.0 if i % 2 else 0.7, seed=i, ignore_eos=True)) for i in range(8)}
+    sync = both(model_dir, requests, num_blocks=36, block_size=16)[False][0]
+    engine = Engine(EngineConfig(model=str(model_dir), attention_backend="torch", async_scheduling=True,
+                                 num_blocks=36, block_size=16))
+    schedule, run, victims = engine._schedule, engine.runner.run, []
+
+    def schedule_and_note_preempted_tokens_in_flight():
+        batch = schedule()
+        if not victims:
+            victims.extend(s.request_id for s in batch.preempted if s.token_ids[-1] == TOKEN_ON_DEVICE)
+        return batch
+
+    def run_failing_once(*args):
+        if victims and not failures:
+            raise RuntimeError("injected")
+        return run(*args)
+    engine._schedule, engine.runner.run = schedule_and_note_preempted_tokens_in_flight, run_failing_once
+    results: dict[str, list[int]] = {}
+    ended: dict[str, FinishReason] = {}
+    failures, failed_requests, call = [], set(), 0
+    while call < 3 or engine.has_unfinished():
+        for rid, (arrival, ids, params) in requests.items():
+            if arrival == call:
+                engine.add_request(rid, ids, params)
+        try:
+            outputs = engine.step()
+        except RuntimeError as exc:
+            failures.append(exc)
+            failed_requests = {s.request_id for s in engine.scheduler.running}
+            for rid in failed_requests:
+                engine.abort(rid)
+            outputs = []
+        for out in outputs:
+            results.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                ended[out.request_id] = out.finish_reason
+        call += 1
+    assert len(failures) == 1 and victims and not set(victims) & failed_requests
+    for rid in victims:
+        assert results[rid] == sync[rid][0] and ended[rid] is FinishReason.LENGTH
+    assert all(rid in ended for rid in requests)  # every request ended, the aborted ones with their notice
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_output_held_for_the_caller_comes_out_of_the_step_after_a_failed_one(model_dir, async_scheduling):
+    """An abort notice waits for the next step; that step fails: the notice comes out of the one after."""
+    engine = Engine(EngineConfig(model=str(model_dir), attention_backend="torch",
+                                 async_scheduling=async_scheduling))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    for rid in ("a", "b"):
+        engine.add_request(rid, prompt(20, len(rid)), params)
+    for _ in range(3):
+        engine.step()
+    engine.abort("a")
+    run = engine.runner.run
+
+    def fail(*args):
+        raise RuntimeError("injected")
+    engine.runner.run = fail
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.runner.run = run
+    notices = [out for out in engine.step() if out.request_id == "a"]
+    assert [(out.finished, out.finish_reason) for out in notices] == [(True, FinishReason.ABORT)]

@@ -22,7 +22,8 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def counts(params: list[SamplingParams], histories: list[list[int]], prompt_lens: list[int]) -> PenaltyCounts | None:
+def counts(params: list[SamplingParams], histories: list[list[int]],
+           prompt_lens: list[int]) -> PenaltyCounts | None:
     """The penalty counts of rows whose sequences hold these histories, from a fresh table."""
     seqs = [Sequence(row, "", history, n, p)
             for row, (p, history, n) in enumerate(zip(params, histories, prompt_lens, strict=True))]

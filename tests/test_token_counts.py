@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def seq(seq_id: int, tokens: list[int], num_prompt: int, **penalties: float) -> Sequence:
-    return Sequence(seq_id, "", tokens, num_prompt, SamplingParams(**(penalties or dict(repetition_penalty=1.2))))
+    params = SamplingParams(**(penalties or dict(repetition_penalty=1.2)))
+    return Sequence(seq_id, "", tokens, num_prompt, params)
 
 
 def fresh(seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +82,8 @@ def test_a_row_given_back_is_cleared_for_the_next_sequence_and_the_tables_grow_p
 
 def test_batched_penalties_equal_each_rows_alone_exactly():
     gen = torch.Generator().manual_seed(3)
-    seqs = [seq(1, [1, 4, 4, 9, 2], 2), seq(2, [3, 3, 8, 8, 8], 2, frequency_penalty=0.25, presence_penalty=0.5),
+    seqs = [seq(1, [1, 4, 4, 9, 2], 2),
+            seq(2, [3, 3, 8, 8, 8], 2, frequency_penalty=0.25, presence_penalty=0.5),
             seq(3, [5, 6], 2, repetition_penalty=1.0),
             seq(4, [0, 7, 7, 1], 1, repetition_penalty=0.7, frequency_penalty=-0.3, presence_penalty=1.5)]
     x = torch.randn(len(seqs), V, generator=gen) * 3
@@ -109,7 +111,8 @@ class OpenAIPenalties(LogitsProcessor):
 
 
 PENALTIES = [dict(repetition_penalty=1.5), dict(frequency_penalty=0.7, presence_penalty=0.4),
-             dict(repetition_penalty=1.3, frequency_penalty=0.3), dict(repetition_penalty=0.8, presence_penalty=1.0)]
+             dict(repetition_penalty=1.3, frequency_penalty=0.3),
+             dict(repetition_penalty=0.8, presence_penalty=1.0)]
 
 
 @pytest.mark.timeout(180)
@@ -125,12 +128,13 @@ def test_the_engine_decodes_with_penalties_as_transformers_does(tmp_path, mode):
     want = []
     with torch.no_grad():
         for ids, p in zip(requests, params, strict=True):
-            processors = LogitsProcessorList([OpenAIPenalties(len(ids), p.frequency_penalty, p.presence_penalty)])
+            penalties = OpenAIPenalties(len(ids), p.frequency_penalty, p.presence_penalty)
+            processors = LogitsProcessorList([penalties])
             tokens = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
                                  repetition_penalty=p.repetition_penalty, logits_processor=processors)
             want.append(tokens[0, len(ids):].tolist())
-    extra = dict(async_scheduling=True) if mode == "async" else dict(num_speculative_tokens=3) if mode == "speculative" \
-        else {}
+    extra = {"sync": {}, "async": dict(async_scheduling=True),
+             "speculative": dict(num_speculative_tokens=3)}[mode]
     engine = Engine(EngineConfig(model=str(tmp_path), block_size=16, num_blocks=5, max_num_seqs=2,
                                  max_num_batched_tokens=16, **extra))
     for i, (ids, p, tokens) in enumerate(zip(requests, params, want, strict=True)):
