@@ -713,12 +713,11 @@ class EngineConfig:
     # Decode-only steps (and steps verifying drafts) replay CUDA graphs (engine/cuda_graphs.py) on CUDA with
     # the triton backend and a GRAPH_KV_FORMATS cache; True: every step runs eagerly.
     enforce_eager: bool = False
-    # Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): a step is launched before the
-    # last one's sampled tokens reach the host, which appends, detokenizes and checks them for a stop while the
-    # device computes. A sequence then computes one token past its stop, dropped. Steps of sequences that need their
-    # tokens on the host to sample (bad words, prompt logprobs, structured outputs, the prompt of a request for
-    # n > 1 samples, prefill-only hand-offs), and engines that speculate or serve a LongRoPE model, run
-    # synchronously.
+    # Async scheduling (vLLM's --async-scheduling, SGLang's overlap scheduler): a step's forward pass is launched
+    # before the last one's sampled tokens reach the host, which appends, detokenizes and checks them for a stop
+    # while the device computes, then samples. A sequence then computes one position past its stop, not sampled.
+    # Steps of sequences collecting prompt logprobs, of a request's prompt forking into n > 1 samples or of a
+    # prefill-only hand-off, and engines that speculate or serve a LongRoPE model, run synchronously.
     async_scheduling: bool = False
     # A decode reservation (Engine.reserve_blocks) leaves each running sequence, and each lease still waiting
     # for its K/V, the blocks to grow this many more tokens (never past its max_tokens). More means fewer

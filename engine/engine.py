@@ -51,7 +51,7 @@ from engine.speculative import DraftRequest, DraftRules, NgramProposer, Predicte
 from engine.streaming_window import StreamingWindow
 from engine.structured_output import GrammarMasks
 from engine.to_device import device_values, host_copy
-from engine.token_counts import PenaltyCounts, TokenCounts
+from engine.token_counts import TokenCounts
 from engine.tokenizer import load_tokenizer
 from engine.triton_attention import attention_backend
 from kvstore.hashing import salt_for
@@ -337,20 +337,21 @@ class Engine:
                 and all(seq.samples_on_device for seq in s.held))
 
     def _may_sample_on_device(self, seq: Sequence) -> bool:
-        """Whether nothing of ``seq``'s sampling needs a token's host-side result (bad words, prompt logprobs, a
-        grammar, n samples still to fork from its prompt, a prefill-only request's hand-off): penalties take its
-        last token from the device, and a sampled token's logprobs are computed there with it."""
-        p = seq.params
-        return not (seq.prefill_only or seq.fanout > 1 or p.bad_words_token_ids or p.prompt_logprobs is not None
-                    or seq.grammar is not None)
+        """Whether ``seq``'s next step may be launched with its last token still on the device: not while its
+        prompt's logprobs are collected (read from the step's logits), nor while its prompt is to fork into n
+        samples or be handed off (a prefill-only request). Its sampling waits for nothing: that token reaches
+        the host while the step's forward pass runs, before the step samples."""
+        return not (seq.prefill_only or seq.fanout > 1 or seq.params.prompt_logprobs is not None)
 
     def _step_ahead(self) -> list[RequestOutput]:
         """A step launched while the last one's tokens are still on the device (vLLM's async scheduling,
-        SGLang's overlap scheduler): it is scheduled and launched with those tokens fed to it on the device, and
-        only then are they taken to the host, appended, detokenized and checked for a stop, while the device
-        computes this one; its own tokens stay on the device until the next step. A sequence that ended at a
-        token of the last step has computed one more here, which is dropped. Returns the last step's outputs.
-        If this step fails before it is launched, the last one stays in flight for the next step to take."""
+        SGLang's overlap scheduler): its forward pass is launched with those tokens fed to it on the device;
+        then, while the device computes it, they are taken to the host, appended, detokenized and checked for a
+        stop (a grammar takes them too), and the step samples from what the host knows now, as a synchronous
+        step would; its own tokens stay on the device until the next step. A sequence that ended at a token of
+        the last step has computed one more position here, which is not sampled. Returns the last step's
+        outputs. If this step fails before its forward pass is launched, the last one stays in flight for the
+        next step to take."""
         self.last_step = None
         start = time.perf_counter()
         before, self._in_flight = self._in_flight, None
@@ -361,7 +362,15 @@ class Engine:
             raise
         self._pending += self._resolve(before)
         if launched is not None:
-            batch, computed, step = launched
+            batch, logits, computed, step = launched
+            rows = [i for i, (seq, num_computed) in enumerate(zip(batch.seqs, computed, strict=True))
+                    if num_computed == seq.num_tokens and seq.status is SeqStatus.RUNNING]
+            if rows:
+                sampled = [batch.seqs[i] for i in rows]
+                logits = self._rows(logits, rows)
+                tokens = self._draw(logits, sampled, self.grammars.fill([s.grammar for s in sampled]))
+                self._in_flight = _StepInFlight.launch(
+                    sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
             for seq, num_computed in zip(batch.seqs, computed, strict=True):
                 if seq.status is SeqStatus.RUNNING:  # not ended by its token of the last step
                     self._computed(seq, num_computed)  # (which registers blocks holding that token, known now)
@@ -371,50 +380,25 @@ class Engine:
         return self._take_outputs()
 
     def _launch_ahead(self, before: _StepInFlight | None
-                      ) -> tuple[ScheduledBatch, list[int], StepComposition] | None:
-        """Schedule a step and launch it, fed ``before``'s tokens on the device, its own tokens sampled into a
-        new step in flight; returns (its batch, each sequence's computed tokens once it is done, what it
-        computes), None when nothing is scheduled."""
+                      ) -> tuple[ScheduledBatch, torch.Tensor, list[int], StepComposition] | None:
+        """Schedule a step and launch its forward pass, fed ``before``'s tokens on the device; returns (its
+        batch, its logits, each sequence's computed tokens once it is done, what it computes), None when nothing
+        is scheduled."""
         batch = self._schedule()
         if not batch.seqs:
             return None
         chunks, _, step = self._chunks(batch)
         feed = None
         fed = [i for i, chunk in enumerate(chunks) if chunk.token_ids[-1] == TOKEN_ON_DEVICE]
-        row_of = {} if before is None else {id(seq): row for row, seq in enumerate(before.seqs)}
         if fed:  # (a token on the device is a sequence's last: its chunk is a decode chunk)
+            row_of = {id(seq): row for row, seq in enumerate(before.seqs)}
             feed = TokenFeed(fed, [row_of[id(batch.seqs[i])] for i in fed], before.tokens)
         logits = self.runner.run(chunks, None, feed)
-        computed, rows, sampled = [], [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens, strict=True)):
+        computed = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             self._count_prompt_tokens(seq, n)
             computed.append(seq.num_computed_tokens + n)
-            if computed[-1] == seq.num_tokens:
-                rows.append(i)
-                sampled.append(seq)
-        if sampled:
-            logits = self._rows(logits, rows)
-            tokens = sample_tokens(logits, [s.params for s in sampled], [s.generator for s in sampled],
-                                   self._penalties_ahead(sampled, before, row_of),
-                                   [self._banned(s, [], False) for s in sampled])
-            self._in_flight = _StepInFlight.launch(
-                sampled, tokens, LogprobFigures.of(logits, tokens, [s.params.logprobs for s in sampled]))
-        return batch, computed, step
-
-    def _penalties_ahead(self, sampled: list[Sequence], before: _StepInFlight | None,
-                         row_of: dict[int, int]) -> PenaltyCounts | None:
-        """The token counts of the penalized ones of ``sampled``, a token of which may still be on the device
-        (``before``'s row ``row_of[id(seq)]``): counted from there, not from its history."""
-        if not any(s.params.has_penalties for s in sampled):
-            return None
-        pending = [i for i, s in enumerate(sampled)
-                   if s.params.has_penalties and s.token_ids[-1] == TOKEN_ON_DEVICE]
-        extra = None
-        if pending:
-            rows = device_values([row_of[id(sampled[i])] for i in pending], torch.long, self.device)
-            extra = (pending, before.tokens.index_select(0, rows))
-        return self.token_counts.penalties(
-            sampled, [s.num_tokens - (s.token_ids[-1] == TOKEN_ON_DEVICE) for s in sampled], extra)
+        return batch, logits, computed, step
 
     def _resolve(self, flight: _StepInFlight | None) -> list[RequestOutput]:
         """Take an async-scheduled step's tokens to the host: append, detokenize, check each for a stop."""
@@ -445,17 +429,22 @@ class Engine:
                                             [seq.params.prompt_logprobs] * m)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None) -> list[RequestOutput]:
-        """``bitmask``: the tokens each row may take (structured outputs), None when no row is constrained."""
-        # Structured outputs mask a copy: logprobs stay the model's raw distribution, as vLLM reports them.
-        # A complete grammar allows only stop tokens, which min_tokens then no longer holds back.
-        allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
-        banned = [self._banned(s, [], s.grammar is not None and s.grammar.complete) for s in seqs]
-        token_ids = sample(allowed, [s.params for s in seqs], [s.generator for s in seqs],
-                           self.token_counts.penalties(seqs), banned)
+        """Sample, append and check each of ``seqs``' next token (``_draw``)."""
+        token_ids = self._draw(logits, seqs, bitmask).tolist()
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         self._retire([seq for seq, out in zip(seqs, outputs, strict=True) if out.finished])
         return outputs
+
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None) -> torch.Tensor:
+        """Each of ``seqs``' next token (a row of ``logits`` each), left on the device; ``bitmask``: the tokens
+        each row may take (structured outputs), None when no row is constrained."""
+        # Structured outputs mask a copy: logprobs stay the model's raw distribution, as vLLM reports them.
+        # A complete grammar allows only stop tokens, which min_tokens then no longer holds back.
+        allowed = logits if bitmask is None else self.grammars.apply(logits, bitmask)
+        banned = [self._banned(s, [], s.grammar is not None and s.grammar.complete) for s in seqs]
+        return sample_tokens(allowed, [s.params for s in seqs], [s.generator for s in seqs],
+                             self.token_counts.penalties(seqs), banned)
 
     def _computed(self, seq: Sequence, num_computed: int) -> None:
         """``seq``'s K/V now holds its first ``num_computed`` tokens: full blocks go to the prefix cache."""

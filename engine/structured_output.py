@@ -256,8 +256,11 @@ class GrammarMasks:
         as the input stays raw for logprobs."""
         import torch
 
+        from engine.to_device import device_copy
+
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((bitmask.to(logits.device)[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+        bits = device_copy(bitmask, logits.device)  # (an async-scheduled step's forward pass is still running)
+        allowed = ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
         return logits.masked_fill(~allowed, float("-inf"))
 
 

@@ -19,6 +19,13 @@ def device_values(values: list | tuple, dtype: torch.dtype, device: torch.device
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; on CUDA copied through pinned memory without waiting for the device."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A device tensor copied into pinned host memory behind the device's queued work: valid once an event
     recorded after this call has passed. Off CUDA, the tensor itself."""

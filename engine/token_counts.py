@@ -8,8 +8,8 @@ prompt's tokens, filled once from its history and then brought up to date with o
 (one a step when decoding), in one op for the whole batch. The sampler reads a batch's rows with one gather
 (``sampler.apply_penalties``), as vLLM keeps these counts on the GPU.
 
-A row's tokens that its history does not hold yet (a draft being verified, a sampled token still on the device
-under async scheduling) are added to the gathered copy only (``extra``). The tables' rows are taken at the first
+A row's tokens that its history does not hold (the draft tokens before a position being verified, or a draft
+model's draft so far) are added to the gathered copy only (``extra``). The tables' rows are taken at the first
 penalized request, ``capacity`` of them, and doubled if ever more sequences hold one; the owner (the engine, a
 draft model) gives a sequence's row back when it finishes, is aborted or is preempted (``forget``).
 """
@@ -61,13 +61,11 @@ class TokenCounts:
         self._free: list[int] = []
         self._one = torch.ones((), dtype=torch.int32, device=self.device)
 
-    def penalties(self, histories: list[TokenHistory], lengths: list[int] | None = None,
-                  extra: tuple[list[int], torch.Tensor] | None = None,
+    def penalties(self, histories: list[TokenHistory], extra: tuple[list[int], torch.Tensor] | None = None,
                   dtype: torch.dtype = torch.float32) -> PenaltyCounts | None:
         """The counts of each row of a batch whose sequence (``histories[r]``) has penalties; None when none
-        has. Row r's history is its first ``lengths[r]`` tokens (all of them when not given); a sequence may
-        have several rows. ``extra``: (rows, their tokens on the device): output tokens added to those rows'
-        counts only, one per entry (a row may repeat), each row having penalties."""
+        has. A sequence may have several rows. ``extra``: (rows, their tokens on the device): output tokens
+        added to those rows' counts only, one per entry (a row may repeat), each row having penalties."""
         rows = [r for r, h in enumerate(histories) if h.params.has_penalties]
         if not rows:
             return None
@@ -83,7 +81,7 @@ class TokenCounts:
                 taken.append(slot.index)
                 prompt_at[0] += [slot.index] * h.num_prompt_tokens
                 prompt_at[1] += h.token_ids[:h.num_prompt_tokens]
-            end = len(h.token_ids) if lengths is None else lengths[r]
+            end = len(h.token_ids)
             if slot.counted < end:
                 new = h.token_ids[slot.counted:end]
                 output_at[0] += [slot.index] * len(new)

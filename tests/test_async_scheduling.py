@@ -1,14 +1,16 @@
 """Async scheduling (``EngineConfig.async_scheduling``, engine/engine.py ``_step_ahead``): a step is launched
 before the last one's tokens reach the host, fed those tokens on the device, and the host handles them while
-it runs. Every request gets the tokens, text, finish reason and logprobs of synchronous steps (greedy and
-seeded sampling, penalties, stop tokens, stop strings, min_tokens, max_tokens, prompts arriving while others
-decode, an abort, preemption), its outputs one step later; a sequence ended by a stop computes one token more
-and no other does; a request that needs its tokens on the host runs every step synchronously while it is
-live; and every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
+its forward pass runs, then samples. Every request gets the tokens, text, finish reason and logprobs of
+synchronous steps (greedy and seeded sampling, penalties, bad words, a structured output, stop tokens, stop
+strings, min_tokens, max_tokens, prompts arriving while others decode, an abort, preemption, a failed step),
+its outputs one step later; a sequence ended by a stop computes one position more and no other does; a request
+collecting its prompt's logprobs runs every step synchronously while it is live; and every block is free at
+the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
 Triton graph buffers' feed: test_triton_engine)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import TOKEN_ON_DEVICE, Engine
 from engine.output import FinishReason
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput
 from engine.tiny import CONFIG, write_tiny_checkpoint
 from services.cli import build_parser
 from services.config import configs_from_args
@@ -81,8 +84,8 @@ def both(model_dir: Path, requests: dict, abort_after: tuple[str, int] | None = 
 
 
 def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
-    """Greedy and seeded requests of every stop kind, two asking for logprobs, two with penalties; some arrive
-    while others decode."""
+    """Greedy and seeded requests of every stop kind, two asking for logprobs, two with penalties, one with bad
+    words, one with a structured output; some arrive while others decode."""
     return {
         "greedy-length": (0, prompt(40, 1), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
                                                            logprobs=3)),
@@ -93,14 +96,24 @@ def mixed_requests() -> dict[str, tuple[int, list[int], SamplingParams]]:
         "min-tokens": (3, prompt(50, 5), SamplingParams(max_tokens=20, temperature=0.8, seed=3, min_tokens=12,
                                                         stop_token_ids=[115, 116, 117])),
         "late": (9, prompt(64, 6), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
-        # Penalties read the history, whose last token is still on the device when the next one is sampled.
-        # Two tokens allowed, none in the prompt: the penalty of the one just sampled decides the next.
+        # Penalties, bad words and grammars read the history, whose last token reaches the host while the next
+        # step's forward pass runs. Two tokens allowed, none in the prompt: the penalty of the one just sampled
+        # decides the next.
         "repetition": (0, prompt(30, 7), SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True,
                                                         repetition_penalty=1.4, allowed_token_ids=[252, 253])),
         "frequency": (4, prompt(26, 8), SamplingParams(max_tokens=28, temperature=0.3, seed=5, ignore_eos=True,
                                                        frequency_penalty=0.8, presence_penalty=0.5,
                                                        allowed_token_ids=[254, 255])),
+        # ... and two tokens biased far above the rest, each a bad word when repeated: the two alternate
+        "bad-words": (1, prompt(19, 9), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                                       logit_bias=[(250, 100.0), (251, 99.0)],
+                                                       bad_words_token_ids=[[250, 250], [251, 251]])),
+        "structured": (2, prompt(21, 10), SamplingParams(max_tokens=30, temperature=0.7, seed=9,
+                                                         structured_output=StructuredOutput("regex", REGEX))),
     }
+
+
+REGEX = r"[0-9]{3}-[a-z]{2,4}"
 
 
 def test_async_steps_give_each_request_the_tokens_text_and_finish_of_synchronous_steps_a_step_later(model_dir):
@@ -122,6 +135,9 @@ def test_async_steps_give_each_request_the_tokens_text_and_finish_of_synchronous
     assert reasons["greedy-length"] is reasons["late"] is FinishReason.LENGTH
     assert len(sync["min-tokens"][0]) >= 12 and sync["stop-string"][0][-2:] == [104, 10]
     assert "h" not in sync["stop-string"][1]
+    bad_words = sync["bad-words"][0]
+    assert len(bad_words) == 16 and all(a != b for a, b in zip(bad_words, bad_words[1:], strict=False))
+    assert re.fullmatch(REGEX, sync["structured"][1]) and reasons["structured"] is FinishReason.STOP
     # a request's tokens reach the caller one call later: what a call returns is the step before's
     for rid in sync:
         first_sync = next(i for i, got in enumerate(sync_calls) if rid in got)
@@ -139,7 +155,7 @@ def test_only_a_sequence_ended_by_a_stop_computes_a_token_past_its_end(model_dir
                                      async_scheduling=async_scheduling))
         results, _, decode_rows[async_scheduling] = drive(engine, mixed_requests())
     stopped = sum(reason is FinishReason.STOP for _, _, reason, _ in results.values())
-    assert stopped == 3 and decode_rows[True] == decode_rows[False] + stopped
+    assert stopped == 4 and decode_rows[True] == decode_rows[False] + stopped
 
 
 def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchronous_ones(model_dir):
@@ -160,24 +176,24 @@ def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchrono
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_a_request_that_needs_its_tokens_on_the_host_makes_the_steps_synchronous_while_it_is_live(model_dir):
-    """A request with bad words (whose bans follow from its last tokens, on the host) arrives among
-    async-scheduled ones: while it is live every step is synchronous (its outputs come in the call that
-    computed them), after it ends the steps run ahead again; every request's outputs equal the synchronous
-    run's."""
+def test_a_request_that_collects_prompt_logprobs_makes_the_steps_synchronous_while_it_is_live(model_dir):
+    """A request asking for its prompt's logprobs (read from the logits of the steps computing its prompt)
+    arrives among async-scheduled ones: while it is live every step is synchronous (its outputs come in the
+    call that computed them), after it ends the steps run ahead again; every request's outputs equal the
+    synchronous run's."""
     requests = {
         "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-        "bad-words": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                       bad_words_token_ids=[[5, 6], [7]])),
+        "prompt-logprobs": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                             prompt_logprobs=2)),
     }
     runs = both(model_dir, requests)
     (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
-    assert ahead == sync and len(ahead["bad-words"][0]) == 6
+    assert ahead == sync and len(ahead["prompt-logprobs"][0]) == 6
     sync_plain = [got.get("plain", 0) for got in sync_calls]
     ahead_plain = [got.get("plain", 0) for got in ahead_calls]
-    # "plain" gets its tokens a call late before "bad-words" comes and after it goes, on time while it runs
+    # "plain" gets its tokens a call late before "prompt-logprobs" comes and after it goes, on time while it runs
     assert sum(ahead_plain) == sum(sync_plain) == 30
-    both_live = [i for i, got in enumerate(ahead_calls) if "bad-words" in got]
+    both_live = [i for i, got in enumerate(ahead_calls) if "prompt-logprobs" in got]
     assert all(ahead_plain[i] == sync_plain[i] for i in both_live[1:])
     assert ahead_plain.index(1) == sync_plain.index(1) + 1 and len(ahead_plain) > len(sync_plain)
 

@@ -59,8 +59,6 @@ def test_extra_tokens_count_in_the_batch_copy_only_and_rows_may_share_a_sequence
     assert got.output_counts[:, 6].tolist() == [0, 1, 2] and got.output_counts[:, 4].tolist() == [1, 1, 1]
     again = table.penalties([s])
     assert again.output_counts[0, 6] == 0 and not again.seen[0, 6]  # the table never took the draft
-    lengths = table.penalties([s], lengths=[3], extra=([0], torch.tensor([9])))  # a sampled token on the device
-    assert lengths.output_counts[0, 9] == 1 and lengths.output_counts[0].sum() == 2
 
 
 def test_a_row_given_back_is_cleared_for_the_next_sequence_and_the_tables_grow_past_capacity():
