@@ -338,10 +338,11 @@ class Engine:
 
     def _may_sample_on_device(self, seq: Sequence) -> bool:
         """Whether ``seq``'s next step may be launched with its last token still on the device: not while its
-        prompt's logprobs are collected (read from the step's logits), nor while its prompt is to fork into n
-        samples or be handed off (a prefill-only request). Its sampling waits for nothing: that token reaches
-        the host while the step's forward pass runs, before the step samples."""
-        return not (seq.prefill_only or seq.fanout > 1 or seq.params.prompt_logprobs is not None)
+        prompt's logprobs are collected (read from the step's logits, until they are handed out with its first
+        token), nor while its prompt is to fork into n samples or be handed off (a prefill-only request). Its
+        sampling waits for nothing: that token reaches the host while the step's forward pass runs, before the
+        step samples."""
+        return not (seq.prefill_only or seq.fanout > 1 or seq.prompt_logprobs is not None)
 
     def _step_ahead(self) -> list[RequestOutput]:
         """A step launched while the last one's tokens are still on the device (vLLM's async scheduling,
@@ -619,6 +620,8 @@ class Engine:
         seq.finish_reason = reason
         text = "" if seq.text is None else seq.text.emit(final=reason not in (None, FinishReason.PREFILLED))
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # handed out once, with the first token
+        if prompt_logprobs is not None:  # its steps may run ahead from now on
+            seq.samples_on_device = self._may_sample_on_device(seq)
         return RequestOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, None if logprobs is None else [logprobs], text,
                              seq.stop_reason, prompt_logprobs)

@@ -3,9 +3,9 @@ before the last one's tokens reach the host, fed those tokens on the device, and
 its forward pass runs, then samples. Every request gets the tokens, text, finish reason and logprobs of
 synchronous steps (greedy and seeded sampling, penalties, bad words, a structured output, stop tokens, stop
 strings, min_tokens, max_tokens, prompts arriving while others decode, an abort, preemption, a failed step),
-its outputs one step later; a sequence ended by a stop computes one position more and no other does; a request
-collecting its prompt's logprobs runs every step synchronously while it is live; and every block is free at
-the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
+its outputs one step later; a sequence ended by a stop computes one position more and no other does; the step
+computing the prompt of a request for n samples or for its prompt's logprobs runs synchronously, and the steps
+after it ahead; and every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
 Triton graph buffers' feed: test_triton_engine)."""
 
 from __future__ import annotations
@@ -176,41 +176,24 @@ def test_preempted_and_aborted_sequences_under_async_scheduling_end_as_synchrono
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_a_request_that_collects_prompt_logprobs_makes_the_steps_synchronous_while_it_is_live(model_dir):
-    """A request asking for its prompt's logprobs (read from the logits of the steps computing its prompt)
-    arrives among async-scheduled ones: while it is live every step is synchronous (its outputs come in the
-    call that computed them), after it ends the steps run ahead again; every request's outputs equal the
+@pytest.mark.parametrize("kind", ["n-samples", "prompt-logprobs"])
+def test_a_request_whose_prompt_step_needs_the_host_runs_that_step_synchronously_then_ahead(model_dir, kind):
+    """A request for n = 3 seeded samples (forked from its prompt once that is computed) or for its prompt's
+    logprobs (read from the logits of the step computing its prompt, handed out with its first token) joins a
+    decoding one: the step that computes its prompt is synchronous (its first tokens come in the call that
+    computed them), the steps after run ahead (its last tokens come a call later); its outputs equal the
     synchronous run's."""
+    params = (SamplingParams(max_tokens=12, n=3, temperature=0.8, seed=11, ignore_eos=True) if kind == "n-samples"
+              else SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, prompt_logprobs=2))
     requests = {
         "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-        "prompt-logprobs": (5, prompt(12, 2), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                             prompt_logprobs=2)),
+        "new": (3, prompt(15, 2), params),
     }
     runs = both(model_dir, requests)
     (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
-    assert ahead == sync and len(ahead["prompt-logprobs"][0]) == 6
-    sync_plain = [got.get("plain", 0) for got in sync_calls]
-    ahead_plain = [got.get("plain", 0) for got in ahead_calls]
-    # "plain" gets its tokens a call late before "prompt-logprobs" comes and after it goes, on time while it runs
-    assert sum(ahead_plain) == sum(sync_plain) == 30
-    both_live = [i for i, got in enumerate(ahead_calls) if "prompt-logprobs" in got]
-    assert all(ahead_plain[i] == sync_plain[i] for i in both_live[1:])
-    assert ahead_plain.index(1) == sync_plain.index(1) + 1 and len(ahead_plain) > len(sync_plain)
-
-
-def test_the_samples_of_a_request_for_n_run_ahead_once_forked_from_their_prompt(model_dir):
-    """A request for n = 3 seeded samples joins a decoding one: the step that computes its prompt and forks it
-    is synchronous (the samples' first tokens come in the call that computed them), the steps after run ahead
-    (each sample's last token comes a call later); every sample equals the synchronous run's."""
-    requests = {
-        "plain": (0, prompt(20, 1), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
-        "three": (3, prompt(15, 2), SamplingParams(max_tokens=12, n=3, temperature=0.8, seed=11, ignore_eos=True)),
-    }
-    runs = both(model_dir, requests)
-    (sync, sync_calls, _), (ahead, ahead_calls, _) = runs[False], runs[True]
-    samples = ["three", "three#1", "three#2"]
+    samples = ["new", "new#1", "new#2"] if kind == "n-samples" else ["new"]
     assert ahead == sync and all(len(sync[key][0]) == 12 for key in samples)
-    assert len({tuple(sync[key][0]) for key in samples}) == 3  # three samples, not one thrice
+    assert len({tuple(sync[key][0]) for key in samples}) == len(samples)  # three samples, not one thrice
     for key in samples:
         calls = {run: [i for i, got in enumerate(c) if key in got] for run, c in (("sync", sync_calls),
                                                                                    ("ahead", ahead_calls))}
