@@ -15,11 +15,11 @@ outside the graph (views left out; on a GPU each is about one kernel launch or c
 runs the engine that way (``EngineConfig.async_scheduling``): the same host work, done while the device
 computes the next step on a GPU, plus what feeding the tokens on the device costs; on the CPU nothing
 overlaps, so the figures compare.
-``--repetition-penalty`` / ``--frequency-penalty`` give every request those penalties, as a checkpoint's
-generation config may (Qwen2.5's asks for a repetition penalty of 1.05).
+``--sampling`` gives every request more sampling parameters (JSON, ``SamplingParams`` fields), such as the
+repetition penalty a checkpoint's generation config may ask for (Qwen2.5's: 1.05), or a logit bias.
 
     python benchmarks/engine_host.py --batches 64,256 --prompt-len 512 [--async-scheduling] \
-        [--repetition-penalty 1.05] --json engine_host.json
+        [--sampling '{"repetition_penalty": 1.05}'] --json engine_host.json
 
 Timings are wall clock in one thread; the load average is recorded: run it on an otherwise quiet machine.
 """
@@ -85,9 +85,9 @@ class OpCounter(TorchDispatchMode):
 
 
 def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_scheduling: bool = False,
-            repetition_penalty: float = 1.0, frequency_penalty: float = 0.0) -> dict:
-    """Decode ``batch`` requests for ``steps`` steps once their prompts are in, each with the penalties given;
-    the split of a step, in ms."""
+            sampling: dict | None = None) -> dict:
+    """Decode ``batch`` requests for ``steps`` steps once their prompts are in, each greedy past its end of
+    sequence unless ``sampling`` (``SamplingParams`` fields) says otherwise; the split of a step, in ms."""
     config = EngineConfig(model=str(model_dir), attention_backend="torch", max_num_seqs=batch,
                           async_scheduling=async_scheduling)
     # The prompts are taken a few a step, so the first ones decode while the last are computed: room for those
@@ -96,8 +96,7 @@ def measure(model_dir: Path, batch: int, prompt_len: int, steps: int, async_sche
     max_tokens = steps + 16 + 2 * batch * prompt_len // config.max_num_batched_tokens
     config.num_blocks = batch * -(-(prompt_len + max_tokens + 1) // 16)
     engine = Engine(config)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty)
+    params = SamplingParams(**{"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **(sampling or {})})
     for i in range(batch):
         engine.add_request(str(i), [(7 * i + j) % 250 + 1 for j in range(prompt_len)], params)
     while engine.last_step is None or engine.last_step.prefill_chunks or engine.last_step.decode_seqs < batch:
@@ -149,9 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3, help="each figure is the median of the rounds")
     parser.add_argument("--async-scheduling", action="store_true", help="run the engine with async scheduling")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0,
-                        help="every request's (a Qwen2.5 checkpoint's generation config asks for 1.05)")
-    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="every request's")
+    parser.add_argument("--sampling", type=json.loads, default={},
+                        help='every request\'s further sampling parameters, e.g. {"repetition_penalty": 1.05}')
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # a GPU server's engine thread has one core; the forward pass is left out anyway
@@ -161,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
         for prompt_len in args.prompt_len:
             for batch in args.batches:
                 rounds = [measure(Path(tmp), batch, prompt_len, args.steps, args.async_scheduling,
-                                  args.repetition_penalty, args.frequency_penalty) for _ in range(args.rounds)]
+                                  args.sampling) for _ in range(args.rounds)]
                 results.append({key: statistics.median(r[key] for r in rounds) for key in rounds[0]})
     headers = ["batch", "prompt", "step ms", "forward ms", "torch prepare ms", "schedule ms",
                "the rest ms", "graph load ms", "graphed host ms", "µs per sequence", "ops"]
@@ -173,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  for r in results]))
     print(f"load average: {load_average()}")
     out = {"results": results, "async_scheduling": args.async_scheduling,
-           "repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+           "sampling": args.sampling,
            "load_average": load_average()}
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

@@ -18,7 +18,7 @@ import torch
 
 from engine.output import TokenLogprobs
 from engine.sampling_params import SamplingParams
-from engine.to_device import device_values, host_copy
+from engine.to_device import device_index, device_values, host_copy
 from engine.token_counts import PenaltyCounts
 
 
@@ -120,18 +120,34 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], penaltie
         if not rows:
             return logits
     out = logits.clone() if penalties is None else _penalized(logits, params, penalties)
-    vocab, device = logits.shape[-1], logits.device
+    biased: list[list[int]] = [[], []]  # (row, token) of each bias
+    biases: list[float] = []
+    allowed_rows: list[int] = []  # the rows with allowed_token_ids
+    allowed: list[list[int]] = [[], []]  # (index in allowed_rows, token) of each token they allow
+    ruled_out: list[list[int]] = [[], []]  # (row, token) of each banned token
     for r in rows:
-        p, row = params[r], out[r]
-        if p.logit_bias:
-            ids, biases = zip(*p.logit_bias, strict=True)
-            row.index_add_(0, device_values(ids, torch.long, device), device_values(biases, row.dtype, device))
+        p = params[r]
+        for token, bias in p.logit_bias:
+            biased[0].append(r)
+            biased[1].append(token)
+            biases.append(bias)
         if p.allowed_token_ids is not None:
-            keep = torch.zeros(vocab, dtype=torch.bool, device=device)
-            keep[device_values(p.allowed_token_ids, torch.long, device)] = True
-            row.masked_fill_(~keep, float("-inf"))
+            allowed[0] += [len(allowed_rows)] * len(p.allowed_token_ids)
+            allowed[1] += p.allowed_token_ids
+            allowed_rows.append(r)
         if banned and banned[r]:
-            row[device_values(banned[r], torch.long, device)] = float("-inf")
+            ruled_out[0] += [r] * len(banned[r])
+            ruled_out[1] += banned[r]
+    device = logits.device  # (each of the three for all rows at once, as a few ops)
+    if biases:
+        out.index_put_(device_index(biased, device), device_values(biases, out.dtype, device), accumulate=True)
+    if allowed_rows:
+        index = device_values(allowed_rows, torch.long, device)
+        keep = torch.zeros(len(allowed_rows), out.shape[-1], dtype=torch.bool, device=device)
+        keep[device_index(allowed, device)] = True
+        out.index_copy_(0, index, out.index_select(0, index).masked_fill_(~keep, float("-inf")))
+    if ruled_out[0]:
+        out[device_index(ruled_out, device)] = float("-inf")
     return out
 
 

@@ -19,6 +19,12 @@ def device_values(values: list | tuple, dtype: torch.dtype, device: torch.device
     return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
+def device_index(rows_and_columns: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two lists of as many indices, rows then columns, as index tensors on ``device`` (one copy for both)."""
+    rows, columns = device_values(rows_and_columns, torch.long, device)
+    return rows, columns
+
+
 def device_copy(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on ``device``; on CUDA copied through pinned memory without waiting for the device."""
     if device.type != "cuda":

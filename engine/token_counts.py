@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.to_device import device_values
+from engine.to_device import device_index, device_values
 
 
 class TokenHistory(Protocol):
@@ -93,10 +93,9 @@ class TokenCounts:
             self.output[index] = 0
             self.in_prompt[index] = False
         if prompt_at[0]:
-            self.in_prompt[tuple(device_values(prompt_at, torch.long, self.device))] = True
+            self.in_prompt[device_index(prompt_at, self.device)] = True
         if output_at[0]:
-            self.output.index_put_(tuple(device_values(output_at, torch.long, self.device)), self._one,
-                                   accumulate=True)
+            self.output.index_put_(device_index(output_at, self.device), self._one, accumulate=True)
         index = device_values([table_rows, rows], torch.long, self.device)
         counts = self.output.index_select(0, index[0])
         if extra is not None and extra[0]:

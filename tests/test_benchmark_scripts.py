@@ -38,7 +38,12 @@ def test_the_output_delivery_benchmark_measures_both_ways_of_delivering_a_step(t
 def test_the_host_benchmark_splits_a_decode_step_and_loads_the_graph_buffers(tmp_path):
     rows = run_benchmark("engine_host.py", ["--batches", "3,8", "--prompt-len", "20", "--steps", "6",
                                             "--rounds", "1"], tmp_path)
+    penalized = run_benchmark("engine_host.py", ["--batches", "3", "--prompt-len", "20", "--steps", "6",
+                                                 "--rounds", "1", "--sampling", '{"repetition_penalty": 1.1}'],
+                              tmp_path)
     assert [(row["batch"], row["prompt_len"], row["steps"]) for row in rows] == [(3, 20, 6), (8, 20, 6)]
+    # the ops a graphed step runs outside its graph: the same at either batch, more with penalties
+    assert 0 < rows[0]["graphed_step_ops"] == rows[1]["graphed_step_ops"] < penalized[0]["graphed_step_ops"]
     for row in rows:
         assert 0 < row["forward_ms"] < row["step_ms"] and row["graph_load_ms"] > 0 and row["schedule_ms"] > 0
         parts = row["forward_ms"] + row["torch_prepare_ms"] + row["schedule_ms"] + row["rest_ms"]

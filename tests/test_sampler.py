@@ -256,3 +256,22 @@ def test_seeded_penalized_rows_reproduce_whatever_the_batch():
         return sample(x[rows], batch, gens, penalties)[rows.index(0)]
 
     assert draw([0]) == draw([1, 0, 2]) == draw([2, 1, 0])
+
+
+def test_a_batchs_bias_allowed_ids_and_bans_equal_each_rows_alone():
+    """They are applied to all rows at once (a few ops a step, not a few a row): each row comes out as it
+    would alone, a row with none of them untouched, a repeated bias added twice."""
+    x = logits(5, seed=12)
+    params = [SamplingParams(logit_bias=[(3, 2.5), (9, -1.0), (3, 0.5)]), SamplingParams(),
+              SamplingParams(allowed_token_ids=[4, 8, 15], logit_bias=[(8, -3.0)]),
+              SamplingParams(allowed_token_ids=[1, 2]), SamplingParams(temperature=0)]
+    banned = [[7], [], [15], [], [0, 49]]
+    together = apply_penalties(x, params, None, banned)
+    for r in range(len(params)):
+        alone = apply_penalties(x[r:r + 1], params[r:r + 1], None, banned[r:r + 1])
+        assert torch.equal(together[r], alone[0]), r
+    assert together[0, 3] == x[0, 3] + 3.0 and together[0, 7] == float("-inf")
+    assert torch.equal(together[1], x[1])
+    assert torch.isfinite(together[2]).nonzero().flatten().tolist() == [4, 8]
+    assert together[2, 8] == x[2, 8] - 3.0 and torch.isfinite(together[3]).sum() == 2
+    assert not torch.isfinite(together[4, [0, 49]]).any() and torch.isfinite(together[4]).sum() == V - 2
