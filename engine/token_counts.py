@@ -2,7 +2,7 @@
 
 Repetition, frequency and presence penalties read a sequence's whole history: which tokens its prompt holds and
 how often each one came in its output. Rebuilt row by row at every step, that was a host pass over each history
-and about ten small device ops a row: at batch 64, more host time than the rest of a graphed decode step. Here
+and about fifteen small device ops a row: at batch 64, more host time than the rest of a graphed decode step. Here
 each penalized sequence owns a row of two vocabulary-wide tables on the device, its output's counts and its
 prompt's tokens, filled once from its history and then brought up to date with only the tokens it gained since
 (one a step when decoding), in one op for the whole batch. The sampler reads a batch's rows with one gather
@@ -40,7 +40,7 @@ class PenaltyCounts:
 
     rows: list[int]  # the logits rows, in order
     row_index: torch.Tensor  # the same, on the device
-    output_counts: torch.Tensor  # [len(rows), vocab], the logits' dtype: each token's count in the row's output
+    output_counts: torch.Tensor  # [len(rows), vocab] float32: each token's count in the row's output
     seen: torch.Tensor  # [len(rows), vocab] bool: in the row's prompt or output (the repetition penalty's set)
 
 
@@ -61,8 +61,8 @@ class TokenCounts:
         self._free: list[int] = []
         self._one = torch.ones((), dtype=torch.int32, device=self.device)
 
-    def penalties(self, histories: list[TokenHistory], extra: tuple[list[int], torch.Tensor] | None = None,
-                  dtype: torch.dtype = torch.float32) -> PenaltyCounts | None:
+    def penalties(self, histories: list[TokenHistory],
+                  extra: tuple[list[int], torch.Tensor] | None = None) -> PenaltyCounts | None:
         """The counts of each row of a batch whose sequence (``histories[r]``) has penalties; None when none
         has. A sequence may have several rows. ``extra``: (rows, their tokens on the device): output tokens
         added to those rows' counts only, one per entry (a row may repeat), each row having penalties."""
@@ -96,14 +96,14 @@ class TokenCounts:
             self.in_prompt[device_index(prompt_at, self.device)] = True
         if output_at[0]:
             self.output.index_put_(device_index(output_at, self.device), self._one, accumulate=True)
-        index = device_values([table_rows, rows], torch.long, self.device)
-        counts = self.output.index_select(0, index[0])
+        table_index, row_index = device_index([table_rows, rows], self.device)
+        counts = self.output.index_select(0, table_index)
         if extra is not None and extra[0]:
             position = {r: i for i, r in enumerate(rows)}
             at = device_values([position[r] for r in extra[0]], torch.long, self.device)
             counts.index_put_((at, extra[1]), self._one, accumulate=True)
-        seen = self.in_prompt.index_select(0, index[0]) | (counts > 0)
-        return PenaltyCounts(rows, index[1], counts.to(dtype), seen)
+        seen = self.in_prompt.index_select(0, table_index) | (counts > 0)
+        return PenaltyCounts(rows, row_index, counts.float(), seen)
 
     def forget(self, seq_id: int) -> None:
         """Give ``seq_id``'s row back (finished, aborted or preempted: a preempted one is counted again)."""

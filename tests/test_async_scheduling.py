@@ -5,8 +5,8 @@ synchronous steps (greedy and seeded sampling, penalties, bad words, a structure
 strings, min_tokens, max_tokens, prompts arriving while others decode, an abort, preemption, a failed step),
 its outputs one step later; a sequence ended by a stop computes one position more and no other does; the step
 computing the prompt of a request for n samples or for its prompt's logprobs runs synchronously, and the steps
-after it ahead; and every block is free at the end. On the torch backend, with the built-in tiny model's byte-level tokenizer (the
-Triton graph buffers' feed: test_triton_engine)."""
+after it ahead; and every block is free at the end. On the torch backend, with the built-in tiny model's
+byte-level tokenizer (the Triton graph buffers' feed: test_triton_engine)."""
 
 from __future__ import annotations
 
@@ -262,8 +262,8 @@ def test_an_output_held_for_the_caller_comes_out_of_the_step_after_a_failed_one(
     engine = Engine(EngineConfig(model=str(model_dir), attention_backend="torch",
                                  async_scheduling=async_scheduling))
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    for rid in ("a", "b"):
-        engine.add_request(rid, prompt(20, len(rid)), params)
+    for i, rid in enumerate(("a", "b")):
+        engine.add_request(rid, prompt(20, i), params)
     for _ in range(3):
         engine.step()
     engine.abort("a")
