@@ -152,7 +152,8 @@ def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
 @pytest.mark.timeout(600)
 def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_wait_for_the_device(tmp_path):
     """Async scheduling on compiled kernels and captured decode graphs: float32 tokens, greedy and seeded with
-    top-p, some with logprobs or penalties, equal the synchronous engine's, requests joining while others
+    top-p, some with logprobs, penalties, min_tokens, a logit bias and bad words, or allowed token ids, equal
+    the synchronous engine's, requests joining while others
     decode; and once every request decodes, a step neither copies from pageable memory nor synchronizes a
     stream (torch's sync debug mode raises on either): the host never waits for the device's step in flight."""
     if ran_in_a_compiling_process(
@@ -166,9 +167,12 @@ def test_async_scheduled_steps_on_cuda_graphs_match_synchronous_ones_and_never_w
     model_dir = write_model(tmp_path)
     def params(i: int) -> SamplingParams:
         sampling = GREEDY if i % 2 else dict(temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        # what the sampler applies to all rows at once: bans (min_tokens' stop tokens, bad words), a bias, allowed ids
+        rules = [dict(min_tokens=6, stop_token_ids=[9]), {}, dict(allowed_token_ids=list(range(40, 200))), {}, {},
+                 dict(logit_bias=[(3, 1.5)], bad_words_token_ids=[[7], [4, 5]])][i]
         return SamplingParams(max_tokens=16 + i, logprobs=i % 3 or None,
                               repetition_penalty=1.3 if i == 3 else 1.0, frequency_penalty=0.5 if i == 4 else 0.0,
-                              **sampling)
+                              **sampling, **rules)
 
     requests = {f"r{i}": (prompt(7 + 11 * i, i), params(i)) for i in range(6)}
     runs, replays = {}, {}
