@@ -59,11 +59,11 @@ class DecodeGraphs:
         device, top, B = runner.device, self.sizes[-1], runner.block_size
         rows = top * query_len
         # The static buffers, as views of three tensors that a step fills with one host-to-device copy each from
-        # host mirrors (pinned on CUDA): token ids, positions, slots and the row of a token fed from the device
-        # (-1: none) by row; each row's LoRA slot - 1 (-1: the base model, and the padding) then each sequence's
-        # context length; the block tables.
+        # host mirrors (pinned on CUDA): token ids, positions and slots by row (a token fed from the device is
+        # written over its row's after the copy: ``TokenFeed.write``); each row's LoRA slot - 1 (-1: the base
+        # model, and the padding) then each sequence's context length; the block tables.
         pin = device.type == "cuda"
-        self._host_rows = torch.zeros(4, rows, dtype=torch.long, pin_memory=pin)
+        self._host_rows = torch.zeros(3, rows, dtype=torch.long, pin_memory=pin)
         self._host_rows[2:] = -1  # no slot: a row writes nothing until a step fills it
         self._host_ints = torch.tensor([-1] * rows + [1] * top, dtype=torch.int32)
         self._host_ints = self._host_ints.pin_memory() if pin else self._host_ints
@@ -78,7 +78,7 @@ class DecodeGraphs:
         self._padding_table = [0] * -(-query_len // B)  # a padding sequence's: its q positions in block 0
         self._row_inputs = self._host_rows.to(device, copy=True)
         self._int_inputs = self._host_ints.to(device, copy=True)
-        self.input_ids, self.positions, self.slots, self._fed_rows = self._row_inputs.unbind()
+        self.input_ids, self.positions, self.slots = self._row_inputs.unbind()
         # recorded after a step's copies: the mirrors are written again only once those have run
         self._copied = torch.cuda.Event() if pin else None
         self.lora_index = self._int_inputs[:rows] if runner.with_lora else None
@@ -145,9 +145,6 @@ class DecodeGraphs:
         # a decode row sees positions up to its own; a drafted chunk's rows are the last q of its sequence
         lens[:n] = [c.start_pos + q for c in chunks]
         rows[2, m:padded], ints[m:padded], lens[n:size] = -1, -1, q  # padding sequences: write nothing
-        rows[3, :padded] = -1
-        if feed is not None:
-            rows[3, [k * q for k in feed.chunks]] = feed.rows
         self._load_tables([c.block_table for c in chunks] + [self._padding_table] * (size - n))
         width = max((c.start_pos + q - 1) // B + 1 for c in chunks)
         # (the first two are a few KiB: copied whole, they need no slicing on either side)
@@ -156,9 +153,8 @@ class DecodeGraphs:
         self.tables[:size, :width].copy_(self._host_tables[:size, :width], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        if feed is not None:
-            ids, fed = self.input_ids[:padded], self._fed_rows[:padded]
-            ids.copy_(torch.where(fed >= 0, feed.tokens[fed.clamp(min=0)], ids))
+        if feed is not None:  # (a fed chunk is a decode chunk, its token at its first row)
+            feed.write(self.input_ids, [k * q for k in feed.chunks])
         return size, q
 
     def _load_tables(self, tables: list[list[int]]) -> None:

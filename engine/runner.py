@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache
 from engine.lora import LoRABatch, LoRARows
 from engine.model import AttentionMetadata, CausalLM, PrefillMeta, rope_cos_sin
 from engine.streaming_window import StreamingWindow
-from engine.to_device import device_values
+from engine.to_device import device_index, device_values
 from engine.triton_attention import paged_metadata
 
 
@@ -51,6 +51,12 @@ class TokenFeed:
     chunks: list[int]
     rows: list[int]
     tokens: torch.Tensor
+
+    def write(self, input_ids: torch.Tensor, positions: list[int]) -> None:
+        """Put the fed tokens into the step's ``input_ids`` on the device: chunk ``chunks[k]``'s at
+        ``positions[k]`` (one copy of the indices and two ops, however many are fed)."""
+        at, rows = device_index([positions, self.rows], input_ids.device)
+        input_ids.index_copy_(0, at, self.tokens.index_select(0, rows))
 
 
 class ModelRunner:
@@ -158,8 +164,7 @@ class ModelRunner:
             row for i, last in enumerate(last_rows) for row in range(first_rows.get(i, last), last + 1)]
         input_ids = device_values(token_ids, torch.long, self.device)
         if feed is not None:  # a fed chunk is a decode chunk: its one row is its last
-            input_ids[device_values([last_rows[i] for i in feed.chunks], torch.long, self.device)] = \
-                feed.tokens[device_values(feed.rows, torch.long, self.device)]
+            feed.write(input_ids, [last_rows[i] for i in feed.chunks])
         return input_ids, pos, meta, device_values(rows, torch.long, self.device)
 
     def _lora_rows(self, slots: list[int]) -> LoRARows:
