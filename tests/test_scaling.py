@@ -95,8 +95,13 @@ def test_workers_added_while_serving_take_over_from_a_drained_one_and_scale_drai
     assert [w["alive"] for w in _workers(server, "decode")] == [True, True, True]
     drained = httpx.delete(f"{server.http_url}/v1/cluster/workers/decode-0", timeout=120).json()
     assert (drained["id"], drained["role"], drained["resumed"]) == ("decode-0", "decode", 0)
-    with pytest.raises(ray.exceptions.RayActorError):  # stopped: its resources are Ray's again
-        ray.get(original.actor.load.remote(), timeout=30)
+    def stopped() -> bool:  # its resources are Ray's again (ray.kill takes effect a moment after it returns)
+        try:
+            ray.get(original.actor.load.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return True
+        return False
+    assert wait_until(stopped, 30)
     assert greedy_chat(server, text, 8) == expected  # served by the added workers
     assert wait_until(lambda: idle(server), 30)  # the reports no longer count the chat as running
     assert _scale(server, "--decode", "1", "--drain-timeout-s", "30") == 0
