@@ -158,11 +158,14 @@ def _penalized(logits: torch.Tensor, params: list[SamplingParams], penalties: Pe
                              [p.presence_penalty for p in chosen]], logits.dtype, logits.device).unsqueeze(-1)
     every = len(chosen) == logits.shape[0]  # (rows are in order: then they are all of them)
     scores = logits if every else logits.index_select(0, penalties.row_index)
-    # (a repetition penalty of 1, or a zero frequency or presence penalty, leaves a score as it is, exactly)
-    repeated = torch.where(scores < 0, scores * figures[0], scores / figures[0])
-    scores = torch.where(penalties.seen, repeated, scores)
-    counts = penalties.output_counts
-    scores = scores - (figures[1] * counts + figures[2] * (counts > 0).to(scores.dtype))
+    # A repetition penalty of 1, or a zero frequency or presence penalty, leaves a score as it is, exactly: each
+    # kind runs only when some row has it (and one does: ``scores`` is a new tensor then, never ``logits``).
+    if any(p.repetition_penalty != 1.0 for p in chosen):
+        repeated = torch.where(scores < 0, scores * figures[0], scores / figures[0])
+        scores = torch.where(penalties.seen, repeated, scores)
+    if any(p.frequency_penalty or p.presence_penalty for p in chosen):
+        counts = penalties.output_counts
+        scores = scores - (figures[1] * counts + figures[2] * (counts > 0).to(scores.dtype))
     return scores if every else logits.index_copy(0, penalties.row_index, scores)
 
 
