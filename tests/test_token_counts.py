@@ -83,14 +83,16 @@ def test_batched_penalties_equal_each_rows_alone_exactly():
     seqs = [seq(1, [1, 4, 4, 9, 2], 2),
             seq(2, [3, 3, 8, 8, 8], 2, frequency_penalty=0.25, presence_penalty=0.5),
             seq(3, [5, 6], 2, repetition_penalty=1.0),
-            seq(4, [0, 7, 7, 1], 1, repetition_penalty=0.7, frequency_penalty=-0.3, presence_penalty=1.5)]
+            seq(4, [0, 7, 7, 1], 1, repetition_penalty=0.7, frequency_penalty=-0.3, presence_penalty=1.5),
+            seq(5, [2, 6, 6], 1, presence_penalty=0.8)]  # (alone, a batch with no repetition penalty)
     x = torch.randn(len(seqs), V, generator=gen) * 3
     params = [s.params for s in seqs]
-    together = apply_penalties(x, params, TokenCounts(V, "cpu", 4).penalties(seqs))
+    together = apply_penalties(x, params, TokenCounts(V, "cpu", len(seqs)).penalties(seqs))
     for r, s in enumerate(seqs):
         alone = apply_penalties(x[r:r + 1], [s.params], TokenCounts(V, "cpu", 1).penalties([s]))
         assert torch.equal(together[r], alone[0]), r
     assert torch.equal(together[2], x[2])  # a row without penalties is left as it is
+    assert together[4, 6] == x[4, 6] - 0.8 and torch.equal(together[4, :6], x[4, :6])
     assert torch.equal(apply_penalties(x[2:3], params[2:3], None), x[2:3])
     with pytest.raises(ValueError, match="TokenCounts"):
         apply_penalties(x, params, None)
