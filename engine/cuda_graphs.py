@@ -64,7 +64,7 @@ class DecodeGraphs:
         # model, and the padding) then each sequence's context length; the block tables.
         pin = device.type == "cuda"
         self._host_rows = torch.zeros(3, rows, dtype=torch.long, pin_memory=pin)
-        self._host_rows[2:] = -1  # no slot: a row writes nothing until a step fills it
+        self._host_rows[2] = -1  # no slot: a row writes nothing until a step fills it
         self._host_ints = torch.tensor([-1] * rows + [1] * top, dtype=torch.int32)
         self._host_ints = self._host_ints.pin_memory() if pin else self._host_ints
         # a drafted step's padding rows sit up to query_len - 1 positions past the context: its table has room.

@@ -67,10 +67,11 @@ TOKEN_ON_DEVICE = -1
 
 @dataclass
 class _StepInFlight:
-    """A step launched with async scheduling whose sampled tokens have not been seen by the host yet."""
+    """A step launched with async scheduling whose sampled tokens have not been seen by the host yet. Each
+    sequence's token_ids end with TOKEN_ON_DEVICE until then: the next step takes these tokens to the host
+    before anything else is appended."""
 
     seqs: list[Sequence]  # the sequences it sampled, by row
-    positions: list[int]  # where each one's token goes in its token_ids (TOKEN_ON_DEVICE until then)
     tokens: torch.Tensor  # the tokens on the device: the next step's inputs read them there
     host: torch.Tensor  # ... and copied to the host, there once ``copied`` has passed (off CUDA: ``tokens``)
     logprobs: LogprobFigures | None  # on the host too, for the rows that asked for them
@@ -81,14 +82,13 @@ class _StepInFlight:
                logprobs: LogprobFigures | None) -> _StepInFlight:
         """Start copying ``tokens`` (and ``logprobs``) to the host behind the step's queued work, and hold a
         place for each token."""
-        positions = [s.num_tokens for s in seqs]
         for s in seqs:
             s.token_ids.append(TOKEN_ON_DEVICE)
         host, logprobs = host_copy(tokens), None if logprobs is None else logprobs.to_host()
         copied = torch.cuda.Event() if tokens.device.type == "cuda" else None
         if copied is not None:
             copied.record()
-        return cls(seqs, positions, tokens, host, logprobs, copied)
+        return cls(seqs, tokens, host, logprobs, copied)
 
     def wait(self) -> None:
         """Until the step's work on the device, its writes to the K/V blocks included, is done."""
@@ -187,7 +187,6 @@ class Engine:
         self._check(request_id, prompt_ids, params, prefill_only, lora=lora)
         seq = self._new_seq(request_id, list(prompt_ids), params, 0, output_ids=output_ids, lora=lora)
         seq.fanout, seq.prefill_only, seq.priority = params.n, prefill_only, priority
-        seq.samples_on_device = self._may_sample_on_device(seq)
         # an estimate for load reports until admission sets the real figure (stops at the first miss)
         seq.num_cached_tokens = self.block_size * len(self.block_manager.cached_prefix(
             seq.token_ids, self.scheduler.cacheable_blocks(seq), seq.hash_salt)[0])
@@ -336,14 +335,6 @@ class Engine:
                 and all(seq.samples_on_device for seq in s.waiting)
                 and all(seq.samples_on_device for seq in s.held))
 
-    def _may_sample_on_device(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next step may be launched with its last token still on the device: not while its
-        prompt's logprobs are collected (read from the step's logits, until they are handed out with its first
-        token), nor while its prompt is to fork into n samples or be handed off (a prefill-only request). Its
-        sampling waits for nothing: that token reaches the host while the step's forward pass runs, before the
-        step samples."""
-        return not (seq.prefill_only or seq.fanout > 1 or seq.prompt_logprobs is not None)
-
     def _step_ahead(self) -> list[RequestOutput]:
         """A step launched while the last one's tokens are still on the device (vLLM's async scheduling,
         SGLang's overlap scheduler): its forward pass is launched with those tokens fed to it on the device;
@@ -409,11 +400,11 @@ class Engine:
         outputs, finished = [], []
         tokens = flight.host.tolist()
         logprobs = [None] * len(tokens) if flight.logprobs is None else flight.logprobs.token_logprobs(tokens)
-        for seq, pos, tok, lp in zip(flight.seqs, flight.positions, tokens, logprobs, strict=True):
+        for seq, tok, lp in zip(flight.seqs, tokens, logprobs, strict=True):
             if seq.status is SeqStatus.FINISHED:  # aborted, or ended at its token of the step before
                 continue
-            seq.token_ids[pos] = tok
-            out = self._emit(seq, tok, lp, pos + 1 - seq.num_prompt_tokens)
+            seq.token_ids[-1] = tok
+            out = self._emit(seq, tok, lp)
             if out.finished:
                 finished.append(seq)
             outputs.append(out)
@@ -609,19 +600,17 @@ class Engine:
     def _append(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None) -> RequestOutput:
         """Add a sampled token and decide whether the sample is done (stop token, stop string, length)."""
         seq.token_ids.append(tok)
-        return self._emit(seq, tok, logprobs, seq.num_output_tokens)
+        return self._emit(seq, tok, logprobs)
 
-    def _emit(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None, num_output: int) -> RequestOutput:
-        """The output of ``seq``'s ``num_output``-th token ``tok``, in its token_ids: done or not, its text."""
+    def _emit(self, seq: Sequence, tok: int, logprobs: TokenLogprobs | None) -> RequestOutput:
+        """The output of ``seq``'s last token ``tok``: done or not, its text."""
         if seq.grammar is not None:
             seq.grammar.advance(tok)
-        reason, seq.stop_reason = check_finish(tok, num_output, seq.params, self.eos_token_ids,
+        reason, seq.stop_reason = check_finish(tok, seq.num_output_tokens, seq.params, self.eos_token_ids,
                                                seq.text, seq.prefill_only)
         seq.finish_reason = reason
         text = "" if seq.text is None else seq.text.emit(final=reason not in (None, FinishReason.PREFILLED))
         prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, None  # handed out once, with the first token
-        if prompt_logprobs is not None:  # its steps may run ahead from now on
-            seq.samples_on_device = self._may_sample_on_device(seq)
         return RequestOutput(seq.request_id, seq.index, [tok], reason is not None, reason, seq.num_prompt_tokens,
                              seq.num_cached_tokens, None if logprobs is None else [logprobs], text,
                              seq.stop_reason, prompt_logprobs)
@@ -700,7 +689,6 @@ class Engine:
         self.requests[request_id] = [seq]
         self.block_manager.salt_hashes(seq_id, seq.hash_salt)
         self.block_manager.commit(seq_id, seq.token_ids, seq.num_computed_tokens)
-        seq.samples_on_device = self._may_sample_on_device(seq)
         self.scheduler.add_running(seq)
 
     # -- KV pool ---------------------------------------------------------------------------------
@@ -889,7 +877,5 @@ class Engine:
             self.scheduler.add_running(child)
             self.requests[parent.request_id].append(child)
             samples.append(child)
-        parent.fanout = 1
-        for s in samples:  # each decodes on its own from here: async scheduling may take it
-            s.samples_on_device = self._may_sample_on_device(s)
+        parent.fanout = 1  # each decodes on its own from here: async scheduling may take it
         return samples

@@ -222,8 +222,10 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], counts: list[int | 
     """Per row: the sampled token's logprob, its rank and the row's ``counts[row]`` most likely tokens, from
     the model's raw distribution (before penalties, temperature, top-k and top-p, as vLLM reports them); None
     for a row whose count is None (its request asked for no logprobs)."""
+    if all(n is None for n in counts):  # (most steps: no copy of the tokens to the device for nothing)
+        return [None] * len(counts)
     figures = LogprobFigures.of(logits, device_values(token_ids, torch.long, logits.device), counts)
-    return [None] * len(counts) if figures is None else figures.token_logprobs(token_ids)
+    return figures.token_logprobs(token_ids)
 
 
 @dataclass

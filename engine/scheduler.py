@@ -80,9 +80,14 @@ class Sequence:
     # What its blocks' chain hashes are salted with in the prefix cache (None: the engine's): an adapter's and a
     # long LongRoPE sequence's blocks are not the base model's, nor a short sequence's (``Engine._salt``).
     hash_salt: bytes | None = None
-    # Async scheduling (``Engine``): its tokens may be sampled on the device and fed to the next step before
-    # the host sees them, since nothing of its sampling reads its history or a token's host-side result.
-    samples_on_device: bool = False
+    @property
+    def samples_on_device(self) -> bool:
+        """Async scheduling (``Engine``): whether its next step may be launched with its last token still on
+        the device. Not while its prompt's logprobs are collected (read from the step's logits, until they go
+        out with its first token), nor while its prompt is to fork into n samples or be handed off (a
+        prefill-only request). Its sampling waits for nothing: that token reaches the host while the step's
+        forward pass runs, before the step samples."""
+        return not (self.prefill_only or self.fanout > 1 or self.prompt_logprobs is not None)
 
     @property
     def num_tokens(self) -> int:
