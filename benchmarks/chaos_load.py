@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from loadtest.clients import sse_data, sse_lines
+
 PROMPT = "The tide comes in and the tide goes out; between the two, the harbour"
 
 
@@ -55,10 +57,10 @@ async def _stream(client: httpx.AsyncClient, model: str, max_tokens: int, tally:
             if response.status_code != 200:
                 tally.lost += 1
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for data in sse_data(sse_lines(response.aiter_text())):
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
                 if "error" in event:
                     break
                 choice = event["choices"][0]

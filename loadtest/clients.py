@@ -10,6 +10,7 @@ server reports it, else from the token ids (gRPC) or the number of token chunks.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import httpx
 
 from loadtest.workloads import RequestSpec
 from tidepool.v1 import serving_pb2, serving_pb2_grpc
+
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass
@@ -78,6 +81,21 @@ def parse_retry_after(value: str | None) -> float | None:
         return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
     except (TypeError, ValueError):
         return None
+
+
+async def sse_lines(text: AsyncIterator[str]) -> AsyncIterator[str]:
+    """An event stream's lines, ended where SSE ends them: at CRLF, CR or LF only. Not httpx's ``aiter_lines``,
+    which also splits at the Unicode line breaks (U+2028, U+0085, ...) that JSON may leave raw in a string."""
+    pending = ""
+    async for chunk in text:
+        pending += chunk
+        held = "\r" if pending.endswith("\r") else ""  # maybe the first half of a CRLF: wait for the next chunk
+        *lines, pending = _SSE_LINE_END.split(pending.removesuffix(held))
+        pending += held
+        for line in lines:
+            yield line
+    if pending:
+        yield pending.removesuffix("\r")
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -160,7 +178,7 @@ class OpenAIClient:
                         rec.status = "rejected"
                         rec.retry_after_s = parse_retry_after(resp.headers.get("retry-after"))
                     return rec
-                async for data in sse_data(resp.aiter_lines()):
+                async for data in sse_data(sse_lines(resp.aiter_text())):
                     if data.strip() == "[DONE]":
                         break
                     now = time.perf_counter() - start

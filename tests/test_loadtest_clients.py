@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loadtest.cli import add_bench_parser
-from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord
+from loadtest.clients import GrpcClient, OpenAIClient, RequestRecord, sse_lines
 from loadtest.runner import BenchConfig, run_benchmark
 from loadtest.workloads import RequestSpec
 from router.trace import TraceError
@@ -50,6 +50,14 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
+def _sse_raw_text_crlf(obj) -> str:
+    """As a server may also send events: UTF-8 text unescaped in the JSON, lines ended by CRLF."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\r\n\r\n"
+
+
+LINE_BREAKS = "\u2028\x85\u2029"  # line ends to str.splitlines, text to JSON and SSE
+
+
 def make_app(state: ServerState) -> FastAPI:
     app = FastAPI()
 
@@ -64,10 +72,11 @@ def make_app(state: ServerState) -> FastAPI:
             return JSONResponse({"error": {"message": "internal"}}, status_code=500)
         prompt = "".join(m["content"] for m in body["messages"]) if chat else body["prompt"]
         n, hang = body["max_tokens"], state.fast_requests is not None and index > state.fast_requests
+        sse = _sse_raw_text_crlf if model == "line-breaks" else _sse
 
         def chunk(i: int) -> dict:
             finish = "length" if i == n - 1 else None
-            piece = f"t{i} "
+            piece = f"t{i}{LINE_BREAKS if model == 'line-breaks' else ''} "
             choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
             return {"id": "x", "choices": [{**choice, "finish_reason": finish}]}
 
@@ -83,19 +92,19 @@ def make_app(state: ServerState) -> FastAPI:
         async def events():
             yield ": ping\n\n"  # an SSE comment, as servers send for keep-alive
             if chat:  # the role-only chunk servers send before any token exists
-                yield _sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+                yield sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             await asyncio.sleep(state.first_delay_s)
             for i in range(n):
                 if i:
                     await asyncio.sleep(state.gap_s)
                 if model == "midstream-error" and i == 2:
-                    yield _sse({"error": {"message": "engine died"}})
+                    yield sse({"error": {"message": "engine died"}})
                     return
-                yield _sse(chunk(i))
+                yield sse(chunk(i))
                 if hang:
                     await asyncio.sleep(60)
             if model != "no-usage" and body.get("stream_options", {}).get("include_usage"):
-                yield _sse({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
+                yield sse({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n,
                                                      "prompt_tokens_details": {"cached_tokens": CACHED}}})
             yield "data: [DONE]\n\n"
             state.completed += 1
@@ -162,6 +171,28 @@ def test_completions_stream_is_parsed_with_chunk_times_and_usage(server):
     assert sent["path"] == "/v1/completions" and sent["headers"]["x-request-id"] == "r1"
     assert sent["body"]["stream"] is True and sent["body"]["stream_options"] == {"include_usage": True}
     assert sent["body"]["ignore_eos"] is True and sent["body"]["max_tokens"] == 4
+
+
+@pytest.mark.timeout(60)
+def test_events_split_only_at_cr_and_lf_keep_unicode_line_breaks_in_their_text(server):
+    _, url = server
+    rec = _send(url, RequestSpec("r1", prompt_len=5, max_tokens=3, prompt="hello"), model="line-breaks")
+    assert rec.status == "ok", rec.error
+    assert rec.generated_text == "".join(f"t{i}{LINE_BREAKS} " for i in range(3)) and len(rec.chunk_s) == 3
+    assert rec.output_tokens == 3
+
+
+@pytest.mark.timeout(10)
+def test_sse_lines_join_a_crlf_cut_between_chunks_and_end_lines_only_at_cr_and_lf():
+    chunks = ["data: a\r", "\n\r\ndata: b\u2028c\x85\n", "\ndata: d\rdata: e\r", "\r", "data: f"]
+
+    async def lines() -> list[str]:
+        async def text():
+            for chunk in chunks:
+                yield chunk
+        return [line async for line in sse_lines(text())]
+
+    assert asyncio.run(lines()) == ["data: a", "", "data: b\u2028c\x85", "", "data: d", "data: e", "", "data: f"]
 
 
 @pytest.mark.timeout(60)

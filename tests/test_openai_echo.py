@@ -6,6 +6,9 @@ completions and chat, with ranks, checked the same way."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 import torch
@@ -60,6 +63,20 @@ def test_echo_streams_the_prompt_first_and_max_tokens_0_returns_only_the_prompt(
     with pytest.raises(openai.BadRequestError) as exc:  # max_tokens 0 means something only with echo
         c.completions.create(model=live_server.model_id, prompt=TEXT, max_tokens=0)
     assert exc.value.param == "max_tokens" and "echo" in exc.value.message
+
+
+def test_streamed_text_with_unicode_line_breaks_reaches_a_client_reading_by_splitlines(live_server):
+    """U+2028, U+2029 and U+0085 are text to JSON and SSE, but line ends to str.splitlines (so to httpx's
+    ``aiter_lines``): the events carry them escaped, so each data line is whole JSON for such a client too."""
+    text = "tide\u2028pool\u2029rock\x85pool"
+    body = {"model": live_server.model_id, "prompt": text, "max_tokens": 2, "temperature": 0, "echo": True,
+            "stream": True}
+    with httpx.stream("POST", live_server.http_url + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["text"].startswith(text)
 
 
 def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, k: int) -> None:

@@ -17,6 +17,10 @@ from services.gateway.responses import ResponseShape
 from services.gateway.responses_output import ResponsesOutput
 
 _DISCONNECT_POLL_S = 0.25
+# The characters JSON leaves unescaped that Unicode-aware line readers (Python's str.splitlines, so httpx's
+# aiter_lines) take for line ends, cutting an event's data line in two. SSE ends lines only at CR and LF, which
+# JSON escapes; these are escaped too (the same JSON), so that a client reading by such lines still gets events.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
 
 
 class GenerationStream(StreamingResponse):
@@ -44,8 +48,13 @@ class GenerationStream(StreamingResponse):
             self.gen.close()
 
 
+def sse_json(obj: dict) -> str:
+    """``obj`` as JSON for one SSE data line: UTF-8 text as is, but no character any line reader splits at."""
+    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+
+
 def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else sse_json(obj)}\n\n"
 
 
 async def unless_client_leaves(request: Request, starting: Awaitable[Generation]) -> Generation:
@@ -118,7 +127,7 @@ def events_stream(events: AsyncIterator[dict]) -> StreamingResponse:
 
 
 def _sse_event(event: dict) -> str:
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+    return f"event: {event['type']}\ndata: {sse_json(event)}\n\n"
 
 
 def chat_stream(gen: Generation, shape: ResponseShape, include_usage: bool, continuous_usage: bool) -> StreamingResponse:
