@@ -95,7 +95,7 @@ class OutputText:
         """Add a sampled token's text; returns the stop string it completes (the text is cut before it), when
         ``match``."""
         before = len(self.text)
-        self.text += self._detokenizer.push([token_id])
+        self.text += self._detokenizer.push(token_id)
         if match and self._stop and len(self.text) > before:
             return self._match_stop(before)
         return None

@@ -2,7 +2,8 @@
 what they drive shows here, not on the next person's benchmark run: ``benchmarks/output_delivery.py`` drives
 ``EngineLoop._deliver`` directly; ``benchmarks/engine_host.py`` splits the engine's decode steps into the forward
 pass, the torch path's input preparation and the rest, and loads each step's chunks into a ``DecodeGraphs``'
-buffers (it fails if a step decodes fewer than the batch)."""
+buffers (it fails if a step decodes fewer than the batch); ``benchmarks/detokenize.py`` streams text through the
+detokenizer both ways."""
 
 from __future__ import annotations
 
@@ -51,3 +52,12 @@ def test_the_host_benchmark_splits_a_decode_step_and_loads_the_graph_buffers(tmp
         assert row["graphed_host_ms"] == pytest.approx(row["step_ms"] - row["forward_ms"] - row["torch_prepare_ms"]
                                                        + row["graph_load_ms"])
         assert row["graphed_host_us_per_seq"] == pytest.approx(1e3 * row["graphed_host_ms"] / row["batch"])
+
+
+@pytest.mark.timeout(120)
+def test_the_detokenize_benchmark_streams_the_docs_both_ways(tmp_path):
+    (row,) = run_benchmark("detokenize.py", ["--chars", "5000", "--rounds", "1"], tmp_path)
+    # the script exits non-zero if either way hands out other text than the whole decode
+    assert row["tokenizer"].startswith("tiny") and row["tokens"] > 4000  # one token a byte, less the context
+    assert row["window_us_per_token"] > 0 and row["stream_us_per_token"] > 0
+    assert row["speedup"] == pytest.approx(row["window_us_per_token"] / row["stream_us_per_token"])

@@ -1,11 +1,16 @@
-"""The tiny model's byte-level tokenizer: round trips, chat template, EOS ids, streaming detokenization."""
+"""The tiny model's byte-level tokenizer: round trips, chat template, EOS ids, streaming detokenization (also
+with a byte-fallback and a Metaspace tokenizer, whose decoders the stream must follow too)."""
 
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import transformers
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 
 from engine.errors import InvalidRequestError
 from engine.loader import resolve_model_dir
@@ -61,24 +66,79 @@ def test_eos_ids(tok):
 def test_incremental_detokenizer_streams_whole_characters(tok):
     text = "naïve café — 東京 🌊🐙!"
     detok = IncrementalDetokenizer(tok)
-    pieces = [detok.push([i]) for i in tok.encode(text)]
+    pieces = [detok.push(i) for i in tok.encode(text)]
     assert "".join(pieces) + detok.flush() == text
     assert all("\ufffd" not in p for p in pieces)
     wave = tok.encode("🌊")
     held = IncrementalDetokenizer(tok)
-    assert [held.push([i]) for i in wave] == ["", "", "", "🌊"]
+    assert [held.push(i) for i in wave] == ["", "", "", "🌊"]
 
 
 def test_context_that_ends_mid_character_is_never_emitted(tok):
     """A prompt of token ids may end inside a character: its bytes stay context, not output text."""
     context = tok.encode("ab") + tok.encode("🌊")[:2]
     detok = IncrementalDetokenizer(tok, context=context)
-    assert detok.push(tok.encode("ok")) + detok.flush() == "ok"
+    assert "".join(map(detok.push, tok.encode("ok"))) + detok.flush() == "ok"
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """Llama-2 / Gemma style: byte tokens <0xNN> for what the vocabulary lacks, decoded by ByteFallback, which
+    turns a run of byte tokens that is not UTF-8 into one U+FFFD per byte, valid bytes in it too."""
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), "▁", "▁the", "▁y", "a", "漢", "▁»"]
+    model = models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], byte_fallback=True, unk_token="<unk>")
+    hf = HFTokenizer(model)
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens(["<|eot|>"])
+    return Tokenizer(hf, None, None, None, [], None)
+
+
+def metaspace_tokenizer() -> Tokenizer:
+    """Mistral / Llama-2 style with a Metaspace decoder, trained on a few sentences."""
+    hf = HFTokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    hf.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    hf.train_from_iterator(TEXTS * 20, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|eot|>"]))
+    return Tokenizer(hf, None, None, None, [], None)
+
+
+def streamed(tok: Tokenizer, ids: list[int], context: int, skip: bool, use_stream: bool) -> list[str]:
+    detok = IncrementalDetokenizer(tok, skip, context=ids[:context], use_stream=use_stream)
+    return [detok.push(i) for i in ids[context:]] + [detok.flush()]
+
+
+@pytest.mark.parametrize("family", ["byte-level", "byte-fallback", "metaspace"])
+def test_the_stream_emits_what_the_window_decoded_in_python_does(tok, family):
+    """Token by token, with and without prompt context and special tokens, over random ids (invalid UTF-8,
+    stray specials) and real text: the library's stream (and where it refuses a token, the Python window
+    after it) hands out the same pieces as the windowed decode in Python throughout."""
+    tok = {"byte-level": tok, "byte-fallback": byte_fallback_tokenizer(), "metaspace": metaspace_tokenizer()}[family]
+    rng = random.Random(7)
+    for trial in range(120):
+        text = "".join(rng.choice(TEXTS + ["<|eot|>", "»", " the"]) for _ in range(4))
+        ids = [rng.randrange(tok.vocab_size) for _ in range(30)] if trial % 2 else tok.encode(text)
+        context, skip = rng.choice([0, 2, 4]), trial % 4 < 2
+        assert streamed(tok, ids, context, skip, True) == streamed(tok, ids, context, skip, False), (ids, context)
+
+
+def test_a_token_the_library_stream_refuses_goes_on_from_the_window():
+    """'l' then bytes that are not UTF-8 together: the byte fallback turns the 'l' already handed out into
+    U+FFFD as well, so the window's text no longer begins with what it emitted, and tokenizers' DecodeStream
+    raises ("Invalid prefix"). The detokenizer goes on in Python from the same window."""
+    tok = byte_fallback_tokenizer()
+    ids = [3 + b for b in b"l\xbbQ\xe2o"] + [tok.token_to_id("漢"), tok.token_to_id("▁y")]
+    stream = DecodeStream([], True)
+    with pytest.raises(Exception, match="Invalid prefix"):
+        for i in ids:
+            stream.step(tok._tok, i)
+    pieces = streamed(tok, ids, 0, True, True)
+    assert pieces == streamed(tok, ids, 0, True, False)
+    assert pieces[0] == "l" and pieces[-3:] == ["\ufffd" * 4 + "漢", " y", ""]
 
 
 def test_incremental_detokenizer_skips_special_tokens(tok):
     detok = IncrementalDetokenizer(tok)
-    out = detok.push(tok.encode("ok")) + detok.push([tok.token_to_id("<|eot|>")])
+    out = "".join(map(detok.push, tok.encode("ok"))) + detok.push(tok.token_to_id("<|eot|>"))
     assert out == "ok"
 
 

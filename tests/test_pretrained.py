@@ -139,7 +139,7 @@ def test_streamed_text_equals_the_whole_decode_with_characters_split_across_toke
     ids = tokenizer.encode(text)
     assert any("\ufffd" in tokenizer.decode([i]) for i in ids)  # some token holds part of a character
     streamer = IncrementalDetokenizer(tokenizer)
-    pieces = [streamer.push([i]) for i in ids] + [streamer.flush()]
+    pieces = [streamer.push(i) for i in ids] + [streamer.flush()]
     assert all("\ufffd" not in p for p in pieces)  # never half a character on the wire
     assert "".join(pieces) == tokenizer.decode(ids) == text
 
