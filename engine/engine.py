@@ -697,12 +697,14 @@ class Engine:
         a peer's): never the one holding its last token, nor those a full-precision residual keeps."""
         return self.block_manager.max_prefix_blocks(num_tokens)
 
-    def prefix_salt(self, lora: str | None, num_tokens: int = 0) -> bytes:
+    def prefix_salt(self, lora: str | None, num_tokens: int = 0, cache_salt: str | None = None) -> bytes:
         """What the blocks of a sequence of adapter ``lora`` (None: the base model) whose first ``num_tokens``
         tokens' K/V is computed are hashed under, here and by the router, the pool and the peers
-        (``kvstore.hashing.salt_for``: a LongRoPE model's sequence past the original context has its own)."""
+        (``kvstore.hashing.salt_for``: a LongRoPE model's sequence past the original context has its own, and
+        a request's ``cache_salt`` its own)."""
         return salt_for(self.model_id, None if lora is None else self._adapter(lora).adapter_id,
-                        long_rope_applies(self.model_config.long_rope_from, num_tokens), self.quantized_at_load)
+                        long_rope_applies(self.model_config.long_rope_from, num_tokens), self.quantized_at_load,
+                        cache_salt)
 
     # -- LoRA adapters (engine/lora.py) -------------------------------------------------------------
     def load_adapter(self, name: str, path: str) -> PackedAdapter:
@@ -860,10 +862,12 @@ class Engine:
 
     def _salt(self, seq: Sequence, long_rope: bool) -> None:
         """Set whether ``seq``'s keys rotate with LongRoPE's long factors, and so its prefix-cache salt
-        (``Sequence.hash_salt``): None for the base model's short sequences, else ``prefix_salt``'s."""
+        (``Sequence.hash_salt``): None (the manager's) for the base model's short unsalted sequences, else
+        ``prefix_salt``'s."""
         seq.long_rope = long_rope
+        own = long_rope or seq.lora is not None or seq.params.cache_salt is not None
         seq.hash_salt = salt_for(self.model_id, None if seq.lora is None else self.loras[seq.lora].adapter_id,
-                                 long_rope, self.quantized_at_load) if long_rope or seq.lora is not None else None
+                                 long_rope, self.quantized_at_load, seq.params.cache_salt) if own else None
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prompt into its n samples; they share its blocks (copy-on-write)."""

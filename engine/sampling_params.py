@@ -61,6 +61,9 @@ class SamplingParams:
     # OpenAI's predicted output, as token ids: drafts for an engine that speculates (engine/speculative.py's
     # PredictedOutput), verified as any draft, so it changes how fast the output comes, never the output
     prediction_ids: list[int] = field(default_factory=list)
+    # vLLM's: the prompt's blocks are hashed under it too (kvstore.hashing.salt_for), so only requests that send
+    # the same salt share cached prefixes. A tenant's secret, not a sampling choice, but it travels with these.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # OpenAI accepts one string or a list
@@ -148,3 +151,5 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", f"must be a non-empty string when given, got {self.cache_salt!r}")

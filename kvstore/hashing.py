@@ -15,15 +15,19 @@ import numpy as np
 
 
 def salt_for(model_id: str, adapter_id: str | None = None, long_rope: bool = False,
-             quantized_at_load: str | None = None) -> bytes:
+             quantized_at_load: str | None = None, cache_salt: str | None = None) -> bytes:
     """The salt that namespaces hashes by model, by LoRA adapter (``engine/lora.py``), for a LongRoPE
     model by the factors its keys rotate with: a sequence longer than the original context rotates every
     position with the long ones (``engine.config.long_rope_applies``), so its blocks are not a short one's;
-    and by ``--quantization`` when it changed the weights as they loaded (their K/V is not the checkpoint's,
-    so a pool or disk tier kept across a restart never mixes the two)."""
+    by ``--quantization`` when it changed the weights as they loaded (their K/V is not the checkpoint's,
+    so a pool or disk tier kept across a restart never mixes the two); and by a request's ``cache_salt``
+    (vLLM's): only requests sending the same one share blocks, so another tenant can neither reuse a prompt's
+    cached prefix nor learn from a cache hit's speed that someone sent it."""
     model = f"{model_id}#{quantized_at_load}" if quantized_at_load else model_id
     model = f"{model}#long-rope" if long_rope else model
-    return (model if adapter_id is None else f"{model}+{adapter_id}").encode()
+    salt = (model if adapter_id is None else f"{model}+{adapter_id}").encode()
+    # After a NUL and a digest of fixed length: no salt of another model or adapter spells the same bytes.
+    return salt if cache_salt is None else salt + b"\0" + hashlib.sha256(cache_salt.encode()).digest()
 
 
 def hash_block(parent: int | None, tokens: Sequence[int], salt: bytes) -> int:

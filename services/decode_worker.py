@@ -183,7 +183,8 @@ class DecodeWorker(Worker):
             emit(event)
 
         await self._stream(emit_with_prefill_hit, request_id, index, join, sequence,
-                           (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora, first_at_once=False)
+                           (len(prompt_ids) + len(output_ids)) // self.engine.block_size, lora, params.cache_salt,
+                           first_at_once=False)
 
     async def collective_address(self, prefill_id: str, hold_s: float, fresh: bool) -> str:
         """The address of the collective channel ``prefill_id``'s next transfer uses (opened on demand),

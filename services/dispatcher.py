@@ -317,7 +317,7 @@ class Dispatcher:
                     params = dataclasses.replace(params, prompt_logprobs=None)
                 # (a LongRoPE prompt past the original context rotates with the long factors: its blocks too)
                 salt = salt_for(self.model_id, adapter_id, long_rope_applies(self.long_rope_from, len(tokens)),
-                                self.quantized_at_load)
+                                self.quantized_at_load, params.cache_salt)
                 hashes = block_hashes(tokens, self.block_size, salt) if params.prompt_logprobs is None else []
                 route_req = RouteRequest(request_id, len(tokens), hashes,
                                          params.max_tokens - len(progress.output_ids), self.max_kv_tokens, lora)

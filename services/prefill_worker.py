@@ -39,7 +39,7 @@ class PrefillWorker(Worker):
         deadline = time.monotonic() + deadline_s
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
-        salt = self.engine.prefix_salt(lora, len(tokens))
+        salt = self.engine.prefix_salt(lora, len(tokens), params.cache_salt)
         fetched = await self._fetch_prefix(tokens, params, fetch, deadline_s, salt)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_queue(request_id)

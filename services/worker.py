@@ -204,26 +204,27 @@ class Worker(FeedServer):
         await self.loop.acall(self._place, token_ids, [copied], fetch.salt)
         return copied.blocks
 
-    def _share_finished(self, token_ids: list[int], skip_blocks: int, lora: str | None) -> None:
-        """After a sequence of adapter ``lora`` finished: its answer's blocks to the pool, in the background, so
-        the next chat turn (whose prompt carries this one and its answer) finds all of it. Its last token's
-        K/V was never computed: the others' say which salt its blocks are under. (An adapter unloaded meanwhile,
-        its sequences aborted: its blocks are no later request's.)"""
+    def _share_finished(self, token_ids: list[int], skip_blocks: int, lora: str | None, cache_salt: str | None
+                        ) -> None:
+        """After a sequence of adapter ``lora`` (and request ``cache_salt``) finished: its answer's blocks to the
+        pool, in the background, so the next chat turn (whose prompt carries this one and its answer) finds all
+        of it. Its last token's K/V was never computed: the others' say which salt its blocks are under. (An
+        adapter unloaded meanwhile, its sequences aborted: its blocks are no later request's.)"""
         if self.pool is not None and (lora is None or lora in self.engine.loras):
-            salt = self.engine.prefix_salt(lora, len(token_ids) - 1)
+            salt = self.engine.prefix_salt(lora, len(token_ids) - 1, cache_salt)
             self.background.spawn(self.pool.store_prefix(self.loop, token_ids, skip_blocks, salt))
 
     # ---- streaming a request's tokens (start_stream, stop_stream, feed: FeedServer's) --------------------------
     async def _stream(
         self, emit: Emit, request_id: str, index: int, start: Callable[[], None], sequence: list[int],
-        shared_blocks: int, lora: str | None, first_at_once: bool,
+        shared_blocks: int, lora: str | None, cache_salt: str | None, first_at_once: bool,
     ) -> None:
         """Run ``start`` on the engine thread, then hand the request's events to ``emit`` as the engine delivers
         them (``OutputStream``: held until they make ``--stream-interval`` tokens or finish it), until it finishes.
 
         ``sequence``: the tokens before the ones this stream emits, of which the first ``shared_blocks``
         blocks are in the pool already (as are those the engine found cached): once finished, the rest of
-        the sequence's blocks are shared (``lora``: its adapter). ``first_at_once``: the stream's first output
+        the sequence's blocks are shared (under the salt of its adapter ``lora`` and ``cache_salt``). ``first_at_once``: the stream's first output
         is the answer's first token (its TTFT), which leaves at once whatever the interval.
         If the task is cancelled first (the gateway stops the stream, or its feed ends), the request is aborted.
         """
@@ -234,7 +235,7 @@ class Worker(FeedServer):
             generated, cached_tokens = await stream.done
             # The blocks the engine found cached were shared when they were computed.
             self._share_finished([*sequence, *generated], max(shared_blocks, cached_tokens // self.engine.block_size),
-                                 lora)
+                                 lora, cache_salt)
         finally:
             self.loop.close_stream(request_id)
             if not stream.ended:  # (a failed step aborted its requests already)
@@ -254,7 +255,8 @@ class ColocatedWorker(Worker):
         ``priority``: the request's place among waiting prompts (its own priority, then the router's order).
         ``lora``: the LoRA adapter it runs with (None: the base model)."""
         tokens = [*prompt_ids, *output_ids]
-        salt = self.engine.prefix_salt(lora, len(tokens))  # (InvalidRequestError for an adapter this engine lacks)
+        # (InvalidRequestError for an adapter this engine lacks)
+        salt = self.engine.prefix_salt(lora, len(tokens), params.cache_salt)
         fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S, salt)
 
         def admit() -> None:
@@ -262,4 +264,5 @@ class ColocatedWorker(Worker):
             self.engine.add_request(request_id, prompt_ids, params, False, output_ids, priority, lora)
 
         # The prompt's new blocks are this worker's to share, with the answer's.
-        await self._stream(emit, request_id, index, admit, tokens, 0, lora, first_at_once=not output_ids)
+        await self._stream(emit, request_id, index, admit, tokens, 0, lora, params.cache_salt,
+                           first_at_once=not output_ids)

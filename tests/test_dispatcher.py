@@ -149,9 +149,9 @@ def make_dispatcher(*workers: FakeWorker, policy: str = "round_robin",
 
 
 async def collect(dispatcher: Dispatcher, request_id: str = "r1", n: int = 1, priority: int = 0,
-                  lora: str | None = None) -> list[TokenEvent]:
+                  lora: str | None = None, cache_salt: str | None = None) -> list[TokenEvent]:
     await dispatcher.refresh_loads()
-    params = SamplingParams(max_tokens=4, temperature=0.0, n=n)
+    params = SamplingParams(max_tokens=4, temperature=0.0, n=n, cache_salt=cache_salt)
     return [e async for e in dispatcher.generate(GenerateRequest(request_id, PROMPT, params, priority, lora))]
 
 
@@ -572,6 +572,20 @@ def test_a_longrope_prompt_past_the_original_context_is_routed_by_its_long_block
     asyncio.run(collect(dispatcher))
     (req,) = seen
     assert req.block_hashes == block_hashes(PROMPT, 16, salt_for("fake-model", long_rope=long))  # 40 tokens
+
+
+def test_a_salted_request_is_routed_and_its_prefix_fetched_by_its_salted_hashes():
+    """The router, the pool and the peers hold a request's blocks under its cache_salt: it is looked up, and a
+    prefix copy fetched, under that salt, which the workers receive with the request's parameters."""
+    workers = [FakeWorker("p0", Role.PREFILL), FakeWorker("d0", Role.DECODE)]
+    dispatcher = make_dispatcher(*workers)
+    seen, route = [], dispatcher.conductor.route
+    dispatcher.conductor.route = lambda req, *a, **k: seen.append(req) or dataclasses.replace(
+        route(req, *a, **k), fetch_from=workers[0].worker_id, cached_blocks=1)
+    asyncio.run(collect(dispatcher, cache_salt="tenant-secret"))
+    salted = salt_for("fake-model", cache_salt="tenant-secret")
+    assert seen[0].block_hashes == block_hashes(PROMPT, 16, salted) != block_hashes(PROMPT, 16, salt_for("fake-model"))
+    assert workers[0].fetches[0].salt == salted
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])

@@ -96,6 +96,7 @@ class Options:
     priority: int = 0  # lower is served first among waiting prompts (vLLM's)
     structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
     prediction: str | None = None  # chat: the text the answer is expected to mostly repeat (OpenAI's Predicted Outputs)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes (vLLM's)
 
     def tool_call_reader(self, parser: str | None) -> Callable[[], ToolCallParser] | None:
         """How the answers are read for tool calls with the server's ``parser`` (None: no tools asked)."""
@@ -121,7 +122,7 @@ class Options:
                                 bad_words_token_ids=list(bad_words_token_ids or []),
                                 skip_special_tokens=self.skip_special_tokens,
                                 structured_output=self.structured_output, prediction_ids=list(prediction_ids or []),
-                                **defaults.apply(given))
+                                cache_salt=self.cache_salt, **defaults.apply(given))
         params.validate()
         return params
 

@@ -190,6 +190,9 @@ class _SamplingBody(_Body):
     prompt_logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]: each prompt token's logprob and "
                                                           "rank and the k most likely tokens' (vLLM's shape; the "
                                                           "prompt is computed whole); not with stream. Extension.")
+    cache_salt: str | None = Field(None, description="Only requests sending the same salt share cached prompt "
+                                                     "prefixes: a tenant's secret, long and random (vLLM). "
+                                                     "Extension.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = Field(None, description="text, json_object or json_schema.")
@@ -224,7 +227,7 @@ class _SamplingBody(_Body):
                        skip_special_tokens=self.skip_special_tokens, presence_penalty=self.presence_penalty,
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens, priority=self.priority,
-                       prompt_logprobs=self.prompt_logprobs,
+                       prompt_logprobs=self.prompt_logprobs, cache_salt=self.cache_salt,
                        structured_output=requested_output(self.response_format, self.structured_outputs, forced_call))
 
     @property

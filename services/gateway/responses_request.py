@@ -54,6 +54,7 @@ class ResponsesRequest(Body):
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer.")
     text: TextOptions | None = None
     priority: int | None = Field(None, description="As for chat completions (vLLM). Extension.")
+    cache_salt: str | None = Field(None, description="As for chat completions (vLLM). Extension.")
     stream: bool = False
     stream_options: dict[str, Any] | None = Field(None, description="Accepted; no obfuscation padding is added.")
     # Accepted only with their no-op values: see `chat_request`.
@@ -103,7 +104,8 @@ class ResponsesRequest(Body):
         chat: dict[str, Any] = {"model": self.model, "messages": self._messages(earlier), "stream": self.stream,
                                 "max_tokens": self.max_output_tokens, "temperature": self.temperature,
                                 "top_p": self.top_p, "parallel_tool_calls": self.parallel_tool_calls,
-                                "service_tier": self.service_tier, "priority": self.priority}
+                                "service_tier": self.service_tier, "priority": self.priority,
+                                "cache_salt": self.cache_salt}
         if self.tools is not None:
             for k, tool in enumerate(self.tools):
                 tool.check_extra(f"tools.{k}")
