@@ -210,9 +210,7 @@ class Frontend:
             if options.structured_output is not None and self.thinking_tags is not None:
                 options = dataclasses.replace(options, structured_output=after_thinking(
                     options.structured_output, prompt_ids, *self.thinking_tags))
-            gen = await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn, lora=lora)
-            gen.prompt_ids = prompt_ids
-            return gen
+            return await self._start("chatcmpl", [prompt_ids], options, "messages", None, turn, lora=lora)
         except BaseException:
             if turn is not None:  # once the turn's events run, they release it themselves; twice is harmless
                 await turn.release()
@@ -334,7 +332,7 @@ class Frontend:
         if turn is not None:
             events = turn.run(events, options.n)
         gen = Generation(request_id, events, options.n * len(prompts), choices_per_prompt=options.n, echo=echo,
-                         predicted=prediction_ids is not None)
+                         predicted=prediction_ids is not None, prompts=prompts)
         try:
             await gen.start()
         except BaseException:

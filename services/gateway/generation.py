@@ -66,14 +66,16 @@ class Generation:
 
     def __init__(self, request_id: str, events: AsyncIterator, n: int,
                  choices_per_prompt: int | None = None, echo: Echo | None = None,
-                 predicted: bool = False) -> None:
+                 predicted: bool = False, prompts: list[list[int]] | None = None) -> None:
         """``n`` choices in all, ``choices_per_prompt`` of them (default: all) for each prompt;
-        ``predicted``: the request has a predicted output (its usage counts the prediction's drafts)."""
+        ``predicted``: the request has a predicted output (its usage counts the prediction's drafts);
+        ``prompts``: each prompt's token ids, when known (for stored turns and vLLM's return_token_ids)."""
         self.echo = echo
         self._echo_sent: set[int] = set()  # choices whose prompt was echoed
         self.request_id = request_id
-        self.prompt_ids: list[int] | None = None  # a chat's prompt (set by the frontend), for stored turns
+        self.prompts = prompts
         self.texts = [""] * n  # each choice's text so far (the engine already cut any stop string)
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]  # each choice's output tokens so far
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]  # each choice's, when asked
         # each prompt's tokens' logprobs after its first (prompt_logprobs asked for), from its first event
         self.prompt_logprobs: dict[int, list[TokenLogprobs]] = {}
@@ -148,6 +150,7 @@ class Generation:
             self.usage.accepted_prediction_tokens += event.accepted_prediction_tokens
             self.usage.rejected_prediction_tokens += event.rejected_prediction_tokens
         self.texts[i] += text
+        self.token_ids[i] += token_ids
         if logprobs:
             self.logprobs[i] += logprobs
         self.finish_reasons[i] = finish_reason
@@ -167,6 +170,10 @@ class Generation:
                 first = TokenLogprobs(self.echo.token_ids[prompt][0], None)  # nothing predicts it
                 logprobs = [first, *event.prompt_logprobs, *(logprobs or ())]
         return text, token_ids, logprobs, finish_reason
+
+    def prompt_of(self, choice: int) -> list[int]:
+        """``choice``'s prompt's token ids (``prompts`` must be known)."""
+        return self.prompts[choice // self._per_prompt]
 
     def prompt_logprobs_of(self, choice: int) -> list[TokenLogprobs]:
         """The logprobs of ``choice``'s prompt's tokens after the first ([] when none arrived)."""

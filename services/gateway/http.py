@@ -146,7 +146,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         shape = ResponseShape(gen, body.model, chat=True, logprobs=_logprobs(gen, body) if body.logprobs else None,
                               tool_calls=options.tool_call_reader(config.tool_call_parser),
                               reasoning=config.reasoning_parser,
-                              prompt_logprobs=None if body.prompt_logprobs is None else _logprobs(gen, body))
+                              prompt_logprobs=None if body.prompt_logprobs is None else _logprobs(gen, body),
+                              token_ids=body.return_token_ids)
         return await _answer(gen, shape, body, request)
 
     @app.post("/v1/completions")
@@ -155,7 +156,8 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
         gen = await unless_client_leaves(request, frontend.complete(body.model, body.prompts(), options))
         shape = ResponseShape(gen, body.model, chat=False,
                               logprobs=None if body.logprobs is None else _logprobs(gen, body),
-                              prompt_logprobs=None if body.prompt_logprobs is None else _logprobs(gen, body))
+                              prompt_logprobs=None if body.prompt_logprobs is None else _logprobs(gen, body),
+                              token_ids=body.return_token_ids)
         return await _answer(gen, shape, body, request)
 
     @app.post("/tokenize")

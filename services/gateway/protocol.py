@@ -190,6 +190,9 @@ class _SamplingBody(_Body):
     prompt_logprobs: int | None = Field(None, description=f"In [0, {MAX_LOGPROBS}]: each prompt token's logprob and "
                                                           "rank and the k most likely tokens' (vLLM's shape; the "
                                                           "prompt is computed whole); not with stream. Extension.")
+    return_token_ids: bool = Field(False, description="Each choice's output token ids, and the prompt's (a stream: "
+                                                     "the delta's ids, the prompt's in the first chunk) (vLLM). "
+                                                     "Extension.")
     cache_salt: str | None = Field(None, description="Only requests sending the same salt share cached prompt "
                                                      "prefixes: a tenant's secret, long and random (vLLM). "
                                                      "Extension.")

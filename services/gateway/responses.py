@@ -30,20 +30,24 @@ class ResponseShape:
 
     def __init__(self, gen: Generation, model: str, chat: bool, logprobs: LogprobShapes | None,
                  tool_calls: Callable[[], ToolCallParser] | None = None, reasoning: str | None = None,
-                 prompt_logprobs: LogprobShapes | None = None) -> None:
+                 prompt_logprobs: LogprobShapes | None = None, token_ids: bool = False) -> None:
         """``logprobs``: how to shape them, when the request asked for them; ``tool_calls``: makes the parser
         each answer is read for tool calls with (``tool_calls.call_parser``); ``reasoning``: the server's
         reasoning parser, which splits the thinking off first (``reasoning.py``); ``prompt_logprobs``: how to
-        shape vLLM's ``prompt_logprobs`` (a chat response's, each completion choice's), when asked for."""
+        shape vLLM's ``prompt_logprobs`` (a chat response's, each completion choice's), when asked for;
+        ``token_ids``: vLLM's return_token_ids, each choice's output token ids (a stream chunk's: its delta's)
+        and the prompt's (a chat response's, in a stream its first chunk's; each completion choice's, in a
+        stream that choice's first chunk's)."""
         self.gen, self.chat, self.logprobs, self.reasoning, self.tool_calls = gen, chat, logprobs, reasoning, tool_calls
-        self.prompt_logprobs = prompt_logprobs
+        self.prompt_logprobs, self.with_token_ids = prompt_logprobs, token_ids
+        self._prompts_sent: set[int] = set()  # streamed: the choices (chat: the response, -1) given their prompt
         self.base = {"id": gen.request_id, "created": int(time.time()), "model": model}
         n = len(gen.texts)  # each streamed choice's parsers
         self.tool_parsers = [tool_calls() for _ in range(n)] if tool_calls else None
         self.reasoning_parsers = [ReasoningParser(reasoning) for _ in range(n)] if reasoning else None
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: list, *,
-                streaming: bool, fields: dict | None = None) -> dict:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: list, token_ids: list[int],
+                *, streaming: bool, fields: dict | None = None) -> dict:
         """``fields``: a chat message's (or delta's) further fields (reasoning_content, tool_calls)."""
         if not self.chat:
             body = {"text": text}
@@ -55,7 +59,21 @@ class ResponseShape:
             shaped = None
         else:
             shaped = self.logprobs.chat(logprobs) if self.chat else self.logprobs.completion(index, logprobs)
-        return {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason}
+        choice = {"index": index, **body, "logprobs": shaped, "finish_reason": finish_reason}
+        if self.with_token_ids:
+            if not self.chat and self._prompt_due(index, streaming):
+                choice["prompt_token_ids"] = self.gen.prompt_of(index)
+            choice["token_ids"] = token_ids
+        return choice
+
+    def _prompt_due(self, key: int, streaming: bool) -> bool:
+        """Whether the prompt's token ids go out now under ``key`` (a choice, or -1 for a chat's response):
+        always in a whole response, in a stream the first time."""
+        if not streaming:
+            return True
+        due = key not in self._prompts_sent
+        self._prompts_sent.add(key)
+        return due
 
     def opening(self) -> list[dict]:
         """Chat streams announce the assistant role first, one chunk choice per index."""
@@ -67,6 +85,8 @@ class ResponseShape:
     def chunk(self, choices: list[dict], usage: Usage | None = None, *, with_usage: bool) -> dict:
         out = {**self.base, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "choices": choices}
+        if self.with_token_ids and self.chat and self._prompt_due(-1, streaming=True):
+            out["prompt_token_ids"] = self.gen.prompt_of(0)
         # With include_usage, every chunk has "usage": null (the usage so far with continuous_usage_stats) except
         # the last, which has no choices.
         return {**out, "usage": _usage(usage) if usage else None} if with_usage else out
@@ -87,9 +107,11 @@ class ResponseShape:
                 fields["tool_calls"] = [call.as_dict(index=first + k) for k, call in enumerate(calls)]
             if final and parser.calls and parser.ends_with_calls:
                 finish_reason = "tool_calls"
-        if not (text or fields or finish_reason or d.logprobs):
+        # (with return_token_ids, tokens whose text is held back still go out: the client counts on every id)
+        if not (text or fields or finish_reason or d.logprobs or (self.with_token_ids and d.token_ids)):
             return None
-        return self._choice(d.index, text, finish_reason, d.logprobs or [], streaming=True, fields=fields)
+        return self._choice(d.index, text, finish_reason, d.logprobs or [], d.token_ids, streaming=True,
+                            fields=fields)
 
     def complete(self) -> dict:
         choices = []
@@ -102,12 +124,14 @@ class ResponseShape:
                 text = calls[0] if calls[0].strip() else None
                 fields["tool_calls"] = [call.as_dict() for call in calls[1]]
                 finish_reason = "tool_calls" if parser.ends_with_calls else finish_reason
-            choices.append(self._choice(i, text, finish_reason, self.gen.logprobs[i], streaming=False,
-                                        fields=fields))
+            choices.append(self._choice(i, text, finish_reason, self.gen.logprobs[i], self.gen.token_ids[i],
+                                        streaming=False, fields=fields))
             if self.prompt_logprobs is not None and not self.chat:
                 choices[-1]["prompt_logprobs"] = self.prompt_logprobs.prompt(self.gen.prompt_logprobs_of(i))
         response = {**self.base, "object": "chat.completion" if self.chat else "text_completion",
                     "choices": choices, "usage": _usage(self.gen.usage)}
         if self.prompt_logprobs is not None and self.chat:
             response["prompt_logprobs"] = self.prompt_logprobs.prompt(self.gen.prompt_logprobs_of(0))
+        if self.with_token_ids and self.chat:
+            response["prompt_token_ids"] = self.gen.prompt_of(0)
         return response

@@ -47,7 +47,6 @@ class ResponsesOutput:
         self._sequence = 0
         self.reasoning_tokens = 0  # tokens of the deltas that carried thinking
         self.finish_reason: str | None = None
-        self.token_ids: list[int] = []  # the answer's, for the next turn's prompt (`sequence`)
         self.ended: str | None = None  # "cancelled" or "failed": ended before the answer did (`end`)
         self.error: dict[str, Any] | None = None
 
@@ -74,9 +73,10 @@ class ResponsesOutput:
     def sequence(self) -> SessionSequence | None:
         """The turn as the model saw and wrote it (its prompt's ids, then its answer's), which a response
         continuing this one starts from; None when the prompt is not known."""
-        if self.gen.prompt_ids is None:
+        if self.gen.prompts is None:
             return None
-        return SessionSequence(len(self.gen.prompt_ids), [*self.gen.prompt_ids, *self.token_ids])
+        prompt = self.gen.prompt_of(0)
+        return SessionSequence(len(prompt), [*prompt, *self.gen.token_ids[0]])
 
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),
@@ -84,7 +84,6 @@ class ResponsesOutput:
 
     def feed(self, d: Delta) -> list[dict[str, Any]]:
         final = d.finish_reason is not None
-        self.token_ids += d.token_ids
         reasoning, text, calls = "", d.text, []
         if self.reasoning_parser is not None:
             reasoning, text = parsed(self.reasoning_parser, text, final)
