@@ -2,13 +2,17 @@
 frameworks use it (token in, token out): each choice's output token ids and the prompt's, whole and streamed.
 A stream's deltas together hold every id, also those whose text is still held back, and the prompt's ids come
 once (a chat's in its first chunk, each completion choice's in that choice's first chunk); they are the ids
-``/tokenize`` gives and their text is the answer's."""
+``/tokenize`` gives and their text is the answer's. With them, ``truncate_prompt_tokens`` (vLLM's) is seen to
+keep exactly the prompt's last k tokens."""
 
 from __future__ import annotations
 
+import grpc
 import httpx
 import pytest
 from test_openai_features import CHAT, client
+
+from tidepool.v1 import serving_pb2, serving_pb2_grpc
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.timeout(120)]
 
@@ -79,3 +83,35 @@ def test_without_return_token_ids_no_token_ids_are_added(live_server):
     whole = client(live_server).completions.create(model=live_server.model_id, prompt="Limpets", max_tokens=2,
                                                    temperature=0.0)
     assert "token_ids" not in whole.choices[0].model_extra and "prompt_token_ids" not in whole.choices[0].model_extra
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_for_text_ids_and_chat(live_server):
+    c, limit = client(live_server), live_server.dispatcher.max_model_len
+    text = "Periwinkles graze the algae off the rocks at low tide."
+    whole = tokenize(live_server, prompt=text)
+    cut = c.completions.create(model=live_server.model_id, prompt=text, max_tokens=2, temperature=0.0, echo=True,
+                               extra_body=extra(truncate_prompt_tokens=5))
+    assert cut.choices[0].prompt_token_ids == whole[-5:] and cut.usage.prompt_tokens == 5
+    assert cut.choices[0].text.startswith(text_of(live_server, whole[-5:]))  # echo: the text of what was kept
+    # token ids past the context, cut to what fits before max_tokens (-1)
+    ids = [(7 * i) % 200 + 30 for i in range(limit + 40)]
+    fitted = c.completions.create(model=live_server.model_id, prompt=ids, max_tokens=8, temperature=0.0,
+                                  extra_body=extra(truncate_prompt_tokens=-1))
+    assert fitted.choices[0].prompt_token_ids == ids[-(limit - 8):] and len(fitted.choices[0].token_ids) == 8
+    messages = [{"role": "user", "content": "tide " * limit}]
+    chat = c.chat.completions.create(model=live_server.model_id, messages=messages, max_tokens=4, temperature=0.0,
+                                     extra_body=extra(truncate_prompt_tokens=-1))
+    assert chat.model_extra["prompt_token_ids"] == tokenize(live_server, messages=messages)[-(limit - 4):]
+    grpc_request = serving_pb2.CompleteRequest(
+        model=live_server.model_id, prompt=text,
+        sampling=serving_pb2.SamplingOptions(max_tokens=2, temperature=0.0, truncate_prompt_tokens=7))
+    chunks = list(serving_pb2_grpc.ServingStub(grpc.insecure_channel(live_server.grpc_target)).Complete(
+        grpc_request, timeout=60))
+    assert chunks[-1].usage.prompt_tokens == 7
+
+
+@pytest.mark.parametrize("keep", [0, -2, 10**6])
+def test_a_truncation_out_of_range_is_a_400_naming_it(live_server, keep):
+    body = {"model": live_server.model_id, "prompt": "tide", "max_tokens": 1, "truncate_prompt_tokens": keep}
+    response = httpx.post(f"{live_server.http_url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "truncate_prompt_tokens", response.text

@@ -97,6 +97,8 @@ class Options:
     structured_output: StructuredOutput | None = None  # what the output keeps to (checked already); None: free
     prediction: str | None = None  # chat: the text the answer is expected to mostly repeat (OpenAI's Predicted Outputs)
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes (vLLM's)
+    # vLLM's: only the prompt's last k tokens are kept (-1: as many as fit before max_tokens); None: all of them
+    truncate_prompt_tokens: int | None = None
 
     def tool_call_reader(self, parser: str | None) -> Callable[[], ToolCallParser] | None:
         """How the answers are read for tool calls with the server's ``parser`` (None: no tools asked)."""
@@ -202,9 +204,9 @@ class Frontend:
             if not history and not messages:
                 raise InvalidRequestError("messages", "at least one message is required")
             self._check_text_size(sum(len(m["content"]) for m in history + messages))
-            prompt_ids = await asyncio.to_thread(encode_chat, self.token_texts, history + messages, previous,
-                                                 options.chat_template_kwargs, options.add_generation_prompt,
-                                                 options.continue_final_message)
+            prompt_ids = self._truncated(await asyncio.to_thread(
+                encode_chat, self.token_texts, history + messages, previous, options.chat_template_kwargs,
+                options.add_generation_prompt, options.continue_final_message), options)
             if turn is not None:
                 turn.prompt_ids = prompt_ids
             if options.structured_output is not None and self.thinking_tags is not None:
@@ -223,24 +225,27 @@ class Frontend:
             raise InvalidRequestError("prompt", "at least one prompt is required")
         if len(prompts) > MAX_PROMPTS:
             raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts in one request")
-        prompt_ids = [await self.prompt_ids(p, options.add_special_tokens) for p in prompts]
+        prompt_ids = [await self.prompt_ids(p, options.add_special_tokens, options) for p in prompts]
         echo = None
-        if options.echo:  # a prompt sent as token ids is echoed as their text
-            texts = [p if isinstance(p, str) else await self.detokenize(ids)
+        if options.echo:  # a prompt sent as token ids (or truncated) is echoed as their text
+            texts = [p if isinstance(p, str) and options.truncate_prompt_tokens is None else await self.detokenize(ids)
                      for p, ids in zip(prompts, prompt_ids, strict=True)]
             echo = Echo(texts, prompt_ids, output=not options.echo_only)
         return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo,
                                  lora)
 
-    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool, options: Options | None = None
+                         ) -> list[int]:
         """A completion prompt's token ids: text encoded (``add_special_tokens``: with the tokenizer's special
-        tokens), ids checked."""
+        tokens), ids checked; cut as ``options`` ask (``truncate_prompt_tokens``)."""
         tokenizer = self.dispatcher.tokenizer
         if isinstance(prompt, str):
             self._check_text_size(len(prompt))
             prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens)
+            if options is not None:
+                prompt_ids = self._truncated(prompt_ids, options)
         else:
-            prompt_ids = list(prompt)
+            prompt_ids = list(prompt) if options is None else self._truncated(list(prompt), options)
             if len(prompt_ids) > self.prompt_token_limit:  # before the scan of every id
                 raise PromptTooLongError(len(prompt_ids), self.prompt_token_limit)
             if not all(0 <= t < tokenizer.vocab_size for t in prompt_ids):
@@ -265,6 +270,21 @@ class Frontend:
         if not all(0 <= t < tokenizer.vocab_size for t in token_ids):
             raise InvalidRequestError("tokens", f"token ids must be in [0, {tokenizer.vocab_size})")
         return await asyncio.to_thread(tokenizer.decode, token_ids, skip_special_tokens=False)
+
+    def _truncated(self, prompt_ids: list[int], options: Options) -> list[int]:
+        """The prompt's last ``options.truncate_prompt_tokens`` tokens (vLLM's; -1: as many as fit before
+        ``max_tokens``, or the most a prompt may have when it is not given); all of them without it."""
+        keep = options.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        limit = self.prompt_token_limit
+        if keep == -1:
+            room = limit if options.max_tokens is None else self.dispatcher.max_model_len - options.max_tokens
+            keep = max(1, min(limit, room))  # (a max_tokens that leaves no room is refused with its own error)
+        elif not 1 <= keep <= limit:
+            raise InvalidRequestError("truncate_prompt_tokens", f"must be -1 or in [1, {limit}] (the most prompt "
+                                                                f"tokens this server takes), got {keep}")
+        return prompt_ids[-keep:]
 
     def _check_text_size(self, chars: int) -> None:
         limit = self.prompt_token_limit

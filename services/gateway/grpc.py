@@ -53,6 +53,7 @@ def _options(s: serving_pb2.SamplingOptions) -> Options:
                    prompt_logprobs=opt("prompt_logprobs"),
                    logit_bias=sorted(s.logit_bias.items()), min_tokens=opt("min_tokens"),
                    priority=s.priority, cache_salt=opt("cache_salt"),
+                   truncate_prompt_tokens=opt("truncate_prompt_tokens"),
                    structured_output=_structured_output(s.structured_output) if s.HasField("structured_output") else None)
 
 

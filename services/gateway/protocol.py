@@ -193,6 +193,8 @@ class _SamplingBody(_Body):
     return_token_ids: bool = Field(False, description="Each choice's output token ids, and the prompt's (a stream: "
                                                      "the delta's ids, the prompt's in the first chunk) (vLLM). "
                                                      "Extension.")
+    truncate_prompt_tokens: int | None = Field(None, description="Keep only the prompt's last k tokens; -1: as many "
+                                                                 "as fit before max_tokens (vLLM). Extension.")
     cache_salt: str | None = Field(None, description="Only requests sending the same salt share cached prompt "
                                                      "prefixes: a tenant's secret, long and random (vLLM). "
                                                      "Extension.")
@@ -231,6 +233,7 @@ class _SamplingBody(_Body):
                        frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                        logprobs=logprobs, logit_bias=bias, min_tokens=self.min_tokens, priority=self.priority,
                        prompt_logprobs=self.prompt_logprobs, cache_salt=self.cache_salt,
+                       truncate_prompt_tokens=self.truncate_prompt_tokens,
                        structured_output=requested_output(self.response_format, self.structured_outputs, forced_call))
 
     @property
