@@ -27,13 +27,17 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen2MoeForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
+    "Gemma3ForCausalLM": (False, True),
 }
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # checkpoints whose q/k/v and gate/up matrices are already packed as the model packs them (Phi-3, Phi-4)
 PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # architectures whose sliding window, when set, covers every layer
 SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-ROPE_TYPES = ("default", "llama3", "yarn", "longrope")
+# Gemma 3 (text): Gemma's norms and GeGLU MLP (ModelConfig.gemma), sliding and full layers by layer_types, each
+# kind with its own RoPE
+GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 # KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
 # (fp8's and kivi2's window pools plan on the host)
@@ -156,6 +160,8 @@ def _rope(raw: dict, arch: str) -> tuple[float, dict | None, int]:
     rotary_dim = _rotary_dim(raw, params, key, arch)
     if rope_type == "default":
         return theta, None, rotary_dim
+    if rope_type == "linear":  # positions divided by the factor (Gemma 3's full-attention layers past 1B)
+        return theta, {"rope_type": "linear", "factor": float(params["factor"])}, rotary_dim
     if rope_type == "yarn":
         return theta, _yarn(params, key, int(raw.get("max_position_embeddings", 4096))), rotary_dim
     if rope_type == "longrope":
@@ -166,6 +172,21 @@ def _rope(raw: dict, arch: str) -> tuple[float, dict | None, int]:
     scaling = {"rope_type": "llama3", **{k: float(params[k]) for k in LLAMA3_KEYS}}
     scaling["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     return theta, scaling, rotary_dim
+
+
+def _gemma_rope(raw: dict, arch: str) -> tuple[float, dict | None, int, float]:
+    """``_rope``'s result for Gemma 3's full-attention layers, and its sliding layers' own RoPE base (plain RoPE):
+    transformers 5 keeps one ``rope_parameters`` entry per layer type, transformers 4 the full layers' in
+    ``rope_theta`` / ``rope_scaling`` and the sliding layers' base in ``rope_local_base_freq``."""
+    params = raw.get("rope_parameters")
+    if params is None or "full_attention" not in params:
+        return (*_rope(raw, arch), float(raw.get("rope_local_base_freq", 10000.0)))
+    local = params.get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise UnsupportedModelError("rope_parameters.sliding_attention.rope_type",
+                                    f"{local['rope_type']!r}: the sliding layers' RoPE must be plain (default)")
+    return (*_rope({**raw, "rope_parameters": params["full_attention"]}, arch),
+            float(local.get("rope_theta", 10000.0)))
 
 
 @dataclass(frozen=True)
@@ -453,9 +474,9 @@ def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tup
     """(the window every layer attends within, each layer's window when they differ: 0 for a full-attention
     layer), or (None, None) for full attention (none set, or one at least as long as the context, which
     changes nothing). Mistral, Mixtral and Phi-3 slide in every layer; Qwen's optional window
-    (``use_sliding_window``) covers the layers ``_sliding_layers`` names."""
+    (``use_sliding_window``) and Gemma 3's cover the layers ``_sliding_layers`` names."""
     window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", arch in SLIDING_ARCHITECTURES)
+    uses_window = raw.get("use_sliding_window", arch in SLIDING_ARCHITECTURES + GEMMA_ARCHITECTURES)
     if not uses_window or window is None or int(window) >= max_pos:
         return None, None
     if not int(window) > 0:
@@ -469,8 +490,9 @@ def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tup
 
 
 def _sliding_layers(arch: str, raw: dict, num_layers: int) -> list[bool]:
-    """Which layers of a Qwen model with ``use_sliding_window`` slide, as transformers decides: every one for
-    Qwen3-MoE; else the ``layer_types`` the config lists, or, without it, each variant's rule over
+    """Which layers of a Qwen model with ``use_sliding_window``, or of Gemma 3, slide, as transformers decides:
+    every one for Qwen3-MoE; else the ``layer_types`` the config lists, or, without it, each variant's rule:
+    for Gemma 3 every layer but each ``sliding_window_pattern``-th (default 6), for the others over
     ``max_window_layers`` (transformers' default 28): Qwen2 and Qwen3 from that layer on, Qwen2-MoE every
     other layer below it."""
     if arch == "Qwen3MoeForCausalLM":
@@ -481,6 +503,9 @@ def _sliding_layers(arch: str, raw: dict, num_layers: int) -> list[bool]:
             raise UnsupportedModelError("layer_types", f"{types!r}: one of 'sliding_attention' or 'full_attention' "
                                                        f"for each of the {num_layers} layers")
         return [kind == "sliding_attention" for kind in types]
+    if arch in GEMMA_ARCHITECTURES:
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return [(i + 1) % pattern != 0 for i in range(num_layers)]
     limit = int(raw.get("max_window_layers", 28))
     if arch == "Qwen2MoeForCausalLM":
         return [i % 2 == 0 and i < limit for i in range(num_layers)]
@@ -501,6 +526,13 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "llama3" | "yarn" | "longrope", ...} (``_rope``); None: plain
     rotary_dim: int | None = None  # the leading dims of a head RoPE rotates (Phi-4-mini's 3/4); None: head_dim
     rms_norm_eps: float = 1e-6
+    # Gemma 3's layers: RMSNorm scales by 1 + weight, in float32 before the cast back (the loader stores the
+    # 1 + weight, in float32); embeddings times sqrt(hidden_size); each sublayer's output normed before its
+    # residual add (post_attention_layernorm, post_feedforward_layernorm; pre_feedforward_layernorm before the
+    # MLP); a GeGLU MLP (tanh-approximated GELU)
+    gemma: bool = False
+    attention_scale: float | None = None  # softmax scale (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    local_rope_theta: float | None = None  # Gemma 3's sliding layers' RoPE base (plain RoPE); None: every layer's rope_theta
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one here
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
@@ -538,8 +570,14 @@ class ModelConfig:
             raise UnsupportedModelError(
                 "architectures", f"{archs!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
         qkv_bias, qk_norm = ARCHITECTURES[arch]
-        if raw.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError("hidden_act", f"{raw['hidden_act']!r}; only 'silu' is supported")
+        gemma = arch in GEMMA_ARCHITECTURES
+        act_key = "hidden_activation" if gemma and "hidden_activation" in raw else "hidden_act"
+        act, supported_act = raw.get(act_key), "gelu_pytorch_tanh" if gemma else "silu"
+        if act not in (None, supported_act):
+            raise UnsupportedModelError(act_key, f"{act!r}; only {supported_act!r} is supported for {arch}")
+        for softcap in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if raw.get(softcap) is not None:
+                raise UnsupportedModelError(softcap, "logit soft-capping (Gemma 2) is not supported")
         if raw.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias", "MLP biases are not supported")
         if not arch.startswith("Qwen2") and raw.get("attention_bias"):
@@ -552,14 +590,17 @@ class ModelConfig:
             raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
         num_layers = int(raw["num_hidden_layers"])
         sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
-        theta, scaling, rotary_dim = _rope(raw, arch)
+        theta, scaling, rotary_dim, local_theta = _gemma_rope(raw, arch) if gemma else (*_rope(raw, arch), None)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        scalar = raw.get("query_pre_attn_scalar") if gemma else None
         bos, eos = special_token_ids(raw, generation)
         config = cls(
             architecture=arch, vocab_size=int(raw["vocab_size"]), hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]), num_layers=num_layers,
-            num_heads=heads, num_kv_heads=kv_heads, head_dim=int(raw.get("head_dim") or hidden // heads),
+            num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), attention_bias=qkv_bias,
+            gemma=gemma, attention_scale=None if scalar is None else float(scalar) ** -0.5, local_rope_theta=local_theta,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,
             layer_windows=layer_windows, weight_quant=read_quantization(raw.get("quantization_config")),
@@ -604,7 +645,7 @@ class ModelConfig:
         """Parameter count implied by the config (weights memory in the capacity planner)."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
-        norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.gemma else 2) * h + (2 * self.head_dim if self.qk_norm else 0)  # Gemma's sandwich norms
         dense_mlp = 3 * h * self.intermediate_size
         mlps = self.num_layers * dense_mlp
         if (moe := self.moe) is not None:  # every expert's weights are held, whichever ones a token takes

@@ -224,6 +224,8 @@ def _targets(model: CausalLM, cfg: ModelConfig) -> dict[str, _Target]:
             inter = param.shape[0] // 2
             for part, (lo, hi) in zip(("gate_proj", "up_proj"), ((0, inter), (inter, 2 * inter)), strict=True):
                 _add(targets, name.replace("gate_up_proj", part), param.data[lo:hi], _rows(companions, lo, hi), quant)
+        elif cfg.gemma and name.endswith("norm.weight"):  # Gemma's norms scale by 1 + weight: the 1 is added here
+            targets[name] = _Target(param.data, tuple(param.shape), convert=lambda t: t.float() + 1.0)
         else:
             _add(targets, name, param.data, {part: c.data for part, c in companions.items()}, quant)
     return targets

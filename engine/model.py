@@ -86,6 +86,8 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     s = cfg.rope_scaling
     if s is None:
         return inv_freq, 1.0
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"], 1.0
     if s["rope_type"] == "yarn":
         return _yarn_inv_freq(cfg.rope_theta, dim, s), s["attention_factor"]
     if s["rope_type"] == "longrope":  # the short factors; CausalLM keeps the long ones beside them
@@ -219,17 +221,21 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, gemma: bool = False):
+        """``gemma``: Gemma's norm, whose float32 ``weight`` holds 1 + the checkpoint's (the loader adds the 1)
+        and scales the float32 row before the cast back."""
         super().__init__()
-        self.weight = _frozen(torch.empty(dim, dtype=dtype))
+        self.gemma = gemma
+        self.weight = _frozen(torch.empty(dim, dtype=torch.float32 if gemma else dtype))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Same order of operations as transformers (float32 statistics, cast back, then scale).
+        # Same order of operations as transformers (float32 statistics, cast back, then scale; Gemma's scales
+        # first).
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return (x32 * self.weight).to(dtype) if self.gemma else self.weight * x32.to(dtype)
 
 
 def _windowed(meta: AttentionMetadata, key: tuple, mask: torch.Tensor, window: int) -> torch.Tensor:
@@ -250,12 +256,12 @@ class Attention(nn.Module):
         self.window = window
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5  # SDPA's default
+        self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype,
                                cfg.quant_for(f"{prefix}.qkv_proj"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, cfg.quant_for(f"{prefix}.o_proj"))
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype, cfg.gemma) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: PagedKV,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -285,18 +291,18 @@ class Attention(nn.Module):
                     causal = torch.ones(p.end - p.begin, p.end - p.begin, dtype=torch.bool, device=q.device).tril()
                     o = F.scaled_dot_product_attention(
                         qs, ks, vs, attn_mask=_windowed(meta, ("fresh", p.begin), causal, self.window),
-                        enable_gqa=True)
+                        scale=self.scale, enable_gqa=True)
                 else:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
             else:
                 ks = kv.gather(0, p.ctx_blocks, 1, meta.k_buf)
                 vs = kv.gather(1, p.ctx_blocks, 1, meta.v_buf)
                 if p.sink_cols is None:
                     mask = p.mask if not self.window else _windowed(meta, ("chunk", p.begin), p.mask, self.window)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
                 else:
                     o = sink_window_attention(qs, q_sink[None, p.begin:p.end].transpose(1, 2), ks, vs, p.mask,
-                                              p.sink_cols)
+                                              p.sink_cols, self.scale)
             out[p.begin:p.end] = o[0].transpose(0, 1)
         if meta.num_decode:
             n = meta.num_decode
@@ -305,26 +311,29 @@ class Attention(nn.Module):
             if meta.decode_sink_cols is None:
                 mask = meta.decode_mask if not self.window else _windowed(meta, ("decode",), meta.decode_mask,
                                                                           self.window)
-                o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=mask,
+                o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=mask, scale=self.scale,
                                                    enable_gqa=True)  # [n, H, 1, D]
             else:
                 o = sink_window_attention(q[:n, :, None], q_sink[:n, :, None], kd, vd, meta.decode_mask,
-                                          meta.decode_sink_cols)
+                                          meta.decode_sink_cols, self.scale)
             out[:n] = o[:, :, 0]
         return self.o_proj(out.view(T, self.q_size), meta.lora)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 quants: tuple[Quant, Quant] = (None, None)):
-        """``quants``: gate/up's and down's quantization (None: held in ``dtype``)."""
+                 quants: tuple[Quant, Quant] = (None, None), gelu: bool = False):
+        """``quants``: gate/up's and down's quantization (None: held in ``dtype``); ``gelu``: GeGLU with the
+        tanh-approximated GELU (Gemma's), else SwiGLU."""
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype, quants[0])
         self.down_proj = Linear(intermediate_size, hidden_size, False, dtype, quants[1])
+        self.gelu = gelu
 
     def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, lora)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up, lora)
 
 
 class SparseMoE(nn.Module):
@@ -389,20 +398,29 @@ class SparseMoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP. Norm names are the checkpoint's: Llama's ``post_attention_layernorm`` is
+    the MLP's input norm; Gemma's normalizes the attention output, ``pre_feedforward_layernorm`` the MLP's
+    input and ``post_feedforward_layernorm`` its output."""
+
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma)  # noqa: E731
+        self.input_layernorm = norm()
         layer = f"model.layers.{index}"
         self.self_attn = Attention(cfg, dtype, cfg.layer_windows[index] if cfg.layer_windows else 0,
                                    f"{layer}.self_attn")
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if cfg.gemma:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         if cfg.moe is not None and index in cfg.moe.layers:
             shared = tuple(cfg.quant_for(f"{layer}.mlp.shared_expert.{p}") for p in ("gate_up_proj", "down_proj"))
             self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype, cfg.quant_for(f"{layer}.mlp.experts"),
                                             shared)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype,
-                           (cfg.quant_for(f"{layer}.mlp.gate_up_proj"), cfg.quant_for(f"{layer}.mlp.down_proj")))
+                           (cfg.quant_for(f"{layer}.mlp.gate_up_proj"), cfg.quant_for(f"{layer}.mlp.down_proj")),
+                           gelu=cfg.gemma)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv: PagedKV, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -411,17 +429,21 @@ class DecoderLayer(nn.Module):
         the new residual stream itself and the residual None; with the Triton kernels each residual add
         is fused into the norm after it (vLLM's fused_add_rms_norm), so the output is the MLP's, still to
         be added to the returned residual (by the next layer's input norm, or the caller)."""
+        gemma = self.pre_feedforward_layernorm is not None
+        mlp_norm = self.pre_feedforward_layernorm if gemma else self.post_attention_layernorm
         if meta.paged is None:
-            h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-            return h + self._mlp(self.post_attention_layernorm(h), meta), None
+            attn = self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
+            h = h + (self.post_attention_layernorm(attn) if gemma else attn)
+            out = self._mlp(mlp_norm(h), meta)
+            return h + (self.post_feedforward_layernorm(out) if gemma else out), None
         if residual is None:  # the first layer: the embeddings are the residual stream
             residual, x = h, self.input_layernorm(h)
         else:
-            x = kernels.fused_add_rms_norm(h, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            x = _add_norm(h, residual, self.input_layernorm)
         attn = self.self_attn(x, cos, sin, kv, meta)
-        x = kernels.fused_add_rms_norm(attn, residual, self.post_attention_layernorm.weight,
-                                       self.post_attention_layernorm.eps)
-        return self._mlp(x, meta), residual
+        x = _add_norm(self.post_attention_layernorm(attn) if gemma else attn, residual, mlp_norm)
+        out = self._mlp(x, meta)
+        return (self.post_feedforward_layernorm(out) if gemma else out), residual
 
     def _mlp(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The dense MLP with the step's LoRA rows, or the experts (the fused kernels with the Triton backend)."""
@@ -430,12 +452,17 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, meta.lora)
 
 
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """``residual += x``, then ``norm`` of it, in one kernel (vLLM's fused_add_rms_norm)."""
+    return kernels.fused_add_rms_norm(x, residual, norm.weight, norm.eps, scale_first=norm.gemma)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.embed_tokens = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)  # used as a lookup table
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, cfg.gemma)
 
 
 class CausalLM(nn.Module):
@@ -451,12 +478,18 @@ class CausalLM(nn.Module):
         self.inv_freq: torch.Tensor | None = None
         self.rope_scale = 1.0  # what cos and sin are multiplied by (YaRN's or LongRoPE's attention factor)
         self.long_inv_freq: torch.Tensor | None = None  # LongRoPE's long factors' (``rope_tables``)
+        self.local_inv_freq: torch.Tensor | None = None  # Gemma 3's sliding layers' (plain RoPE, their own base)
+        # Gemma's embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype as transformers does
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype)) if cfg.gemma else None
 
     def init_rope(self, device: torch.device | str) -> None:
         inv_freq, self.rope_scale = rope_inv_freq(self.config)
         self.inv_freq = inv_freq.to(device)
         if self.config.long_rope_from is not None:
             self.long_inv_freq = longrope_inv_freq(self.config, "long_factor").to(device)
+        if self.config.local_rope_theta is not None:
+            local = replace(self.config, rope_theta=self.config.local_rope_theta, rope_scaling=None)
+            self.local_inv_freq = rope_inv_freq(local)[0].to(device)
 
     def rope_tables(self, positions: torch.Tensor, long_rows: torch.Tensor | None, dtype: torch.dtype
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -479,10 +512,13 @@ class CausalLM(nn.Module):
         per layer, ``KVCache.for_step``), calling ``on_layer_done(layer)`` once a layer is done (its K/V
         written)."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
-        cos, sin = self.rope_tables(positions, meta.long_rope_rows, h.dtype)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        rope = self.rope_tables(positions, meta.long_rope_rows, h.dtype)
+        local = rope if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq, h.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos, sin, kv_layers[i], meta)
+            h, residual = layer(h, residual, *(local if layer.self_attn.window else rope), kv_layers[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
         h = h[logit_rows] if residual is None else residual[logit_rows] + h[logit_rows]

@@ -140,12 +140,13 @@ class StreamingWindow:
 
 
 def sink_window_attention(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          mask: torch.Tensor, sink_cols: torch.Tensor) -> torch.Tensor:
+                          mask: torch.Tensor, sink_cols: torch.Tensor, scale: float) -> torch.Tensor:
     """SDPA in which sink columns (``sink_cols``, broadcast over ``k``) score against ``q_sink`` (queries
     rotated at their cache position) and the other columns against ``q``, under one softmax. Keys widen to
     [k, 0] on sink columns and [0, k] elsewhere and queries to [q_sink, q], so one dot product of width
-    2 * head_dim gives each column its own query's score; the scale stays 1 / sqrt(head_dim)."""
+    2 * head_dim gives each column its own query's score; the softmax ``scale`` is the model's (1 / sqrt(head_dim)
+    unless it sets its own), not the widened width's."""
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
     keys = torch.cat([torch.where(sink_cols, k, zero), torch.where(sink_cols, zero, k)], dim=-1)
     return F.scaled_dot_product_attention(torch.cat([q_sink, q], dim=-1), keys, v, attn_mask=mask,
-                                          scale=q.shape[-1] ** -0.5, enable_gqa=True)
+                                          scale=scale, enable_gqa=True)

@@ -48,9 +48,10 @@ from engine.triton_attention import paged_attention, paged_metadata, quantized_l
 
 # sharedMemPerBlockOptin (bytes) of each compute capability: what Triton's loader compares a kernel with.
 MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
-# (query heads, kv heads, head_dim) of checkpoints users point --model at: both head dims, GQA groups of 8
-# and 7 (not a power of two: padded query rows). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
-SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128)}
+# (query heads, kv heads, head_dim) of checkpoints users point --model at: head dims 64 and 128, GQA groups of 8
+# and 7 (not a power of two: padded query rows), and Gemma 3's 256-wide heads (on the smaller tiles they default
+# to). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
+SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128), "gemma-3-1b": (4, 1, 256)}
 FORMATS = ("auto", "int8", "fp8", "kivi2")
 FP8_SHAPE = "qwen2.5-7b"  # the fp8 and integer weight kernels depend on no head shape: compiled for one
 BLOCK_SIZE = 16
@@ -107,6 +108,8 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
         paged_attention(q, k, v, kv, dataclasses.replace(meta, window=64), 2, head_dim ** -0.5)
     hidden = torch.randn(tokens, cfg.hidden_size).to(dtype)
     kernels.fused_add_rms_norm(hidden, hidden.clone(), torch.ones(cfg.hidden_size).to(dtype), 1e-6)
+    if shape == "gemma-3-1b":  # Gemma's norm: a float32 weight scaling the row before the cast
+        kernels.fused_add_rms_norm(hidden, hidden.clone(), torch.ones(cfg.hidden_size), 1e-6, scale_first=True)
     if kv_format == "auto":  # a mixture of experts' two launches at a decode batch (16-row blocks) and a prefill (64)
         hidden, experts, inter = cfg.hidden_size, 8, 768  # the values are never read: nothing is run
         for tokens in (4, 512):

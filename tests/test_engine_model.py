@@ -49,6 +49,13 @@ ARCHS = {
                                                     norm_topk_prob=False)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                                     norm_topk_prob=True, mlp_only_layers=[1], head_dim=32)),
+    # Gemma 3 (text): Gemma's norms (1 + weight) around each sublayer, scaled embeddings, GeGLU, a softmax scale
+    # of its own (query_pre_attn_scalar 24 against head_dim 32); a sliding layer (window 12: the prompts and
+    # their answers run past it) on plain RoPE of its own base, then a full one on linearly scaled RoPE
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        head_dim=32, query_pre_attn_scalar=24, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
 }
 
 
@@ -318,7 +325,7 @@ def test_tiny_model_loads_in_transformers_and_matches(tmp_path, monkeypatch):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("arch", ["qwen2", "mixtral", "qwen3_moe"])  # router scores kept in float32, or cast
+@pytest.mark.parametrize("arch", ["qwen2", "mixtral", "qwen3_moe", "gemma3"])  # router scores in float32 or cast; Gemma norms
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
 def test_bfloat16_model_and_cache_track_float32(tmp_path, device, arch):

@@ -280,6 +280,17 @@ def test_prefill_mixed_prefixes_matches_reference(q_heads: int, kv_heads: int, h
                 block_m=16, block_n=16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_dim_256_with_its_default_tiles_matches_reference(dtype: torch.dtype):
+    """Gemma 3's heads (256 wide, one KV head for four query heads, a sliding window) on the smaller tiles
+    such heads default to (``common.default_tile``): decode and prefill after cached prefixes."""
+    from engine.kernels.common import default_tile
+
+    assert default_tile(dtype, 256) == default_tile(dtype, 128) // 2
+    run_decode([1, 17, 40], 4, 1, 256, block_size=16, dtype=dtype, window=24)
+    run_prefill([16, 5, 1], [0, 17, 33], 4, 1, 256, block_size=16, dtype=dtype, window=24)
+
+
 def test_prefill_without_prefix_small_tiles_cross_blocks():
     run_prefill([40, 1, 9], [0, 0, 0], 8, 2, 64, block_size=16, block_m=16, block_n=32)
 
@@ -349,13 +360,15 @@ def test_this_file_skips_cleanly_without_triton(tmp_path: Path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [64, 80])
-def test_fused_add_rms_norm_matches_the_model_add_then_rmsnorm(dtype: torch.dtype, hidden: int):
-    """The decoder layer's ``h = h + out`` then ``RMSNorm(h)`` (engine.model): the residual is updated in
-    place and the normalized rows come out; rows of wider tensors (strided ``x`` and ``out``) work."""
+@pytest.mark.parametrize("gemma", [False, True], ids=["llama-norm", "gemma-norm"])
+def test_fused_add_rms_norm_matches_the_model_add_then_rmsnorm(dtype: torch.dtype, hidden: int, gemma: bool):
+    """The decoder layer's ``h = h + out`` then ``RMSNorm(h)`` (engine.model; Gemma's scales by its float32
+    weight before the cast): the residual is updated in place and the normalized rows come out; rows of wider
+    tensors (strided ``x`` and ``out``) work."""
     from engine.kernels.add_rms_norm import fused_add_rms_norm
     from engine.model import RMSNorm
 
-    norm = RMSNorm(hidden, 1e-5, dtype)
+    norm = RMSNorm(hidden, 1e-5, dtype, gemma)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.1 * torch.randn(hidden))
     x = torch.randn(7, 3, hidden).to(dtype)[:, 0]  # rows 3 * hidden apart
@@ -364,7 +377,7 @@ def test_fused_add_rms_norm_matches_the_model_add_then_rmsnorm(dtype: torch.dtyp
     with torch.no_grad():
         expected = norm(expected_h)
     wide = torch.randn(7, 2, hidden).to(dtype)
-    out = fused_add_rms_norm(x, residual, norm.weight, 1e-5, out=wide[:, 1])
+    out = fused_add_rms_norm(x, residual, norm.weight, 1e-5, out=wide[:, 1], scale_first=gemma)
     assert out.data_ptr() == wide[:, 1].data_ptr()
     # the bf16 sum differs by its last bit where the interpreter truncates instead of rounding (see above)
     h_tol = dict(atol=0, rtol=0) if dtype != torch.bfloat16 else dict(atol=0.02, rtol=0.01)

@@ -42,6 +42,47 @@ def test_llama3_rope_scaling_reads_the_same_from_transformers_4_and_5_keys():
     assert v5.head_dim == 16 and v5.num_kv_heads == 2
 
 
+# google/gemma-3-1b-it's config.json (transformers 4.50 keys), but for the vocabulary's size
+GEMMA3_1B = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attn_logit_softcapping": None,
+             "final_logit_softcapping": None, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+             "hidden_size": 1152, "intermediate_size": 6912, "max_position_embeddings": 32768,
+             "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+             "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": None,
+             "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 1024}
+
+
+def test_gemma3_reads_the_same_from_transformers_4_and_5_keys():
+    """Every sixth layer attends to everything, the others to their last 512 positions on RoPE of base 10,000;
+    the full layers on base 1,000,000 (and a linear scaling, as the larger Gemma 3 models have it); the
+    embeddings are tied (transformers' default for Gemma 3)."""
+    v4 = ModelConfig.from_dict({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    v5 = ModelConfig.from_dict({
+        **{k: v for k, v in GEMMA3_1B.items() if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq",
+                                                          "sliding_window_pattern")},
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}})
+    assert v4 == v5
+    assert v5.layer_windows == ((512,) * 5 + (0,)) * 4 + (512, 512) and v5.sliding_window is None
+    assert (v5.rope_theta, v5.rope_scaling, v5.local_rope_theta) == (1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+    assert v5.gemma and v5.qk_norm and v5.tie_word_embeddings and v5.attention_scale == 1 / 16 and v5.head_dim == 256
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),  # Gemma 2's
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"hidden_activation": "silu"}, "hidden_activation"),
+    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures"),  # the multimodal checkpoints
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
+     "rope_parameters.sliding_attention.rope_type"),
+])
+def test_what_gemma3_support_leaves_out_is_refused_naming_the_field(overrides, field):
+    with pytest.raises(UnsupportedModelError) as err:
+        ModelConfig.from_dict({**GEMMA3_1B, **overrides})
+    assert err.value.field == field and field in str(err.value)
+
+
 def test_yarn_reads_the_same_from_transformers_4_and_5_keys_with_its_defaults():
     """Qwen's documented long-context setting (transformers 4 keys) and the same in transformers 5's."""
     yarn = {"factor": 4.0, "original_max_position_embeddings": 32768}

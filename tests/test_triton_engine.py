@@ -367,6 +367,18 @@ def test_a_window_on_some_layers_only_on_triton_equals_torch_also_through_the_gr
 
 
 @needs_interpreter
+def test_gemma3_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
+    """Gemma 3's layers on the kernels: its norms fused with the residual adds (scaling by the float32 1 +
+    weight before the cast), its softmax scale in the attention kernels, a sliding layer on its own RoPE beside
+    a full one; greedy tokens equal the torch path's, eagerly and through the graph buffers."""
+    build_hf_checkpoint(tmp_path, "gemma3")
+    a, b = prompts((30, 9))
+    runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)]}, 16, graph_batch=1, num_blocks=32,
+                              max_num_batched_tokens=16)
+    assert runs["triton"] == runs["torch"]
+
+
+@needs_interpreter
 def test_longrope_with_a_partial_rotary_factor_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
     """Phi-3's LongRoPE (an original context of 32) with half of each head rotated, as Phi-4-mini rotates
     three quarters: a prompt past the original context and two that pass it while decoding (computed again

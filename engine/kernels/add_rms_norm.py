@@ -5,7 +5,7 @@ two passes over ``[tokens, hidden]`` plus the norm's float32 temporaries. Here o
 both inputs once, writes the sum back into the residual in place (vLLM's ``fused_add_rms_norm``) and the
 normalized row out. The arithmetic follows ``engine.model.RMSNorm`` and torch's add: the sum rounded to
 the activation dtype, float32 statistics, the normalized row cast back, then scaled by the weight in the
-activation dtype.
+activation dtype (Gemma's norm, ``scale_first``: scaled by its float32 weight, then cast).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from engine.kernels.common import next_power_of_2
 @triton.jit
 def _add_rms_norm_kernel(
     X, Residual, Weight, Out, stride_x, stride_r, stride_o, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, SCALE_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -33,16 +33,19 @@ def _add_rms_norm_kernel(
     h32 = h.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(h32 * h32, 0) / HIDDEN + eps)
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (h32 * inv_rms).to(dtype).to(tl.float32)
+    y = h32 * inv_rms
+    if not SCALE_FIRST:
+        y = y.to(dtype).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (w * y).to(Out.dtype.element_ty), mask=mask)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, scale_first: bool = False) -> torch.Tensor:
     """``residual += x`` in place, then RMSNorm of the new residual with ``weight`` and ``eps``.
 
     ``x``/``residual``: ``[tokens, hidden]`` with a contiguous hidden axis, same dtype; ``weight``:
-    ``[hidden]``. Returns ``out`` (allocated like ``residual`` when None)."""
+    ``[hidden]``; ``scale_first``: Gemma's norm (its float32 weight scales the row before the cast). Returns
+    ``out`` (allocated like ``residual`` when None)."""
     if x.dim() != 2 or x.shape != residual.shape or weight.shape != (x.shape[1],):
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must be [tokens, hidden] "
                          f"and weight {tuple(weight.shape)} [hidden]")
@@ -58,6 +61,6 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     hidden = x.shape[1]
     _add_rms_norm_kernel[(x.shape[0],)](
         x, residual, weight, out, x.stride(0), residual.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=next_power_of_2(hidden),
+        HIDDEN=hidden, BLOCK=next_power_of_2(hidden), SCALE_FIRST=scale_first,
     )
     return out

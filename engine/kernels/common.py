@@ -56,16 +56,18 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def default_tile(dtype: torch.dtype) -> int:
+def default_tile(dtype: torch.dtype, head_dim: int) -> int:
     """Key (and query) tile length: 64 for 16-bit caches; 32 for fp32, whose pipelined K/V tiles at
-    head_dim 128 would otherwise outgrow an SM's shared memory."""
-    return 32 if dtype == torch.float32 else 64
+    head_dim 128 would otherwise outgrow an SM's shared memory; half that past head_dim 128 (Gemma 3's
+    256), whose 64-token tiles need 160 KiB of it (more than sm_86 gives a block) and spill registers."""
+    tile = 32 if dtype == torch.float32 else 64
+    return tile // 2 if head_dim > 128 else tile
 
 
-def tile_size(name: str, n: int | None, dtype: torch.dtype) -> int:
-    """A kernel's tile: ``n``, or ``default_tile(dtype)`` when None. Tiles are powers of two
+def tile_size(name: str, n: int | None, dtype: torch.dtype, head_dim: int) -> int:
+    """A kernel's tile: ``n``, or ``default_tile(dtype, head_dim)`` when None. Tiles are powers of two
     (``tl.arange``) and at least 16 (the smallest ``tl.dot`` side on GPUs)."""
-    n = n or default_tile(dtype)
+    n = n or default_tile(dtype, head_dim)
     if n < 16 or n & (n - 1):
         raise ValueError(f"{name}={n} must be a power of two >= 16")
     return n
@@ -228,18 +230,18 @@ class AttentionInputs(NamedTuple):
     options: dict[str, int]  # launch options (``launch_options``)
 
 
-def launch_options(dtype: torch.dtype, quant: QuantizedKV | None) -> dict[str, int]:
+def launch_options(dtype: torch.dtype, quant: QuantizedKV | None, head_dim: int) -> dict[str, int]:
     """Warps and pipeline stages of an attention launch, from the compiled kernels' resources on sm_90
     (``tests/kernel_compile.py``, head_dim 128, 64-token key tiles):
 
     * 8 warps where a tile is dequantized (int8, fp8, kivi2) or scored in float32: at 4 warps decode holds
       236-255 registers a thread and fp8, kivi2 and fp32 split-K spill 88-400 B of them to local memory;
       8 halve each thread's share of the tile (128-214 registers, no spills). 16-bit caches keep 4 (101
-      registers in decode).
+      registers in decode), but for head_dims past 128 (Gemma 3's 256), whose rows take 8 as well.
     * kivi2 in one stage: its tiles come from three loads per element (codes, scales, zero points), whose
       staged copies in a software-pipelined key loop need ~100 KiB of shared memory, more than an
       sm_86/sm_89 GPU gives one block (99 KiB); one stage needs ~37 KiB."""
-    options = {"num_warps": 8} if quant is not None or dtype == torch.float32 else {}
+    options = {"num_warps": 8} if quant is not None or dtype == torch.float32 or head_dim > 128 else {}
     if quant is not None and quant.packed:
         options["num_stages"] = 1
     return options
@@ -270,4 +272,4 @@ def attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out {tuple(out.shape)} must be shaped like q with a contiguous head_dim")
     return AttentionInputs(block_size, kv_heads, head_dim, out,
-                           *_cache_operands(q, k_cache, v_cache, quant), launch_options(q.dtype, quant))
+                           *_cache_operands(q, k_cache, v_cache, quant), launch_options(q.dtype, quant, head_dim))

@@ -145,7 +145,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits is None:
         cap = block_tables.shape[1] * block_size if max_context_len is None else max_context_len
         num_splits = auto_num_splits(batch, kv_heads, cap, q.device)
-    block_n = tile_size("block_n", block_n, q.dtype)
+    block_n = tile_size("block_n", block_n, q.dtype, head_dim)
     group = q_heads // kv_heads
     block_d = next_power_of_2(head_dim)
     if window < 0:

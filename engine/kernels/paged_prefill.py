@@ -108,8 +108,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if max_query_len is None:
         max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    block_m = tile_size("block_m", block_m, q.dtype)
-    block_n = tile_size("block_n", block_n, q.dtype)
+    block_m = tile_size("block_m", block_m, q.dtype, head_dim)
+    block_n = tile_size("block_n", block_n, q.dtype, head_dim)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
     grid = (triton.cdiv(max_query_len, block_m), batch, q_heads)
