@@ -28,15 +28,29 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
     "Qwen3MoeForCausalLM": (False, True),
     "Gemma3ForCausalLM": (False, True),
+    "Gemma3ForConditionalGeneration": (False, True),  # its text part (Gemma 3 4B-27B); images are refused
 }
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # checkpoints whose q/k/v and gate/up matrices are already packed as the model packs them (Phi-3, Phi-4)
 PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # architectures whose sliding window, when set, covers every layer
 SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
-# Gemma 3 (text): Gemma's norms and GeGLU MLP (ModelConfig.gemma), sliding and full layers by layer_types, each
-# kind with its own RoPE
-GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM",)
+# Gemma 3: Gemma's norms and GeGLU MLP (ModelConfig.gemma), sliding and full layers by layer_types, each kind
+# with its own RoPE; of the multimodal checkpoints, the language model (MULTIMODAL_TEXT_PREFIXES)
+GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# transformers' Gemma3TextConfig defaults, which a multimodal Gemma 3 checkpoint's text_config leaves out
+# (tests/test_loader.py holds them to transformers')
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "sliding_window_pattern": 6, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True}
+# A multimodal checkpoint's tensors: its language model's under one of these prefixes (transformers 4.50's
+# layout, which save_pretrained writes, and 4.52's model classes'), read as the text model's; the rest (the
+# vision tower, the projector) are not loaded
+MULTIMODAL_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                            "language_model.lm_head.": "lm_head."}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # EngineConfig.attention_backend
 # KV cache formats whose writes never sync with the host, so decode steps can be captured in CUDA graphs
@@ -569,6 +583,10 @@ class ModelConfig:
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
                 "architectures", f"{archs!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+        if arch == "Gemma3ForConditionalGeneration":  # the language model's config, the checkpoint's special tokens
+            top = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
+                   if k in raw}
+            raw = {**GEMMA3_TEXT_DEFAULTS, **(raw.get("text_config") or {}), **top}
         qkv_bias, qk_norm = ARCHITECTURES[arch]
         gemma = arch in GEMMA_ARCHITECTURES
         act_key = "hidden_activation" if gemma and "hidden_activation" in raw else "hidden_act"

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import PACKED_ARCHITECTURES, TINY, IntQuant, ModelConfig, Quant
+from engine.config import MULTIMODAL_TEXT_PREFIXES, PACKED_ARCHITECTURES, TINY, IntQuant, ModelConfig, Quant
 from engine.errors import CheckpointError
 from engine.int_weights import (
     act_order_perm,
@@ -283,6 +283,15 @@ def _checkpoint_parts(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
     return parts
 
 
+def _model_name(name: str, cfg: ModelConfig) -> str | None:
+    """The model's name for checkpoint tensor ``name``: itself, or in a multimodal checkpoint its language
+    model's tensor renamed as the text model's (``MULTIMODAL_TEXT_PREFIXES``), None for the rest (not loaded)."""
+    if cfg.architecture != "Gemma3ForConditionalGeneration":
+        return name
+    prefix = next((p for p in MULTIMODAL_TEXT_PREFIXES if name.startswith(p)), None)
+    return None if prefix is None else MULTIMODAL_TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
+
+
 def _left_unquantized(model_dir: Path, cfg: ModelConfig) -> frozenset[str]:
     """The projections a quantized checkpoint holds in 16 or 32 bits (its ignore / modules_to_not_convert
     lists, in whatever pattern language it wrote them): those whose weights are floats in its tensors.
@@ -290,7 +299,8 @@ def _left_unquantized(model_dir: Path, cfg: ModelConfig) -> frozenset[str]:
     dtypes: dict[str, str] = {}
     for path in _weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            dtypes |= {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118 - not a mapping
+            dtypes |= {ours: f.get_slice(name).get_dtype() for name in f.keys()  # noqa: SIM118 - not a mapping
+                       if (ours := _model_name(name, cfg)) is not None}
     kept = set()
     for layer in range(cfg.num_layers):
         for module, parts in _checkpoint_parts(cfg, layer).items():
@@ -328,7 +338,10 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
     seen: set[str] = set()
     for path in _weight_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            for stored in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                name = _model_name(stored, cfg)
+                if name is None:
+                    continue  # a multimodal checkpoint's vision tower or projector
                 if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                     continue  # derived from the config, or the tied embedding already loaded
                 if name.endswith(".input_scale") and name.removesuffix("input_scale") + "weight" in targets:
@@ -336,11 +349,11 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
                 if cfg.static_kv_scales and ".self_attn." in name and name.endswith((".k_scale", ".v_scale")):
                     continue  # for an fp8 cache of one scale a layer: ours keeps scales of its own
                 if name.endswith(".bias") and name not in targets and name.removesuffix("bias") + "qweight" in targets \
-                        and not f.get_tensor(name).any():
+                        and not f.get_tensor(stored).any():
                     continue  # older AutoGPTQ writes a zero bias for every projection: nothing to add
                 if name not in targets:
                     raise CheckpointError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 _check_tensor(path, name, tensor, targets[name])
                 try:
                     targets[name].fill(tensor)

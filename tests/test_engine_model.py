@@ -135,6 +135,48 @@ def test_greedy_tokens_and_logits_match_transformers(tmp_path, arch):
             assert tokens[i] == ref, f"{arch} prompt {i}"
 
 
+@pytest.mark.timeout(120)
+def test_a_multimodal_gemma3_checkpoints_language_model_generates_as_transformers_does(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: a vision tower and projector beside the language
+    model, whose tensors sit under ``language_model.model.`` (what save_pretrained writes) or, in checkpoints
+    saved from transformers' newer classes, ``model.language_model.``. The engine loads the language model
+    alone, from either, and a text prompt's greedy tokens and logits are transformers'."""
+    from safetensors.torch import load_file, save_file
+
+    _, extra = ARCHS["gemma3"]
+    config = transformers.Gemma3Config(
+        text_config={**COMMON, **extra}, mm_tokens_per_image=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14))
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForConditionalGeneration(config).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
+    hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = None, 0
+    hf.save_pretrained(tmp_path / "saved")
+    (tmp_path / "renamed").mkdir()
+    for name in ("config.json", "generation_config.json"):
+        (tmp_path / "renamed" / name).write_bytes((tmp_path / "saved" / name).read_bytes())
+    tensors = load_file(tmp_path / "saved" / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in tensors)
+    save_file({k.replace("language_model.model.", "model.language_model."): v for k, v in tensors.items()},
+              tmp_path / "renamed" / "model.safetensors")
+    batch = prompts()
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in batch]
+        first = [hf(input_ids=torch.tensor([p])).logits[0, -1] for p in batch]
+    for layout in ("saved", "renamed"):
+        runner, cfg = make_runner(tmp_path / layout)
+        assert cfg.architecture == "Gemma3ForConditionalGeneration" and cfg.layer_windows == (12, 0)
+        tokens, logits = engine_greedy(runner, batch, NEW_TOKENS)
+        assert tokens == want, layout
+        assert all(rel_err(logits[i], first[i]) < 1e-4 for i in range(len(batch))), layout
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_parameter_count_matches_transformers(tmp_path, arch):

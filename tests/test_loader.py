@@ -68,11 +68,34 @@ def test_gemma3_reads_the_same_from_transformers_4_and_5_keys():
     assert v5.gemma and v5.qk_norm and v5.tie_word_embeddings and v5.attention_scale == 1 / 16 and v5.head_dim == 256
 
 
+def test_a_multimodal_gemma3_config_is_read_as_its_language_model_with_transformers_defaults():
+    """google/gemma-3-4b-it's config.json names few text fields; transformers' Gemma3TextConfig defaults fill
+    the rest (ours are held to its), and the checkpoint's own special tokens win over the text config's."""
+    from engine.config import GEMMA3_TEXT_DEFAULTS
+
+    defaults = transformers.Gemma3TextConfig()
+    pattern = defaults.layer_types.index("full_attention") + 1
+    rope = defaults.rope_parameters
+    theirs = {**{k: getattr(defaults, k) for k in GEMMA3_TEXT_DEFAULTS if hasattr(defaults, k)},
+              "sliding_window_pattern": pattern, "rope_theta": rope["full_attention"]["rope_theta"],
+              "rope_local_base_freq": rope["sliding_attention"]["rope_theta"]}
+    assert theirs == GEMMA3_TEXT_DEFAULTS
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}})
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2560, 34, 8, 4, 256)
+    assert cfg.layer_windows == ((1024,) * 5 + (0,)) * 5 + (1024,) * 4 and cfg.eos_token_ids == [1, 106]
+    assert (cfg.rope_scaling, cfg.local_rope_theta, cfg.vocab_size) == ({"rope_type": "linear", "factor": 8.0}, 1e4, 262208)
+    assert cfg.gemma and cfg.tie_word_embeddings and cfg.attention_scale == 1 / 16
+
+
 @pytest.mark.parametrize("overrides, field", [
     ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),  # Gemma 2's
     ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
     ({"hidden_activation": "silu"}, "hidden_activation"),
-    ({"architectures": ["Gemma3ForConditionalGeneration"]}, "architectures"),  # the multimodal checkpoints
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
      "rope_parameters.sliding_attention.rope_type"),
