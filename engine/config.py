@@ -587,6 +587,7 @@ class ModelConfig:
             top = {k: raw[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings", "quantization_config")
                    if k in raw}
             raw = {**GEMMA3_TEXT_DEFAULTS, **(raw.get("text_config") or {}), **top}
+            raw.pop("final_logit_softcapping", None)  # some configs set it; this model class never applies it
         qkv_bias, qk_norm = ARCHITECTURES[arch]
         gemma = arch in GEMMA_ARCHITECTURES
         act_key = "hidden_activation" if gemma and "hidden_activation" in raw else "hidden_act"

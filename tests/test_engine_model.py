@@ -140,12 +140,13 @@ def test_a_multimodal_gemma3_checkpoints_language_model_generates_as_transformer
     """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration: a vision tower and projector beside the language
     model, whose tensors sit under ``language_model.model.`` (what save_pretrained writes) or, in checkpoints
     saved from transformers' newer classes, ``model.language_model.``. The engine loads the language model
-    alone, from either, and a text prompt's greedy tokens and logits are transformers'."""
+    alone, from either, and a text prompt's greedy tokens and logits are transformers' (which never soft-caps
+    this class's logits, whatever its text config says)."""
     from safetensors.torch import load_file, save_file
 
     _, extra = ARCHS["gemma3"]
     config = transformers.Gemma3Config(
-        text_config={**COMMON, **extra}, mm_tokens_per_image=4,
+        text_config={**COMMON, **extra, "final_logit_softcapping": 0.5}, mm_tokens_per_image=4,
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14))
     torch.manual_seed(0)

@@ -84,7 +84,9 @@ def test_a_multimodal_gemma3_config_is_read_as_its_language_model_with_transform
         "architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106], "model_type": "gemma3",
         "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
                         "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                        "sliding_window": 1024},
+                        "sliding_window": 1024,
+                        # (transformers' Gemma3ForConditionalGeneration never soft-caps its logits)
+                        "final_logit_softcapping": 30.0},
         "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152}})
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (2560, 34, 8, 4, 256)
     assert cfg.layer_windows == ((1024,) * 5 + (0,)) * 5 + (1024,) * 4 and cfg.eos_token_ids == [1, 106]
