@@ -119,3 +119,31 @@ def test_an_empty_salt_over_grpc_is_invalid_argument_naming_it(live_server):
         list(serving_pb2_grpc.ServingStub(grpc.insecure_channel(live_server.grpc_target)).Complete(request,
                                                                                                  timeout=60))
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cache_salt" in exc.value.details()
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.timeout(240)
+def test_a_sessions_next_turn_finds_its_history_cached_under_the_same_salt_only(live_server):
+    """A chat session keeps its turns as token ids; the next turn, sent with the session's salt, finds the
+    first turn's prompt cached, and one sent with another salt finds nothing."""
+    url, salt = f"{live_server.http_url}/v1/chat/completions", uuid.uuid4().hex * 2
+
+    def turn(sid: str, text: str, cache_salt: str, system: bool) -> dict:
+        messages = ([{"role": "system", "content": LONG_PROMPT}] if system else []) + [{"role": "user", "content": text}]
+        body = {"model": live_server.model_id, "messages": messages, "max_tokens": 4, "temperature": 0.0,
+                "session_id": sid, "cache_salt": cache_salt}
+        response = httpx.post(url, json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]
+
+    for sid, second_salt in ((f"salted-{uuid.uuid4().hex}", salt), (f"resalted-{uuid.uuid4().hex}", salt[::-1])):
+        first = turn(sid, "first", salt, system=True)
+        second = turn(sid, "second", second_salt, system=False)
+        cached = second["prompt_tokens_details"]["cached_tokens"]
+        if second_salt == salt:  # at least every full block of the first turn's prompt
+            assert first["prompt_tokens_details"]["cached_tokens"] == 0
+            block = live_server.dispatcher.block_size
+            assert cached >= (first["prompt_tokens"] - 1) // block * block
+        else:
+            assert cached == 0
