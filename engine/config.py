@@ -29,6 +29,7 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
     "Gemma3ForCausalLM": (False, True),
     "Gemma3ForConditionalGeneration": (False, True),  # its text part (Gemma 3 4B-27B); images are refused
+    "Gemma2ForCausalLM": (False, False),
 }
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # checkpoints whose q/k/v and gate/up matrices are already packed as the model packs them (Phi-3, Phi-4)
@@ -36,8 +37,10 @@ PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
 # architectures whose sliding window, when set, covers every layer
 SLIDING_ARCHITECTURES = ("MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM")
 # Gemma 3: Gemma's norms and GeGLU MLP (ModelConfig.gemma), sliding and full layers by layer_types, each kind
-# with its own RoPE; of the multimodal checkpoints, the language model (MULTIMODAL_TEXT_PREFIXES)
-GEMMA_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+# with its own RoPE; of the multimodal checkpoints, the language model (MULTIMODAL_TEXT_PREFIXES). Gemma 2: the
+# same layers, every other one sliding, one RoPE, its logits soft-capped.
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA_ARCHITECTURES = (*GEMMA3_ARCHITECTURES, "Gemma2ForCausalLM")
 # transformers' Gemma3TextConfig defaults, which a multimodal Gemma 3 checkpoint's text_config leaves out
 # (tests/test_loader.py holds them to transformers')
 GEMMA3_TEXT_DEFAULTS = {
@@ -506,7 +509,7 @@ def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tup
 def _sliding_layers(arch: str, raw: dict, num_layers: int) -> list[bool]:
     """Which layers of a Qwen model with ``use_sliding_window``, or of Gemma 3, slide, as transformers decides:
     every one for Qwen3-MoE; else the ``layer_types`` the config lists, or, without it, each variant's rule:
-    for Gemma 3 every layer but each ``sliding_window_pattern``-th (default 6), for the others over
+    for Gemma every layer but each ``sliding_window_pattern``-th (default 6 for Gemma 3, 2 for Gemma 2), for the others over
     ``max_window_layers`` (transformers' default 28): Qwen2 and Qwen3 from that layer on, Qwen2-MoE every
     other layer below it."""
     if arch == "Qwen3MoeForCausalLM":
@@ -518,7 +521,8 @@ def _sliding_layers(arch: str, raw: dict, num_layers: int) -> list[bool]:
                                                        f"for each of the {num_layers} layers")
         return [kind == "sliding_attention" for kind in types]
     if arch in GEMMA_ARCHITECTURES:
-        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+                      or (6 if arch in GEMMA3_ARCHITECTURES else 2))
         return [(i + 1) % pattern != 0 for i in range(num_layers)]
     limit = int(raw.get("max_window_layers", 28))
     if arch == "Qwen2MoeForCausalLM":
@@ -547,6 +551,10 @@ class ModelConfig:
     gemma: bool = False
     attention_scale: float | None = None  # softmax scale (Gemma's query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     local_rope_theta: float | None = None  # Gemma 3's sliding layers' RoPE base (plain RoPE); None: every layer's rope_theta
+    # Gemma's soft-capping (Gemma 2's, optional in Gemma 3): each attention score, and each logit, becomes
+    # cap * tanh(x / cap); None: none
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2); o_proj never has one here
     qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3)
@@ -594,9 +602,10 @@ class ModelConfig:
         act, supported_act = raw.get(act_key), "gelu_pytorch_tanh" if gemma else "silu"
         if act not in (None, supported_act):
             raise UnsupportedModelError(act_key, f"{act!r}; only {supported_act!r} is supported for {arch}")
-        for softcap in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if raw.get(softcap) is not None:
-                raise UnsupportedModelError(softcap, "logit soft-capping (Gemma 2) is not supported")
+        softcaps = {key: raw.get(key) for key in ("attn_logit_softcapping", "final_logit_softcapping")}
+        for key, cap in softcaps.items():
+            if cap is not None and (not gemma or not isinstance(cap, int | float) or cap <= 0):
+                raise UnsupportedModelError(key, f"{cap!r}: logit soft-capping is Gemma's, a cap > 0")
         if raw.get("mlp_bias"):
             raise UnsupportedModelError("mlp_bias", "MLP biases are not supported")
         if not arch.startswith("Qwen2") and raw.get("attention_bias"):
@@ -609,7 +618,8 @@ class ModelConfig:
             raise UnsupportedModelError("num_key_value_heads", f"{kv_heads} does not divide {heads} heads")
         num_layers = int(raw["num_hidden_layers"])
         sliding_window, layer_windows = _sliding_windows(arch, raw, num_layers, max_pos)
-        theta, scaling, rotary_dim, local_theta = _gemma_rope(raw, arch) if gemma else (*_rope(raw, arch), None)
+        theta, scaling, rotary_dim, local_theta = (_gemma_rope(raw, arch) if arch in GEMMA3_ARCHITECTURES
+                                                   else (*_rope(raw, arch), None))
         head_dim = int(raw.get("head_dim") or hidden // heads)
         scalar = raw.get("query_pre_attn_scalar") if gemma else None
         bos, eos = special_token_ids(raw, generation)
@@ -619,6 +629,7 @@ class ModelConfig:
             num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
             rope_theta=theta, rope_scaling=scaling, rotary_dim=rotary_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             gemma=gemma, attention_scale=None if scalar is None else float(scalar) ** -0.5, local_rope_theta=local_theta,
+            **{key: None if cap is None else float(cap) for key, cap in softcaps.items()},
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)), attention_bias=qkv_bias,
             qk_norm=qk_norm, max_position_embeddings=max_pos,
             bos_token_id=bos, eos_token_ids=eos, moe=_moe(arch, raw, num_layers), sliding_window=sliding_window,

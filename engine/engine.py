@@ -130,6 +130,9 @@ class Engine:
                                 residual_blocks=residual)
         self.device = self.kv_cache.device
         # attention sinks + sliding window: None is full attention; with one, sequences may outgrow the context
+        if self.model_config.attn_logit_softcapping and config.kv_sinks:
+            raise ValueError("--kv-sinks: this model soft-caps its attention scores (Gemma's "
+                             "attn_logit_softcapping), which the sink attention does not: serve it without --kv-sinks")
         if self.model_config.layer_windows and config.kv_window is not None:
             raise ValueError("--kv-window drops blocks every layer reads, and this model's full-attention layers "
                              "read them all (only some of its layers slide): serve it without --kv-window")

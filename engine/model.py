@@ -238,6 +238,22 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight).to(dtype) if self.gemma else self.weight * x32.to(dtype)
 
 
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+               softcap: float) -> torch.Tensor:
+    """SDPA of q ``[B, H, M, D]`` over k/v ``[B, Hkv, N, D]``, ``mask`` the keys each query sees (None:
+    causal); with ``softcap`` (> 0, Gemma 2's) each score is ``softcap * tanh(score / softcap)``, which SDPA
+    cannot do, so the scores are taken as transformers' eager attention takes them (softmax in float32)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 def _windowed(meta: AttentionMetadata, key: tuple, mask: torch.Tensor, window: int) -> torch.Tensor:
     """``mask`` (each row visible up to its query's position, as the runner builds them) narrowed to each
     query's last ``window`` positions, itself included (transformers' sliding-window mask); once a step."""
@@ -257,6 +273,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.attention_scale or cfg.head_dim ** -0.5
+        self.softcap = cfg.attn_logit_softcapping or 0.0
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype,
                                cfg.quant_for(f"{prefix}.qkv_proj"))
         self.o_proj = Linear(self.q_size, cfg.hidden_size, False, dtype, cfg.quant_for(f"{prefix}.o_proj"))
@@ -276,7 +293,7 @@ class Attention(nn.Module):
             d = cos.shape[-1]  # the rotated dimensions: views of them are rotated in place
             kernels.apply_rope(q[..., :d], k[..., :d], cos, sin)
             paged = meta.paged if not self.window else replace(meta.paged, window=self.window)
-            out = paged_attention(q, k, v, kv, paged, meta.num_decode, self.scale)
+            out = paged_attention(q, k, v, kv, paged, meta.num_decode, self.scale, self.softcap)
             return self.o_proj(out.view(T, self.q_size), meta.lora)
         q_sink = None if meta.sink_cos is None else apply_rotary(q, meta.sink_cos, meta.sink_sin)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -287,19 +304,17 @@ class Attention(nn.Module):
             qs = q[None, p.begin:p.end].transpose(1, 2)
             if p.ctx_blocks is None:  # nothing cached before this chunk: its own K/V is the context
                 ks, vs = k[None, p.begin:p.end].transpose(1, 2), v[None, p.begin:p.end].transpose(1, 2)
+                mask = None  # causal
                 if self.window:
                     causal = torch.ones(p.end - p.begin, p.end - p.begin, dtype=torch.bool, device=q.device).tril()
-                    o = F.scaled_dot_product_attention(
-                        qs, ks, vs, attn_mask=_windowed(meta, ("fresh", p.begin), causal, self.window),
-                        scale=self.scale, enable_gqa=True)
-                else:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+                    mask = _windowed(meta, ("fresh", p.begin), causal, self.window)
+                o = _attention(qs, ks, vs, mask, self.scale, self.softcap)
             else:
                 ks = kv.gather(0, p.ctx_blocks, 1, meta.k_buf)
                 vs = kv.gather(1, p.ctx_blocks, 1, meta.v_buf)
                 if p.sink_cols is None:
                     mask = p.mask if not self.window else _windowed(meta, ("chunk", p.begin), p.mask, self.window)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=self.scale, enable_gqa=True)
+                    o = _attention(qs, ks, vs, mask, self.scale, self.softcap)
                 else:
                     o = sink_window_attention(qs, q_sink[None, p.begin:p.end].transpose(1, 2), ks, vs, p.mask,
                                               p.sink_cols, self.scale)
@@ -311,8 +326,7 @@ class Attention(nn.Module):
             if meta.decode_sink_cols is None:
                 mask = meta.decode_mask if not self.window else _windowed(meta, ("decode",), meta.decode_mask,
                                                                           self.window)
-                o = F.scaled_dot_product_attention(q[:n, :, None], kd, vd, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=True)  # [n, H, 1, D]
+                o = _attention(q[:n, :, None], kd, vd, mask, self.scale, self.softcap)  # [n, H, 1, D]
             else:
                 o = sink_window_attention(q[:n, :, None], q_sink[:n, :, None], kd, vd, meta.decode_mask,
                                           meta.decode_sink_cols, self.scale)
@@ -522,5 +536,7 @@ class CausalLM(nn.Module):
             if on_layer_done is not None:
                 on_layer_done(i)
         h = h[logit_rows] if residual is None else residual[logit_rows] + h[logit_rows]
-        h = self.model.norm(h)
-        return self.lm_head(h).float()
+        logits = self.lm_head(self.model.norm(h))
+        if cap := self.config.final_logit_softcapping:  # Gemma 2's, in the model's dtype as transformers caps
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

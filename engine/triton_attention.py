@@ -127,9 +127,10 @@ def quantized_layer(kv: QuantLayerKV) -> tuple[torch.Tensor, torch.Tensor, Quant
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: DenseLayerKV | QuantLayerKV,
-                    meta: PagedAttentionMeta, num_decode: int, scale: float) -> torch.Tensor:
+                    meta: PagedAttentionMeta, num_decode: int, scale: float, softcap: float = 0.0) -> torch.Tensor:
     """Write the step's K/V (``[T, kv_heads, head_dim]``) into the layer's cache, then attention of ``q``
-    (``[T, heads, head_dim]``, decode rows first) over each row's context: ``[T, heads, head_dim]``."""
+    (``[T, heads, head_dim]``, decode rows first) over each row's context: ``[T, heads, head_dim]``;
+    ``softcap`` (> 0): the scores soft-capped (Gemma 2's)."""
     if isinstance(kv, QuantLayerKV) and kv.cache.windows is None:  # int8: quantized by the write kernel
         k_cache, v_cache, quant = quantized_layer(kv)
         kernels.write_kv(k, v, k_cache, v_cache, kv.slot_mapping, quant=quant)
@@ -144,12 +145,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Dense
     if n:
         kernels.paged_decode_attention(q[:n], k_cache, v_cache, meta.decode_tables, meta.context_lens, scale,
                                        out=out[:n], max_context_len=meta.max_context_len, quant=quant,
-                                       window=meta.window)
+                                       window=meta.window, softcap=softcap)
     if n < q.shape[0]:
         # short chunks (drafts to verify: a few tokens each) take the smallest query tile, not a 64-row one
         # mostly masked off
         block_m = _SHORT_QUERY_TILE if meta.max_query_len <= _SHORT_QUERY_TILE else None
         kernels.paged_prefill_attention(q[n:], k_cache, v_cache, meta.prefill_tables, meta.cu_seqlens_q,
                                         meta.seq_lens, scale, out=out[n:], max_query_len=meta.max_query_len,
-                                        block_m=block_m, quant=quant, window=meta.window)
+                                        block_m=block_m, quant=quant, window=meta.window, softcap=softcap)
     return out

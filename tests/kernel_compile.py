@@ -49,8 +49,8 @@ from engine.triton_attention import paged_attention, paged_metadata, quantized_l
 # sharedMemPerBlockOptin (bytes) of each compute capability: what Triton's loader compares a kernel with.
 MAX_SHARED = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448, 100: 232_448, 120: 101_376}
 # (query heads, kv heads, head_dim) of checkpoints users point --model at: head dims 64 and 128, GQA groups of 8
-# and 7 (not a power of two: padded query rows), and Gemma 3's 256-wide heads (on the smaller tiles they default
-# to). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
+# and 7 (not a power of two: padded query rows), and Gemma's 256-wide heads (on the smaller tiles they default
+# to; with Gemma 2's soft-capped scores too). Llama-3-8B, Mistral and Qwen3 compile like qwen2.5-7b.
 SHAPES = {"tinyllama-1.1b": (32, 4, 64), "qwen2.5-7b": (28, 4, 128), "gemma-3-1b": (4, 1, 256)}
 FORMATS = ("auto", "int8", "fp8", "kivi2")
 FP8_SHAPE = "qwen2.5-7b"  # the fp8 and integer weight kernels depend on no head shape: compiled for one
@@ -98,6 +98,8 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
     last = (per_seq - 1) * BLOCK_SIZE  # the decode rows' position: the first of their last block
     kv = cache.for_step(slots, [(tables[0], last, last + 1), (tables[1], last, last + 1), (tables[2], 40, 64)])[0]
     paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5)
+    if shape == "gemma-3-1b":  # Gemma 2's soft-capped scores, at its (and Gemma 3's) head_dim
+        paged_attention(q, k, v, kv, meta, 2, head_dim ** -0.5, softcap=50.0)
     # a step verifying drafts: chunks of 4 tokens after a long context (the short query tile)
     verify = paged_metadata([], [(tables[0], 4, context), (tables[1], 4, context)], BLOCK_SIZE, cache.device)
     drafted = torch.tensor([t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for t in tables[:2]

@@ -56,6 +56,10 @@ ARCHS = {
         head_dim=32, query_pre_attn_scalar=24, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    # Gemma 2: the same layers with one RoPE, a sliding layer then a full one, its attention scores and logits
+    # soft-capped (caps low enough that these random weights' scores and logits pass them)
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=12,
+                                               attn_logit_softcapping=1.0, final_logit_softcapping=2.0)),
 }
 
 
@@ -271,6 +275,8 @@ def test_a_sliding_window_on_some_layers_only_runs_as_transformers_runs_it(tmp_p
 
 @pytest.mark.timeout(30)
 def test_which_layers_slide_is_read_as_transformers_reads_it_and_a_kv_window_is_refused_beside_it(tmp_path):
+    """Which layers slide, read as transformers reads it; --kv-window refused beside a model's own windows,
+    and --kv-sinks beside soft-capped attention scores (the sink attention does not cap them)."""
     from engine.config import UnsupportedModelError
 
     qwen = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
@@ -296,6 +302,9 @@ def test_which_layers_slide_is_read_as_transformers_reads_it_and_a_kv_window_is_
     build_hf_checkpoint(tmp_path / "qwen", "qwen2", use_sliding_window=True, sliding_window=12, max_window_layers=1)
     with pytest.raises(ValueError, match="serve it without --kv-window"):
         Engine(EngineConfig(model=str(tmp_path / "qwen"), kv_window=64))
+    build_hf_checkpoint(tmp_path / "gemma2", "gemma2", sliding_window=None)  # full attention, scores soft-capped
+    with pytest.raises(ValueError, match="serve it without --kv-sinks"):
+        Engine(EngineConfig(model=str(tmp_path / "gemma2"), kv_window=32, kv_sinks=4))
     build_hf_checkpoint(tmp_path / "mistral", "mistral", sliding_window=32)
     with pytest.raises(ValueError, match="longer than the model's sliding window of 32"):
         Engine(EngineConfig(model=str(tmp_path / "mistral"), kv_window=64))

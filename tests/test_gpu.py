@@ -314,12 +314,15 @@ def test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs
 @pytest.mark.parametrize("arch, overrides", [
     ("qwen3_moe", {}), ("mistral", {"sliding_window": 20}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}),
-    ("gemma3", {"head_dim": 256, "query_pre_attn_scalar": 256})],
-    ids=["qwen3_moe", "mistral_sliding_window", "qwen2_window_on_some_layers", "gemma3_head_dim_256"])
+    ("gemma3", {"head_dim": 256, "query_pre_attn_scalar": 256}),
+    ("gemma2", {"head_dim": 256, "query_pre_attn_scalar": 256})],
+    ids=["qwen3_moe", "mistral_sliding_window", "qwen2_window_on_some_layers", "gemma3_head_dim_256",
+         "gemma2_head_dim_256_soft_capped"])
 def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_path, request, arch, overrides):
     """Qwen3-MoE through the compiled fused MoE kernels, Mistral v0.1's sliding window in the compiled
     attention kernels (its blocks behind the window given back), Qwen's window on its second layer only, and
-    Gemma 3's layers with its 256-wide heads (on their smaller tiles), in float32 with decode steps replayed from CUDA graphs (captured: nothing reads back to the host): the
+    Gemma 3's and Gemma 2's layers with their 256-wide heads (on their smaller tiles; Gemma 2's scores
+    soft-capped in the kernels), in float32 with decode steps replayed from CUDA graphs (captured: nothing reads back to the host): the
     torch path's greedy tokens."""
     if ran_in_a_compiling_process(request.node.name):
         return

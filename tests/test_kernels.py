@@ -185,15 +185,16 @@ def dropped_behind(tables: torch.Tensor, first_keys: list[int], block_size: int)
 
 
 def run_decode(lens: list[int], q_heads: int, kv_heads: int, head_dim: int, block_size: int,
-               dtype: torch.dtype = torch.float32, window: int = 0, **kwargs) -> None:
+               dtype: torch.dtype = torch.float32, window: int = 0, softcap: float = 0.0, **kwargs) -> None:
     k_cache, v_cache = make_cache(blocks_for(lens, block_size), block_size, kv_heads, head_dim, dtype)
     tables = make_tables(lens, block_size, k_cache.shape[0])
     q = torch.randn(len(lens), q_heads, head_dim).to(dtype)
     context_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     read = dropped_behind(tables, [n - window for n in lens], block_size) if window else tables
-    out = paged_decode_attention(q, k_cache, v_cache, read, context_lens, scale, window=window, **kwargs)
-    assert_close(out, ref.ref_paged_decode(q, k_cache, v_cache, tables, context_lens, scale, window))
+    out = paged_decode_attention(q, k_cache, v_cache, read, context_lens, scale, window=window, softcap=softcap,
+                                 **kwargs)
+    assert_close(out, ref.ref_paged_decode(q, k_cache, v_cache, tables, context_lens, scale, window, softcap))
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
@@ -260,7 +261,7 @@ def test_decode_writes_into_given_out_and_reads_kvcache_layer_views():
 
 def run_prefill(chunk_lens: list[int], prefix_lens: list[int], q_heads: int, kv_heads: int,
                 head_dim: int, block_size: int, dtype: torch.dtype = torch.float32, window: int = 0,
-                **kwargs) -> None:
+                softcap: float = 0.0, **kwargs) -> None:
     seq_lens = [p + c for p, c in zip(prefix_lens, chunk_lens, strict=True)]
     k_cache, v_cache = make_cache(blocks_for(seq_lens, block_size), block_size, kv_heads, head_dim, dtype)
     tables = make_tables(seq_lens, block_size, k_cache.shape[0])
@@ -268,8 +269,9 @@ def run_prefill(chunk_lens: list[int], prefix_lens: list[int], q_heads: int, kv_
     cu, lens = cu_seqlens(chunk_lens), torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     read = dropped_behind(tables, [p - window + 1 for p in prefix_lens], block_size) if window else tables
-    out = paged_prefill_attention(q, k_cache, v_cache, read, cu, lens, scale, window=window, **kwargs)
-    assert_close(out, ref.ref_paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, window))
+    out = paged_prefill_attention(q, k_cache, v_cache, read, cu, lens, scale, window=window, softcap=softcap,
+                                  **kwargs)
+    assert_close(out, ref.ref_paged_prefill(q, k_cache, v_cache, tables, cu, lens, scale, window, softcap))
 
 
 @pytest.mark.parametrize("q_heads,kv_heads", [(8, 2), (8, 1), (4, 4)], ids=["gqa", "mqa", "mha"])
@@ -289,6 +291,16 @@ def test_head_dim_256_with_its_default_tiles_matches_reference(dtype: torch.dtyp
     assert default_tile(dtype, 256) == default_tile(dtype, 128) // 2
     run_decode([1, 17, 40], 4, 1, 256, block_size=16, dtype=dtype, window=24)
     run_prefill([16, 5, 1], [0, 17, 33], 4, 1, 256, block_size=16, dtype=dtype, window=24)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_soft_capped_scores_match_reference(window: int):
+    """Gemma 2's attention logit soft-capping (a cap of 0.5, which every score of these random heads passes,
+    so an uncapped kernel differs): decode, split-K decode and prefill after cached prefixes, with and without
+    its sliding window."""
+    run_decode([1, 17, 40], 8, 2, 64, block_size=16, window=window, softcap=0.5)
+    run_decode([1, 17, 40], 8, 2, 64, block_size=16, window=window, softcap=0.5, num_splits=2)
+    run_prefill([16, 5, 1], [0, 17, 33], 8, 2, 64, block_size=16, window=window, softcap=0.5)
 
 
 def test_prefill_without_prefix_small_tiles_cross_blocks():

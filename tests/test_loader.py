@@ -56,6 +56,9 @@ def test_gemma3_reads_the_same_from_transformers_4_and_5_keys():
     the full layers on base 1,000,000 (and a linear scaling, as the larger Gemma 3 models have it); the
     embeddings are tied (transformers' default for Gemma 3)."""
     v4 = ModelConfig.from_dict({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    capped = ModelConfig.from_dict({**GEMMA3_1B, "attn_logit_softcapping": 50, "final_logit_softcapping": 30.0})
+    assert (capped.attn_logit_softcapping, capped.final_logit_softcapping) == (50.0, 30.0)
+    assert (v4.attn_logit_softcapping, v4.final_logit_softcapping) == (None, None)
     v5 = ModelConfig.from_dict({
         **{k: v for k, v in GEMMA3_1B.items() if k not in ("rope_theta", "rope_scaling", "rope_local_base_freq",
                                                           "sliding_window_pattern")},
@@ -95,17 +98,31 @@ def test_a_multimodal_gemma3_config_is_read_as_its_language_model_with_transform
 
 
 @pytest.mark.parametrize("overrides, field", [
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping"),  # Gemma 2's
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"final_logit_softcapping": 0}, "final_logit_softcapping"),
+    ({"attn_logit_softcapping": "50"}, "attn_logit_softcapping"),
+    ({**BASE, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),  # Gemma's only
     ({"hidden_activation": "silu"}, "hidden_activation"),
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}},
      "rope_parameters.sliding_attention.rope_type"),
 ])
-def test_what_gemma3_support_leaves_out_is_refused_naming_the_field(overrides, field):
+def test_what_gemma_support_leaves_out_is_refused_naming_the_field(overrides, field):
     with pytest.raises(UnsupportedModelError) as err:
         ModelConfig.from_dict({**GEMMA3_1B, **overrides})
     assert err.value.field == field and field in str(err.value)
+
+
+def test_gemma2_reads_every_other_layer_sliding_on_one_rope_with_its_soft_caps():
+    """google/gemma-2-2b-it's config.json (transformers 4.42 keys: no layer_types, the even layers slide)."""
+    cfg = ModelConfig.from_dict({
+        "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+        "head_dim": 256, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 2304, "intermediate_size": 9216, "max_position_embeddings": 8192, "num_attention_heads": 8,
+        "num_hidden_layers": 26, "num_key_value_heads": 4, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 256000})
+    assert cfg.layer_windows == (4096, 0) * 13 and cfg.local_rope_theta is None and not cfg.qk_norm
+    assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping, cfg.attention_scale) == (50.0, 30.0, 1 / 16)
+    assert cfg.gemma and cfg.tie_word_embeddings and cfg.rope_theta == 10000.0
 
 
 def test_yarn_reads_the_same_from_transformers_4_and_5_keys_with_its_defaults():

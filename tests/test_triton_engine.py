@@ -367,11 +367,13 @@ def test_a_window_on_some_layers_only_on_triton_equals_torch_also_through_the_gr
 
 
 @needs_interpreter
-def test_gemma3_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path):
-    """Gemma 3's layers on the kernels: its norms fused with the residual adds (scaling by the float32 1 +
-    weight before the cast), its softmax scale in the attention kernels, a sliding layer on its own RoPE beside
-    a full one; greedy tokens equal the torch path's, eagerly and through the graph buffers."""
-    build_hf_checkpoint(tmp_path, "gemma3")
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_gemma_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path, arch):
+    """Gemma's layers on the kernels: its norms fused with the residual adds (scaling by the float32 1 +
+    weight before the cast), its softmax scale in the attention kernels, a sliding layer beside a full one
+    (Gemma 3's on a RoPE of its own; Gemma 2's attention scores soft-capped in the kernels); greedy tokens
+    equal the torch path's, eagerly and through the graph buffers."""
+    build_hf_checkpoint(tmp_path, arch)
     a, b = prompts((30, 9))
     runs, _ = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)]}, 16, graph_batch=1, num_blocks=32,
                               max_num_batched_tokens=16)

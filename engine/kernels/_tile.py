@@ -77,12 +77,13 @@ def _dequantize(codes_ptr, scale_ptr, zero_ptr, blk, row, offs_d, mask_n, mask, 
 
 @triton.jit
 def attend_keys(
-    q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, table, start, end, pos, window, scale_log2, offs_d, mask_d,
-    stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+    q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, table, start, end, pos, window, scale_log2, softcap_log2, offs_d,
+    mask_d, stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
     stride_wb, stride_wt,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     CAUSAL: tl.constexpr, SLIDING: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr, WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Keys ``start .. end - 1`` for the query rows ``q`` ``[ROWS, BLOCK_D]``.
 
@@ -93,7 +94,9 @@ def attend_keys(
     ``SLIDING`` also only keys ``> pos - window`` (a sliding-window model: the last ``window`` positions).
     Returns ``(m_i, l_i, acc)``, fp32: each row's running max and sum ``[ROWS]`` and unnormalized output
     ``[ROWS, BLOCK_D]`` (an empty range leaves ``l_i == 0``; the caller divides ``acc`` by ``l_i``). A tile
-    in which a row sees nothing leaves that row as it was."""
+    in which a row sees nothing leaves that row as it was. With ``SOFTCAP`` (Gemma 2's logit soft-capping)
+    ``scale_log2`` is the softmax scale over the cap and each score becomes ``cap * tanh(score / cap)``, in
+    base 2 by ``softcap_log2`` (the cap times log2(e))."""
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
@@ -123,6 +126,8 @@ def attend_keys(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale_log2  # [ROWS, BLOCK_N]
+        if SOFTCAP:  # tanh(x) = 2 sigmoid(2x) - 1
+            s = softcap_log2 * (2.0 * tl.sigmoid(2.0 * s) - 1.0)
         if CAUSAL:
             visible = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
             if SLIDING:

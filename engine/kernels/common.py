@@ -3,6 +3,7 @@ module under ``TRITON_INTERPRET=1`` never depends on another module's decoration
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from functools import cache
@@ -71,6 +72,14 @@ def tile_size(name: str, n: int | None, dtype: torch.dtype, head_dim: int) -> in
     if n < 16 or n & (n - 1):
         raise ValueError(f"{name}={n} must be a power of two >= 16")
     return n
+
+
+def score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """The attention kernels' (``scale_log2``, ``softcap_log2``): the softmax scale in base 2 (``exp2``), or
+    with a soft-cap (> 0: each score becomes ``cap * tanh(score / cap)``, Gemma 2's) the scale over the cap,
+    then the cap in base 2."""
+    log2e = math.log2(math.e)
+    return (scale / softcap, softcap * log2e) if softcap else (scale * log2e, 0.0)
 
 
 def dtype_flags(dtype: torch.dtype) -> dict[str, bool | str]:

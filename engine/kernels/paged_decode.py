@@ -12,7 +12,6 @@ its log-sum-exp (base 2), stage 2 merges them. With one split, stage 1 writes th
 
 from __future__ import annotations
 
-import math
 from functools import cache
 
 import torch
@@ -20,7 +19,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels._tile import attend_keys
-from engine.kernels.common import QuantizedKV, attention_inputs, next_power_of_2, tile_size
+from engine.kernels.common import QuantizedKV, attention_inputs, next_power_of_2, score_scales, tile_size
 
 _MIN_SPLIT_TOKENS = 256  # below this a split's fixed cost outweighs the parallelism it adds
 _MAX_SPLITS = 16
@@ -30,13 +29,13 @@ _MAX_SPLITS = 16
 def _decode_stage1(
     Q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
     stride_vsh, stride_wb, stride_wt, stride_wh,
-    BlockTables, ContextLens, Out, MidO, MidLse, scale_log2, window,
+    BlockTables, ContextLens, Out, MidO, MidLse, scale_log2, softcap_log2, window,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
     PREC: tl.constexpr, QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
-    WINDOWED: tl.constexpr, SLIDING: tl.constexpr,
+    WINDOWED: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,10 +64,11 @@ def _decode_stage1(
     m_i, l_i, acc = attend_keys(
         q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_ksh, VS + kvh * stride_vsh,
         KZ + kvh * stride_ksh, VZ + kvh * stride_vsh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
-        BlockTables + b * stride_bt, start, end, start, window, scale_log2, offs_d, mask_d,
+        BlockTables + b * stride_bt, start, end, start, window, scale_log2, softcap_log2, offs_d, mask_d,
         stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst, stride_wb,
         stride_wt, ROWS=BLOCK_H, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=False, SLIDING=False,
-        UPCAST=UPCAST, PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED)
+        UPCAST=UPCAST, PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED,
+        SOFTCAP=SOFTCAP)
 
     empty = l_i == 0.0  # only an empty split (context shorter than NUM_SPLITS tiles)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
@@ -122,10 +122,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            out: torch.Tensor | None = None, num_splits: int | None = None,
                            max_context_len: int | None = None, block_n: int | None = None,
-                           quant: QuantizedKV | None = None, window: int = 0) -> torch.Tensor:
+                           quant: QuantizedKV | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention of ``q`` ``[batch, num_q_heads, head_dim]`` (one token per sequence) over the first
     ``context_lens[b]`` (>= 1) positions of sequence b's blocks; with ``window`` (> 0, a sliding-window
-    model's), over the last ``window`` of them only, so the blocks before those are never read.
+    model's), over the last ``window`` of them only, so the blocks before those are never read; with
+    ``softcap`` (> 0, Gemma 2's) each score is soft-capped (``common.score_scales``).
 
     ``k_cache``/``v_cache``: one layer, ``[num_blocks, block_size, kv_heads, head_dim]``.
     ``block_tables``: int ``[batch, max_blocks]``; only its first ``ceil(context_lens[b] / block_size)``
@@ -156,13 +157,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:  # unused by the kernel when NUM_SPLITS == 1
         mid_o, mid_lse = out, out[:, :, 0]
     _decode_stage1[(batch, kv_heads, num_splits)](
-        q, *operands, block_tables, context_lens, out, mid_o, mid_lse, scale * math.log2(math.e), window,
+        q, *operands, block_tables, context_lens, out, mid_o, mid_lse, *score_scales(scale, softcap), window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, SLIDING=window > 0, **constexprs, **options,
+        PAGE=block_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, SLIDING=window > 0, SOFTCAP=softcap > 0,
+        **constexprs, **options,
     )
     if num_splits > 1:
         _decode_stage2[(batch, q_heads)](

@@ -13,27 +13,25 @@ tile's last query position are never read.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from engine.kernels._tile import attend_keys
-from engine.kernels.common import QuantizedKV, attention_inputs, next_power_of_2, tile_size
+from engine.kernels.common import QuantizedKV, attention_inputs, next_power_of_2, score_scales, tile_size
 
 
 @triton.jit
 def _prefill_kernel(
     Q, K, V, KS, VS, KZ, VZ, KW, VW, SlotOf, stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst,
     stride_vsh, stride_wb, stride_wt, stride_wh,
-    Out, BlockTables, CuSeqlensQ, SeqLens, scale_log2, window,
+    Out, BlockTables, CuSeqlensQ, SeqLens, scale_log2, softcap_log2, window,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
     QUANT: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
-    WINDOWED: tl.constexpr, SLIDING: tl.constexpr,
+    WINDOWED: tl.constexpr, SLIDING: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)  # the grid is sized for the longest chunk; shorter ones exit early
     b = tl.program_id(1)
@@ -68,10 +66,11 @@ def _prefill_kernel(
     _, l_i, acc = attend_keys(
         q, K + kvh * stride_kh, V + kvh * stride_vh, KS + kvh * stride_ksh, VS + kvh * stride_vsh,
         KZ + kvh * stride_ksh, VZ + kvh * stride_vsh, KW + kvh * stride_wh, VW + kvh * stride_wh, SlotOf,
-        BlockTables + b * stride_bt, kv_start, kv_end, pos, window, scale_log2, offs_d, mask_d,
+        BlockTables + b * stride_bt, kv_start, kv_end, pos, window, scale_log2, softcap_log2, offs_d, mask_d,
         stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst, stride_wb,
         stride_wt, ROWS=BLOCK_M, BLOCK_D=BLOCK_D, BLOCK_N=BLOCK_N, PAGE=PAGE, CAUSAL=True, SLIDING=SLIDING,
-        UPCAST=UPCAST, PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED)
+        UPCAST=UPCAST, PREC=PREC, QUANT=QUANT, K_GROUP=K_GROUP, V_GROUP=V_GROUP, WINDOWED=WINDOWED,
+        SOFTCAP=SOFTCAP)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0: a padding row a sliding window left keyless
     tl.store(Out + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -83,9 +82,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                             max_query_len: int | None = None, block_m: int | None = None,
                             block_n: int | None = None, quant: QuantizedKV | None = None,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of packed query chunks over the paged cache; with ``window`` (> 0, a sliding-window
-    model's) each query sees only its last ``window`` positions, itself included.
+    model's) each query sees only its last ``window`` positions, itself included; with ``softcap`` (> 0,
+    Gemma 2's) each score is soft-capped (``common.score_scales``).
 
     ``q``: ``[num_tokens, num_q_heads, head_dim]``, sequence b's chunk at rows
     ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` (int ``[batch + 1]``, starting at 0, every chunk >= 1
@@ -114,11 +114,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError(f"window must be >= 0 (0: the whole context), got {window}")
     grid = (triton.cdiv(max_query_len, block_m), batch, q_heads)
     _prefill_kernel[grid](
-        q, *operands, out, block_tables, cu_seqlens_q, seq_lens, scale * math.log2(math.e), window,
+        q, *operands, out, block_tables, cu_seqlens_q, seq_lens, *score_scales(scale, softcap), window,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=q_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=window > 0, **constexprs, **options,
+        PAGE=block_size, BLOCK_M=block_m, BLOCK_N=block_n, SLIDING=window > 0, SOFTCAP=softcap > 0, **constexprs,
+        **options,
     )
     return out

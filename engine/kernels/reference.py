@@ -27,14 +27,16 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-            scale: float, window: int = 0) -> torch.Tensor:
+            scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q ``[m, Hq, D]`` at absolute positions ``q_pos`` over k/v ``[n, Hkv, D]`` (positions 0..n-1),
-    causal: query at position p sees keys 0..p, or with ``window`` > 0 keys p - window + 1..p. Returns
-    ``[m, Hq, D]`` in q's dtype."""
+    causal: query at position p sees keys 0..p, or with ``window`` > 0 keys p - window + 1..p; ``softcap``
+    > 0: each score becomes ``softcap * tanh(score / softcap)``. Returns ``[m, Hq, D]`` in q's dtype."""
     group = q.shape[1] // k.shape[1]
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("mhd,nhd->hmn", q.float(), k) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     keys = torch.arange(k.shape[0], device=q.device)[None, :]
     visible = keys <= q_pos[:, None]
     if window > 0:
@@ -45,20 +47,20 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
 
 def ref_paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     window: int = 0) -> torch.Tensor:
+                     window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as ``paged_decode_attention``: q ``[batch, Hq, D]`` is the token at position
     ``context_lens[b] - 1`` and sees the whole context (its last ``window`` positions with a window)."""
     out = torch.empty_like(q)
     for b, n in enumerate(context_lens.tolist()):
         k = gather_context(k_cache, block_tables[b], n)
         v = gather_context(v_cache, block_tables[b], n)
-        out[b] = _attend(q[b:b + 1], k, v, torch.tensor([n - 1], device=q.device), scale, window)[0]
+        out[b] = _attend(q[b:b + 1], k, v, torch.tensor([n - 1], device=q.device), scale, window, softcap)[0]
     return out
 
 
 def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, window: int = 0) -> torch.Tensor:
+                      scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Same contract as ``paged_prefill_attention``: rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` of q
     are the last positions of sequence b's ``seq_lens[b]`` (cached prefix first, then the chunk)."""
     out = torch.empty_like(q)
@@ -68,7 +70,7 @@ def ref_paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         k = gather_context(k_cache, block_tables[b], n)
         v = gather_context(v_cache, block_tables[b], n)
         pos = torch.arange(n - m, n, device=q.device)
-        out[cu[b]:cu[b + 1]] = _attend(q[cu[b]:cu[b + 1]], k, v, pos, scale, window)
+        out[cu[b]:cu[b + 1]] = _attend(q[cu[b]:cu[b + 1]], k, v, pos, scale, window, softcap)
     return out
 
 
