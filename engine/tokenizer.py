@@ -164,8 +164,9 @@ class IncrementalDetokenizer:
     tokens decoded ahead of the stream (a prompt's last few, so its first word spaces right) whose text is
     never emitted, even when they end in an incomplete character.
 
-    The tokenizers library's ``DecodeStream`` runs that windowed decode in one call a token (a third of the
-    two decodes' cost from Python); this class keeps the window's bounds beside it. Where the stream cannot go
+    The tokenizers library's ``DecodeStream`` runs that windowed decode in one call a token (about half the
+    cost of the two decodes from Python: ``benchmarks/detokenize.py``); this class keeps the window's bounds
+    beside it. Where the stream cannot go
     on, the same decode continues from those bounds in Python: a decoder whose text for a window does not begin
     with its text for the window's start (byte-fallback tokens that are invalid UTF-8 together, the library's
     "Invalid prefix"), and a context ending mid-character, which the stream would emit once completed."""
