@@ -313,19 +313,21 @@ def test_lora_adapters_on_cuda_match_the_torch_backend_also_in_the_decode_graphs
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("arch, overrides", [
     ("qwen3_moe", {}), ("mistral", {"sliding_window": 20}),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1}),
-    ("gemma3", {"head_dim": 256, "query_pre_attn_scalar": 256}),
-    ("gemma2", {"head_dim": 256, "query_pre_attn_scalar": 256})],
-    ids=["qwen3_moe", "mistral_sliding_window", "qwen2_window_on_some_layers", "gemma3_head_dim_256",
-         "gemma2_head_dim_256_soft_capped"])
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 20, "max_window_layers": 1})],
+    ids=["qwen3_moe", "mistral_sliding_window", "qwen2_window_on_some_layers"])
 def test_moe_and_sliding_window_models_on_cuda_graphs_match_torch_backend(tmp_path, request, arch, overrides):
     """Qwen3-MoE through the compiled fused MoE kernels, Mistral v0.1's sliding window in the compiled
-    attention kernels (its blocks behind the window given back), Qwen's window on its second layer only, and
-    Gemma 3's and Gemma 2's layers with their 256-wide heads (on their smaller tiles; Gemma 2's scores
-    soft-capped in the kernels), in float32 with decode steps replayed from CUDA graphs (captured: nothing reads back to the host): the
+    attention kernels (its blocks behind the window given back), and Qwen's window on its second layer only,
+    in float32 with decode steps replayed from CUDA graphs (captured: nothing reads back to the host): the
     torch path's greedy tokens."""
     if ran_in_a_compiling_process(request.node.name):
         return
+    _graphed_triton_generates_as_torch(tmp_path, arch, overrides)
+
+
+def _graphed_triton_generates_as_torch(tmp_path, arch: str, overrides: dict) -> None:
+    """``arch``'s tiny checkpoint: greedy tokens through the compiled kernels and CUDA graphs equal the torch
+    path's, and decode steps were replayed."""
     from test_engine_loop import GREEDY
     from test_engine_model import build_hf_checkpoint, prompts
 
@@ -460,3 +462,14 @@ def test_cuda_ipc_another_process_copies_the_shared_kv_exactly_and_sees_it_chang
     assert copied == ("torch.bfloat16", tuple(source.shape), bytes(as_bytes(source - 1)))
     assert "ChecksumMismatch" in changed
     assert child.exitcode == 0
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_gemma_models_on_cuda_graphs_match_torch_backend(tmp_path, request, arch):
+    """Gemma 3's and Gemma 2's layers with their 256-wide heads, on the smaller tiles such heads take (Gemma 2's
+    scores soft-capped in the kernels), as the previous test runs its models. Last in the file: the checks above
+    matter more to a GPU run cut short."""
+    if ran_in_a_compiling_process(request.node.name):
+        return
+    _graphed_triton_generates_as_torch(tmp_path, arch, {"head_dim": 256, "query_pre_attn_scalar": 256})
