@@ -93,6 +93,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens_for_text_ids_and_c
                                extra_body=extra(truncate_prompt_tokens=5))
     assert cut.choices[0].prompt_token_ids == whole[-5:] and cut.usage.prompt_tokens == 5
     assert cut.choices[0].text.startswith(text_of(live_server, whole[-5:]))  # echo: the text of what was kept
+    kept = c.completions.create(model=live_server.model_id, prompt=text, max_tokens=2, temperature=0.0, echo=True,
+                                extra_body=extra(truncate_prompt_tokens=len(whole)))
+    assert kept.choices[0].text.startswith(text) and kept.choices[0].prompt_token_ids == whole  # nothing cut
     # token ids past the context, cut to what fits before max_tokens (-1)
     ids = [(7 * i) % 200 + 30 for i in range(limit + 40)]
     fitted = c.completions.create(model=live_server.model_id, prompt=ids, max_tokens=8, temperature=0.0,

@@ -225,34 +225,40 @@ class Frontend:
             raise InvalidRequestError("prompt", "at least one prompt is required")
         if len(prompts) > MAX_PROMPTS:
             raise InvalidRequestError("prompt", f"at most {MAX_PROMPTS} prompts in one request")
-        prompt_ids = [await self.prompt_ids(p, options.add_special_tokens, options) for p in prompts]
+        encoded = [await self._encoded(p, options.add_special_tokens, options) for p in prompts]
+        prompt_ids = [ids for ids, _ in encoded]
         echo = None
-        if options.echo:  # a prompt sent as token ids (or truncated) is echoed as their text
-            texts = [p if isinstance(p, str) and options.truncate_prompt_tokens is None else await self.detokenize(ids)
-                     for p, ids in zip(prompts, prompt_ids, strict=True)]
+        if options.echo:  # a text prompt is echoed as sent; one sent as token ids, or cut, as its tokens' text
+            texts = [p if isinstance(p, str) and whole else await self.detokenize(ids)
+                     for p, (ids, whole) in zip(prompts, encoded, strict=True)]
             echo = Echo(texts, prompt_ids, output=not options.echo_only)
         return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo,
                                  lora)
 
-    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool, options: Options | None = None
-                         ) -> list[int]:
-        """A completion prompt's token ids: text encoded (``add_special_tokens``: with the tokenizer's special
-        tokens), ids checked; cut as ``options`` ask (``truncate_prompt_tokens``)."""
+    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """A completion prompt's token ids, whole (for ``/tokenize``; see ``_encoded``)."""
+        return (await self._encoded(prompt, add_special_tokens, None))[0]
+
+    async def _encoded(self, prompt: str | list[int], add_special_tokens: bool, options: Options | None
+                       ) -> tuple[list[int], bool]:
+        """(A completion prompt's token ids, whether they are all of them): text encoded (``add_special_tokens``:
+        with the tokenizer's special tokens), cut as ``options`` ask (``truncate_prompt_tokens``; None: whole),
+        ids checked."""
         tokenizer = self.dispatcher.tokenizer
         if isinstance(prompt, str):
             self._check_text_size(len(prompt))
-            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens)
-            if options is not None:
-                prompt_ids = self._truncated(prompt_ids, options)
+            whole = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens)
         else:
-            prompt_ids = list(prompt) if options is None else self._truncated(list(prompt), options)
+            whole = list(prompt)
+        prompt_ids = whole if options is None else self._truncated(whole, options)
+        if not isinstance(prompt, str):
             if len(prompt_ids) > self.prompt_token_limit:  # before the scan of every id
                 raise PromptTooLongError(len(prompt_ids), self.prompt_token_limit)
             if not all(0 <= t < tokenizer.vocab_size for t in prompt_ids):
                 raise InvalidRequestError("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
         if not prompt_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
-        return prompt_ids
+        return prompt_ids, len(prompt_ids) == len(whole)
 
     async def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict, add_generation_prompt: bool = True,
                               continue_final_message: bool = False) -> list[int]:

@@ -20,7 +20,8 @@ _DISCONNECT_POLL_S = 0.25
 # The characters JSON leaves unescaped that Unicode-aware line readers (Python's str.splitlines, so httpx's
 # aiter_lines) take for line ends, cutting an event's data line in two. SSE ends lines only at CR and LF, which
 # JSON escapes; these are escaped too (the same JSON), so that a client reading by such lines still gets events.
-_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_LINE_BREAKS_JSON_KEEPS = {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+_ESCAPE_LINE_BREAKS = str.maketrans(_LINE_BREAKS_JSON_KEEPS)
 
 
 class GenerationStream(StreamingResponse):
@@ -50,7 +51,9 @@ class GenerationStream(StreamingResponse):
 
 def sse_json(obj: dict) -> str:
     """``obj`` as JSON for one SSE data line: UTF-8 text as is, but no character any line reader splits at."""
-    return json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+    text = json.dumps(obj, ensure_ascii=False)
+    # (looked for first: three scans cost a twentieth of the translation, which nearly every event skips)
+    return text.translate(_ESCAPE_LINE_BREAKS) if any(c in text for c in _LINE_BREAKS_JSON_KEEPS) else text
 
 
 def _sse(obj: dict | str) -> str:
