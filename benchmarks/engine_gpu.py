@@ -23,8 +23,9 @@ The engine sizes its KV cache from the device (``gpu_memory_utilization``) with 
 resident, and is freed before ``generate`` runs; with a quantized ``--kv-cache-dtype`` the roofline counts
 that format's bytes per token, scales included, and with ``--quantization fp8`` or ``--int-weights LAYOUT``
 (the checkpoint rewritten with integer projections of ``--int-bits`` 4 or 8, AWQ's (4-bit only), GPTQ's or
-compressed-tensors' layout, in groups of 128 before the engine loads it; transformers still runs the 16-bit
-weights) the weights' own bytes. With ``--async-scheduling`` each step is launched before the last one's
+compressed-tensors' layout, in groups of 128 before the engine loads it, or ``w8a8``: int8 with a scale a row
+beside int8 activations a token, whose JSON adds the rate of a large int8 matmul, W8A8's prefill peak;
+transformers still runs the 16-bit weights) the weights' own bytes. With ``--async-scheduling`` each step is launched before the last one's
 tokens reach the host (``EngineConfig.async_scheduling``), and a step's time is the wall time between two
 ``step`` calls, with no synchronization between them (what a served step takes once the host's work hides
 behind the device's); otherwise each step is timed to the device's end of it. Writes one JSON object
@@ -34,7 +35,7 @@ transformers, safetensors (through the engine's loader) and the engine.
     python benchmarks/engine_gpu.py [--shapes tinyllama-1.1b,llama-3-8b] [--batches 1,16,64,256]
         [--prompt-len 512] [--new-tokens 128] [--json engine_gpu.json] [--skip-hf] [--device cuda]
         [--kv-cache-dtype auto|int8|fp8|kivi2] [--async-scheduling]
-        [--quantization fp8 | --int-weights awq|gptq|compressed-tensors [--int-bits 4|8]]
+        [--quantization fp8 | --int-weights awq|gptq|compressed-tensors [--int-bits 4|8] | --int-weights w8a8]
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ from engine.config import (  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.int_weights import widest_group, write_int_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.w8a8 import W8A8_RELEASES  # noqa: E402
 
 SHAPES: dict[str, dict] = {
     "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
@@ -140,11 +142,20 @@ def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.d
     return model
 
 
+def int8_matmul_rate(device: torch.device) -> float:
+    """Integer ops/s of a large square int8 matmul (int32 sums, ``torch._int_mm``): the W8A8 prefill's peak."""
+    n = 8192 if device.type == "cuda" else 512
+    a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8, device=device) for _ in range(2))
+    return 2 * n**3 / best_seconds(lambda: torch._int_mm(a, b.t()), device)
+
+
 def write_int_weights(path: Path, model: transformers.PreTrainedModel, layout: str, bits: int) -> None:
     """``model``'s config and weights to ``path``, its projections quantized to ``bits`` in ``layout`` (round to
-    nearest in groups of 128, or the widest dividing the tiny shape's, on the model's device)."""
+    nearest in groups of 128, or the widest dividing the tiny shape's, on the model's device; ``w8a8``: as
+    RedHat's w8a8 releases, symmetric int8 a scale a row, int8 activations)."""
     config = model.config.to_dict()
-    quant = IntQuant(layout, widest_group(ModelConfig.from_dict(config)), bits=bits)
+    quant = W8A8_RELEASES if layout == "w8a8" else IntQuant(layout, widest_group(ModelConfig.from_dict(config)),
+                                                             bits=bits)
     write_int_checkpoint(path, model.state_dict(), config, quant)
 
 
@@ -309,14 +320,17 @@ def main(argv: list[str] | None = None) -> dict:
     weights = parser.add_mutually_exclusive_group()
     weights.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                          help="fp8: the projections quantized as they load (the roofline counts their bytes)")
-    weights.add_argument("--int-weights", default=None, choices=INT_LAYOUTS,
-                         help="the checkpoint's projections written as integers in this layout, groups of 128")
+    weights.add_argument("--int-weights", default=None, choices=(*INT_LAYOUTS, "w8a8"),
+                         help="the checkpoint's projections written as integers in this layout, groups of 128; "
+                              "w8a8: int8 a scale a row, with int8 activations a token (RedHat's w8a8 releases)")
     parser.add_argument("--int-bits", type=int, default=4, choices=INT_BITS,
                         help="--int-weights' code width (AWQ's is 4)")
     parser.add_argument("--json", type=Path, default=Path("engine_gpu.json"), help="where the figures go")
     args = parser.parse_args(argv)
     if args.int_weights == "awq" and args.int_bits != 4:
         parser.error("--int-weights awq holds 4-bit codes only (--int-bits 4)")
+    if args.int_weights == "w8a8":
+        args.int_bits = 8
     start = time.perf_counter()
     device, dtype, name = run_device(args.device, args.dtype)
     bandwidth, peak = copy_bandwidth(device), matmul_rate(device, dtype)
@@ -331,6 +345,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": name, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
+        "int8_matmul_ops_per_s": int8_matmul_rate(device) if args.int_weights == "w8a8" else None,
         "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization, "int_weights": args.int_weights,

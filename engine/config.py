@@ -260,7 +260,7 @@ class WeightQuant:
     def online(self) -> bool:
         return not self.scale_suffix
 
-    def projection_bytes(self, rows: int, cols: int) -> int:
+    def projection_bytes(self, rows: int, cols: int, routed: bool = False) -> int:
         """A ``[rows, cols]`` projection as the model holds it: a byte a weight and float32 scales."""
         return rows * cols + 4 * rows * -(-cols // (self.k_block or cols))
 
@@ -294,15 +294,22 @@ class IntQuant:
     # codes packed into int32 words; False: compressed-tensors' int-quantized format, an int8 a code (W8A8
     # releases: the signed value, mid_code below the code)
     packed: bool = True
+    # W8A8 (engine/w8a8.py): the dense projections' inputs quantized to int8 a token as they run, the matmul in
+    # integers; their weights held as the checkpoint's int8 values and a scale a row, no zeros. Only symmetric
+    # int-quantized weights with one scale a row, as RedHat's w8a8 releases hold them
+    int8_activations: bool = False
     online = False  # always read from the checkpoint, never quantized at load
 
     def __post_init__(self) -> None:
-        """The combinations checkpoints hold: AWQ's codes are 4-bit, unpacked ones (an int8 each) 8-bit."""
+        """The combinations checkpoints hold: AWQ's codes are 4-bit, unpacked ones (an int8 each) 8-bit; int8
+        activations beside symmetric unpacked int8 weights with a scale a row."""
         widths = (4,) if self.layout == "awq" else (8,) if not self.packed else INT_BITS
         unpacked_held = self.packed or self.layout == "compressed-tensors"  # int-quantized's int8 codes
         if self.layout not in INT_LAYOUTS or self.bits not in widths or not unpacked_held:
             raise ValueError(f"{self.layout} {'packed' if self.packed else 'unpacked'} {self.bits}-bit codes are "
                              "not a layout checkpoints hold")
+        if self.int8_activations and (self.packed or self.group_size or self.zero_points or self.act_order):
+            raise ValueError("int8 activations run beside unpacked symmetric int8 weights with a scale a row only")
 
     @property
     def per_byte(self) -> int:
@@ -322,10 +329,13 @@ class IntQuant:
     def groups(self, cols: int) -> int:
         return cols // self.group_size if self.group_size else 1
 
-    def projection_bytes(self, rows: int, cols: int) -> int:
+    def projection_bytes(self, rows: int, cols: int, routed: bool = False) -> int:
         """A ``[rows, cols]`` projection as the model holds it: ``bits`` / 8 bytes a weight, a float32 scale and
-        a uint8 zero a group, and with act-order an int64 input order."""
-        return rows * cols // self.per_byte + 5 * rows * self.groups(cols) + (8 * cols if self.act_order else 0)
+        a uint8 zero a group, and with act-order an int64 input order; a W8A8 one no zeros (``routed``: a
+        mixture's routed expert, which keeps its zeros and runs W8A16)."""
+        zero_bytes = 0 if self.int8_activations and not routed else 1
+        return (rows * cols // self.per_byte + (4 + zero_bytes) * rows * self.groups(cols)
+                + (8 * cols if self.act_order else 0))
 
 
 # how a projection is held: fp8 codes, integer codes, or None (the model's dtype)
@@ -440,7 +450,9 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
     releases): one config group on the Linear layers, of 8-bit float weights scaled per tensor, per output
     row (``channel``) or per block in ``weight_scale`` (FP8 releases), of 4-bit integers packed eight a word
     (``pack-quantized``: the w4a16 releases, or 8-bit ones four a word: w8a16), or of int8 weights an int8
-    each (``int-quantized``: the w8a8 releases). Activation schemes are read past: activations stay in
+    each (``int-quantized``: the w8a8 releases). The w8a8 releases' activations, int8 scaled a token as they
+    run (``_dynamic_int8_tokens``), run so beside symmetric int8 weights with a scale a row (W8A8,
+    ``IntQuant.int8_activations``); every other activation scheme is read past: activations stay in
     ``--dtype`` (W8A16, W4A16)."""
     fmt = raw.get("format")
     if fmt not in ("float-quantized", "naive-quantized", "pack-quantized", "int-quantized"):
@@ -452,7 +464,11 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
         raise UnsupportedModelError(f"{key}.config_groups", "one group targeting [\"Linear\"] is supported")
     weights = groups[0].get("weights") or {}
     if fmt in ("pack-quantized", "int-quantized") or weights.get("type") == "int":
-        return _compressed_int(weights, f"{key}.config_groups.weights", packed=fmt == "pack-quantized")
+        quant = _compressed_int(weights, f"{key}.config_groups.weights", packed=fmt == "pack-quantized")
+        w8a8 = not (quant.packed or quant.group_size or quant.zero_points or quant.act_order)
+        if w8a8 and _dynamic_int8_tokens(groups[0].get("input_activations")):
+            return replace(quant, int8_activations=True)
+        return quant
     if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):
         raise UnsupportedModelError(f"{key}.config_groups.weights", f"{weights!r}: only symmetric 8-bit float "
                                     "(fp8 e4m3) weights are supported")
@@ -485,6 +501,14 @@ def _compressed_int(weights: dict, field: str, packed: bool) -> IntQuant:
         raise UnsupportedModelError(f"{field}.actorder", f"{actorder!r} is not supported; supported: group, weight")
     return IntQuant("compressed-tensors", group, zero_points=not weights.get("symmetric", True),
                     act_order=actorder in ("group", True) and group > 0, bits=weights["num_bits"], packed=packed)
+
+
+def _dynamic_int8_tokens(activations: dict | None) -> bool:
+    """compressed-tensors' activation scheme of the w8a8 releases: symmetric 8-bit integers, a scale a token
+    computed as they run."""
+    return bool(activations) and (activations.get("num_bits"), activations.get("type"),
+                                  activations.get("symmetric", True), activations.get("dynamic"),
+                                  activations.get("strategy")) == (8, "int", True, True, "token")
 
 
 def _sliding_windows(arch: str, raw: dict, num_layers: int, max_pos: int) -> tuple[int | None, tuple[int, ...] | None]:
@@ -712,25 +736,27 @@ class ModelConfig:
         """Integer checkpoints pack 8 (or 4) codes to an int32 along one dimension and group the input columns:
         every projection's rows and columns must split so."""
         quant = self.weight_quant
-        for out, inp, _ in self.projection_shapes():
+        for out, inp, _, _ in self.projection_shapes():
             if out % quant.per_word or inp % quant.per_word or (quant.group_size and inp % quant.group_size):
                 raise UnsupportedModelError("quantization_config.group_size", f"a [{out}, {inp}] projection does not "
                                             f"split into {quant.per_word}-code words and groups of "
                                             f"{quant.group_size or inp}")
 
-    def projection_shapes(self) -> list[tuple[int, int, int]]:
-        """(out, in, how many) of the model's packed projections, what fp8 quantizes: every layer's q/k/v and
-        o, the dense MLPs' gate/up and down, each expert's, and a shared expert's (not the routers)."""
+    def projection_shapes(self) -> list[tuple[int, int, int, bool]]:
+        """(out, in, how many, routed) of the model's packed projections, what fp8 quantizes: every layer's
+        q/k/v and o, the dense MLPs' gate/up and down, each expert's (routed), and a shared expert's (not the
+        routers)."""
         h, q, kv, layers = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.num_layers
         sparse = 0 if self.moe is None else len(self.moe.layers)
-        shapes = [(q + 2 * kv, h, layers), (h, q, layers), (2 * self.intermediate_size, h, layers - sparse),
-                  (h, self.intermediate_size, layers - sparse)]
+        shapes = [(q + 2 * kv, h, layers, False), (h, q, layers, False),
+                  (2 * self.intermediate_size, h, layers - sparse, False),
+                  (h, self.intermediate_size, layers - sparse, False)]
         if (moe := self.moe) is not None:
-            shapes += [(2 * moe.intermediate_size, h, sparse * moe.num_experts),
-                       (h, moe.intermediate_size, sparse * moe.num_experts)]
+            shapes += [(2 * moe.intermediate_size, h, sparse * moe.num_experts, True),
+                       (h, moe.intermediate_size, sparse * moe.num_experts, True)]
             if shared := moe.shared_expert_intermediate_size:
-                shapes += [(2 * shared, h, sparse), (h, shared, sparse)]
+                shapes += [(2 * shared, h, sparse, False), (h, shared, sparse, False)]
         return shapes
 
     def weight_bytes(self, dtype: Any) -> int:
@@ -739,8 +765,8 @@ class ModelConfig:
         total = self.num_parameters() * dtype_bytes(dtype)
         if self.weight_quant is None:
             return total
-        for out, inp, count in self.projection_shapes():
-            total -= count * (out * inp * dtype_bytes(dtype) - self.weight_quant.projection_bytes(out, inp))
+        for out, inp, count, routed in self.projection_shapes():
+            total -= count * (out * inp * dtype_bytes(dtype) - self.weight_quant.projection_bytes(out, inp, routed))
         return total
 
 

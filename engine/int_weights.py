@@ -21,8 +21,10 @@ word in bits ``i * bits ..``:
   ``weight_scale`` ``[out, groups]``; ``weight_shape`` ``[out, in]``; ``weight_zero_point`` int32
   ``[out / w, groups]`` (w rows a word, plus ``mid_code`` too) only when asymmetric: a symmetric checkpoint's
   zeros are all ``mid_code``; ``weight_g_idx`` ``[in]`` with ``actorder: group``, as GPTQ's. Its
-  ``int-quantized`` format (RedHat's w8a8 releases, served W8A16) holds ``weight`` int8 ``[out, in]``, each the
-  signed value (the code minus 128), and ``weight_zero_point`` int8 ``[out, groups]`` the same way.
+  ``int-quantized`` format holds ``weight`` int8 ``[out, in]``, each the signed value (the code minus 128), and
+  ``weight_zero_point`` int8 ``[out, groups]`` the same way. RedHat's w8a8 releases hold it symmetric with a
+  scale a row beside int8 activations scaled a token: their dense projections keep the int8 values as they
+  are and run W8A8 (``engine/w8a8.py``), their routed experts (and any other int-quantized checkpoint) as here.
 
 Act-order groups are put in place once a model has loaded (``sort_columns``): each projection's columns
 sorted by group, and its input gathered the same way (``weight_input_perm``) before the matmul, as vLLM's GPTQ
@@ -166,17 +168,22 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 # Writing checkpoints (tests and benchmarks): the inverse of loading them.
 
-def quantize_groups(weight: torch.Tensor, group_size: int,
-                    bits: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_groups(weight: torch.Tensor, group_size: int, bits: int = 4,
+                    symmetric: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``weight`` ``[out, in]`` -> (codes uint8 ``[out, in]``, float32 scales and uint8 zeros ``[out, groups]``):
     round to nearest with each group's range mapped onto ``0 .. 2^bits - 1``, as AutoAWQ quantizes once it has
-    scaled the weights."""
+    scaled the weights; ``symmetric``: the zero at ``2^(bits - 1)`` and each group's absmax at half the codes'
+    range (GPTQ's sym=True, llm-compressor's symmetric schemes)."""
     out, cols = weight.shape
     top = (1 << bits) - 1
     w = weight.to(torch.float32).reshape(out, -1, group_size or cols)
-    low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
-    scales = (high - low).clamp_(min=1e-5) / top
-    zeros = (-low / scales).round_().clamp_(0, top)
+    if symmetric:
+        scales = w.abs().amax(dim=2, keepdim=True).clamp_(min=1e-5) * 2 / top
+        zeros = torch.full_like(scales, 1 << (bits - 1))
+    else:
+        low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+        scales = (high - low).clamp_(min=1e-5) / top
+        zeros = (-low / scales).round_().clamp_(0, top)
     codes = (w / scales).round_().add_(zeros).clamp_(0, top)
     return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), zeros.squeeze(2).to(torch.uint8)
 
@@ -225,9 +232,9 @@ def checkpoint_config(quant: IntQuant) -> dict:
         weights = {"num_bits": quant.bits, "type": "int", "symmetric": not quant.zero_points,
                    "group_size": quant.group_size or None, "strategy": "group" if quant.group_size else "channel",
                    "actorder": "group" if quant.act_order else None}
-        # the w8a8 releases' activations: int8, scaled per token as they run (read past here)
-        activations = None if quant.packed else {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
-                                                 "strategy": "token"}
+        # the w8a8 releases' activations: int8, scaled a token as they run (engine/w8a8.py)
+        activations = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True,
+                       "strategy": "token"} if quant.int8_activations else None
         return {"quant_method": "compressed-tensors", "format": "pack-quantized" if quant.packed else "int-quantized",
                 "quantization_status": "compressed", "config_groups": {"group_0": {
                     "targets": ["Linear"], "weights": weights, "input_activations": activations}},
@@ -242,7 +249,7 @@ def widest_group(config: ModelConfig, widest: int = 128) -> int:
     """The largest power of two up to ``widest`` that divides every projection's input columns (AWQ's and
     GPTQ's usual 128 where it can)."""
     group = widest
-    while group > 16 and any(inp % group for _, inp, _ in config.projection_shapes()):
+    while group > 16 and any(inp % group for _, inp, _, _ in config.projection_shapes()):
         group //= 2
     return group
 
@@ -256,7 +263,8 @@ def write_int_checkpoint(out_dir: Path, tensors: dict[str, torch.Tensor], config
         if not (name.endswith("_proj.weight") or name.endswith((".w1.weight", ".w2.weight", ".w3.weight"))):
             out[name] = tensor.cpu()
             continue
-        packed = checkpoint_tensors(*quantize_groups(tensor, quant.group_size, quant.bits), quant)
+        packed = checkpoint_tensors(*quantize_groups(tensor, quant.group_size, quant.bits, not quant.zero_points),
+                                    quant)
         out.update({name.removesuffix("weight") + suffix: t.cpu() for suffix, t in packed.items()})
     save_file(out, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps({**config, "quantization_config": checkpoint_config(quant)}))

@@ -175,14 +175,15 @@ def _add_int(targets: dict[str, _Target], prefix: str, view: torch.Tensor, compa
             targets[prefix + "weight_packed"] = _Target(view, (out, cols // per_word), holds, codes)
             targets[prefix + "weight_shape"] = _Target(None, (2,), "int64", partial(check_weight_shape, rows=out,
                                                                                      cols=cols))
-        else:  # int-quantized: an int8 a weight, under the weight's own name
-            targets[prefix + "weight"] = _Target(view, (out, cols), holds, codes)
+        else:  # int-quantized: an int8 a weight, under the weight's own name; kept as it is for W8A8
+            targets[prefix + "weight"] = _Target(view, (out, cols), holds,
+                                                 None if view.dtype == torch.int8 else codes)
         targets[prefix + "weight_scale"] = _Target(companions["weight_scale"], (out, groups), convert=scales)
         if quant.zero_points:
             targets[prefix + "weight_zero_point"] = _Target(companions["weight_zero"], (out // per_word, groups),
                                                             holds, zeros)
-        else:
-            companions["weight_zero"].fill_(quant.mid_code)  # symmetric: codes are the signed values plus it
+        elif "weight_zero" in companions:  # symmetric: codes are the signed values plus it (W8A8 holds no zeros)
+            companions["weight_zero"].fill_(quant.mid_code)
     else:
         g_idx = prefix + "g_idx"
         words = (cols, out // 8) if quant.layout == "awq" else (cols // per_word, out)

@@ -32,6 +32,7 @@ from engine.lora import LoRABatch, lora_delta
 from engine.moe import route, routed_experts
 from engine.streaming_window import sink_window_attention
 from engine.triton_attention import PagedAttentionMeta, paged_attention
+from engine.w8a8 import w8a8_linear
 from engine.weight_quant import fp8_linear
 
 
@@ -177,7 +178,8 @@ class Linear(nn.Module):
     with an integer one (``engine/int_weights.py``) 4-bit codes two a byte ``[out, in / 2]`` or 8-bit ones
     ``[out, in]`` (``weight_bits``), with float32 ``weight_scale`` and uint8 ``weight_zero`` ``[out, groups]``,
     and with act-order ``weight_input_perm`` ``[in]``, the order the columns are sorted into (the input is
-    gathered to match)."""
+    gathered to match); with int8 activations (W8A8, ``engine/w8a8.py``) int8 values ``[out, in]`` with float32
+    ``weight_scale`` ``[out, 1]`` and no zeros."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  quant: Quant = None):
@@ -191,6 +193,9 @@ class Linear(nn.Module):
         self.weight_bits = 0  # integer codes' width (4 or 8)
         if quant is None:
             self.weight = _frozen(torch.empty(out_features, in_features, dtype=dtype))
+        elif isinstance(quant, IntQuant) and quant.int8_activations:
+            self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.int8))
+            self.weight_scale = _frozen(torch.empty(out_features, 1))
         elif isinstance(quant, IntQuant):
             groups, self.weight_bits = quant.groups(in_features), quant.bits
             self.weight = _frozen(torch.empty(out_features, in_features // quant.per_byte, dtype=torch.uint8))
@@ -211,6 +216,8 @@ class Linear(nn.Module):
             out = int_linear(rows, self.weight, self.weight_scale, self.weight_zero, self.weight_bits, self.bias)
         elif self.weight_scale is None:
             out = F.linear(x, self.weight, self.bias)
+        elif self.weight.dtype == torch.int8:
+            out = w8a8_linear(x, self.weight, self.weight_scale, self.bias)
         else:
             out = fp8_linear(x, self.weight, self.weight_scale, self.k_block, self.bias)
         if lora is None or self.lora_stacks is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from engine.int_weights import (
     unpack_words,
 )
 from engine.loader import load_model
+from engine.w8a8 import W8A8_RELEASES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,14 +60,7 @@ def test_an_8_bit_word_holds_four_codes_lowest_byte_first():
     assert torch.equal(pack_words(torch.tensor([[1], [2], [255], [129]]), 0, 8), word)
 
 
-def quantize_symmetric(w: torch.Tensor, group: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GPTQ's sym=True grid: zero 2^(bits - 1) (8, or 128), each group's absmax at half the codes' range."""
-    out, cols = w.shape
-    top, mid = (1 << bits) - 1, 1 << (bits - 1)
-    g = w.reshape(out, -1, group or cols)
-    scales = g.abs().amax(dim=2, keepdim=True) * 2 / top
-    codes = (g / scales).round().add(mid).clamp(0, top)
-    return codes.reshape(out, cols).to(torch.uint8), scales.squeeze(2), torch.full_like(scales.squeeze(2), mid)
+quantize_symmetric = partial(quantize_groups, symmetric=True)  # GPTQ's sym=True grid: zero 2^(bits - 1)
 
 
 # format -> (layout, the quantizer); the original GPTQ format as AutoGPTQ writes it with sym=True
@@ -86,9 +81,9 @@ FORMATS = {
     "gptq_int8": (IntQuant("gptq", GROUP, zero_offset=1, bits=8), quantize_symmetric),
     "compressed_w8a16": (IntQuant("compressed-tensors", 0, zero_points=False, bits=8), quantize_symmetric),
     "compressed_int8_act_order_16": (IntQuant("compressed-tensors", 16, act_order=True, bits=8), quantize_groups),
-    # int-quantized: an int8 a weight, RedHat's w8a8 releases (a scale a row, symmetric), and asymmetric groups
-    "compressed_w8a8": (IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False),
-                        quantize_symmetric),
+    # int-quantized: an int8 a weight, RedHat's w8a8 releases (a scale a row, symmetric, int8 activations a
+    # token: tests/test_w8a8.py), and asymmetric groups
+    "compressed_w8a8": (W8A8_RELEASES, quantize_symmetric),
     "compressed_int8_asym_16": (IntQuant("compressed-tensors", 16, bits=8, packed=False), quantize_groups),
 }
 
@@ -154,7 +149,7 @@ def transformers_with(path, tensors: dict[str, torch.Tensor]) -> transformers.Pr
                                        ("qwen3_moe", "gptq"), ("mixtral", "awq"), ("qwen2_moe", "compressed_asym"),
                                        ("qwen3_moe", "gptq_act_order_16"), ("qwen2", "gptq_int8"),
                                        ("llama", "compressed_w8a16"), ("qwen3_moe", "compressed_int8_act_order_16"),
-                                       ("qwen2", "compressed_w8a8"), ("qwen2_moe", "compressed_int8_asym_16")])
+                                       ("qwen2_moe", "compressed_int8_asym_16")])
 def test_an_integer_checkpoint_generates_as_its_dequantized_weights(tmp_path, arch, fmt):
     """AWQ on Qwen2 (q/k/v biases, tied embeddings), the original GPTQ format on Llama (zeros stored minus
     one, a zero bias beside every projection, read past), GPTQ v2 on Mistral (one group a row),
@@ -164,8 +159,8 @@ def test_an_integer_checkpoint_generates_as_its_dequantized_weights(tmp_path, ar
     GPTQ (Qwen3-MoE, act-order too: each expert's own input orders), AWQ (Mixtral's w1/w3/w2) and
     compressed-tensors with a zero point a row (Qwen2-MoE, its shared expert too); 8-bit GPTQ (Qwen's Int8
     releases) and compressed-tensors (a scale a row, symmetric; and act-order experts with zero points packed
-    four a word), and int-quantized ones, an int8 a weight (RedHat's w8a8, their int8 activations read past;
-    and asymmetric groups of a mixture's experts): q/k/v and gate/up packed row by row into the model's fused
+    four a word), and int-quantized ones, an int8 a weight (asymmetric groups of a mixture's experts; RedHat's
+    w8a8 releases run W8A8: tests/test_w8a8.py): q/k/v and gate/up packed row by row into the model's fused
     matrices, each expert's into the packed experts, half a byte (or one) a weight; the routers stay in the model's dtype. The reference is
     transformers on the weights the codes stand for."""
     build_hf_checkpoint(tmp_path, arch)

@@ -1,0 +1,52 @@
+"""W8A8: int8 weights times int8 activations, the matmul in integers, for compressed-tensors' int-quantized
+checkpoints whose activations are int8 scaled a token as they run (RedHat's w8a8 releases; vLLM runs them
+so as ``CompressedTensorsW8A8Int8``).
+
+Each row (a token) of a projection's input is quantized as it runs: its absmax maps to 127
+(``scale = absmax / 127``, ``code = round(x * 127 / absmax)``, half to even, as vLLM's dynamic int8 quantizer
+computes it). The weight holds the checkpoint's int8 values ``[out, in]`` with a float32 scale a row.
+``torch._int_mm`` multiplies the codes with int32 sums, which are exact, and the two scales turn them back
+into ``x @ W.T`` in float32 (the bias added there too), then ``--dtype``. On CPUs with VNNI that is oneDNN's
+int8 GEMM, on GPUs cuBLASLt's on the int8 tensor cores: both about twice the 16-bit matmul rate, and a decode
+step reads a byte a weight. A mixture's routed experts keep the W8A16 path (``engine/int_weights.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import IntQuant
+
+INT8_MAX = 127.0
+CUDA_MIN_ROWS = 17  # cuBLASLt's int8 GEMM behind torch._int_mm takes more than 16 rows
+# how RedHat's w8a8 releases hold their projections (benchmarks and tests write checkpoints so)
+W8A8_RELEASES = IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False, int8_activations=True)
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[T, in]`` -> (int8 codes ``[T, in]``, float32 scales ``[T, 1]``): each row's absmax maps to 127
+    (a row of zeros to zeros)."""
+    x32 = x.float()
+    scale = (x32.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    return torch.round(x32 * scale.reciprocal()).clamp_(-128, 127).to(torch.int8), scale
+
+
+def int8_matmul(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``codes`` ``[T, in]`` @ ``weight`` ``[out, in]``.T, both int8, as int32 ``[T, out]``. On a GPU fewer than
+    ``CUDA_MIN_ROWS`` rows are padded with zeros to it (the padding's sums are dropped)."""
+    rows = codes.shape[0]
+    if codes.is_cuda and rows < CUDA_MIN_ROWS:
+        codes = F.pad(codes, (0, 0, 0, CUDA_MIN_ROWS - rows))
+    return torch._int_mm(codes, weight.t())[:rows]
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ (weight * weight_scale).T + bias`` with ``x`` quantized a row at a time (``quantize_tokens``):
+    ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out, 1]``; the result in ``x.dtype``."""
+    codes, scales = quantize_tokens(x.reshape(-1, x.shape[-1]))
+    out = int8_matmul(codes, weight).to(torch.float32).mul_(scales).mul_(weight_scale.view(1, -1))
+    if bias is not None:
+        out += bias
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])

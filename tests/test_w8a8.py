@@ -1,0 +1,148 @@
+"""W8A8 (engine/w8a8.py): compressed-tensors' int-quantized checkpoints with int8 activations scaled a token
+(RedHat's w8a8 releases) run their dense projections in integers. The reference is transformers on the weights
+the codes stand for, each dense projection's input quantized a token at a time as the checkpoint says."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from test_engine_model import (
+    NEW_TOKENS,
+    build_hf_checkpoint,
+    engine_greedy,
+    make_runner,
+    prompts,
+    rel_err,
+)
+from test_int_weights import quantize_checkpoint, transformers_with
+from test_weight_quant import PROJECTIONS
+
+from engine.capacity import plan, shape_from_dir
+from engine.config import IntQuant, ModelConfig
+from engine.int_weights import checkpoint_config
+from engine.loader import load_model
+from engine.model import Linear
+from engine.w8a8 import W8A8_RELEASES, int8_matmul, quantize_tokens, w8a8_linear
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_each_rows_absmax_maps_to_127_and_a_row_of_zeros_to_zeros():
+    x = torch.tensor([[0.5, -2.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 0.01]])
+    codes, scales = quantize_tokens(x)
+    assert codes.dtype == torch.int8 and scales.shape == (3, 1)
+    assert codes[0].tolist() == [32, -127, 64, 0]  # 0.5 * 127 / 2 = 31.75
+    assert codes[1].tolist() == [0, 0, 0, 0] and torch.isfinite(scales).all()
+    assert codes[2].tolist() == [127, 64, -32, 0]  # 63.5 rounds half to even: 64; -31.75 to -32
+    assert torch.allclose(scales[:, 0], torch.tensor([2.0, 0.0, 3.0]) / 127)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_matmul_is_the_product_of_the_quantized_rows_and_weights(rows, dtype):
+    """The int32 sums are exact: the result is the dequantized codes' product in float64 up to the float32
+    scaling and the cast to ``dtype``; a bias is added before the cast. Leading dims are kept."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 3, 96, generator=gen).to(dtype)
+    weight = torch.randint(-128, 128, (48, 96), generator=gen, dtype=torch.int8)
+    weight_scale = torch.rand(48, 1, generator=gen) / 100
+    bias = torch.randn(48, generator=gen).to(dtype)
+    codes, scales = quantize_tokens(x.reshape(-1, 96))
+    exact = (codes.double() * scales.double()) @ (weight.double() * weight_scale.double()).T + bias.double()
+    out = w8a8_linear(x, weight, weight_scale, bias)
+    assert out.dtype == dtype and out.shape == (rows, 3, 48)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(out.reshape(-1, 48).double(), exact) < tolerance
+    assert torch.equal(int8_matmul(codes, weight), codes.int() @ weight.int().T)
+
+
+def quantized_inputs(hf: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """``hf`` with each dense projection's input (attention's and the MLP's, a shared expert's; not a routed
+    expert's) replaced by its int8 codes times its scale, a token at a time."""
+    def quantize(_module, args):
+        x = args[0]
+        scale = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        return (torch.round(x * scale.reciprocal()).clamp(-128, 127) * scale,)
+
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(quantize)
+    return hf
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
+def test_a_w8a8_checkpoint_generates_as_transformers_with_its_inputs_quantized_a_token(tmp_path, arch):
+    """Llama, Qwen2 (q/k/v biases, added in float32) and Qwen2-MoE (its shared expert W8A8, its routed experts
+    W8A16): greedy tokens equal the reference's and the first logits are within float rounding of it, ten times
+    nearer than to the same weights with inputs left in float32 (the activations really are quantized)."""
+    build_hf_checkpoint(tmp_path, arch)
+    original = load_file(tmp_path / "model.safetensors")
+    plain = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, "compressed_w8a8")})
+    reference = quantized_inputs(copy.deepcopy(plain))
+    runner, cfg = make_runner(tmp_path)
+    assert cfg.weight_quant.int8_activations
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.int8 and qkv.weight_zero is None and qkv.weight_scale.shape == (qkv.out_features, 1)
+    batch = prompts()
+    tokens, logits = engine_greedy(runner, batch, NEW_TOKENS)
+    with torch.no_grad():
+        for i, p in enumerate(batch):
+            ids = torch.tensor([p])
+            want, unquantized = reference(ids).logits[0, -1], plain(ids).logits[0, -1]
+            assert rel_err(logits[i], want) < 1e-4
+            assert rel_err(logits[i], unquantized) > 10 * rel_err(logits[i], want)
+            ref = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+            assert tokens[i] == ref, f"{arch} prompt {i}"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
+def test_kv_calc_weighs_w8a8_projections_as_the_engine_holds_them(tmp_path, arch):
+    """A byte a weight and a float32 scale a row for the dense projections (no zeros); a mixture's routed
+    experts keep their uint8 codes with a zero a row."""
+    build_hf_checkpoint(tmp_path, arch)
+    quantize_checkpoint(tmp_path, "compressed_w8a8")
+    model, _ = load_model(tmp_path, "bfloat16", "cpu")
+    dense = [m for name, m in model.named_modules() if isinstance(m, Linear) and name.endswith("_proj")]
+    assert dense and all(m.weight.dtype == torch.int8 and m.weight_zero is None for m in dense)
+    for moe in (layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")):
+        assert moe.experts.gate_up_proj.dtype == torch.uint8 and moe.experts.gate_up_proj_zero is not None
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan(shape_from_dir(tmp_path), "bfloat16", 64, 1, None).weight_bytes == held
+
+
+def w8a8_config(**change) -> dict:
+    config = checkpoint_config(W8A8_RELEASES)
+    group = config["config_groups"]["group_0"]
+    for key in ("weights", "input_activations"):
+        group[key] = {**group[key], **change.get(key, {})}
+    return config
+
+
+@pytest.mark.parametrize("change", [
+    {"input_activations": {"dynamic": False, "strategy": "tensor"}},  # a static scale from calibration
+    {"input_activations": {"symmetric": False}},  # a zero point a token
+    {"input_activations": {"num_bits": 4}},
+    {"weights": {"strategy": "group", "group_size": 32}},  # a scale a group cannot scale an int32 sum
+    {"weights": {"symmetric": False}},
+])
+def test_other_activation_schemes_run_w8a16(tmp_path, change):
+    """Only dynamic symmetric int8 tokens beside symmetric weights with a scale a row run W8A8; any other
+    int-quantized checkpoint keeps its activations in the model's dtype, as before."""
+    build_hf_checkpoint(tmp_path, "llama")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert ModelConfig.from_dict({**raw, "quantization_config": w8a8_config()}).weight_quant.int8_activations
+    quant = ModelConfig.from_dict({**raw, "quantization_config": w8a8_config(**change)}).weight_quant
+    assert isinstance(quant, IntQuant) and not quant.int8_activations
+
+
+@pytest.mark.parametrize("change", [dict(group_size=32), dict(zero_points=True), dict(packed=True),
+                                    dict(group_size=32, act_order=True)])
+def test_int8_activations_beside_other_weights_cannot_be_built(change):
+    with pytest.raises(ValueError, match="int8 activations"):
+        replace(W8A8_RELEASES, **change)
