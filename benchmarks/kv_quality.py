@@ -18,7 +18,9 @@ makes SmolLM2-135M-Instruct one), against the full-precision cache in the same r
   weights take (an entry ``FORMAT/fp8`` runs with ``--quantization fp8``, ``FORMAT/awq``, ``FORMAT/gptq`` or
   ``FORMAT/compressed-tensors`` on a copy of the checkpoint with its projections written in 4 bits in that
   layout, or ``FORMAT/gptq:8`` (``compressed-tensors:8``) in 8 bits, round to nearest in groups of 128 or the
-  widest dividing them: (a) and (b) then show what those weights cost against the full-precision model).
+  widest dividing them; ``FORMAT/w8a8`` symmetric int8 a scale a row with int8 activations a token, as RedHat's
+  w8a8 releases, and ``FORMAT/w8a16`` the same weights with activations in the model's dtype: (a) and (b) then
+  show what those weights cost against the full-precision model).
 
 Options the engine does not have yet (EngineConfig fields, or values it refuses) print "not available"
 with the reason, so the script can be rerun as they land.
@@ -54,10 +56,14 @@ from engine.kv_format import window_layer_bytes  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
 from engine.runner import SeqChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.w8a8 import W8A8_RELEASES, W8A16_ROWS  # noqa: E402
 
 FULL = "auto"  # the cache in the model's dtype: the reference every other option is compared with
 MODEL_DTYPE = EngineConfig.dtype  # the engines here run in the default (float32) weights and cache
 DTYPES = ["auto", "int8", "fp8", "kivi2"]
+# weights entries written as int8 a scale a row (compressed-tensors' int-quantized): with RedHat's int8
+# activations a token, or with activations in the model's dtype
+INT8_ROWS = {"w8a8": W8A8_RELEASES, "w8a16": W8A16_ROWS}
 BLOCK_SIZE = 16
 
 
@@ -179,7 +185,7 @@ def weights_as(model: str, options: dict) -> Iterator[str]:
     compressed-tensors; taken out of ``options``) a copy of it in a temporary directory with its projections
     written in that layout, in 4 bits or BITS."""
     layout, _, bits = str(options.get("quantization")).partition(":")
-    if layout not in INT_LAYOUTS:
+    if layout not in INT_LAYOUTS and layout not in INT8_ROWS:
         yield model
         return
     del options["quantization"]
@@ -190,7 +196,8 @@ def weights_as(model: str, options: dict) -> Iterator[str]:
                 shutil.copy(file, tmp)
         config = json.loads((source / "config.json").read_text())
         tensors = {name: t for file in sorted(source.glob("*.safetensors")) for name, t in load_file(file).items()}
-        quant = IntQuant(layout, widest_group(ModelConfig.from_dict(config)), bits=int(bits or 4))
+        quant = INT8_ROWS.get(layout) or IntQuant(layout, widest_group(ModelConfig.from_dict(config)),
+                                                  bits=int(bits or 4))
         write_int_checkpoint(Path(tmp), tensors, config, quant)
         yield tmp
 
@@ -331,7 +338,8 @@ def main() -> None:
     p.add_argument("--dtypes", default=",".join(DTYPES),
                    help="kv_cache_dtype values, each optionally FORMAT:RESIDUAL_BLOCKS, and /fp8 for fp8 weights "
                         "(--quantization fp8) or /awq, /gptq, /compressed-tensors for 4-bit ones (/gptq:8, "
-                        "/compressed-tensors:8: 8-bit ones); 'auto' = full precision")
+                        "/compressed-tensors:8: 8-bit ones; /w8a8, /w8a16: int8 a scale a row, with and without "
+                        "int8 activations); 'auto' = full precision")
     p.add_argument("--skip-stream", action="store_true", help="leave (c) out")
     p.add_argument("--chunk", type=int, default=256, help="(a) prefill-style and (c): tokens per forward")
     p.add_argument("--eval-tokens", type=int, default=16384, help="(a): held-out tokens scored")

@@ -308,8 +308,13 @@ class IntQuant:
         if self.layout not in INT_LAYOUTS or self.bits not in widths or not unpacked_held:
             raise ValueError(f"{self.layout} {'packed' if self.packed else 'unpacked'} {self.bits}-bit codes are "
                              "not a layout checkpoints hold")
-        if self.int8_activations and (self.packed or self.group_size or self.zero_points or self.act_order):
+        if self.int8_activations and not self.int8_rows:
             raise ValueError("int8 activations run beside unpacked symmetric int8 weights with a scale a row only")
+
+    @property
+    def int8_rows(self) -> bool:
+        """Symmetric int8 codes an int8 each with a scale a row: weights an int8 matmul can take as they are."""
+        return not (self.packed or self.group_size or self.zero_points or self.act_order)
 
     @property
     def per_byte(self) -> int:
@@ -465,8 +470,7 @@ def _compressed_tensors(raw: dict, key: str) -> WeightQuant | IntQuant:
     weights = groups[0].get("weights") or {}
     if fmt in ("pack-quantized", "int-quantized") or weights.get("type") == "int":
         quant = _compressed_int(weights, f"{key}.config_groups.weights", packed=fmt == "pack-quantized")
-        w8a8 = not (quant.packed or quant.group_size or quant.zero_points or quant.act_order)
-        if w8a8 and _dynamic_int8_tokens(groups[0].get("input_activations")):
+        if quant.int8_rows and _dynamic_int8_tokens(groups[0].get("input_activations")):
             return replace(quant, int8_activations=True)
         return quant
     if (weights.get("num_bits"), weights.get("type"), weights.get("symmetric", True)) != (8, "float", True):

@@ -3,7 +3,8 @@ what they drive shows here, not on the next person's benchmark run: ``benchmarks
 ``EngineLoop._deliver`` directly; ``benchmarks/engine_host.py`` splits the engine's decode steps into the forward
 pass, the torch path's input preparation and the rest, and loads each step's chunks into a ``DecodeGraphs``'
 buffers (it fails if a step decodes fewer than the batch); ``benchmarks/detokenize.py`` streams text through the
-detokenizer both ways."""
+detokenizer both ways; ``benchmarks/w8a8.py`` times the W8A8 matmul beside the others and the engine on each
+checkpoint it writes."""
 
 from __future__ import annotations
 
@@ -61,3 +62,21 @@ def test_the_detokenize_benchmark_streams_the_docs_both_ways(tmp_path):
     assert row["tokenizer"].startswith("tiny") and row["tokens"] > 4000  # one token a byte, less the context
     assert row["window_us_per_token"] > 0 and row["stream_us_per_token"] > 0
     assert row["speedup"] == pytest.approx(row["window_us_per_token"] / row["stream_us_per_token"])
+
+
+@pytest.mark.timeout(120)
+def test_the_w8a8_benchmark_times_every_path_and_every_checkpoint(tmp_path):
+    """Every matmul path at every row count, and the engine on the 16-bit, W8A16 and W8A8 checkpoints."""
+    from benchmarks import w8a8
+
+    result = w8a8.main(["--shape", "tiny-test", "--layers", "1", "--repeats", "1", "--prefill", "2",
+                        "--prompt-len", "16", "--new-tokens", "3", "--json", str(tmp_path / "w8a8.json")])
+    assert json.loads((tmp_path / "w8a8.json").read_text()) == result
+    assert sorted(result["matmul_s"]) == ["1", "16", "256"]
+    assert all(set(paths) == {"float32", "bfloat16", "w8a16", "w8a8", "int8_gemm"}
+               for paths in result["matmul_s"].values())
+    assert list(result["engine"]) == ["16-bit, float32", "16-bit, bfloat16", "w8a16, float32", "w8a8, float32",
+                                      "w8a8, bfloat16"]
+    figures = [*(s for paths in result["matmul_s"].values() for s in paths.values()),
+               *(v for row in result["engine"].values() for v in row.values())]
+    assert all(math.isfinite(v) and v > 0 for v in figures)

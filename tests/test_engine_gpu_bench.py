@@ -64,9 +64,10 @@ def test_a_quantized_cache_counts_its_own_bytes_in_the_roofline(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("flags, bytes_a_parameter, int_bits", [(["--quantization", "fp8"], 4, None),
                                                                 (["--int-weights", "awq"], 2, 4),
-                                                                (["--int-weights", "gptq", "--int-bits", "8"], 4, 8)])
+                                                                (["--int-weights", "gptq", "--int-bits", "8"], 4, 8),
+                                                                (["--int-weights", "w8a8"], 4, 8)])
 def test_quantized_weights_count_their_own_bytes_in_the_roofline(tmp_path, flags, bytes_a_parameter, int_bits):
-    """--quantization fp8 and --int-weights awq or gptq (the checkpoint rewritten in 4 or 8 bits): the weights
+    """--quantization fp8 and --int-weights awq, gptq or w8a8 (the checkpoint rewritten in 4 or 8 bits): the weights
     read per step are the codes (a byte or half a byte each) and their scales, fewer than float32's four bytes
     a parameter (the float32 embedding and lm_head count in full)."""
     result = engine_gpu.main(["--device", "cpu", "--shapes", "tiny-test", "--batches", "2", "--prompt-len", "32",
@@ -76,6 +77,8 @@ def test_quantized_weights_count_their_own_bytes_in_the_roofline(tmp_path, flags
     assert result["int_bits"] == int_bits
     assert shape["weight_bytes"] < bytes_a_parameter * shape["parameters"]
     assert positive(shape["batches"]["2"]["roofline_decode_step_ms"])
+    int8_rate = result["int8_matmul_ops_per_s"]  # W8A8's prefill peak, measured beside its checkpoint only
+    assert positive(int8_rate) if flags[-1] == "w8a8" else int8_rate is None
 
 
 @pytest.mark.timeout(120)
