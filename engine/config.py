@@ -260,7 +260,7 @@ class WeightQuant:
     def online(self) -> bool:
         return not self.scale_suffix
 
-    def projection_bytes(self, rows: int, cols: int, routed: bool = False) -> int:
+    def projection_bytes(self, rows: int, cols: int) -> int:
         """A ``[rows, cols]`` projection as the model holds it: a byte a weight and float32 scales."""
         return rows * cols + 4 * rows * -(-cols // (self.k_block or cols))
 
@@ -294,9 +294,9 @@ class IntQuant:
     # codes packed into int32 words; False: compressed-tensors' int-quantized format, an int8 a code (W8A8
     # releases: the signed value, mid_code below the code)
     packed: bool = True
-    # W8A8 (engine/w8a8.py): the dense projections' inputs quantized to int8 a token as they run, the matmul in
-    # integers; their weights held as the checkpoint's int8 values and a scale a row, no zeros. Only symmetric
-    # int-quantized weights with one scale a row, as RedHat's w8a8 releases hold them
+    # W8A8 (engine/w8a8.py): each projection's (and expert's) input quantized to int8 a row as it runs, the
+    # matmul in integers; the weights held as the checkpoint's int8 values and a scale a row, no zeros. Only
+    # symmetric int-quantized weights with one scale a row, as RedHat's w8a8 releases hold them
     int8_activations: bool = False
     online = False  # always read from the checkpoint, never quantized at load
 
@@ -334,11 +334,10 @@ class IntQuant:
     def groups(self, cols: int) -> int:
         return cols // self.group_size if self.group_size else 1
 
-    def projection_bytes(self, rows: int, cols: int, routed: bool = False) -> int:
+    def projection_bytes(self, rows: int, cols: int) -> int:
         """A ``[rows, cols]`` projection as the model holds it: ``bits`` / 8 bytes a weight, a float32 scale and
-        a uint8 zero a group, and with act-order an int64 input order; a W8A8 one no zeros (``routed``: a
-        mixture's routed expert, which keeps its zeros and runs W8A16)."""
-        zero_bytes = 0 if self.int8_activations and not routed else 1
+        a uint8 zero a group (W8A8: no zeros), and with act-order an int64 input order."""
+        zero_bytes = 0 if self.int8_activations else 1
         return (rows * cols // self.per_byte + (4 + zero_bytes) * rows * self.groups(cols)
                 + (8 * cols if self.act_order else 0))
 
@@ -740,27 +739,25 @@ class ModelConfig:
         """Integer checkpoints pack 8 (or 4) codes to an int32 along one dimension and group the input columns:
         every projection's rows and columns must split so."""
         quant = self.weight_quant
-        for out, inp, _, _ in self.projection_shapes():
+        for out, inp, _ in self.projection_shapes():
             if out % quant.per_word or inp % quant.per_word or (quant.group_size and inp % quant.group_size):
                 raise UnsupportedModelError("quantization_config.group_size", f"a [{out}, {inp}] projection does not "
                                             f"split into {quant.per_word}-code words and groups of "
                                             f"{quant.group_size or inp}")
 
-    def projection_shapes(self) -> list[tuple[int, int, int, bool]]:
-        """(out, in, how many, routed) of the model's packed projections, what fp8 quantizes: every layer's
-        q/k/v and o, the dense MLPs' gate/up and down, each expert's (routed), and a shared expert's (not the
-        routers)."""
+    def projection_shapes(self) -> list[tuple[int, int, int]]:
+        """(out, in, how many) of the model's packed projections, what fp8 quantizes: every layer's q/k/v and
+        o, the dense MLPs' gate/up and down, each expert's, and a shared expert's (not the routers)."""
         h, q, kv, layers = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
             self.num_layers
         sparse = 0 if self.moe is None else len(self.moe.layers)
-        shapes = [(q + 2 * kv, h, layers, False), (h, q, layers, False),
-                  (2 * self.intermediate_size, h, layers - sparse, False),
-                  (h, self.intermediate_size, layers - sparse, False)]
+        shapes = [(q + 2 * kv, h, layers), (h, q, layers), (2 * self.intermediate_size, h, layers - sparse),
+                  (h, self.intermediate_size, layers - sparse)]
         if (moe := self.moe) is not None:
-            shapes += [(2 * moe.intermediate_size, h, sparse * moe.num_experts, True),
-                       (h, moe.intermediate_size, sparse * moe.num_experts, True)]
+            shapes += [(2 * moe.intermediate_size, h, sparse * moe.num_experts),
+                       (h, moe.intermediate_size, sparse * moe.num_experts)]
             if shared := moe.shared_expert_intermediate_size:
-                shapes += [(2 * shared, h, sparse, False), (h, shared, sparse, False)]
+                shapes += [(2 * shared, h, sparse), (h, shared, sparse)]
         return shapes
 
     def weight_bytes(self, dtype: Any) -> int:
@@ -769,8 +766,8 @@ class ModelConfig:
         total = self.num_parameters() * dtype_bytes(dtype)
         if self.weight_quant is None:
             return total
-        for out, inp, count, routed in self.projection_shapes():
-            total -= count * (out * inp * dtype_bytes(dtype) - self.weight_quant.projection_bytes(out, inp, routed))
+        for out, inp, count in self.projection_shapes():
+            total -= count * (out * inp * dtype_bytes(dtype) - self.weight_quant.projection_bytes(out, inp))
         return total
 
 

@@ -23,8 +23,8 @@ word in bits ``i * bits ..``:
   zeros are all ``mid_code``; ``weight_g_idx`` ``[in]`` with ``actorder: group``, as GPTQ's. Its
   ``int-quantized`` format holds ``weight`` int8 ``[out, in]``, each the signed value (the code minus 128), and
   ``weight_zero_point`` int8 ``[out, groups]`` the same way. RedHat's w8a8 releases hold it symmetric with a
-  scale a row beside int8 activations scaled a token: their dense projections keep the int8 values as they
-  are and run W8A8 (``engine/w8a8.py``), their routed experts (and any other int-quantized checkpoint) as here.
+  scale a row beside int8 activations scaled a token: their projections and experts keep the int8 values as
+  they are and run W8A8 (``engine/w8a8.py``); any other int-quantized checkpoint runs as here.
 
 Act-order groups are put in place once a model has loaded (``sort_columns``): each projection's columns
 sorted by group, and its input gathered the same way (``weight_input_perm``) before the matmul, as vLLM's GPTQ
@@ -249,7 +249,7 @@ def widest_group(config: ModelConfig, widest: int = 128) -> int:
     """The largest power of two up to ``widest`` that divides every projection's input columns (AWQ's and
     GPTQ's usual 128 where it can)."""
     group = widest
-    while group > 16 and any(inp % group for _, inp, _, _ in config.projection_shapes()):
+    while group > 16 and any(inp % group for _, inp, _ in config.projection_shapes()):
         group //= 2
     return group
 

@@ -361,7 +361,8 @@ class SparseMoE(nn.Module):
     """A layer's experts (``engine/moe.py``), with Qwen2-MoE's gated shared expert when configured. Names
     follow transformers 5: ``gate`` is the router, ``experts.gate_up_proj`` ``[E, 2I, H]`` and
     ``experts.down_proj`` ``[E, H, I]`` pack every expert's matrices; quantized, each comes with ``_scale``
-    (and integer codes' ``_zero``, and act-order ``_input_perm`` ``[E, in]``) as ``Linear``'s weight does."""
+    (and integer codes' ``_zero``, and act-order ``_input_perm`` ``[E, in]``) as ``Linear``'s weight does; W8A8
+    ones are int8 values with a scale a row, as ``Linear``'s."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype, quant: Quant = None,
                  shared_quants: tuple[Quant, Quant] = (None, None)):
@@ -372,8 +373,10 @@ class SparseMoE(nn.Module):
         self.experts = nn.Module()
         integer = isinstance(quant, IntQuant)
         self.code_bits = quant.bits if integer else 8
+        self.int8_activations = integer and quant.int8_activations  # W8A8 (engine/w8a8.py): int8 values, no zeros
         per_byte = quant.per_byte if integer else 1
-        weights = dtype if quant is None else torch.uint8 if integer else torch.float8_e4m3fn
+        weights = (dtype if quant is None else torch.int8 if self.int8_activations else torch.uint8 if integer
+                   else torch.float8_e4m3fn)
         self.experts.gate_up_proj = _frozen(torch.empty(e, 2 * i, hidden_size // per_byte, dtype=weights))
         self.experts.down_proj = _frozen(torch.empty(e, hidden_size, i // per_byte, dtype=weights))
         # each matrix's k-block: fp8's (engine/weight_quant.py), integer codes' group (engine/int_weights.py)
@@ -383,7 +386,7 @@ class SparseMoE(nn.Module):
             self.k_blocks = (block or hidden_size, block or i)
             shapes = ((e, 2 * i, -(-hidden_size // self.k_blocks[0])), (e, hidden_size, -(-i // self.k_blocks[1])))
             self.experts.gate_up_proj_scale, self.experts.down_proj_scale = (_frozen(torch.empty(s)) for s in shapes)
-            if integer:
+            if integer and not self.int8_activations:
                 self.experts.gate_up_proj_zero, self.experts.down_proj_zero = (
                     _frozen(torch.empty(s, dtype=torch.uint8)) for s in shapes)
             if integer and quant.act_order:  # -1s until the checkpoint's g_idx sets them (int_weights.act_order_perm)
@@ -415,7 +418,7 @@ class SparseMoE(nn.Module):
         zeros = getattr(experts, "gate_up_proj_zero", None), getattr(experts, "down_proj_zero", None)
         perms = getattr(experts, "gate_up_proj_input_perm", None), getattr(experts, "down_proj_input_perm", None)
         return ExpertQuant(experts.gate_up_proj_scale, experts.down_proj_scale, *self.k_blocks, *zeros, *perms,
-                           bits=self.code_bits)
+                           bits=self.code_bits, int8_activations=self.int8_activations)
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,8 @@ Each expert's gate and up matrices are packed into one ``[E, 2I, H]`` tensor and
 the module holding them is ``engine.model.SparseMoE``. With fp8 weights (``engine/weight_quant.py``) they are
 e4m3 codes with ``ExpertQuant``; with integer ones (``engine/int_weights.py``: AWQ, GPTQ, compressed-tensors)
 4-bit codes two a byte, ``[E, 2I, H / 2]`` and ``[E, H, I / 2]``, or 8-bit ones a byte each, with scales and
-zeros per group.
+zeros per group; W8A8 (``engine/w8a8.py``) int8 values with a scale a row, multiplied by each row of their
+input quantized to int8.
 The rows of the flattened batch are sorted by expert, so each expert with tokens runs two matmuls over
 exactly its rows, and adds them up in ascending expert order as transformers does.
 That is the torch path (CPU, and the reference): it reads the expert counts back to the host once a layer.
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from engine import int_weights, weight_quant
 from engine.kernels.common import ExpertQuant
+from engine.w8a8 import w8a8_linear
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +58,13 @@ def routed_experts(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gat
         pairs = order[start:start + n]
         start += n
         rows = pairs // k
-        w_gate_up, w_down = _expert_weights(gate_up, down, quant, expert, x.dtype)
-        gate, up = F.linear(_in_order(x[rows], gate_up_perm, expert), w_gate_up).chunk(2, dim=-1)
-        y = F.linear(_in_order(F.silu(gate) * up, down_perm, expert), w_down) * flat_scores[pairs, None]
+        if quant is not None and quant.int8_activations:  # W8A8: each row quantized as it goes in
+            gate, up = w8a8_linear(x[rows], gate_up[expert], quant.gate_up[expert], None).chunk(2, dim=-1)
+            y = w8a8_linear(F.silu(gate) * up, down[expert], quant.down[expert], None) * flat_scores[pairs, None]
+        else:
+            w_gate_up, w_down = _expert_weights(gate_up, down, quant, expert, x.dtype)
+            gate, up = F.linear(_in_order(x[rows], gate_up_perm, expert), w_gate_up).chunk(2, dim=-1)
+            y = F.linear(_in_order(F.silu(gate) * up, down_perm, expert), w_down) * flat_scores[pairs, None]
         out.index_add_(0, rows, y.to(x.dtype))
     return out
 

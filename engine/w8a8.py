@@ -4,11 +4,12 @@ so as ``CompressedTensorsW8A8Int8``).
 
 Each row (a token) of a projection's input is quantized as it runs: its absmax maps to 127
 (``scale = absmax / 127``, ``code = round(x * 127 / absmax)``, half to even, as vLLM's dynamic int8 quantizer
-computes it). The weight holds the checkpoint's int8 values ``[out, in]`` with a float32 scale a row.
+computes it; on GPUs in one launch, ``engine/kernels/int8_rows.py``). The weight holds the checkpoint's int8 values ``[out, in]`` with a float32 scale a row.
 ``torch._int_mm`` multiplies the codes with int32 sums, which are exact, and the two scales turn them back
 into ``x @ W.T`` in float32 (the bias added there too), then ``--dtype``. On CPUs with VNNI that is oneDNN's
 int8 GEMM, on GPUs cuBLASLt's on the int8 tensor cores: both about twice the 16-bit matmul rate, and a decode
-step reads a byte a weight. A mixture's routed experts keep the W8A16 path (``engine/int_weights.py``).
+step reads a byte a weight. A mixture's experts run the same way (``engine/moe.py``; on GPUs
+``engine/kernels/moe_experts.py``, the int8 tiles multiplied in its one launch a matrix).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import IntQuant
 
 INT8_MAX = 127.0
@@ -47,7 +49,8 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
                 bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ (weight * weight_scale).T + bias`` with ``x`` quantized a row at a time (``quantize_tokens``):
     ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out, 1]``; the result in ``x.dtype``."""
-    codes, scales = quantize_tokens(x.reshape(-1, x.shape[-1]))
+    rows = x.reshape(-1, x.shape[-1])
+    codes, scales = kernels.int8_rows(rows) if rows.is_cuda and kernels.triton_available() else quantize_tokens(rows)
     out = int8_matmul(codes, weight).to(torch.float32).mul_(scales).mul_(weight_scale.view(1, -1))
     if bias is not None:
         out += bias

@@ -136,6 +136,13 @@ def layer_step(shape: str, dtype: torch.dtype, kv_format: str, context: int) -> 
                                       torch.empty(experts, 2 * inter, hidden * bits // 8, dtype=torch.uint8),
                                       torch.empty(experts, hidden, inter * bits // 8, dtype=torch.uint8),
                                       common.ExpertQuant(*scales, 128, 128, *zeros, *perms, bits=bits))
+                # W8A8 experts (RedHat's w8a8 releases): int8 values a scale a row, times each row of their input
+                # quantized in a launch of its own (int8_rows), the sums in int32
+                kernels.fused_moe(torch.empty(tokens, hidden, dtype=dtype), scores, ids,
+                                  torch.empty(experts, 2 * inter, hidden, dtype=torch.int8),
+                                  torch.empty(experts, hidden, inter, dtype=torch.int8),
+                                  common.ExpertQuant(torch.empty(experts, 2 * inter, 1), torch.empty(experts, hidden, 1),
+                                                     hidden, inter, int8_activations=True))
     if kv_format == "auto" and dtype == torch.bfloat16:  # LoRA adapters of a decode batch: ranks 16 and 64, packed q/k/v
         fan_in, fan_out = cfg.hidden_size, qkv.shape[1]
         for cap in (48, 192):

@@ -355,12 +355,13 @@ def _graphed_triton_generates_as_torch(tmp_path, arch: str, overrides: dict) -> 
                                           ("qwen2", "awq"), ("llama", "gptq"), ("llama", "gptq_act_order"),
                                           ("qwen3_moe", "gptq"), ("qwen3_moe", "gptq_act_order_16"),
                                           ("qwen2", "gptq_int8"), ("qwen3_moe", "compressed_int8_act_order_16"),
-                                          ("qwen2", "compressed_w8a8")])
+                                          ("qwen2", "compressed_w8a8"), ("qwen3_moe", "compressed_w8a8")])
 def test_quantized_weights_on_cuda_graphs_generate_as_on_the_cpu(tmp_path, request, arch, layout):
     """The fp8 and integer matmuls and the fp8 and integer MoE kernels compiled for the device, in prefill and
     in decode steps replayed from CUDA graphs (block-wise fp8 checkpoints, --quantization fp8 on a 16-bit one,
     AWQ and 4- and 8-bit GPTQ and compressed-tensors checkpoints, act-order's input gathers inside the graphs,
-    each expert's too; W8A8's int8 matmul, cuBLASLt's, on a decode batch padded to its 17 rows): float32 greedy
+    each expert's too; W8A8's rows quantized in one launch and its int8 matmul, cuBLASLt's, on a decode batch
+    padded to its 17 rows, and W8A8 experts' int8 tiles in the fused MoE kernel): float32 greedy
     tokens equal the CPU torch path's, which are transformers' on the same weights
     (tests/test_weight_quant.py, tests/test_int_weights.py)."""
     if ran_in_a_compiling_process(request.node.name):

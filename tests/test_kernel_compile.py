@@ -30,7 +30,7 @@ if importlib.util.find_spec("triton") is None:
 ARCHS = (80, 86, 90, 100)
 KERNELS = {"_rope_kernel", "_kv_write_kernel", "_decode_stage1", "_decode_stage2", "_prefill_kernel",
            "_add_rms_norm_kernel", "_expert_matmul_kernel", "_lora_shrink_kernel", "_lora_expand_kernel", "_fp8_matmul_kernel",
-           "_int_matmul_kernel"}
+           "_int_matmul_kernel", "_int8_rows_kernel"}
 COMPILE_TIMEOUT_S = 560
 
 _RUNS: list[subprocess.Popen] = []  # the runs this process started

@@ -704,6 +704,45 @@ def test_fused_moe_on_integer_experts_matches_the_expert_loop(bits: int, group: 
         fused_moe(x, scores, ids, gate_up[:, :, :8], down, quant)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_on_w8a8_experts_matches_the_expert_loop(dtype: torch.dtype):
+    """int8 values with a scale a row times each row of their input quantized to int8 (the tokens' for gate/up,
+    each pair's hidden row for down): the kernel's exact int32 sums scaled once equal the loop's w8a8_linear."""
+    from engine.kernels.common import ExpertQuant
+    from engine.kernels.moe_experts import fused_moe
+    from engine.moe import routed_experts
+
+    experts, hidden, inter = 4, 64, 48
+    x, scores, ids = route_randomly(21, hidden, experts, 2, skip=1)
+    gen = torch.Generator().manual_seed(3)
+    gate_up, down = (torch.randint(-128, 128, (experts, rows, cols), generator=gen, dtype=torch.int8)
+                     for rows, cols in ((2 * inter, hidden), (hidden, inter)))
+    quant = ExpertQuant(torch.rand(experts, 2 * inter, 1, generator=gen) / 500,
+                        torch.rand(experts, hidden, 1, generator=gen) / 500, hidden, inter, int8_activations=True)
+    want = routed_experts(x.to(dtype), scores, ids, gate_up, down, quant)
+    got = fused_moe(x.to(dtype), scores, ids, gate_up, down, quant)
+    assert got.dtype == dtype
+    assert_close(got, want)
+    with pytest.raises(ValueError, match="int8 values"):
+        fused_moe(x, scores, ids, gate_up.to(torch.uint8), down.to(torch.uint8), quant)
+
+
+@pytest.mark.parametrize("rows, cols, dtype", [(5, 64, torch.float32), (3, 2500, torch.bfloat16),
+                                               (2, 7, torch.float16)])
+def test_int8_rows_are_the_torch_paths_codes_and_scales(rows: int, cols: int, dtype: torch.dtype):
+    """Every code and scale bit for bit, a row of zeros included, across more columns than one block (1,024)
+    and fewer than one."""
+    from engine.kernels.int8_rows import int8_rows
+    from engine.w8a8 import quantize_tokens
+
+    x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)) * 3).to(dtype)
+    x[-1] = 0
+    codes, scales = int8_rows(x)
+    want_codes, want_scales = quantize_tokens(x)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert codes[-1].eq(0).all() and (codes[0].abs().max() == 127)
+
+
 def test_fused_moe_rejects_mismatched_operands():
     from engine.kernels.moe_experts import fused_moe
 

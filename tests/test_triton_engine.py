@@ -35,6 +35,7 @@ from engine.loader import load_model  # noqa: E402
 from engine.runner import ModelRunner, SeqChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.triton_attention import attention_backend  # noqa: E402
+from engine.w8a8 import W8A8_RELEASES  # noqa: E402
 
 INTERPRETED = triton_available() and common.interpreting()
 needs_interpreter = pytest.mark.skipif(
@@ -315,24 +316,26 @@ def test_adapters_drafts_verified_through_the_graph_buffers_equal_torch_decoding
 
 
 @needs_interpreter
-@pytest.mark.parametrize("quantization", [None, "fp8", "awq", "gptq_int8"])
+@pytest.mark.parametrize("quantization", [None, "fp8", "awq", "gptq_int8", "w8a8"])
 def test_mixture_of_experts_on_triton_equals_torch_also_through_the_graph_buffers(tmp_path, quantization):
     """Mixtral's experts through the fused MoE kernels, between the fused residual norms: the greedy tokens
     equal the torch path's (its loop over experts), with decode steps run eagerly and through the static
     graph buffers (the kernels never read back to the host, so such steps can be captured); with fp8
     experts too (quantized as they load), an AWQ checkpoint's 4-bit ones and a GPTQ one's 8-bit ones (the
-    kernels scale the codes' partial sums, the loop dequantizes each expert's matrices)."""
+    kernels scale the codes' partial sums, the loop dequantizes each expert's matrices), and a w8a8 one's int8
+    ones (each row of their input quantized in one launch, int32 sums scaled once; the loop's w8a8_linear)."""
     build_hf_checkpoint(tmp_path, "mixtral")
-    if quantization in ("awq", "gptq_int8"):
+    if quantization in ("awq", "gptq_int8", "w8a8"):
         raw = json.loads((tmp_path / "config.json").read_text())
-        quant = IntQuant("awq", 16) if quantization == "awq" else IntQuant("gptq", 16, bits=8)
+        quant = {"awq": IntQuant("awq", 16), "gptq_int8": IntQuant("gptq", 16, bits=8),
+                 "w8a8": W8A8_RELEASES}[quantization]
         write_int_checkpoint(tmp_path, load_file(tmp_path / "model.safetensors"), raw, quant)
     a, b, c = prompts((7, 20, 9))  # in its vocabulary of 128
     runs, engine = runs_by_backend(tmp_path, {0: [("a", a), ("b", b)], 2: [("c", c)]}, 5, num_blocks=32,
                                    quantization=quantization if quantization == "fp8" else None)
     experts = next(layer.mlp.experts for layer in engine.model.model.layers if hasattr(layer.mlp, "experts"))
     assert experts.gate_up_proj.dtype == {None: torch.float32, "fp8": torch.float8_e4m3fn, "awq": torch.uint8,
-                                          "gptq_int8": torch.uint8}[quantization]
+                                          "gptq_int8": torch.uint8, "w8a8": torch.int8}[quantization]
     assert runs["triton"] == runs["torch"]
     assert all(len(t) == 5 for t in runs["torch"].values())
 

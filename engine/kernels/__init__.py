@@ -1,7 +1,7 @@
 """Triton kernels for the GPU engine: paged decode and prefill attention, the K/V cache write, the
 residual add fused with RMSNorm, RoPE in place, a mixture of experts' matmuls, the LoRA adapters of a
-decode batch (``engine/model.py`` uses them all on the Triton backend) and fp8 and integer weights' matmuls
-(on every CUDA step).
+decode batch (``engine/model.py`` uses them all on the Triton backend), fp8 and integer weights' matmuls
+and W8A8's per-row int8 quantization (on every CUDA step).
 
 The attention and write kernels take one layer's cache as ``k_cache``/``v_cache``
 ``[num_blocks, block_size, kv_heads, head_dim]`` (``KVCache.data[layer, 0]`` and ``[layer, 1]``), or a
@@ -24,13 +24,14 @@ _LAZY = {
     "fp8_matmul": "engine.kernels.fp8_gemm",
     "fused_moe": "engine.kernels.moe_experts",
     "int_matmul": "engine.kernels.int_gemm",
+    "int8_rows": "engine.kernels.int8_rows",
     "lora_grouped": "engine.kernels.lora_matmul",
     "paged_decode_attention": "engine.kernels.paged_decode",
     "paged_prefill_attention": "engine.kernels.paged_prefill",
     "write_kv": "engine.kernels.kv_write",
 }
 
-__all__ = ["apply_rope", "fp8_matmul", "fused_add_rms_norm", "fused_moe", "int_matmul", "lora_grouped",
+__all__ = ["apply_rope", "fp8_matmul", "fused_add_rms_norm", "fused_moe", "int8_rows", "int_matmul", "lora_grouped",
            "paged_decode_attention", "paged_prefill_attention", "triton_available", "write_kv"]
 
 

@@ -20,7 +20,9 @@ class ExpertQuant(NamedTuple):
     row and k-block of input columns. fp8 codes (``engine/weight_quant.py``) have no zeros; integer ones
     (``engine/int_weights.py``: the k-block is the group; ``bits`` 4, two codes a byte, or 8) have uint8 zeros
     shaped as their scales, and with act-order each expert's input orders (int64 ``[E, H]`` and ``[E, I]``):
-    its columns sorted into group order at load, its input gathered to match."""
+    its columns sorted into group order at load, its input gathered to match. ``int8_activations`` (W8A8,
+    ``engine/w8a8.py``): int8 values ``[E, N, K]`` with a scale a row ``[E, N, 1]`` and no zeros, each row of
+    a matrix's input quantized to int8 as it runs."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -31,6 +33,7 @@ class ExpertQuant(NamedTuple):
     gate_up_perm: torch.Tensor | None = None
     down_perm: torch.Tensor | None = None
     bits: int = 8  # the codes' width: fp8's 8, integer codes' 4 or 8
+    int8_activations: bool = False
 
 
 def interpreting() -> bool:

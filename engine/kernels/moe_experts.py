@@ -12,7 +12,9 @@ token count, so a decode step holding it can be captured in a CUDA graph.
 
 Quantized experts (W8A16 fp8, W4A16 and W8A16 integers) stay packed: each ``BLOCK_K`` slice of codes is read as
 the dense matmuls read it (``_tile``'s helpers) and its partial sum scaled by its rows' scale, so a decode step
-reads one byte, or half a byte, a weight of every expert it touches.
+reads one byte, or half a byte, a weight of every expert it touches. W8A8 experts (int8 values) multiply int8
+tiles of their input, each row quantized in a launch of its own before (``int8_rows``), into int32 sums
+scaled once by both scales.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import triton.language as tl
 from engine.kernels import common
 from engine.kernels._tile import _codes_minus_zero, _e4m3_bytes_as_half
 from engine.kernels.common import ExpertQuant, dtype_flags, next_power_of_2
+from engine.kernels.int8_rows import int8_rows
 
 
 @triton.jit
 def _expert_matmul_kernel(
-    A, B, C, SortedPairs, BlockExperts, Scores, BScales, BZeros, APerm, num_pairs, N, K,
+    A, B, C, SortedPairs, BlockExperts, Scores, BScales, BZeros, APerm, AScales, num_pairs, N, K,
     stride_am, stride_be, stride_bn, stride_cm, stride_se, stride_sn, stride_pe,
     PAIRS_PER_ROW: tl.constexpr, SCALE: tl.constexpr, QUANT: tl.constexpr, CODES_AS_BYTES: tl.constexpr,
     K_BLOCK: tl.constexpr, PERMUTED: tl.constexpr, BITS: tl.constexpr,
@@ -42,7 +45,9 @@ def _expert_matmul_kernel(
     ones a byte ``[E, N, K / 2]`` or 8-bit ones ``[E, N, K]``, and BZeros their uint8 zeros, shaped and strided
     as the scales. Each ``BLOCK_K`` slice's partial sum is
     then scaled by its rows' scale in BScales ``[E, N, ceil(K / K_BLOCK)]`` (``BLOCK_K`` divides ``K_BLOCK``).
-    With PERMUTED (integer act-order), column k of B multiplies column ``APerm[expert, k]`` of A."""
+    With PERMUTED (integer act-order), column k of B multiplies column ``APerm[expert, k]`` of A. With
+    ``QUANT`` 3 (W8A8) A and B hold int8 values, summed exactly in int32 and scaled once at the end by A's row
+    scale in AScales ``[rows]`` and B's in BScales ``[E, N, 1]``."""
     expert = tl.load(BlockExperts + tl.program_id(0)).to(tl.int64)
     if expert >= 0:
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -62,6 +67,7 @@ def _expert_matmul_kernel(
         s_ptrs = BScales + expert * stride_se + offs_n.to(tl.int64) * stride_sn
         z_ptrs = BZeros + expert * stride_se + offs_n.to(tl.int64) * stride_sn
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sums = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)  # W8A8's
         for k0 in range(0, K, BLOCK_K):
             in_k = offs_k + k0 < K
             if PERMUTED:  # the expert's input order: a gather of each row's columns
@@ -75,6 +81,8 @@ def _expert_matmul_kernel(
                 a = a.to(tl.float32)
             if QUANT == 0:
                 acc = tl.dot(a, b.to(a.dtype), acc, input_precision=PREC)
+            elif QUANT == 3:
+                sums = tl.dot(a, b, sums)
             else:
                 scale = tl.load(s_ptrs + k0 // K_BLOCK, mask=offs_n < N, other=0.0)
                 if QUANT == 2:
@@ -85,6 +93,9 @@ def _expert_matmul_kernel(
                 acc += tl.dot(a, b.to(a.dtype), input_precision=PREC) * scale[None, :]
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K // per_byte
+        if QUANT == 3:
+            a_scale = tl.load(AScales + rows, mask=valid, other=0.0)
+            acc = sums.to(tl.float32) * a_scale[:, None] * tl.load(s_ptrs, mask=offs_n < N, other=0.0)[None, :]
         if SCALE:
             acc = acc * tl.load(Scores + pairs, mask=valid, other=0.0).to(tl.float32)[:, None]
         c_ptrs = C + pairs[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -120,11 +131,12 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
 def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_pairs: torch.Tensor,
                    block_experts: torch.Tensor, scores: torch.Tensor | None, pairs_per_row: int,
                    block_m: int, b_scales: torch.Tensor | None = None, k_block: int = 0,
-                   b_zeros: torch.Tensor | None = None, a_perm: torch.Tensor | None = None, bits: int = 8) -> None:
+                   b_zeros: torch.Tensor | None = None, a_perm: torch.Tensor | None = None, bits: int = 8,
+                   a_scales: torch.Tensor | None = None) -> None:
     """``b``: the experts' matrices in a's dtype, or fp8 codes with ``b_scales`` per row and ``k_block``, or
     ``bits``-bit integer codes (4-bit two a byte) with ``b_zeros`` too, and with act-order each expert's input
-    order ``a_perm``."""
-    quant = 0 if b_scales is None else 1 if b_zeros is None else 2
+    order ``a_perm``; or int8 values times ``a``'s int8 codes with their row scales ``a_scales`` (W8A8)."""
+    quant = 0 if b_scales is None else 3 if a_scales is not None else 1 if b_zeros is None else 2
     n, k = b.shape[1], b.shape[2] * (8 // bits if quant == 2 else 1)
     block_n = 64
     block_k = 32 if a.dtype == torch.float32 else 64  # fp32 tiles: half the K slice, the same shared memory
@@ -137,7 +149,8 @@ def _expert_matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, sorted_p
     _expert_matmul_kernel[grid](
         a, b.view(torch.uint8) if as_bytes else b, out, sorted_pairs, block_experts,
         a if scores is None else scores, a if b_scales is None else b_scales, a if b_zeros is None else b_zeros,
-        a if a_perm is None else a_perm, out.shape[0], n, k, a.stride(0), b.stride(0), b.stride(1), out.stride(0),
+        a if a_perm is None else a_perm, a if a_scales is None else a_scales, out.shape[0], n, k, a.stride(0),
+        b.stride(0), b.stride(1), out.stride(0),
         0 if b_scales is None else b_scales.stride(0), 0 if b_scales is None else b_scales.stride(1),
         0 if a_perm is None else a_perm.stride(0),
         PAIRS_PER_ROW=pairs_per_row, SCALE=scores is not None, QUANT=quant, CODES_AS_BYTES=as_bytes,
@@ -155,9 +168,12 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     ``[T, k]`` (scores in float32 or x's dtype; each output row is scaled in float32), ``gate_up``
     ``[E, 2I, H]`` and ``down`` ``[E, H, I]`` in x's dtype, or fp8 codes with ``quant``'s scales (W8A16), or
     integer codes of ``quant.bits``, 4-bit ones two a byte (``[E, 2I, H / 2]``, ``[E, H, I / 2]``), with scales,
-    zeros and, with act-order, input orders (W4A16, W8A16), all contiguous on one device. Returns ``[T, H]``."""
+    zeros and, with act-order, input orders (W4A16, W8A16), or int8 values with a scale a row, times each row of
+    their input quantized to int8 (``quant.int8_activations``, W8A8), all contiguous on one device. Returns
+    ``[T, H]``."""
     t, h = x.shape
     e, two_i, _ = gate_up.shape
+    w8a8 = quant is not None and quant.int8_activations
     integer = quant is not None and quant.gate_up_zero is not None
     if integer and quant.bits not in (4, 8):
         raise ValueError(f"integer expert codes must be 4- or 8-bit, got {quant.bits}")
@@ -167,10 +183,12 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     if gate_up.shape[2] * per_byte != h or down.shape != (e, h, two_i // 2 // per_byte):
         raise ValueError(f"gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} must be [E, 2I, {h}] "
                          f"and [E, {h}, I]" + (" (4-bit codes: half the columns, two a byte)" if per_byte == 2 else ""))
-    weight_dtype = x.dtype if quant is None else torch.uint8 if integer else torch.float8_e4m3fn
+    weight_dtype = (x.dtype if quant is None else torch.int8 if w8a8 else torch.uint8 if integer
+                    else torch.float8_e4m3fn)
     if gate_up.dtype != weight_dtype or down.dtype != weight_dtype:
         raise ValueError(f"expert weights {gate_up.dtype} / {down.dtype} must be {weight_dtype} (x's dtype, or fp8 "
-                         "codes with their scales, or uint8 integer codes with their scales and zeros)")
+                         "codes with their scales, or uint8 integer codes with their scales and zeros, or int8 "
+                         "values with their scales and int8 activations)")
     if quant is not None:
         _check_quant(quant, gate_up, down)
     if not (x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous()):
@@ -181,16 +199,26 @@ def fused_moe(x: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, gate_up:
     block_m = _block_m(t * k, e)
     sorted_pairs, block_experts = align_by_expert(ids, e, block_m)
     gate_and_up = torch.empty(t * k, two_i, dtype=x.dtype, device=x.device)
-    _expert_matmul(x, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m,
+    a, a_scales = _operand(x, w8a8)
+    _expert_matmul(a, gate_up, gate_and_up, sorted_pairs, block_experts, None, k, block_m,
                    *(() if quant is None else (quant.gate_up, quant.gate_up_k_block, quant.gate_up_zero,
-                                               quant.gate_up_perm, quant.bits)))
+                                               quant.gate_up_perm, quant.bits)), a_scales=a_scales)
     gate, up = gate_and_up.chunk(2, dim=-1)
     hidden = F.silu(gate) * up
     per_pair = torch.empty(t * k, h, dtype=x.dtype, device=x.device)
-    _expert_matmul(hidden, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m,
+    a, a_scales = _operand(hidden, w8a8)
+    _expert_matmul(a, down, per_pair, sorted_pairs, block_experts, scores.contiguous(), 1, block_m,
                    *(() if quant is None else (quant.down, quant.down_k_block, quant.down_zero, quant.down_perm,
-                                               quant.bits)))
+                                               quant.bits)), a_scales=a_scales)
     return per_pair.view(t, k, h).sum(dim=1)
+
+
+def _operand(a: torch.Tensor, w8a8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A launch's ``a`` and its row scales: as it is (None), or for W8A8 its rows' int8 codes and scales."""
+    if not w8a8:
+        return a, None
+    codes, scales = int8_rows(a)
+    return codes, scales.view(-1)
 
 
 def _check_quant(quant: ExpertQuant, gate_up: torch.Tensor, down: torch.Tensor) -> None:
