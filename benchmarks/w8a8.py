@@ -10,7 +10,8 @@ float32 and in bfloat16, the W8A16 CPU path (int8 codes dequantized into float32
 32000),
 written three ways: 16-bit (run in float32 and in bfloat16), int8 weights with a scale a row and no activation
 scheme (W8A16, float32), and the same weights with RedHat's int8 activations a token (W8A8; in float32 and in
-bfloat16, the ``--dtype`` of what is not a projection: embeddings, attention, norms, the lm_head). For each: prefill tokens/s
+bfloat16, the ``--dtype`` of what is not a projection: embeddings, attention, norms, the lm_head), and the 16-bit
+one loaded with ``--quantization w8a8_int8`` (rounded to int8 as it loads; bfloat16). For each: prefill tokens/s
 of ``--prefill`` prompts of ``--prompt-len`` tokens, and the median decode step at batch 1 and 16 (prompts of 64
 tokens, ``--new-tokens`` new, greedy), each the best of ``--repeats`` runs. Torch gets ``--threads`` threads.
 
@@ -37,7 +38,7 @@ from benchmarks.engine_gpu import SHAPES, best_seconds, make_prompts, run_engine
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.int_weights import dequantize, quantize_groups, write_int_checkpoint  # noqa: E402
-from engine.w8a8 import W8A8_RELEASES, W8A16_ROWS, int8_matmul, quantize_tokens, w8a8_linear  # noqa: E402
+from engine.w8a8 import W8A8_RELEASES, W8A16_ROWS, int8_matmul, quantize_int8_rows, w8a8_linear  # noqa: E402
 
 
 def layer_projections(shape: dict) -> list[tuple[int, int]]:
@@ -56,7 +57,7 @@ def matmul_row(shape: dict, rows: int, repeats: int) -> dict:
         weight = torch.randn(out, inp, generator=gen) / inp**0.5
         x = torch.randn(rows, inp, generator=gen)
         codes, scales, zeros = quantize_groups(weight, 0, 8, symmetric=True)
-        values, x_codes = (codes.to(torch.int16) - 128).to(torch.int8), quantize_tokens(x)[0]
+        values, x_codes = (codes.to(torch.int16) - 128).to(torch.int8), quantize_int8_rows(x)[0]
         xb, wb = x.bfloat16(), weight.bfloat16()
         paths["float32"].append(lambda x=x, w=weight: F.linear(x, w))
         paths["bfloat16"].append(lambda x=xb, w=wb: F.linear(x, w))
@@ -83,10 +84,11 @@ def write_checkpoints(root: Path, shape: dict, layers: int) -> dict[str, Path]:
     return dirs
 
 
-def engine_row(path: Path, dtype: str, args: argparse.Namespace) -> dict:
+def engine_row(path: Path, dtype: str, quantization: str | None, args: argparse.Namespace) -> dict:
     """Prefill tokens/s and the median decode step at batch 1 and 16 of the engine on ``path``, each the best of
     ``--repeats`` runs (the median of a run's decode steps)."""
-    engine = Engine(EngineConfig(model=str(path), dtype=dtype, max_num_seqs=16, enable_prefix_caching=False,
+    engine = Engine(EngineConfig(model=str(path), dtype=dtype, quantization=quantization, max_num_seqs=16,
+                                 enable_prefix_caching=False,
                                  max_num_batched_tokens=args.prefill * args.prompt_len, num_blocks=512))
     vocab = engine.model_config.vocab_size
     run_engine(engine, make_prompts(2, 16, vocab, seed=0), 2)  # warm-up
@@ -131,11 +133,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'weights':<18} {'prefill tok/s':>14} {'decode ms b=1':>14} {'decode ms b=16':>15}")
     with tempfile.TemporaryDirectory(prefix="w8a8-bench-") as tmp:
         dirs = write_checkpoints(Path(tmp), shape, args.layers)
-        runs = (("16-bit, float32", dirs["16-bit"], "float32"), ("16-bit, bfloat16", dirs["16-bit"], "bfloat16"),
-                ("w8a16, float32", dirs["w8a16"], "float32"), ("w8a8, float32", dirs["w8a8"], "float32"),
-                ("w8a8, bfloat16", dirs["w8a8"], "bfloat16"))
-        for name, path, dtype in runs:
-            row = result["engine"][name] = engine_row(path, dtype, args)
+        runs = (("16-bit, float32", dirs["16-bit"], "float32", None),
+                ("16-bit, bfloat16", dirs["16-bit"], "bfloat16", None),
+                ("w8a16, float32", dirs["w8a16"], "float32", None), ("w8a8, float32", dirs["w8a8"], "float32", None),
+                ("w8a8, bfloat16", dirs["w8a8"], "bfloat16", None),
+                ("16-bit, w8a8_int8", dirs["16-bit"], "bfloat16", "w8a8_int8"))
+        for name, path, dtype, quantization in runs:
+            row = result["engine"][name] = engine_row(path, dtype, quantization, args)
             print(f"{name:<18} {row['prefill_tokens_per_s']:>14.0f} {row['decode_step_ms_batch_1']:>14.1f} "
                   f"{row['decode_step_ms_batch_16']:>15.1f}", flush=True)
     result["seconds"] = time.perf_counter() - start

@@ -84,7 +84,7 @@ class Capacity:
 
 
 def shape_from_dir(path: str | Path, quantization: str | None = None) -> ModelShape:
-    """The checkpoint's shape; ``quantization`` "fp8": its projections as ``--quantization fp8`` loads them."""
+    """The checkpoint's shape; ``quantization`` (fp8, w8a8_int8): its projections as ``--quantization`` loads them."""
     cfg = ModelConfig.from_dir(path).with_quantization(quantization)
     return ModelShape(Path(path).resolve().name, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim, cfg.num_parameters(), cfg.sliding_window, cfg)

@@ -245,7 +245,7 @@ def _moe(arch: str, raw: dict, num_layers: int) -> MoEConfig | None:
                      shared_expert_intermediate_size=shared)
 
 
-QUANTIZATION_METHODS = ("fp8",)  # EngineConfig.quantization, --quantization
+QUANTIZATION_METHODS = ("fp8", "w8a8_int8")  # EngineConfig.quantization, --quantization
 
 
 @dataclass(frozen=True)
@@ -298,7 +298,7 @@ class IntQuant:
     # matmul in integers; the weights held as the checkpoint's int8 values and a scale a row, no zeros. Only
     # symmetric int-quantized weights with one scale a row, as RedHat's w8a8 releases hold them
     int8_activations: bool = False
-    online = False  # always read from the checkpoint, never quantized at load
+    online: bool = False  # quantized at load from a 16-bit checkpoint (--quantization w8a8_int8), not read
 
     def __post_init__(self) -> None:
         """The combinations checkpoints hold: AWQ's codes are 4-bit, unpacked ones (an int8 each) 8-bit; int8
@@ -341,6 +341,11 @@ class IntQuant:
         return (rows * cols // self.per_byte + (4 + zero_bytes) * rows * self.groups(cols)
                 + (8 * cols if self.act_order else 0))
 
+
+# --quantization w8a8_int8: a 16-bit checkpoint's projections and experts rounded to int8 a scale a row as they
+# load (engine/w8a8.py), held as a w8a8 release's are (compressed-tensors' in-memory form) and run W8A8
+ONLINE_W8A8 = IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False, int8_activations=True,
+                       online=True)
 
 # how a projection is held: fp8 codes, integer codes, or None (the model's dtype)
 Quant = WeightQuant | IntQuant | None
@@ -719,14 +724,19 @@ class ModelConfig:
 
     def with_quantization(self, quantization: str | None) -> ModelConfig:
         """This config as ``--quantization`` loads it: a 16-bit checkpoint's projections quantized to fp8
-        (``ONLINE_FP8``); an fp8 checkpoint, or no quantization, unchanged; an integer one is refused."""
-        if isinstance(self.weight_quant, IntQuant) and quantization is not None:
-            raise UnsupportedModelError("quantization_config", f"this checkpoint holds {self.weight_quant.layout} "
-                                        f"{self.weight_quant.bits}-bit weights already; load it without "
-                                        f"--quantization {quantization}")
-        if quantization is None or self.weight_quant is not None:
+        (``ONLINE_FP8``) or to int8 run W8A8 (``ONLINE_W8A8``); an fp8 checkpoint with fp8, or no quantization,
+        unchanged; any other quantized checkpoint is refused."""
+        quant = self.weight_quant
+        if quantization is None or (quantization == "fp8" and isinstance(quant, WeightQuant)):
             return self
-        return replace(self, weight_quant=ONLINE_FP8)
+        if isinstance(quant, IntQuant):
+            raise UnsupportedModelError("quantization_config", f"this checkpoint holds {quant.layout} "
+                                        f"{quant.bits}-bit weights already; load it without "
+                                        f"--quantization {quantization}")
+        if quant is not None:
+            raise UnsupportedModelError("quantization_config", "this checkpoint holds fp8 weights already; load it "
+                                        f"without --quantization {quantization}")
+        return replace(self, weight_quant=ONLINE_FP8 if quantization == "fp8" else ONLINE_W8A8)
 
     def check_drafts_for(self, target: ModelConfig, name: str) -> None:
         """ValueError when this draft model (``name``: how the user named it) has another vocabulary than
@@ -784,7 +794,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     # "fp8": a 16-bit checkpoint's projections and experts quantized at load (engine/weight_quant.py), one
-    # scale per output row; None: as the checkpoint holds them (an fp8 checkpoint is read as fp8 either way)
+    # scale per output row; "w8a8_int8": to int8 the same way, run W8A8 (engine/w8a8.py); None: as the
+    # checkpoint holds them (an fp8 checkpoint is read as fp8 either way)
     quantization: str | None = None
     block_size: int = 16
     num_blocks: int | None = None  # None: from gpu_memory_utilization on CUDA, else from kv_cache_bytes

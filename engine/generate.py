@@ -67,7 +67,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="weights and KV cache dtype")
     p.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                   help="fp8: quantize a 16-bit checkpoint's projections as it loads (as tidepool serve does)")
+                   help="fp8 or w8a8_int8: quantize a 16-bit checkpoint's projections as it loads (as tidepool "
+                        "serve does)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=FORMATS,
                    help="KV cache format: auto (the --dtype), int8, fp8 or kivi2 (2-bit)")
     p.add_argument("--kv-residual-blocks", type=int, default=None, metavar="N", help=RESIDUAL_HELP)

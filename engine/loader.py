@@ -32,6 +32,7 @@ from engine.int_weights import (
 )
 from engine.model import CausalLM, Linear, SparseMoE
 from engine.tiny import write_tiny_checkpoint
+from engine.w8a8 import quantize_int8_rows
 from engine.weight_quant import quantize_rows, row_scales
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,7 +126,8 @@ class _Target:
     holds: str = "float"
     # the checkpoint's layout -> dest's (on dest's device: the GPU where there is one); with no dest, a check
     convert: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-    online_scales: torch.Tensor | None = None  # --quantization fp8: a 16-bit weight, quantized into dest
+    online_scales: torch.Tensor | None = None  # --quantization: a 16-bit weight, quantized into dest
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = quantize_rows  # (codes, scales)
     optional: bool = False  # a checkpoint may leave it out
     # a scale: its shape is checked without size-1 dims (a per-tensor one as [] or [1]; ModelOpt's per-row
     # scales [out] against [out, 1], its block ones [out / 128, 1, in / 128, 1])
@@ -133,7 +135,7 @@ class _Target:
 
     def fill(self, tensor: torch.Tensor) -> None:
         if self.online_scales is not None:
-            codes, scales = quantize_rows(tensor.to(self.dest.device))  # on the GPU where there is one
+            codes, scales = self.quantize(tensor.to(self.dest.device))  # on the GPU where there is one
             self.dest.copy_(codes)
             self.online_scales.copy_(scales)
             return
@@ -150,10 +152,11 @@ def _add(targets: dict[str, _Target], name: str, view: torch.Tensor, companions:
     shape = tuple(view.shape)
     if not companions or quant is None:
         targets[name] = _Target(view, shape)
+    elif quant.online:  # fp8 codes, or int8 values run W8A8, each with a scale a row
+        targets[name] = _Target(view, shape, online_scales=companions["weight_scale"],
+                                quantize=quantize_int8_rows if isinstance(quant, IntQuant) else quantize_rows)
     elif isinstance(quant, IntQuant):
         _add_int(targets, name.removesuffix("weight"), view, companions, quant)
-    elif quant.online:
-        targets[name] = _Target(view, shape, online_scales=companions["weight_scale"])
     else:
         targets[name] = _Target(view, shape, holds="fp8")
         targets[name.removesuffix("weight") + quant.scale_suffix] = _Target(

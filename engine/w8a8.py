@@ -28,7 +28,7 @@ W8A8_RELEASES = IntQuant("compressed-tensors", 0, zero_points=False, bits=8, pac
 W8A16_ROWS = IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False)
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[T, in]`` -> (int8 codes ``[T, in]``, float32 scales ``[T, 1]``): each row's absmax maps to 127
     (a row of zeros to zeros)."""
     x32 = x.float()
@@ -47,10 +47,10 @@ def int8_matmul(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ (weight * weight_scale).T + bias`` with ``x`` quantized a row at a time (``quantize_tokens``):
+    """``x @ (weight * weight_scale).T + bias`` with ``x`` quantized a row at a time (``quantize_int8_rows``):
     ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out, 1]``; the result in ``x.dtype``."""
     rows = x.reshape(-1, x.shape[-1])
-    codes, scales = kernels.int8_rows(rows) if rows.is_cuda and kernels.triton_available() else quantize_tokens(rows)
+    codes, scales = kernels.int8_rows(rows) if rows.is_cuda and kernels.triton_available() else quantize_int8_rows(rows)
     out = int8_matmul(codes, weight).to(torch.float32).mul_(scales).mul_(weight_scale.view(1, -1))
     if bias is not None:
         out += bias

@@ -292,8 +292,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=e.dtype, choices=DTYPES, help="weights and KV cache dtype")
     p.add_argument("--quantization", default=e.quantization, choices=QUANTIZATION_METHODS,
                    help="fp8: quantize a 16-bit checkpoint's projections and experts as it loads (one scale a row; half "
-                        "the weight memory and bytes a decode step reads); an fp8 or 4-bit (AWQ, GPTQ, compressed-tensors) "
-                        "checkpoint runs as it is stored without it")
+                        "the weight memory and bytes a decode step reads); w8a8_int8: to int8 a scale a row, run W8A8 "
+                        "(inputs quantized to int8 a token, integer matmuls); an fp8 or integer (AWQ, GPTQ, "
+                        "compressed-tensors) checkpoint runs as it is stored without it")
     p.add_argument("--num-blocks", type=int, default=e.num_blocks,
                    help="KV blocks per worker (default: from --gpu-memory-utilization on GPUs, else "
                         "from --kv-cache-bytes)")

@@ -76,7 +76,7 @@ def test_the_w8a8_benchmark_times_every_path_and_every_checkpoint(tmp_path):
     assert all(set(paths) == {"float32", "bfloat16", "w8a16", "w8a8", "int8_gemm"}
                for paths in result["matmul_s"].values())
     assert list(result["engine"]) == ["16-bit, float32", "16-bit, bfloat16", "w8a16, float32", "w8a8, float32",
-                                      "w8a8, bfloat16"]
+                                      "w8a8, bfloat16", "16-bit, w8a8_int8"]
     figures = [*(s for paths in result["matmul_s"].values() for s in paths.values()),
                *(v for row in result["engine"].values() for v in row.values())]
     assert all(math.isfinite(v) and v > 0 for v in figures)

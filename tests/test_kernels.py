@@ -733,12 +733,12 @@ def test_int8_rows_are_the_torch_paths_codes_and_scales(rows: int, cols: int, dt
     """Every code and scale bit for bit, a row of zeros included, across more columns than one block (1,024)
     and fewer than one."""
     from engine.kernels.int8_rows import int8_rows
-    from engine.w8a8 import quantize_tokens
+    from engine.w8a8 import quantize_int8_rows
 
     x = (torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)) * 3).to(dtype)
     x[-1] = 0
     codes, scales = int8_rows(x)
-    want_codes, want_scales = quantize_tokens(x)
+    want_codes, want_scales = quantize_int8_rows(x)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
     assert codes[-1].eq(0).all() and (codes[0].abs().max() == 127)
 

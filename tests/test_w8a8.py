@@ -15,6 +15,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 from test_engine_model import (
+    BLOCK,
     NEW_TOKENS,
     build_hf_checkpoint,
     engine_greedy,
@@ -26,17 +27,20 @@ from test_int_weights import quantize_checkpoint, transformers_with
 
 from engine.capacity import plan, shape_from_dir
 from engine.config import IntQuant, ModelConfig
+from engine.errors import UnsupportedModelError
 from engine.int_weights import checkpoint_config
+from engine.kv_cache import KVCache
 from engine.loader import load_model
 from engine.model import Linear
-from engine.w8a8 import W8A8_RELEASES, int8_matmul, quantize_tokens, w8a8_linear
+from engine.runner import ModelRunner
+from engine.w8a8 import W8A8_RELEASES, int8_matmul, quantize_int8_rows, w8a8_linear
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_each_rows_absmax_maps_to_127_and_a_row_of_zeros_to_zeros():
     x = torch.tensor([[0.5, -2.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [3.0, 1.5, -0.75, 0.01]])
-    codes, scales = quantize_tokens(x)
+    codes, scales = quantize_int8_rows(x)
     assert codes.dtype == torch.int8 and scales.shape == (3, 1)
     assert codes[0].tolist() == [32, -127, 64, 0]  # 0.5 * 127 / 2 = 31.75
     assert codes[1].tolist() == [0, 0, 0, 0] and torch.isfinite(scales).all()
@@ -54,7 +58,7 @@ def test_the_matmul_is_the_product_of_the_quantized_rows_and_weights(rows, dtype
     weight = torch.randint(-128, 128, (48, 96), generator=gen, dtype=torch.int8)
     weight_scale = torch.rand(48, 1, generator=gen) / 100
     bias = torch.randn(48, generator=gen).to(dtype)
-    codes, scales = quantize_tokens(x.reshape(-1, 96))
+    codes, scales = quantize_int8_rows(x.reshape(-1, 96))
     exact = (codes.double() * scales.double()) @ (weight.double() * weight_scale.double()).T + bias.double()
     out = w8a8_linear(x, weight, weight_scale, bias)
     assert out.dtype == dtype and out.shape == (rows, 3, 48)
@@ -158,3 +162,52 @@ def test_other_activation_schemes_run_w8a16(tmp_path, change):
 def test_int8_activations_beside_other_weights_cannot_be_built(change):
     with pytest.raises(ValueError, match="int8 activations"):
         replace(W8A8_RELEASES, **change)
+
+
+def rounded_to_int8_rows(weight: torch.Tensor) -> torch.Tensor:
+    """What ``--quantization w8a8_int8`` makes of a weight's rows (its last dim), dequantized: each row's absmax
+    at 127, round half to even."""
+    w = weight.float()
+    scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(w * scale.reciprocal()).clamp(-128, 127) * scale
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_quantization_w8a8_int8_generates_as_transformers_on_its_rounded_weights(tmp_path, arch):
+    """A 16-bit checkpoint with ``--quantization w8a8_int8``: every projection and expert matrix rounded to int8
+    a scale a row as it loads (routers, embeddings and the lm_head left), then run as a w8a8 checkpoint. The
+    reference is transformers on those rounded weights, its inputs quantized a row, in float64."""
+    hf = build_hf_checkpoint(tmp_path, arch)
+    reference = hf.double()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")):
+                param.copy_(rounded_to_int8_rows(param))
+    reference.set_experts_implementation("eager")
+    model, cfg = load_model(tmp_path, "float32", "cpu", quantization="w8a8_int8")
+    assert cfg.weight_quant.online and cfg.weight_quant.int8_activations
+    runner = ModelRunner(model, cfg, KVCache(cfg, 64, BLOCK, torch.float32, "cpu"))
+    assert runner.model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8
+    batch = prompts()
+    tokens, logits = engine_greedy(runner, batch, NEW_TOKENS)
+    with torch.no_grad(), inputs_quantized(reference):
+        for i, p in enumerate(batch):
+            ids = torch.tensor([p])
+            assert rel_err(logits[i], reference(ids).logits[0, -1].float()) < 1e-4
+            assert tokens[i] == reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert plan(shape_from_dir(tmp_path, "w8a8_int8"), "float32", 64, 1, None).weight_bytes == held
+
+
+def test_quantization_w8a8_int8_refuses_a_quantized_checkpoint(tmp_path):
+    """Weights already quantized (fp8, or integers) are not rounded again: the error names the flag to drop."""
+    from test_weight_quant import quantize_checkpoint as quantize_fp8
+
+    build_hf_checkpoint(tmp_path / "fp8", "llama")
+    quantize_fp8(tmp_path / "fp8", "block")
+    build_hf_checkpoint(tmp_path / "int", "llama")
+    quantize_checkpoint(tmp_path / "int", "compressed_w8a8")
+    for path in (tmp_path / "fp8", tmp_path / "int"):
+        with pytest.raises(UnsupportedModelError, match="without --quantization w8a8_int8"):
+            ModelConfig.from_dir(path).with_quantization("w8a8_int8")
+    assert ModelConfig.from_dir(tmp_path / "fp8").with_quantization("fp8").weight_quant is not None
