@@ -64,7 +64,7 @@ run: setup
 # GPU_BUDGET_S=540 fits the whole run into that many seconds, the most valuable steps first.
 gpu-check:
 	PY=$(PY) benchmarks/gpu_check.sh $(GPU_OUT) engine-gpu transfer-gpu gpu-tests engine-gpu-async engine-gpu-long speculative-gpu moe-gpu lora-gpu engine-gpu-fp8 \
-	  engine-gpu-int4 moe-gpu-int4 engine-gpu-int8 speculative-gpu-draft engine-gpu-w8a8; rc=$$?; \
+	  engine-gpu-int4 moe-gpu-int4 engine-gpu-int8 speculative-gpu-draft engine-gpu-w8a8 moe-gpu-w8a8; rc=$$?; \
 	$(PY) benchmarks/gpu_goals.py $(GPU_OUT) --json $(GPU_OUT)/goals.json; exit $$rc
 
 # On a CUDA machine, a second check (5-8 minutes): the attention-sink result needs a model that parks

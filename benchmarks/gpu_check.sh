@@ -23,6 +23,7 @@
 #   moe-gpu-int4      benchmarks/moe_gpu.py with --weights int4: the fused MoE kernels on 4-bit experts
 #   engine-gpu-int8   benchmarks/engine_gpu.py with --int-weights gptq --int-bits 8: the 8B shape on 8-bit weights
 #   engine-gpu-w8a8   benchmarks/engine_gpu.py with --int-weights w8a8: the 8B shape's prefill on int8 tensor cores
+#   moe-gpu-w8a8      benchmarks/moe_gpu.py with --weights w8a8: the fused MoE kernels on W8A8 experts
 #   speculative-gpu-draft  benchmarks/speculative_gpu.py --draft-layers 2: a draft model's drafted step cost
 #   sinks-train       benchmarks/train_tiny.py on the GPU with a 65,536-token batch (issue 16)
 #   sinks-attention   benchmarks/attention_mass.py on that model: the weight its first tokens get
@@ -88,6 +89,8 @@ for name in "$@"; do
       --int-weights gptq --int-bits 8 --json "$out/engine_gpu_int8.json" ;;
     engine-gpu-w8a8) step "$name" 240 "$py" benchmarks/engine_gpu.py --shapes llama-3-8b --batches 1,64 --skip-hf \
       --int-weights w8a8 --json "$out/engine_gpu_w8a8.json" ;;
+    moe-gpu-w8a8) step "$name" 120 "$py" benchmarks/moe_gpu.py --weights w8a8 --tokens 1,16,64,256,2048 \
+      --json "$out/moe_gpu_w8a8.json" ;;
     speculative-gpu-draft) step "$name" 180 "$py" benchmarks/speculative_gpu.py --draft-layers 2 \
       --json "$out/speculative_gpu_draft.json" ;;
     sinks-train) step "$name" $((sinks_minutes * 60 + 120)) "$py" benchmarks/train_tiny.py --device cuda \

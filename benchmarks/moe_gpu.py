@@ -20,13 +20,15 @@ token count (a decode batch up to a prefill chunk):
 ``--weights fp8`` holds the experts as e4m3 codes with a scale a row (what ``--quantization fp8`` loads),
 ``--weights int4`` as 4-bit codes with a scale and zero per group of 128 columns (what an AWQ, GPTQ or
 compressed-tensors checkpoint loads into), ``--weights int8`` as 8-bit ones (GPTQ's and compressed-tensors'
-W8A16): both paths then read those, and the roofline counts their bytes.
+W8A16), ``--weights w8a8`` as int8 values with a scale a row times int8 rows of their input (a w8a8
+checkpoint's, or ``--quantization w8a8_int8``'s; the compute rate then still against bf16's): both paths then
+read those, and the roofline counts their bytes.
 
 Writes one JSON object (``--json``). ``--device cpu --shapes tiny-test`` runs the same code on a tiny float32
 shape on CPU, under ``TRITON_INTERPRET=1`` (a smoke test). Imports only torch, triton and the engine.
 
     python benchmarks/moe_gpu.py [--shapes qwen3-30b-a3b,mixtral-8x7b] [--tokens 1,16,64,256,2048]
-        [--weights dtype|fp8|int4|int8] [--json moe_gpu.json] [--device cuda]
+        [--weights dtype|fp8|int4|int8|w8a8] [--json moe_gpu.json] [--device cuda]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from engine.int_weights import pack_codes, quantize_groups  # noqa: E402
 from engine.kernels import fused_moe  # noqa: E402
 from engine.kernels.common import ExpertQuant  # noqa: E402
 from engine.moe import route, routed_experts  # noqa: E402
+from engine.w8a8 import quantize_int8_rows  # noqa: E402
 from engine.weight_quant import quantize_rows  # noqa: E402
 
 # hidden, experts, expert intermediate size, experts per token, top-k scores renormalized
@@ -74,11 +77,17 @@ def graph_seconds(fn, device: torch.device) -> float | None:
 def held_experts(gate_up: torch.Tensor, down: torch.Tensor, weights: str
                  ) -> tuple[torch.Tensor, torch.Tensor, ExpertQuant | None]:
     """The experts as the engine holds them for ``weights``: as they are ("dtype"), e4m3 codes with a scale a
-    row ("fp8"), or integer codes with a scale and zero per group of 128 columns ("int4": two a byte; "int8";
-    narrower groups where 128 does not split a row)."""
+    row ("fp8"), integer codes with a scale and zero per group of 128 columns ("int4": two a byte; "int8";
+    narrower groups where 128 does not split a row), or int8 values with a scale a row run W8A8 ("w8a8")."""
     if weights == "dtype":
         return gate_up, down, None
     experts = gate_up.shape[0]
+    if weights == "w8a8":
+        (gate_up, gate_up_scales), (down, down_scales) = (
+            [p.view(experts, w.shape[1], -1) for p in quantize_int8_rows(w.reshape(-1, w.shape[2]))]
+            for w in (gate_up, down))
+        return gate_up, down, ExpertQuant(gate_up_scales, down_scales, gate_up.shape[2], down.shape[2],
+                                          int8_activations=True)
     group = next(g for g in (128, 64, 32, 16) if gate_up.shape[2] % g == 0 and down.shape[2] % g == 0)
     bits = 8 if weights == "fp8" else int(weights.removeprefix("int"))
     held = []
@@ -134,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", default="1,16,64,256,2048")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--weights", default="dtype", choices=("dtype", "fp8", "int4", "int8"),
+    parser.add_argument("--weights", default="dtype", choices=("dtype", "fp8", "int4", "int8", "w8a8"),
                         help="the experts in --dtype, fp8 codes (W8A16) or 4- or 8-bit integer codes (W4A16, W8A16)")
     parser.add_argument("--json", default="moe_gpu.json")
     args = parser.parse_args(argv)

@@ -108,12 +108,13 @@ def test_speculative_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("weights, fraction", [("dtype", (1, 1)), ("int4", (1 / 8, 1 / 4)), ("int8", (1 / 4, 1 / 2))])
+@pytest.mark.parametrize("weights, fraction", [("dtype", (1, 1)), ("int4", (1 / 8, 1 / 4)), ("int8", (1 / 4, 1 / 2)),
+                                              ("w8a8", (1 / 4, 1 / 2))])
 def test_moe_gpu_benchmark_on_the_tiny_cpu_shape_writes_every_figure(tmp_path, weights, fraction):
     """benchmarks/moe_gpu.py in a process of its own (its fused kernels under TRITON_INTERPRET=1): both paths
     agree in float32, every figure is there, and the experts touched are those the routing can reach; 4-bit
     experts weigh about a quarter of their float32 bytes, 8-bit ones about a third (codes, and a scale and
-    zero per group)."""
+    zero per group), W8A8 ones a little over a quarter (a scale a row)."""
     out = tmp_path / "moe_gpu.json"
     run = subprocess.run([sys.executable, "benchmarks/moe_gpu.py", "--device", "cpu", "--shapes", "tiny-test",
                           "--tokens", "1,40", "--weights", weights, "--json", str(out)],
