@@ -1,10 +1,12 @@
 """W8A8: int8 weights times int8 activations, the matmul in integers, for compressed-tensors' int-quantized
 checkpoints whose activations are int8 scaled a token as they run (RedHat's w8a8 releases; vLLM runs them
-so as ``CompressedTensorsW8A8Int8``).
+so as ``CompressedTensorsW8A8Int8``), and for a 16-bit checkpoint loaded with ``--quantization w8a8_int8``
+(its weights rounded to int8 a row as they load, by ``quantize_int8_rows``).
 
 Each row (a token) of a projection's input is quantized as it runs: its absmax maps to 127
 (``scale = absmax / 127``, ``code = round(x * 127 / absmax)``, half to even, as vLLM's dynamic int8 quantizer
-computes it; on GPUs in one launch, ``engine/kernels/int8_rows.py``). The weight holds the checkpoint's int8 values ``[out, in]`` with a float32 scale a row.
+computes it; on GPUs in one launch, ``engine/kernels/int8_rows.py``). The weight holds int8 values
+``[out, in]`` with a float32 scale a row.
 ``torch._int_mm`` multiplies the codes with int32 sums, which are exact, and the two scales turn them back
 into ``x @ W.T`` in float32 (the bias added there too), then ``--dtype``. On CPUs with VNNI that is oneDNN's
 int8 GEMM, on GPUs cuBLASLt's on the int8 tensor cores: both about twice the 16-bit matmul rate, and a decode
