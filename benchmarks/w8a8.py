@@ -1,19 +1,19 @@
 """W8A8 on the CPU: int8 matmuls against the 16-bit and W8A16 paths, measured in one run.
 
 (a) The projections of one layer of ``--shape`` (TinyLlama-1.1B's: q/k/v ``[2560, 2048]``, o ``[2048, 2048]``,
-gate/up ``[11264, 2048]``, down ``[2048, 5632]``) at 1, 16 and 256 rows, each the best of ``--repeats``: ``F.linear`` in
-float32 and in bfloat16, the W8A16 CPU path (int8 codes dequantized into float32 every call, then
-``F.linear``: how an int8 checkpoint ran before), W8A8 (``engine/w8a8.py``: the rows quantized a token,
+gate/up ``[11264, 2048]``, down ``[2048, 5632]``) at 1, 16 and 256 rows, each the best of ``--repeats``:
+``F.linear`` in float32 and in bfloat16, the W8A16 CPU path (int8 codes dequantized into float32 every call,
+then ``F.linear``: how an int8 checkpoint ran before), W8A8 (``engine/w8a8.py``: the rows quantized a token,
 ``torch._int_mm``, the sums scaled back) and its int8 GEMM alone, so the quantization's share shows.
 
-(b) The engine on a random-weight checkpoint of that shape cut to ``--layers`` layers (TinyLlama's vocabulary of
-32000),
+(b) The engine on a random-weight checkpoint of that shape cut to ``--layers`` layers (and its vocabulary),
 written three ways: 16-bit (run in float32 and in bfloat16), int8 weights with a scale a row and no activation
 scheme (W8A16, float32), and the same weights with RedHat's int8 activations a token (W8A8; in float32 and in
-bfloat16, the ``--dtype`` of what is not a projection: embeddings, attention, norms, the lm_head), and the 16-bit
-one loaded with ``--quantization w8a8_int8`` (rounded to int8 as it loads; bfloat16). For each: prefill tokens/s
-of ``--prefill`` prompts of ``--prompt-len`` tokens, and the median decode step at batch 1 and 16 (prompts of 64
-tokens, ``--new-tokens`` new, greedy), each the best of ``--repeats`` runs. Torch gets ``--threads`` threads.
+bfloat16, the ``--dtype`` of what is not a projection: embeddings, attention, norms, the lm_head); and the
+16-bit one loaded with ``--quantization w8a8_int8`` (rounded to int8 as it loads; bfloat16). For each: prefill
+tokens/s of ``--prefill`` prompts of ``--prompt-len`` tokens, and the median decode step at batch 1 and 16
+(prompts of 64 tokens, ``--new-tokens`` new, greedy), each the best of ``--repeats`` runs. Torch gets
+``--threads`` threads.
 
     python benchmarks/w8a8.py [--shape tinyllama-1.1b] [--layers 4] [--threads 2] [--json w8a8.json]
 """
