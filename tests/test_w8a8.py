@@ -67,6 +67,13 @@ def test_the_matmul_is_the_product_of_the_quantized_rows_and_weights(rows, dtype
     assert torch.equal(int8_matmul(codes, weight), codes.int() @ weight.int().T)
 
 
+def on_int8_grid(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with each row (its last dim) replaced by its int8 codes times their scale, computed in x's dtype:
+    the row's absmax at 127, round half to even."""
+    scale = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.round(x * scale.reciprocal()).clamp(-128, 127) * scale
+
+
 @contextmanager
 def inputs_quantized(hf: transformers.PreTrainedModel) -> Iterator[None]:
     """While it lasts, every matmul of ``hf`` but the lm_head's and the routers' takes its input as int8 codes
@@ -77,10 +84,7 @@ def inputs_quantized(hf: transformers.PreTrainedModel) -> Iterator[None]:
     linear = torch.nn.functional.linear
 
     def quantized(x, weight, bias=None):
-        if id(weight) in kept:
-            return linear(x, weight, bias)
-        scale = (x.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        return linear(torch.round(x * scale.reciprocal()).clamp(-128, 127) * scale, weight, bias)
+        return linear(x if id(weight) in kept else on_int8_grid(x), weight, bias)
 
     with mock.patch("torch.nn.functional.linear", quantized):
         yield
@@ -164,14 +168,6 @@ def test_int8_activations_beside_other_weights_cannot_be_built(change):
         replace(W8A8_RELEASES, **change)
 
 
-def rounded_to_int8_rows(weight: torch.Tensor) -> torch.Tensor:
-    """What ``--quantization w8a8_int8`` makes of a weight's rows (its last dim), dequantized: each row's absmax
-    at 127, round half to even."""
-    w = weight.float()
-    scale = (w.abs().amax(-1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    return torch.round(w * scale.reciprocal()).clamp(-128, 127) * scale
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_quantization_w8a8_int8_generates_as_transformers_on_its_rounded_weights(tmp_path, arch):
     """A 16-bit checkpoint with ``--quantization w8a8_int8``: every projection and expert matrix rounded to int8
@@ -182,7 +178,7 @@ def test_quantization_w8a8_int8_generates_as_transformers_on_its_rounded_weights
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name.endswith(("_proj.weight", "experts.gate_up_proj", "experts.down_proj")):
-                param.copy_(rounded_to_int8_rows(param))
+                param.copy_(on_int8_grid(param.float()))  # in float32, as the engine rounds them
     reference.set_experts_implementation("eager")
     model, cfg = load_model(tmp_path, "float32", "cpu", quantization="w8a8_int8")
     assert cfg.weight_quant.online and cfg.weight_quant.int8_activations
