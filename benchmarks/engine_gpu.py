@@ -25,7 +25,8 @@ that format's bytes per token, scales included, and with ``--quantization fp8`` 
 (the checkpoint rewritten with integer projections of ``--int-bits`` 4 or 8, AWQ's (4-bit only), GPTQ's or
 compressed-tensors' layout, in groups of 128 before the engine loads it, or ``w8a8``: int8 with a scale a row
 beside int8 activations a token, whose JSON adds the rate of a large int8 matmul, W8A8's prefill peak;
-transformers still runs the 16-bit weights) the weights' own bytes. With ``--async-scheduling`` each step is launched before the last one's
+transformers still runs the 16-bit weights) the weights' own bytes. With ``--async-scheduling`` each step is
+launched before the last one's
 tokens reach the host (``EngineConfig.async_scheduling``), and a step's time is the wall time between two
 ``step`` calls, with no synchronization between them (what a served step takes once the host's work hides
 behind the device's); otherwise each step is timed to the device's end of it. Writes one JSON object
@@ -67,7 +68,7 @@ from engine.config import (  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.int_weights import widest_group, write_int_checkpoint  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.w8a8 import W8A8_RELEASES  # noqa: E402
+from engine.w8a8 import INT8_ROW_FORMATS  # noqa: E402
 
 SHAPES: dict[str, dict] = {
     "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32,
@@ -114,8 +115,12 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of a large square matmul in ``dtype``."""
+    """FLOP/s of a large square matmul in ``dtype``; int8: integer ops/s with int32 sums (``torch._int_mm``,
+    W8A8's prefill peak)."""
     n = 8192 if device.type == "cuda" else 512
+    if dtype == torch.int8:
+        a, b = (torch.randint(-128, 128, (n, n), dtype=dtype, device=device) for _ in range(2))
+        return 2 * n**3 / best_seconds(lambda: torch._int_mm(a, b.t()), device)
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / best_seconds(lambda: a @ b, device)
 
@@ -142,20 +147,12 @@ def write_checkpoint(path: Path, shape: str, dtype: torch.dtype, device: torch.d
     return model
 
 
-def int8_matmul_rate(device: torch.device) -> float:
-    """Integer ops/s of a large square int8 matmul (int32 sums, ``torch._int_mm``): the W8A8 prefill's peak."""
-    n = 8192 if device.type == "cuda" else 512
-    a, b = (torch.randint(-128, 128, (n, n), dtype=torch.int8, device=device) for _ in range(2))
-    return 2 * n**3 / best_seconds(lambda: torch._int_mm(a, b.t()), device)
-
-
 def write_int_weights(path: Path, model: transformers.PreTrainedModel, layout: str, bits: int) -> None:
     """``model``'s config and weights to ``path``, its projections quantized to ``bits`` in ``layout`` (round to
     nearest in groups of 128, or the widest dividing the tiny shape's, on the model's device; ``w8a8``: as
     RedHat's w8a8 releases, symmetric int8 a scale a row, int8 activations)."""
     config = model.config.to_dict()
-    quant = W8A8_RELEASES if layout == "w8a8" else IntQuant(layout, widest_group(ModelConfig.from_dict(config)),
-                                                             bits=bits)
+    quant = INT8_ROW_FORMATS.get(layout) or IntQuant(layout, widest_group(ModelConfig.from_dict(config)), bits=bits)
     write_int_checkpoint(path, model.state_dict(), config, quant)
 
 
@@ -345,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device": name, "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
         "transformers": transformers.__version__, "triton": triton_version,
         "copy_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": peak, "prompt_len": args.prompt_len,
-        "int8_matmul_ops_per_s": int8_matmul_rate(device) if args.int_weights == "w8a8" else None,
+        "int8_matmul_ops_per_s": matmul_rate(device, torch.int8) if args.int_weights == "w8a8" else None,
         "new_tokens": args.new_tokens, "max_batched_tokens": args.max_batched_tokens, "kv_cache_dtype": args.kv_cache_dtype,
         "async_scheduling": args.async_scheduling,
         "quantization": args.quantization, "int_weights": args.int_weights,

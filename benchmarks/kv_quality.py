@@ -56,14 +56,11 @@ from engine.kv_format import window_layer_bytes  # noqa: E402
 from engine.loader import resolve_model_dir  # noqa: E402
 from engine.runner import SeqChunk  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.w8a8 import W8A8_RELEASES, W8A16_ROWS  # noqa: E402
+from engine.w8a8 import INT8_ROW_FORMATS  # noqa: E402
 
 FULL = "auto"  # the cache in the model's dtype: the reference every other option is compared with
 MODEL_DTYPE = EngineConfig.dtype  # the engines here run in the default (float32) weights and cache
 DTYPES = ["auto", "int8", "fp8", "kivi2"]
-# weights entries written as int8 a scale a row (compressed-tensors' int-quantized): with RedHat's int8
-# activations a token, or with activations in the model's dtype
-INT8_ROWS = {"w8a8": W8A8_RELEASES, "w8a16": W8A16_ROWS}
 BLOCK_SIZE = 16
 
 
@@ -185,7 +182,7 @@ def weights_as(model: str, options: dict) -> Iterator[str]:
     compressed-tensors; taken out of ``options``) a copy of it in a temporary directory with its projections
     written in that layout, in 4 bits or BITS."""
     layout, _, bits = str(options.get("quantization")).partition(":")
-    if layout not in INT_LAYOUTS and layout not in INT8_ROWS:
+    if layout not in INT_LAYOUTS and layout not in INT8_ROW_FORMATS:  # w8a8, w8a16: int8 a scale a row
         yield model
         return
     del options["quantization"]
@@ -196,7 +193,7 @@ def weights_as(model: str, options: dict) -> Iterator[str]:
                 shutil.copy(file, tmp)
         config = json.loads((source / "config.json").read_text())
         tensors = {name: t for file in sorted(source.glob("*.safetensors")) for name, t in load_file(file).items()}
-        quant = INT8_ROWS.get(layout) or IntQuant(layout, widest_group(ModelConfig.from_dict(config)),
+        quant = INT8_ROW_FORMATS.get(layout) or IntQuant(layout, widest_group(ModelConfig.from_dict(config)),
                                                   bits=int(bits or 4))
         write_int_checkpoint(Path(tmp), tensors, config, quant)
         yield tmp

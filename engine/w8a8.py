@@ -25,9 +25,10 @@ from engine.config import IntQuant
 INT8_MAX = 127.0
 CUDA_MIN_ROWS = 17  # cuBLASLt's int8 GEMM behind torch._int_mm takes more than 16 rows
 # how RedHat's w8a8 releases hold their projections, and the same weights without the activation scheme
-# (benchmarks and tests write checkpoints so)
+# (benchmarks and tests write checkpoints so), by the name benchmarks give them
 W8A8_RELEASES = IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False, int8_activations=True)
 W8A16_ROWS = IntQuant("compressed-tensors", 0, zero_points=False, bits=8, packed=False)
+INT8_ROW_FORMATS = {"w8a8": W8A8_RELEASES, "w8a16": W8A16_ROWS}
 
 
 def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

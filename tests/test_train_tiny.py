@@ -120,10 +120,12 @@ def test_engine_scoring_equals_transformers_teacher_forced_loss(random_checkpoin
 @pytest.mark.timeout(60)
 def test_run_dtypes_reports_full_precision_and_marks_unknown_dtypes_unavailable(random_checkpoint):
     """And entries with AWQ weights (a 4-bit copy of the checkpoint) and 8-bit GPTQ ones weigh their packed
-    projections: the 4-bit copy less than the 8-bit one, both less than float32."""
+    projections: the 4-bit copy less than the 8-bit one, both less than float32; a w8a8 copy (int8 a scale a
+    row, no zeros) weighs less than the GPTQ one (a scale and a zero a group) and scores otherwise."""
     docs = [held_out_documents(CORPUS_LIMIT)[0][:100]]
     prompts = [docs[0][:24], docs[0][30:50]]
-    args = argparse.Namespace(model=str(random_checkpoint), dtypes=[FULL, "no-such-dtype", "auto/awq", "auto/gptq:8"],
+    args = argparse.Namespace(model=str(random_checkpoint), dtypes=[FULL, "no-such-dtype", "auto/awq", "auto/gptq:8",
+                                                                     "auto/w8a8"],
                               chunk=32, prompt_len=24, new_tokens=8, cache_bytes=1 << 20, seq_len=64)
     results = run_dtypes(args, docs, prompts)
     full = results[FULL]
@@ -135,6 +137,9 @@ def test_run_dtypes_reports_full_precision_and_marks_unknown_dtypes_unavailable(
     awq, int8 = results["auto/awq"], results["auto/gptq:8"]
     assert awq["available"] and awq["weight_bytes"] < int8["weight_bytes"] < full["weight_bytes"]
     assert awq["bits_per_byte"] != full["bits_per_byte"] and int8["available"]
+    w8a8 = results["auto/w8a8"]
+    assert w8a8["available"] and w8a8["weight_bytes"] < int8["weight_bytes"]
+    assert w8a8["bits_per_byte"] not in (full["bits_per_byte"], int8["bits_per_byte"])
 
 
 def test_agreement_counts_positions_and_first_divergence():
