@@ -31,6 +31,10 @@ ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Gemma3ForConditionalGeneration": (False, True),  # its text part (Gemma 3 4B-27B); images are refused
     "Gemma2ForCausalLM": (False, False),
 }
+# the base model alone, as some embedding checkpoints name their architecture (e5-mistral's MistralModel): read as
+# the causal LM it is the body of (its tensors without the ``model.`` prefix: ModelConfig.base_checkpoint)
+BASE_ARCHITECTURES = {"LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+                      "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM"}
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # checkpoints whose q/k/v and gate/up matrices are already packed as the model packs them (Phi-3, Phi-4)
 PACKED_ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -594,6 +598,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # Mixtral, Qwen2-MoE, Qwen3-MoE; None: every layer has the dense MLP
+    # The checkpoint holds the base model alone (transformers' ``*Model``, its tensors without the ``model.``
+    # prefix), as embedding models ship (Qwen3-Embedding): no LM head, so its logits come from the tied embedding
+    # matrix; ``generates`` False when the config unties them (that head is not the model's): embeddings only
+    base_checkpoint: bool = False
+    generates: bool = True
     # Mistral's (v0.1), Mixtral's and Phi-3's sliding-window attention: every layer's query sees the last W
     # tokens, itself included; None: full attention. The engine runs it as its attention window without sinks.
     sliding_window: int | None = None
@@ -619,7 +628,7 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
         archs = raw.get("architectures") or []
-        arch = archs[0] if len(archs) == 1 else None
+        arch = BASE_ARCHITECTURES.get(archs[0], archs[0]) if len(archs) == 1 else None
         if arch not in ARCHITECTURES:
             raise UnsupportedModelError(
                 "architectures", f"{archs!r} is not supported; supported: {', '.join(ARCHITECTURES)}")

@@ -32,6 +32,7 @@ from engine.loader import load_model, model_id_for, resolve_model_dir
 from engine.lora import PackedAdapter, adapter_id, read_adapter
 from engine.lora_slots import DEFAULT_MAX_LORA_RANK, LoRASlots
 from engine.output import FinishReason, OutputText, RequestOutput, TokenLogprobs, check_finish
+from engine.pooling import read_pooling
 from engine.request_limits import RequestLimits
 from engine.runner import ModelRunner, SeqChunk, TokenFeed
 from engine.sampler import (
@@ -116,6 +117,7 @@ class Engine:
         model_window = self.model_config.sliding_window  # Mistral's: attention within the last W tokens
         self.attention_backend = backend = attention_backend(config)  # "torch" | "triton" (triton_attention)
         self.tokenizer = load_tokenizer(config, model_dir, self.model_config.vocab_size)
+        self.pooling = read_pooling(model_dir)  # how an embedding request's vector is made (engine/pooling.py)
         speculative = config.speculative
         # a draft model's weights are loaded before the cache is sized, and its cache (as many blocks) paid from it
         draft = None if config.speculative_model is None else load_draft_model(config, self.model_config)
@@ -196,6 +198,21 @@ class Engine:
         self.requests[request_id] = [seq]
         self.scheduler.add(seq)
 
+    def add_embedding_request(self, request_id: str, prompt_ids: list[int], dimensions: int | None = None,
+                              priority: Priority | None = None) -> None:
+        """Queue an embedding request (``engine/pooling.py``): its prompt is computed as a generation's is (a
+        cached prefix reused, chunked, batched with the others) and its one output carries the vector, cut to
+        ``dimensions`` values (None: the hidden size); its blocks are freed then, the full ones left cached.
+        InvalidRequestError (before taking any block) when it can't run."""
+        hidden_size = self.model_config.hidden_size
+        self.pooling.check(dimensions, hidden_size)
+        params = SamplingParams(max_tokens=1)  # (a prompt's limits: it needs the room of one token more)
+        self._check(request_id, prompt_ids, params, prefill_only=True)
+        seq = self._new_seq(request_id, list(prompt_ids), params, 0)
+        seq.embedding_dims, seq.priority = dimensions or hidden_size, priority
+        self.requests[request_id] = [seq]
+        self.scheduler.add(seq)
+
     def abort(self, request_id: str) -> None:
         """Drop the request wherever it is; the next step() reports each live sample as aborted."""
         seqs = self.requests.pop(request_id, [])
@@ -236,11 +253,17 @@ class Engine:
         # ... and a drafting one's, at each position of its draft
         draft_masks = {seq.seq_id: self.grammars.draft_masks(seq.grammar, seq.draft_ids) for seq in batch.seqs
                        if seq.draft_ids and seq.grammar is not None}
-        logits = self.runner.run(chunks, layer_done)
+        hidden = None  # the final-norm hidden rows, when an embedding request is in the step
+        if any(seq.embedding_dims is not None for seq in batch.seqs):
+            hidden = self.runner.final_hidden(chunks, layer_done)
+            logits = self.runner.model.logits(hidden)
+        else:
+            logits = self.runner.run(chunks, layer_done)
         rows: list[int] = []  # the logits row each sampled sequence draws from
         mask_rows: list[int] = []  # ... and its bitmask row (its batch position)
         sampled: list[Sequence] = []
         drafted: list[tuple[Sequence, int]] = []  # sequences whose draft is verified, and their first row
+        embedded: list[tuple[Sequence, int]] = []  # embedding requests whose prompt is done, and their row
         outputs: list[RequestOutput] = []
         last = -1  # the logits row of the chunk's last token (a chunk with all_logits has a row per token)
         for i, (seq, n, chunk) in enumerate(zip(batch.seqs, batch.num_new_tokens, chunks, strict=True)):
@@ -253,7 +276,9 @@ class Engine:
                 self._collect_prompt_logprobs(seq, pos, logits[first:last + 1])
             self._count_prompt_tokens(seq, n)
             self._computed(seq, pos + n)
-            if pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
+            if pos + n == seq.num_tokens and seq.embedding_dims is not None:
+                embedded.append((seq, last))
+            elif pos + n == seq.num_tokens:  # the last token's logits are the next token's distribution
                 for s in self._fork(seq) if seq.fanout > 1 else (seq,):  # forks start where their prompt's grammar is
                     rows.append(last)
                     mask_rows.append(i)
@@ -261,6 +286,8 @@ class Engine:
         if sampled:  # (rows may repeat one, a prompt forking into its n samples, and skip a partial prompt's)
             outputs += self._sample(self._rows(logits, rows), sampled,
                                     None if bitmask is None else bitmask[mask_rows])
+        if embedded:
+            outputs += self._embed(hidden, embedded)
         verified = self._verify(logits, drafted, draft_masks, draws) if drafted else []
         outputs += verified
         step.decoded_tokens = step.decode_seqs + len(verified)  # a verified output is one token kept
@@ -429,6 +456,20 @@ class Engine:
         logprobs = top_logprobs(logits, token_ids, [s.params.logprobs for s in seqs])
         outputs = [self._append(seq, tok, lp) for seq, tok, lp in zip(seqs, token_ids, logprobs, strict=True)]
         self._retire([seq for seq, out in zip(seqs, outputs, strict=True) if out.finished])
+        return outputs
+
+    def _embed(self, hidden: torch.Tensor, embedded: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        """End each embedding request whose prompt is done with its vector, pooled from its row of ``hidden``."""
+        rows = hidden.index_select(0, device_values([row for _, row in embedded], torch.long, hidden.device)).cpu()
+        outputs = []
+        for (seq, _), row in zip(embedded, rows, strict=True):
+            seq.finish_reason = FinishReason.STOP
+            vector = row.float()[:seq.embedding_dims]  # (Matryoshka: cut, then normalized)
+            if self.pooling.normalize:
+                vector = torch.nn.functional.normalize(vector, dim=0)
+            outputs.append(RequestOutput(seq.request_id, 0, [], True, FinishReason.STOP, seq.num_prompt_tokens,
+                                         seq.num_cached_tokens, embedding=vector.tolist()))
+        self._retire([seq for seq, _ in embedded])
         return outputs
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence], bitmask: torch.Tensor | None) -> torch.Tensor:

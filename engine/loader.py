@@ -288,8 +288,11 @@ def _checkpoint_parts(cfg: ModelConfig, layer: int) -> dict[str, list[str]]:
 
 
 def _model_name(name: str, cfg: ModelConfig) -> str | None:
-    """The model's name for checkpoint tensor ``name``: itself, or in a multimodal checkpoint its language
-    model's tensor renamed as the text model's (``MULTIMODAL_TEXT_PREFIXES``), None for the rest (not loaded)."""
+    """The model's name for checkpoint tensor ``name``: itself, a base model's under ``model.``
+    (``ModelConfig.base_checkpoint``), or in a multimodal checkpoint its language model's tensor renamed as the
+    text model's (``MULTIMODAL_TEXT_PREFIXES``), None for the rest (not loaded)."""
+    if cfg.base_checkpoint:
+        return "model." + name
     if cfg.architecture != "Gemma3ForConditionalGeneration":
         return name
     prefix = next((p for p in MULTIMODAL_TEXT_PREFIXES if name.startswith(p)), None)
@@ -317,6 +320,17 @@ def _left_unquantized(model_dir: Path, cfg: ModelConfig) -> frozenset[str]:
     return frozenset(kept)
 
 
+def _as_stored(cfg: ModelConfig, model_dir: Path) -> ModelConfig:
+    """``cfg`` for a checkpoint of the base model alone (``ModelConfig.base_checkpoint``: its embedding matrix
+    is ``embed_tokens.weight``), which has no LM head to load: tied to the embedding matrix, generating only if
+    the config ties them."""
+    for path in _weight_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if "embed_tokens.weight" in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                return replace(cfg, base_checkpoint=True, generates=cfg.tie_word_embeddings, tie_word_embeddings=True)
+    return cfg
+
+
 def _without_ones(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
@@ -333,7 +347,7 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype = "float32", devi
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
         dtype = DTYPES[dtype]
-    cfg = ModelConfig.from_dir(model_dir).with_quantization(quantization)
+    cfg = _as_stored(ModelConfig.from_dir(model_dir).with_quantization(quantization), model_dir)
     if cfg.weight_quant is not None and not cfg.weight_quant.online:
         cfg = replace(cfg, unquantized=_left_unquantized(model_dir, cfg))
     with torch.device(device):

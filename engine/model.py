@@ -535,6 +535,13 @@ class CausalLM(nn.Module):
         """Hidden rows -> float32 logits of ``logit_rows``; writes every row's K/V into ``kv_layers`` (one
         per layer, ``KVCache.for_step``), calling ``on_layer_done(layer)`` once a layer is done (its K/V
         written)."""
+        return self.logits(self.final_hidden(input_ids, positions, meta, kv_layers, logit_rows, on_layer_done))
+
+    def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                     kv_layers: Sequence[PagedKV], rows: torch.Tensor,
+                     on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
+        """The final-norm hidden states of ``rows`` (what the LM head reads, and an embedding pools), in the
+        model's dtype; the K/V and ``on_layer_done`` as ``forward``."""
         h = F.embedding(input_ids, self.model.embed_tokens.weight)
         if self.embed_scale is not None:
             h = h * self.embed_scale
@@ -545,8 +552,12 @@ class CausalLM(nn.Module):
             h, residual = layer(h, residual, *(local if layer.self_attn.window else rope), kv_layers[i], meta)
             if on_layer_done is not None:
                 on_layer_done(i)
-        h = h[logit_rows] if residual is None else residual[logit_rows] + h[logit_rows]
-        logits = self.lm_head(self.model.norm(h))
+        h = h[rows] if residual is None else residual[rows] + h[rows]
+        return self.model.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-norm hidden rows."""
+        logits = self.lm_head(hidden)
         if cap := self.config.final_logit_softcapping:  # Gemma 2's, in the model's dtype as transformers caps
             logits = torch.tanh(logits / cap) * cap
         return logits.float()

@@ -77,6 +77,8 @@ class RequestOutput:
     # Draft tokens of the request's predicted output this output's step verified: kept, and not kept
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    # An embedding request's vector (``engine/pooling.py``), in its one output; None: a generation
+    embedding: list[float] | None = None
 
 
 class OutputText:

@@ -227,10 +227,17 @@ class ModelRunner:
         the device."""
         if self.graphs is not None and self.graphs.fits(chunks):  # completes no prompt: no layer hook
             return self.graphs.run(chunks, feed)
-        input_ids, positions, meta, logit_rows = self.prepare(chunks, feed)
+        return self.model.logits(self.final_hidden(chunks, on_layer_done, feed))
+
+    @torch.inference_mode()
+    def final_hidden(self, chunks: list[SeqChunk], on_layer_done: Callable[[int], None] | None = None,
+                     feed: TokenFeed | None = None) -> torch.Tensor:
+        """The final-norm hidden states of the rows ``run`` returns logits of (``model.logits`` makes them
+        those logits), in the model's dtype; never replayed from a decode graph."""
+        input_ids, positions, meta, rows = self.prepare(chunks, feed)
         kv_layers = self.kv_cache.for_step(meta.slot_mapping, [(c.block_table, c.start_pos,
                                                                  c.start_pos + len(c.token_ids)) for c in chunks])
-        return self.model(input_ids, positions, meta, kv_layers, logit_rows, on_layer_done)
+        return self.model.final_hidden(input_ids, positions, meta, kv_layers, rows, on_layer_done)
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

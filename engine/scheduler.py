@@ -56,6 +56,9 @@ class Sequence:
     index: int = 0  # which of the request's n samples
     fanout: int = 1  # samples this sequence forks into when its prompt is done (n > 1)
     prefill_only: bool = False
+    # An embedding request's (``engine/pooling.py``): the values its vector keeps (the hidden size, or the
+    # Matryoshka ``dimensions`` asked for); it ends when its prompt is computed, with the vector, not a token
+    embedding_dims: int | None = None
     priority: Priority | None = None  # lower is earlier in the waiting queue; None: last
     generator: torch.Generator | None = None
     status: SeqStatus = SeqStatus.WAITING
@@ -85,9 +88,10 @@ class Sequence:
         """Async scheduling (``Engine``): whether its next step may be launched with its last token still on
         the device. Not while its prompt's logprobs are collected (read from the step's logits, until they go
         out with its first token), nor while its prompt is to fork into n samples or be handed off (a
-        prefill-only request). Its sampling waits for nothing: that token reaches the host while the step's
-        forward pass runs, before the step samples."""
-        return not (self.prefill_only or self.fanout > 1 or self.prompt_logprobs is not None)
+        prefill-only request), nor an embedding request (its vector is read on the host). Its sampling waits
+        for nothing: that token reaches the host while the step's forward pass runs, before the step samples."""
+        return not (self.prefill_only or self.fanout > 1 or self.prompt_logprobs is not None
+                    or self.embedding_dims is not None)
 
     @property
     def num_tokens(self) -> int:

@@ -68,10 +68,7 @@ class Conductor:
     def route(self, req: RouteRequest, loads: Sequence[WorkerLoad], index: PrefixIndex,
               now: float | None = None) -> Decision | Reject:
         now = time.time() if now is None else now
-        table = self._table
-        table.update(loads)
-        table.expire(now - self.pending_ttl_s)
-        self._inflight.expire(now)
+        table = self._take_loads(loads, now)
         if len(table.p_rows) == 0 or len(table.d_rows) == 0:
             return Reject("no live prefill or decode worker", 1.0)
         hashes = req.block_hashes
@@ -95,6 +92,42 @@ class Conductor:
             if hashes:
                 self._inflight.add(out.prefill, hashes, now + out.est_ttft_s - out.est_handoff_s)
         return out
+
+    def route_prompt(self, req: RouteRequest, loads: Sequence[WorkerLoad], index: PrefixIndex,
+                     now: float | None = None) -> Decision | Reject:
+        """Route a prompt that is computed and nothing after it (an embedding request): to the prefill (or
+        colocated) worker that would end it first, after the prefix it holds; its decode is itself. Rejected
+        for TTFT when none would within the TTFT SLO, by a policy that rejects early (a baseline never does)."""
+        now = time.time() if now is None else now
+        table = self._take_loads(loads, now)
+        if len(table.p_rows) == 0:
+            return Reject("no live prefill worker", 1.0)
+        matches = index.longest_prefix(req.block_hashes) if req.block_hashes else {}
+        view = ClusterView(req, self.estimator, self.slo, self.block_size, now, self.mean_output_tokens, table,
+                           matches, 0, self.prefill_speeds.factors(table.p_ids),
+                           self.decode_speeds.factors(table.d_ids))
+        done_s = view.p_queue_s + view.prefill_s(view.p_local)
+        p = int(np.argmin(done_s))
+        if getattr(self.policy, "rejects_early", False) and done_s[p] > self.slo.ttft_s:
+            return Reject("ttft", float(done_s[p] - self.slo.ttft_s))
+        worker, cached = str(view.p_ids[p]), float(view.p_local[p])
+        overhead = self.estimator.request_overhead_s
+        new = req.prompt_len - float(view.cached_tokens(cached))
+        self._table.add_pending(worker, now, np.array([*prefill_features(new, req.prompt_len - new), 1.0, 0.0,
+                                                       0.0, 0.0]))
+        if self.demand is not None:
+            self.demand.add_prompt(now, new, req.prompt_len - new)
+        if req.block_hashes:
+            self._inflight.add(worker, req.block_hashes, now + float(done_s[p]))
+        return Decision(worker, worker, None, 0, int(cached), float(done_s[p]) + overhead, 0.0,
+                        est_overhead_s=overhead)
+
+    def _take_loads(self, loads: Sequence[WorkerLoad], now: float) -> LoadTable:
+        """The load table with ``loads`` taken in, and what was routed too long ago forgotten."""
+        self._table.update(loads)
+        self._table.expire(now - self.pending_ttl_s)
+        self._inflight.expire(now)
+        return self._table
 
     def _record_rejection(self, out: Reject, view: ClusterView, matches: dict[str, int]) -> None:
         """Tell the demand a request was rejected, unless no number of workers would have taken it: it misses

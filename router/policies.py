@@ -104,6 +104,8 @@ class Mooncake:
     the requests already routed there): an ablation that isolates how much of tidepool's gain is that.
     """
 
+    rejects_early = True
+
     def __init__(self, seed: int = 0, balance_threshold: float = 1.2, decode_by: str = "tbt"):
         if decode_by not in ("tbt", "free_blocks"):
             raise ValueError(f"decode_by must be 'tbt' or 'free_blocks', got {decode_by!r}")
@@ -138,6 +140,8 @@ class Tidepool:
     decoding, which the running batch does not show). Reject early when no pair meets both SLOs (TTFT
     including the exposed part of the KV hand-off), with the time until the projection says one will.
     ``replicate`` (off by default) adds hot-prefix replication (`router.replication`)."""
+
+    rejects_early = True
 
     def __init__(self, seed: int = 0, inflight: bool = True, replicate: bool = False, **replication):
         self.inflight = inflight
