@@ -31,11 +31,17 @@ from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLo
 from router.loads import DECODE_ROLES, PREFILL_ROLES
 from services.attempt import Attempt, Deadlines, Progress, resumable, run_colocated, run_disaggregated
 from services.background import cancel_and_wait, cancel_requested
-from services.errors import NoWorkersError, PromptTooLongError, RequestRejected, WorkerDiedError
+from services.errors import (
+    NoWorkersError,
+    PromptTooLongError,
+    RequestRejected,
+    WorkerDiedError,
+    WorkerLostError,
+)
 from services.fanout import interleave
 from services.in_flight import InFlight
 from services.load_reports import LoadBoard
-from services.messages import PrefillResult, TokenEvent
+from services.messages import EmbeddingResult, PrefillResult, TokenEvent
 from services.metrics import Metrics
 from services.prefix_copies import PrefixCopies
 from services.request_metrics import RequestTracker
@@ -90,6 +96,8 @@ class Dispatcher:
         self.block_size = first.block_size
         self.max_model_len, self.max_kv_tokens = first.max_model_len, first.max_kv_tokens
         self.long_rope_from, self.quantized_at_load = first.long_rope_from, first.quantized_at_load
+        # what embedding requests need to know of the model (engine/pooling.py), and whether it generates at all
+        self.hidden_size, self.pooling, self.generates = first.hidden_size, first.pooling, first.generates
         # the LoRA adapters every worker serves: name -> adapter id (services/lora_updates.py changes it)
         self.loras = dict(first.loras)
         self.conductor = conductor
@@ -266,6 +274,9 @@ class Dispatcher:
     # ---- one request ----------------------------------------------------------------------------------------
     async def generate(self, req: GenerateRequest) -> AsyncIterator[TokenEvent]:
         """Yield the request's token events; n > 1 runs n sub-requests whose events interleave."""
+        if not self.generates:
+            raise InvalidRequestError("model", "this checkpoint is a base model without its LM head (an embedding "
+                                               "model's): it serves /v1/embeddings only")
         req.params.validate()
         if not req.prompt_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
@@ -284,6 +295,53 @@ class Dispatcher:
                 return
             async for event in self._generate_fanout(req):
                 yield event
+        finally:
+            self._active.discard(task)
+            self._last_active = time.monotonic()
+
+    async def embed(self, request_id: str, prompt_ids: list[int], dimensions: int | None = None,
+                    priority: int = 0) -> EmbeddingResult:
+        """One prompt's embedding (``dimensions`` values; None: the hidden size): the prompt is routed alone to the
+        prefill (or colocated) worker that ends it first after the prefix it holds (``Conductor.route_prompt``)
+        and computed there; a worker that dies meanwhile costs a new route."""
+        self.pooling.check(dimensions, self.hidden_size)
+        if not prompt_ids:
+            raise InvalidRequestError("input", "the input is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(prompt_ids), self.max_model_len - 1)  # (as a prompt's: a token of room)
+        task = asyncio.current_task()
+        self._active.add(task)
+        self._request_arrived.set()
+        arrived = time.monotonic()
+        salt = salt_for(self.model_id, None, long_rope_applies(self.long_rope_from, len(prompt_ids)),
+                        self.quantized_at_load)
+        route_req = RouteRequest(request_id, len(prompt_ids), block_hashes(prompt_ids, self.block_size, salt), 0,
+                                 self.max_kv_tokens)
+        excluded: set[str] = set()
+        try:
+            for attempt in range(_MAX_ATTEMPTS):
+                decision = (self._route(route_req, excluded, prompt_only=True) if attempt == 0
+                            else await self._route_again(route_req, excluded, prompt_only=True))
+                routed = time.monotonic()
+                use = self.in_flight.use(decision.prefill)
+                try:
+                    result = await self.workers[decision.prefill].embed(
+                        request_id if attempt == 0 else f"{request_id}/{attempt}", prompt_ids, dimensions,
+                        self.deadlines.prefill_s, (priority, next(self._routed)))
+                except WorkerLostError as exc:
+                    if attempt + 1 == _MAX_ATTEMPTS:
+                        raise
+                    if isinstance(exc, WorkerDiedError):
+                        self._mark_dead(exc.worker_id)
+                    excluded.add(exc.worker_id)
+                    log.warning("embedding request %s: %s; routing it again", request_id, exc)
+                    continue
+                finally:
+                    use.release(decision.prefill)
+                self.conductor.observe_ttft(decision, time.monotonic() - routed)
+                self.metrics.observe_embedding(result.num_prompt_tokens, time.monotonic() - arrived)
+                return result
+            raise AssertionError("unreachable: the last attempt returns or raises")
         finally:
             self._active.discard(task)
             self._last_active = time.monotonic()
@@ -365,27 +423,33 @@ class Dispatcher:
         budget = min(self.conductor.slo.ttft_s, self.deadlines.prefill_s)
         return max(0.0, budget - (time.monotonic() - arrived) - decision.est_ttft_s)
 
-    def _route(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
+    def _route(self, route_req: RouteRequest, excluded: set[str], prompt_only: bool = False) -> Decision:
+        """A pair for the request, or a prefill worker alone for a ``prompt_only`` one (an embedding)."""
         excluded = excluded | self.draining  # out: workers that failed this request, and those being drained
-        if missing := self.missing_roles(excluded):  # 503, not the conductor's 429: no queue to wait in
+        missing = self.missing_roles(excluded)
+        if prompt_only:
+            missing = [role for role in missing if role == "prefill"]
+        if missing:  # 503, not the conductor's 429: no queue to wait in
             raise NoWorkersError(f"no live {' or '.join(missing)} worker")
         loads = list(self._loads.values())
         if excluded:
             loads = [dataclasses.replace(ld, alive=False) if ld.worker_id in excluded else ld for ld in loads]
-        decision = self.conductor.route(route_req, loads, self.index)
+        route = self.conductor.route_prompt if prompt_only else self.conductor.route
+        decision = route(route_req, loads, self.index)
         if isinstance(decision, Reject):
             self.rejections += 1
             self.metrics.inc_rejection(decision.reason)
             raise RequestRejected(decision.reason, decision.retry_after_s)
         return decision
 
-    async def _route_again(self, route_req: RouteRequest, excluded: set[str]) -> Decision:
+    async def _route_again(self, route_req: RouteRequest, excluded: set[str], prompt_only: bool = False
+                           ) -> Decision:
         """A failed attempt's next pair: wait up to the resume deadline for one (a dead worker's replacement)."""
         await self.refresh_loads(_RESUME_LOAD_TIMEOUT_S)  # a broken handoff may mean a dead worker
         deadline = time.monotonic() + self.deadlines.resume_s
         while self.missing_roles(excluded) and time.monotonic() < deadline:
             await asyncio.sleep(_LOAD_REFRESH_S)
-        return self._route(route_req, excluded)
+        return self._route(route_req, excluded, prompt_only)
 
     def _run(self, decision: Decision, attempt: Attempt) -> AsyncIterator[TokenEvent]:
         use = self.in_flight.use(decision.prefill, decision.decode)

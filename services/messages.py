@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.output import FinishReason, TokenLogprobs, pickled_by_fields
+from engine.pooling import Pooling
 
 
 class EngineStepError(Exception):
@@ -89,6 +90,9 @@ class WorkerInfo:
     # The LoRA adapters it serves beside the base model: name -> adapter id (its blocks' hash salt, ``engine/lora.py``)
     loras: dict[str, str] = field(default_factory=dict)
     num_speculative_tokens: int = 0  # the most draft tokens its engine verifies a step; 0: it does not speculate
+    hidden_size: int = 0  # the length of the model's embeddings
+    pooling: Pooling = field(default_factory=Pooling)  # how they are made (``engine/pooling.py``)
+    generates: bool = True  # False: a base checkpoint without its LM head serves embeddings only (ModelConfig's)
 
 
 @pickled_by_fields
@@ -126,6 +130,15 @@ def join_events(events: Sequence[TokenEvent]) -> TokenEvent:
         accepted_prediction_tokens=sum(e.accepted_prediction_tokens for e in events),
         rejected_prediction_tokens=sum(e.rejected_prediction_tokens for e in events),
     )
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """A worker's answer to an embedding request (``Worker.embed``)."""
+
+    embedding: list[float]
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens its prefix cache (or the pool, a peer) held
 
 
 @dataclass(frozen=True)

@@ -287,6 +287,13 @@ class Metrics:
         self.transfer_seconds.labels(self.model_name, transport).observe(seconds)
         self.transfer_exposed.labels(self.model_name, transport).observe(exposed_s)
 
+    def observe_embedding(self, prompt_tokens: int, seconds: float) -> None:
+        """An embedding request answered: its prompt, and its time from arrival to its vector."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.e2e.observe(seconds)
+        self.request_success.labels(self.model_name, "stop").inc()
+
     def inc_rejection(self, reason: str) -> None:
         self.rejections.labels(self.model_name, reason).inc()
 

@@ -40,7 +40,7 @@ class PrefillWorker(Worker):
         tokens = [*prompt_ids, *output_ids]
         released = False  # the blocks' release was handed to a background task
         salt = self.engine.prefix_salt(lora, len(tokens), params.cache_salt)
-        fetched = await self._fetch_prefix(tokens, params, fetch, deadline_s, salt)
+        fetched = await self._fetch_prefix(tokens, params.prompt_logprobs is not None, fetch, deadline_s, salt)
         copies = tuple((f.source, f.nbytes, f.seconds) for f in fetched if f.nbytes)
         queue = self.loop.open_queue(request_id)
         lease = PendingLease(kv_target, request_id, deadline) if lease_pending else None

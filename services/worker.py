@@ -29,8 +29,9 @@ from router.loads import WorkerLoad, step_samples
 from services.background import BackgroundTasks
 from services.engine_loop import EngineLoop
 from services.engine_profile import prefill_batch_tokens, profile_engine
+from services.errors import PrefillTimeoutError, WorkerFailedError
 from services.load_reports import ChangeSignal, LoadWriter
-from services.messages import PrefixFetch, Role, WorkerInfo
+from services.messages import EmbeddingResult, EngineStepError, PrefixFetch, Role, WorkerInfo
 from services.output_stream import OutputStream
 from services.peer_copy import PrefixCopier
 from services.pool_link import FetchedBlocks, PoolLink
@@ -111,6 +112,8 @@ class Worker(FeedServer):
             num_layers=self.engine.model_config.num_layers, prefix_address=self.copier.address,
             loras={name: adapter.adapter_id for name, adapter in self.engine.loras.items()},
             num_speculative_tokens=0 if self.engine.proposer is None else self.engine.proposer.config.num_speculative_tokens,
+            hidden_size=self.engine.model_config.hidden_size, pooling=self.engine.pooling,
+            generates=self.engine.model_config.generates,
         )
 
     def notify_report_changed(self) -> None:
@@ -161,13 +164,14 @@ class Worker(FeedServer):
         return len(await self.loop.acall(self.engine.unload_adapter, name))
 
     # ---- the KV pool and peer copies ------------------------------------------------------------------------
-    async def _fetch_prefix(self, token_ids: list[int], params: SamplingParams, fetch: PrefixFetch | None,
+    async def _fetch_prefix(self, token_ids: list[int], scored: bool, fetch: PrefixFetch | None,
                             timeout_s: float, salt: bytes) -> list[FetchedBlocks]:
         """The prefix blocks this engine lacks, hashed under ``salt`` (the request's adapter's,
         ``Engine.prefix_salt``): first from the peer the router chose (``fetch``), then from the pool's tiers,
         whatever the policy (the worker weighs a Redis read against recomputing). They are placed by ``_place``
-        on the engine thread, in the call that admits the request."""
-        if not self.engine.block_manager.enable_prefix_caching or params.prompt_logprobs is not None:
+        on the engine thread, in the call that admits the request. ``scored``: the prompt is computed whole for
+        its prompt logprobs."""
+        if not self.engine.block_manager.enable_prefix_caching or scored:
             return []  # nothing fetched could be placed, or used (a prompt scored whole)
         have = self.engine.cached_prefix_len(token_ids, salt) // self.engine.block_size  # a lock-free hint
         fetched = []
@@ -177,6 +181,44 @@ class Worker(FeedServer):
         if self.pool is not None:
             fetched.append(await self.pool.read_prefix(token_ids, have, salt))
         return fetched
+
+    async def embed(self, request_id: str, prompt_ids: list[int], dimensions: int | None, deadline_s: float,
+                    priority: Priority | None = None) -> EmbeddingResult:
+        """The prompt's embedding (``Engine.add_embedding_request``: ``dimensions`` values, None: all), computed
+        after the prefix this worker holds or reads from the pool; the prompt's new blocks then go to the pool, as
+        a prefill's do. PrefillTimeoutError past ``deadline_s``; a
+        cancelled caller aborts it."""
+        deadline = time.monotonic() + deadline_s
+        salt = self.engine.prefix_salt(None, len(prompt_ids))
+        queue = self.loop.open_queue(request_id)
+        done = False
+        try:
+            async with asyncio.timeout(deadline_s):  # (the fetch too: a copy that never comes ends it)
+                fetched = await self._fetch_prefix(prompt_ids, False, None, deadline_s, salt)
+
+                def admit() -> None:
+                    self._place(prompt_ids, fetched, salt)
+                    self.engine.add_embedding_request(request_id, prompt_ids, dimensions, priority)
+
+                await self.loop.acall(admit)
+                output = await queue.get()
+            if isinstance(output, EngineStepError):
+                raise output
+            done = output.embedding is not None
+            if not done:  # an abort reached the engine first
+                raise WorkerFailedError(f"embedding request {request_id} was aborted on {self.spec.worker_id}")
+        except TimeoutError as exc:
+            if time.monotonic() < deadline:
+                raise  # (not this deadline's)
+            raise PrefillTimeoutError(deadline_s) from exc
+        finally:
+            self.loop.close_stream(request_id)
+            if not done:
+                await self.loop.acall(self.engine.abort, request_id)
+        if self.pool is not None:  # its blocks are free now, and cached: the pool copies those it lacks
+            self.background.spawn(self.pool.store_prefix(self.loop, prompt_ids,
+                                                         output.num_cached_tokens // self.engine.block_size, salt))
+        return EmbeddingResult(output.embedding, output.num_prompt_tokens, output.num_cached_tokens)
 
     def _place(self, token_ids: list[int], fetched: list[FetchedBlocks], salt: bytes) -> None:
         """Engine thread: put fetched blocks (hashed under ``salt``) in the prefix cache, in order (each
@@ -257,7 +299,8 @@ class ColocatedWorker(Worker):
         tokens = [*prompt_ids, *output_ids]
         # (InvalidRequestError for an adapter this engine lacks)
         salt = self.engine.prefix_salt(lora, len(tokens), params.cache_salt)
-        fetched = await self._fetch_prefix(tokens, params, fetch, _COLOCATED_COPY_TIMEOUT_S, salt)
+        fetched = await self._fetch_prefix(tokens, params.prompt_logprobs is not None, fetch,
+                                           _COLOCATED_COPY_TIMEOUT_S, salt)
 
         def admit() -> None:
             self._place(tokens, fetched, salt)

@@ -28,7 +28,15 @@ from engine.sampling_params import Priority, SamplingParams
 from router.loads import WorkerLoad
 from services.errors import WorkerDiedError, WorkerFailedError, WorkerLostError, WorkerStalledError
 from services.event_queue import TokenEventQueue
-from services.messages import KVTarget, PrefillResult, PrefixFetch, Role, TokenEvent, WorkerInfo
+from services.messages import (
+    EmbeddingResult,
+    KVTarget,
+    PrefillResult,
+    PrefixFetch,
+    Role,
+    TokenEvent,
+    WorkerInfo,
+)
 from services.token_feed import decode_batch
 
 log = logging.getLogger(__name__)
@@ -79,6 +87,12 @@ class WorkerClient:
                                         output_ids, priority, lease_pending, lora)
         # The worker enforces the deadline; this is the backstop. A cancelled caller stops the prompt's compute.
         return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)
+
+    async def embed(self, request_id: str, prompt_ids: list[int], dimensions: int | None, deadline_s: float,
+                    priority: Priority | None = None) -> EmbeddingResult:
+        """The prompt's embedding, computed on this (prefill or colocated) worker."""
+        ref = self.actor.embed.remote(request_id, prompt_ids, dimensions, deadline_s, priority)
+        return await self._call(ref, deadline_s + 5.0, cancel_with_caller=True)  # (as prefill's)
 
     async def copy_prefix(self, token_ids: list[int], fetch: PrefixFetch, timeout_s: float) -> int:
         """Replication: have this worker copy the prefix ``fetch`` names from its holder; the blocks placed."""

@@ -27,7 +27,16 @@ from services.background import cancel_and_wait
 from services.dispatcher import Dispatcher, GenerateRequest
 from services.errors import NoWorkersError, RequestRejected, WorkerDiedError
 from services.load_reports import ChangeSignal, LoadBoard, LoadWriter, load_board_key
-from services.messages import KVTarget, PrefillResult, Role, TokenEvent, WorkerInfo, WorkerProfile
+from services.messages import (
+    EmbeddingResult,
+    EngineStepError,
+    KVTarget,
+    PrefillResult,
+    Role,
+    TokenEvent,
+    WorkerInfo,
+    WorkerProfile,
+)
 from services.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(30)
@@ -97,6 +106,15 @@ class FakeWorker:
         if self.fail_on_prefill is not None:
             raise self.fail_on_prefill
         return PrefillResult(7, "a", None, 16, 1000, 0.001, "grpc")
+
+    async def embed(self, request_id, prompt_ids, dimensions, deadline_s, priority=None) -> EmbeddingResult:
+        self.calls.append(("embed", request_id))
+        if self.die_on_prefill:
+            self.alive = False
+            raise WorkerDiedError(self.worker_id, f"worker {self.worker_id} died")
+        if self.fail_on_prefill is not None:
+            raise self.fail_on_prefill
+        return EmbeddingResult([1.0, 0.0], len(prompt_ids), 0)
 
     async def copy_prefix(self, token_ids, fetch, timeout_s) -> int:
         self.calls.append(("copy_prefix", str(len(token_ids))))
@@ -605,3 +623,34 @@ def test_a_lora_request_runs_its_adapter_on_every_worker_and_is_routed_by_its_ad
     with pytest.raises(InvalidRequestError, match="no LoRA adapter 'kelp' is served"):
         asyncio.run(collect(dispatcher, "r2", lora="kelp"))
     assert all(len(w.loras) == 1 for w in workers)  # refused before any worker was called
+
+
+# ---- embeddings: a prompt routed alone --------------------------------------------------------------------
+
+async def _embed(dispatcher: Dispatcher) -> EmbeddingResult:
+    await dispatcher.refresh_loads()
+    return await dispatcher.embed("e1", PROMPT)
+
+
+def test_an_embedding_goes_to_a_prefill_worker_alone_and_a_dead_one_costs_a_new_route():
+    dying, spare, d = FakeWorker("p0", Role.PREFILL, die_on_prefill=True), FakeWorker("p1", Role.PREFILL), \
+        FakeWorker("d0", Role.DECODE)
+    dispatcher = make_dispatcher(dying, spare, d)  # round robin: p0 first
+    result = asyncio.run(_embed(dispatcher))
+    assert result == EmbeddingResult([1.0, 0.0], len(PROMPT), 0)
+    assert dying.calls[-1] == ("embed", "e1") and ("embed", "e1/1") in spare.calls
+    assert not [call for call in d.calls if call[0] != "close"]  # the decode worker had no part in it
+    assert [w.worker_id for w in dispatcher.dead_workers()] == ["p0"]
+    assert dispatcher.in_flight.count("p1") == 0  # its use ended with it
+
+
+def test_an_embedding_needs_no_decode_worker_but_a_prefill_one_and_its_step_error_is_not_retried():
+    alone = make_dispatcher(FakeWorker("c0", Role.PREFILL))
+    assert asyncio.run(_embed(alone)).num_prompt_tokens == len(PROMPT)
+    with pytest.raises(NoWorkersError, match="no live prefill worker"):
+        asyncio.run(_embed(make_dispatcher(FakeWorker("d0", Role.DECODE))))
+    failing = FakeWorker("p0", Role.PREFILL, fail_on_prefill=EngineStepError("step failed"))
+    spare = FakeWorker("p1", Role.PREFILL)
+    with pytest.raises(EngineStepError):
+        asyncio.run(_embed(make_dispatcher(failing, spare)))
+    assert not spare.calls or all(call[0] != "embed" for call in spare.calls)
