@@ -109,6 +109,16 @@ class BlockManager:
             hashes.append(parent)
         return blocks, hashes
 
+    def first_new_block_hash(self, token_ids: Sequence[int], prefix_hashes: list[int], salt: bytes | None = None
+                             ) -> int | None:
+        """The chain hash of the full block of ``token_ids`` right after a cached prefix (``prefix_hashes``,
+        ``cached_prefix``'s) under ``salt``; None when there is no such block, or no prefix cache."""
+        B, i = self.block_size, len(prefix_hashes)
+        if not self.enable_prefix_caching or (i + 1) * B > len(token_ids):
+            return None
+        parent = prefix_hashes[-1] if prefix_hashes else None
+        return hash_block(parent, tuple(token_ids[i * B:(i + 1) * B]), salt or self.salt)
+
     def usage(self) -> tuple[int, int]:
         """(allocated slots, used slots) over referenced blocks; waste = 1 - used / allocated."""
         B = self.block_size

@@ -246,6 +246,12 @@ class Scheduler:
         # admit waiting prompts (none while blocks are so short that we had to preempt)
         prompt_tokens = sum(n for s, n in zip(step.seqs, step.counts, strict=True)
                             if s.num_computed_tokens < s.num_tokens - 1)
+        # The first block each prompt admitted below computes: a prompt whose next block after its cached
+        # prefix is one of them waits a step and finds it cached (SGLang's in-batch prefix caching), rather than
+        # computing it again beside (a burst of requests behind one system prompt; the router counts on it
+        # when it routes prompts of one prefix to one worker, router/inflight.py). Not with a cache whose newest
+        # blocks stay out of the prefix cache (a full-precision residual): waiting would not find them.
+        computing: set[int] | None = set() if self.bm.residual_blocks == 0 else None
         i = 0  # the first waiting sequence not passed over (its adapter got no slot)
         while i < len(self.waiting) and step.tokens > 0 and not preempted:
             if self.prefill_batch_tokens is not None and prompt_tokens >= self.prefill_batch_tokens:
@@ -257,8 +263,13 @@ class Scheduler:
             if not self._adapter_ready(seq) or not chunk:
                 i += 1  # every slot holds a running sequence's adapter, or the prompt-logprob rows are taken
                 continue
-            prefix = self.bm.cached_prefix(seq.token_ids, self.cacheable_blocks(seq), seq.hash_salt)
+            cacheable = self.cacheable_blocks(seq)
+            prefix = self.bm.cached_prefix(seq.token_ids, cacheable, seq.hash_salt)
             num_cached = len(prefix[0]) * self.bm.block_size
+            first_new = self.bm.first_new_block_hash(seq.token_ids, prefix[1], seq.hash_salt)
+            if computing and len(prefix[0]) < cacheable and first_new in computing:
+                i += 1  # its next block is computed in this step: it takes it from the cache next step
+                continue
             n = min(seq.num_tokens - num_cached, chunk)
             if not self.bm.allocate(seq.seq_id, num_cached, n, prefix, seq.hash_salt):
                 break
@@ -272,6 +283,8 @@ class Scheduler:
             self.running.append(seq)
             step.add(seq, n)
             prompt_tokens += n
+            if computing is not None and first_new is not None and n >= self.bm.block_size:
+                computing.add(first_new)
         return ScheduledBatch(step.seqs, step.counts, preempted)
 
     def cacheable_blocks(self, seq: Sequence) -> int:

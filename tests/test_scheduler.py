@@ -202,3 +202,32 @@ def test_a_draft_is_cut_to_the_token_budget():
     s.draft_ids = [8, 9, 10, 11]
     assert sch.schedule().num_new_tokens == [3]
     assert s.draft_ids == [8, 9]
+
+
+def _prompt(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", list(tokens), len(tokens), SamplingParams(max_tokens=1))
+
+
+def test_a_prompt_whose_next_block_another_computes_in_the_step_waits_a_step_and_finds_it_cached():
+    sch, bm = make(budget=64)
+    system = list(range(500, 512))  # three full blocks, shared
+    first, second = _prompt(1, [*system, 1, 2, 3]), _prompt(2, [*system, 7, 8])
+    other, uncacheable = _prompt(3, list(range(900, 910))), _prompt(4, [*system, 9])
+    uncacheable.prompt_logprobs = []  # scored whole: it takes nothing from the cache, so it never waits for it
+    for s in (first, second, other, uncacheable):
+        sch.add(s)
+    step = advance(sch, bm)
+    assert [(s.seq_id, n) for s, n in step] == [(1, 15), (3, 10), (4, 13)]  # the second waits; the others go
+    assert [s.seq_id for s in sch.waiting] == [2]
+    step = advance(sch, bm)
+    assert (second, 2) in step and second.num_cached_tokens == 12  # the shared blocks, computed once
+    assert sch.prompt_tokens_cached == 12
+
+
+def test_a_prompt_does_not_wait_for_blocks_a_full_precision_residual_keeps_out_of_the_cache():
+    bm = BlockManager(64, B, salt_for("sched-test"), residual_blocks=1)
+    sch = Scheduler(bm, 8, 64)
+    system = list(range(500, 512))
+    for s in (_prompt(1, [*system, 1]), _prompt(2, [*system, 2])):
+        sch.add(s)
+    assert len(advance(sch, bm)) == 2  # waiting would not find them cached after the step
