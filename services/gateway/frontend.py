@@ -32,7 +32,7 @@ from services.gateway.reasoning import END_THINK, THINK, after_thinking
 from services.gateway.request_body import refuse
 from services.gateway.token_texts import TokenTexts
 from services.gateway.tool_calls import ToolCallParser, call_parser
-from services.messages import SessionSequence, TokenEvent
+from services.messages import EmbeddingResult, SessionSequence, TokenEvent
 from services.sessions import SessionStore, SessionTurn
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 # fit the token limit and is refused without tokenizing it.
 MAX_CHARS_PER_TOKEN = 64
 MAX_PROMPTS = 256  # prompts in one completions request (each is a request of its own to the cluster)
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit)
 CHAT_ROLES = ("system", "developer", "user", "assistant")  # what the chat templates render ("tool" with tools on)
 _OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "logprobs", "prompt_logprobs", "min_tokens")
@@ -235,15 +236,38 @@ class Frontend:
         return await self._start("cmpl", prompt_ids, options, "prompt", COMPLETION_DEFAULT_MAX_TOKENS, None, echo,
                                  lora)
 
+    async def embed(self, model: str, inputs: list[str | list[int]], dimensions: int | None,
+                    add_special_tokens: bool) -> list[EmbeddingResult]:
+        """Each input's embedding, in order (``Dispatcher.embed``: each a request of its own to the cluster, all at
+        once); the first that fails cancels the rest."""
+        if self.check_model(model) is not None:
+            raise InvalidRequestError("model", "embeddings run with the base model only, not a LoRA adapter")
+        if not inputs:
+            raise InvalidRequestError("input", "at least one input is required")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise InvalidRequestError("input", f"at most {MAX_EMBEDDING_INPUTS} inputs in one request")
+        self.dispatcher.pooling.check(dimensions, self.dispatcher.hidden_size)  # before any input is tokenized
+        prompts = [(await self._encoded(text, add_special_tokens, None, "input"))[0] for text in inputs]
+        if longest := max((ids for ids in prompts if len(ids) > self.prompt_token_limit), key=len, default=None):
+            raise PromptTooLongError(len(longest), self.prompt_token_limit)
+        request_id = f"embd-{uuid.uuid4().hex}"
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self.dispatcher.embed(f"{request_id}-{i}", ids, dimensions))
+                         for i, ids in enumerate(prompts)]
+        except ExceptionGroup as failed:  # the first failure is the request's (the rest were cancelled by it)
+            raise failed.exceptions[0] from None
+        return [task.result() for task in tasks]
+
     async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         """A completion prompt's token ids, whole (for ``/tokenize``; see ``_encoded``)."""
         return (await self._encoded(prompt, add_special_tokens, None))[0]
 
-    async def _encoded(self, prompt: str | list[int], add_special_tokens: bool, options: Options | None
-                       ) -> tuple[list[int], bool]:
+    async def _encoded(self, prompt: str | list[int], add_special_tokens: bool, options: Options | None,
+                       field_name: str = "prompt") -> tuple[list[int], bool]:
         """(A completion prompt's token ids, whether they are all of them): text encoded (``add_special_tokens``:
         with the tokenizer's special tokens), cut as ``options`` ask (``truncate_prompt_tokens``; None: whole),
-        ids checked."""
+        ids checked; errors name the request's ``field_name``."""
         tokenizer = self.dispatcher.tokenizer
         if isinstance(prompt, str):
             self._check_text_size(len(prompt))
@@ -255,9 +279,9 @@ class Frontend:
             if len(prompt_ids) > self.prompt_token_limit:  # before the scan of every id
                 raise PromptTooLongError(len(prompt_ids), self.prompt_token_limit)
             if not all(0 <= t < tokenizer.vocab_size for t in prompt_ids):
-                raise InvalidRequestError("prompt", f"token ids must be in [0, {tokenizer.vocab_size})")
+                raise InvalidRequestError(field_name, f"token ids must be in [0, {tokenizer.vocab_size})")
         if not prompt_ids:
-            raise InvalidRequestError("prompt", "the prompt is empty")
+            raise InvalidRequestError(field_name, f"the {field_name} is empty")
         return prompt_ids, len(prompt_ids) == len(whole)
 
     async def chat_prompt_ids(self, messages: list[dict], template_kwargs: dict, add_generation_prompt: bool = True,

@@ -120,7 +120,10 @@ def add_serving(servicer: ServingServicer, server: grpc.aio.Server) -> None:
                                                     response_serializer=serving_pb2.GenerateChunk.SerializeToString)
 
     handlers = {"Chat": handler(servicer.Chat, serving_pb2.ChatRequest),
-                "Complete": handler(servicer.Complete, serving_pb2.CompleteRequest)}
+                "Complete": handler(servicer.Complete, serving_pb2.CompleteRequest),
+                "Embed": grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed, request_deserializer=_lenient(serving_pb2.EmbedRequest),
+                    response_serializer=serving_pb2.EmbedResponse.SerializeToString)}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
@@ -162,6 +165,23 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
         async for chunk in self._serve("Complete", start, context):
             yield chunk
+
+    async def Embed(self, request: serving_pb2.EmbedRequest, context) -> serving_pb2.EmbedResponse:
+        try:
+            check_bearer(dict(context.invocation_metadata()).get("authorization", ""), self.config.api_key)
+            _refuse_undecodable(request)
+            results = await self.frontend.embed(
+                request.model or self.frontend.model_id, [list(i.token_ids) or i.text for i in request.inputs],
+                request.dimensions if request.HasField("dimensions") else None,
+                not request.HasField("add_special_tokens") or request.add_special_tokens)
+        except Exception as exc:
+            self.metrics.inc_request("grpc:Embed", errors.classify(exc).grpc_code.name)
+            await errors.grpc_abort(context, exc)
+        self.metrics.inc_request("grpc:Embed", grpc.StatusCode.OK.name)
+        usage = serving_pb2.Usage(prompt_tokens=sum(r.num_prompt_tokens for r in results),
+                                  cached_tokens=sum(r.num_cached_tokens for r in results))
+        return serving_pb2.EmbedResponse(embeddings=[serving_pb2.Embedding(values=r.embedding) for r in results],
+                                         usage=usage)
 
     async def _serve(self, method: str, start, context) -> AsyncIterator[serving_pb2.GenerateChunk]:
         gen = None

@@ -8,7 +8,10 @@ Request flow: `_Guard` (API key, body size) -> pydantic body -> `Frontend` (prom
 from __future__ import annotations
 
 import asyncio
+import base64
+import struct
 import time
+import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Header, Request
@@ -30,6 +33,7 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
 )
 from services.gateway.responses import ResponseShape
@@ -160,6 +164,17 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
                               token_ids=body.return_token_ids)
         return await _answer(gen, shape, body, request)
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> dict:
+        results = await unless_client_leaves(request, frontend.embed(body.model, body.inputs(), body.dimensions,
+                                                                     body.add_special_tokens))
+        tokens = sum(r.num_prompt_tokens for r in results)
+        return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": body.model,
+                "data": [{"object": "embedding", "index": i, "embedding": _encoded_vector(r.embedding,
+                                                                                          body.encoding_format)}
+                         for i, r in enumerate(results)],
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         """vLLM's: the token ids a completion prompt or a chat gets here, and the context they go into."""
@@ -228,6 +243,13 @@ def create_app(dispatcher: Dispatcher, sessions: SessionStore | None, response_s
     if lora_updates is not None:  # --allow-runtime-lora-updating
         app.include_router(lora_routes(lora_updates))
     return app
+
+
+def _encoded_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    """An embedding as the request asked: JSON numbers, or OpenAI's base64 of its float32 values (little-endian)."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
 
 
 def _model_card(dispatcher: Dispatcher, name: str, parent: str | None, created: int) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -56,13 +57,16 @@ def sse_json(obj: dict) -> str:
     return text.translate(_ESCAPE_LINE_BREAKS) if any(c in text for c in _LINE_BREAKS_JSON_KEEPS) else text
 
 
+T = TypeVar("T")
+
+
 def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else sse_json(obj)}\n\n"
 
 
-async def unless_client_leaves(request: Request, starting: Awaitable[Generation]) -> Generation:
-    """The started generation, unless the client leaves first: then prompt, session, routing and prefill
-    up to the first event are cancelled (which aborts the request and frees its blocks)."""
+async def unless_client_leaves(request: Request, starting: Awaitable[T]) -> T:
+    """The started generation (or an embedding's answer), unless the client leaves first: then prompt, session,
+    routing and prefill up to the first event are cancelled (which aborts the request and frees its blocks)."""
     task = asyncio.ensure_future(starting)
     try:
         while not task.done():

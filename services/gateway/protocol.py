@@ -430,6 +430,27 @@ class TokenizeRequest(_Body):
         return chat_template_variables(self.messages or [], self.tools, self.chat_template_kwargs, tool_call_parser)[0]
 
 
+class EmbeddingRequest(_Body):
+    """OpenAI's ``/v1/embeddings``."""
+
+    model: str
+    input: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="Text or token ids, or a list of either: one embedding each, in order.")
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="base64: each vector's float32 values, little-endian, base64-encoded.")
+    dimensions: int | None = Field(None, description="The vector's first `dimensions` values (Matryoshka), "
+                                                     "normalized again when the model normalizes.")
+    add_special_tokens: bool = Field(True, description="Text inputs get the tokenizer's special tokens, as for "
+                                                       "completions. Extension (vLLM's).")
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per input: text, or token ids."""
+        self.check_extra("", IGNORED_FIELDS)
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        return list(self.input)
+
+
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

@@ -44,6 +44,11 @@ class ServingStub(object):
                 request_serializer=tidepool_dot_v1_dot_serving__pb2.CompleteRequest.SerializeToString,
                 response_deserializer=tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tidepool.v1.Serving/Embed',
+                request_serializer=tidepool_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tidepool_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class ServingServicer(object):
@@ -61,6 +66,12 @@ class ServingServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ServingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_ServingServicer_to_server(servicer, server):
                     servicer.Complete,
                     request_deserializer=tidepool_dot_v1_dot_serving__pb2.CompleteRequest.FromString,
                     response_serializer=tidepool_dot_v1_dot_serving__pb2.GenerateChunk.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tidepool_dot_v1_dot_serving__pb2.EmbedRequest.FromString,
+                    response_serializer=tidepool_dot_v1_dot_serving__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Serving(object):
             '/tidepool.v1.Serving/Complete',
             tidepool_dot_v1_dot_serving__pb2.CompleteRequest.SerializeToString,
             tidepool_dot_v1_dot_serving__pb2.GenerateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tidepool.v1.Serving/Embed',
+            tidepool_dot_v1_dot_serving__pb2.EmbedRequest.SerializeToString,
+            tidepool_dot_v1_dot_serving__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
