@@ -32,14 +32,16 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("target")
     g.add_argument("--backend", choices=BACKENDS, default="openai",
                    help="openai and vllm: an OpenAI-compatible server's completions API; openai-chat: its chat "
-                        "API; grpc: Tidepool's gRPC Serving API at --target")
+                        "API; openai-embeddings: its embeddings API (each prompt an input; latency is TTFT and "
+                        "E2EL); grpc: Tidepool's gRPC Serving API at --target")
     g.add_argument("--base-url", default=None, help="server URL (default: http://HOST:PORT from --host, --port)")
     g.add_argument("--host", default="127.0.0.1", help="server host when no --base-url is given")
     g.add_argument("--port", type=int, default=8000, help="server port when no --base-url is given")
     g.add_argument("--endpoint", default=None,
-                   help="API path to call: /v1/completions or /v1/chat/completions (or any path ending so; "
-                        "'completions' and 'chat' also work). Default: /v1/chat/completions for the chat "
-                        "workload and the openai-chat backend, else /v1/completions")
+                   help="API path to call: /v1/completions, /v1/chat/completions or /v1/embeddings (or any "
+                        "path ending so; 'completions', 'chat' and 'embeddings' also work). Default: "
+                        "/v1/chat/completions for the chat workload and the openai-chat backend, /v1/embeddings "
+                        "for the openai-embeddings backend, else /v1/completions")
     g.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the gRPC API (grpc backend)")
     g.add_argument("--model", default=None,
                    help="model name sent with every request (default: the first model of the server's "

@@ -65,6 +65,11 @@ class RequestRecord:
         if not self.output_tokens:
             self.output_tokens = self._token_ids or len(self.chunk_s)
 
+    def answered(self, now: float) -> None:
+        """A request answered whole, with no tokens (an embedding): its one event at ``now``."""
+        self.chunk_s.append(now)
+        self.latency_s, self.status = now, "ok"
+
     def fail(self, error: str) -> None:
         self.status, self.error = "failed", error
 
@@ -136,14 +141,16 @@ def first_model(base_url: str, api_key: str | None = None, timeout_s: float = 30
 
 
 class OpenAIClient:
-    """POSTs ``/v1/chat/completions`` (specs with messages) or ``/v1/completions`` with ``stream=true``."""
+    """POSTs ``/v1/chat/completions`` (specs with messages) or ``/v1/completions`` with ``stream=true``, or
+    each prompt to ``/v1/embeddings`` (``embeddings``: its answer is the request's one event)."""
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, ignore_eos: bool = True,
                  temperature: float | None = 0.0, timeout_s: float = 6 * 3600,
-                 max_connections: int | None = None, path: str | None = None):
+                 max_connections: int | None = None, path: str | None = None, embeddings: bool = False):
         """``temperature`` None sends none (the server's default); ``path`` overrides the API path."""
         base = server_root(base_url)
         self.model, self.ignore_eos, self.temperature, self.path = model, ignore_eos, temperature, path
+        self.embeddings = embeddings
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=base, timeout=httpx.Timeout(timeout_s),
@@ -167,16 +174,14 @@ class OpenAIClient:
         return self.path or "/v1/chat/completions", body, headers
 
     async def send(self, spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
+        if self.embeddings:
+            return await self._embed(spec, rec)
         path, body, headers = self._request(spec)
         rec.start_s = start = time.perf_counter()
         try:
             async with self._http.stream("POST", path, json=body, headers=headers) as resp:
                 if resp.status_code != 200:
-                    detail = (await resp.aread()).decode("utf-8", "replace")[:500]
-                    rec.fail(f"HTTP {resp.status_code}: {detail}")
-                    if resp.status_code == 429:
-                        rec.status = "rejected"
-                        rec.retry_after_s = parse_retry_after(resp.headers.get("retry-after"))
+                    await _refused(resp, rec)
                     return rec
                 async for data in sse_data(sse_lines(resp.aiter_text())):
                     if data.strip() == "[DONE]":
@@ -190,6 +195,24 @@ class OpenAIClient:
             rec.fail(f"{type(e).__name__}: {e}")
             return rec
         rec.finish()
+        return rec
+
+    async def _embed(self, spec: RequestSpec, rec: RequestRecord) -> RequestRecord:
+        """One prompt's embedding: its latency is the request's TTFT and E2EL, its usage the prompt's tokens."""
+        body = {"model": spec.model or self.model, "input": spec.prompt}
+        rec.start_s = start = time.perf_counter()
+        try:
+            resp = await self._http.post(self.path or "/v1/embeddings", json=body,
+                                         headers={**self._headers, "X-Request-Id": spec.request_id})
+            if resp.status_code != 200:
+                await _refused(resp, rec)
+                return rec
+            usage = resp.json().get("usage") or {}
+        except (httpx.HTTPError, OSError, ValueError) as e:
+            rec.fail(f"{type(e).__name__}: {e}")
+            return rec
+        rec.answered(time.perf_counter() - start)
+        rec.server_usage, rec.prompt_tokens = True, usage.get("prompt_tokens") or rec.prompt_tokens
         return rec
 
     @staticmethod
@@ -211,6 +234,15 @@ class OpenAIClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+async def _refused(resp: httpx.Response, rec: RequestRecord) -> None:
+    """A non-200 answer: the request failed, or was rejected (429) with the server's retry-after."""
+    detail = (await resp.aread()).decode("utf-8", "replace")[:500]
+    rec.fail(f"HTTP {resp.status_code}: {detail}")
+    if resp.status_code == 429:
+        rec.status = "rejected"
+        rec.retry_after_s = parse_retry_after(resp.headers.get("retry-after"))
 
 
 class GrpcClient:

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OPENAI_BACKENDS = ("openai", "openai-chat", "vllm")  # vLLM's names for its OpenAI-compatible clients
+# vLLM's names for its OpenAI-compatible clients (openai-embeddings: /v1/embeddings, each prompt an input)
+OPENAI_BACKENDS = ("openai", "openai-chat", "openai-embeddings", "vllm")
 BACKENDS = (*OPENAI_BACKENDS, "grpc")
 WORKLOADS = ("random", "sharegpt", "mooncake", "chat")
 
@@ -26,8 +27,8 @@ class BenchConfig:
     base_url: str = "http://127.0.0.1:8000"
     target: str = "127.0.0.1:50051"  # gRPC HOST:PORT
     workload: str = "random"  # one of WORKLOADS (vLLM's --dataset-name)
-    # "chat" | "completions" | an API path such as /v1/completions; None: chat for the chat workload and
-    # the openai-chat backend, else completions
+    # "chat" | "completions" | "embeddings" | an API path such as /v1/completions; None: chat for the chat
+    # workload and the openai-chat backend, embeddings for the openai-embeddings backend, else completions
     endpoint: str | None = None
     dataset_path: str | None = None  # sharegpt JSON, or the mooncake trace (also accepted as ``trace``)
     # mooncake
@@ -80,19 +81,21 @@ class BenchConfig:
 
 
 def endpoint_kind(config: BenchConfig) -> tuple[str, str | None]:
-    """("chat" | "completions", the API path to POST to, or None for the standard one)."""
+    """("chat" | "completions" | "embeddings", the API path to POST to, or None for the standard one)."""
     endpoint = config.endpoint
     if endpoint is None:
+        if config.backend == "openai-embeddings":
+            return "embeddings", None
         chat = config.workload == "chat" or config.backend == "openai-chat"
         return ("chat" if chat else "completions"), None
-    if endpoint in ("chat", "completions"):
+    if endpoint in ("chat", "completions", "embeddings"):
         return endpoint, None
     path = "/" + endpoint.strip("/")
-    if path.endswith("/chat/completions"):
-        return "chat", path
-    if path.endswith("/completions"):
-        return "completions", path
-    raise ValueError(f"unknown endpoint {endpoint!r}: expected a .../completions or .../chat/completions path")
+    for suffix, kind in (("/chat/completions", "chat"), ("/completions", "completions"), ("/embeddings", "embeddings")):
+        if path.endswith(suffix):
+            return kind, path
+    raise ValueError(f"unknown endpoint {endpoint!r}: expected a .../completions, .../chat/completions or "
+                     f".../embeddings path")
 
 
 def rate_word(config: BenchConfig) -> str:

@@ -108,8 +108,9 @@ def make_client(config: BenchConfig) -> OpenAIClient | GrpcClient:
     common = dict(api_key=config.api_key, ignore_eos=config.ignore_eos, temperature=config.temperature,
                   timeout_s=config.timeout_s)
     if config.backend in OPENAI_BACKENDS:
-        return OpenAIClient(config.base_url, config.model, max_connections=config.max_concurrency,
-                            path=endpoint_kind(config)[1], **common)
+        kind, path = endpoint_kind(config)
+        return OpenAIClient(config.base_url, config.model, max_connections=config.max_concurrency, path=path,
+                            embeddings=kind == "embeddings", **common)
     if config.backend == "grpc":
         return GrpcClient(config.target, config.model, **common)
     raise ValueError(f"unknown backend {config.backend!r}")
