@@ -4,7 +4,8 @@ what they drive shows here, not on the next person's benchmark run: ``benchmarks
 pass, the torch path's input preparation and the rest, and loads each step's chunks into a ``DecodeGraphs``'
 buffers (it fails if a step decodes fewer than the batch); ``benchmarks/detokenize.py`` streams text through the
 detokenizer both ways; ``benchmarks/w8a8.py`` times the W8A8 matmul beside the others and the engine on each
-checkpoint it writes."""
+checkpoint it writes; ``benchmarks/embeddings.py`` times the engine's embeddings against sentence-transformers'
+loop on transformers, their vectors compared."""
 
 from __future__ import annotations
 
@@ -80,3 +81,19 @@ def test_the_w8a8_benchmark_times_every_path_and_every_checkpoint(tmp_path):
     figures = [*(s for paths in result["matmul_s"].values() for s in paths.values()),
                *(v for row in result["engine"].values() for v in row.values())]
     assert all(math.isfinite(v) and v > 0 for v in figures)
+
+
+@pytest.mark.timeout(120)
+def test_the_embeddings_benchmark_gets_the_peers_vectors_and_computes_a_shared_instruction_once(tmp_path):
+    from benchmarks import embeddings
+
+    result = embeddings.main(["--shape", "tiny-test", "--layers", "1", "--inputs", "8", "--instruction-tokens",
+                              "16", "--repeats", "1", "--json", str(tmp_path / "embeddings.json")])
+    assert json.loads((tmp_path / "embeddings.json").read_text()) == result
+    documents, queries = result["workloads"]["documents"], result["workloads"]["queries"]
+    for row in (documents, queries):
+        assert row["max_abs_diff"] < 1e-4 and row["min_cosine"] > 0.9999
+        assert row["speedup"] == pytest.approx(row["sentence_transformers_way"]["seconds"] / row["tidepool"]["seconds"])
+    assert documents["tidepool"]["tokens_computed"] == documents["tokens"]
+    # the instruction is one block: the first query computes it, the seven others wait a step and find it cached
+    assert queries["tidepool"]["tokens_computed"] == queries["tokens"] - 7 * 16
