@@ -1,6 +1,7 @@
 """``/v1/embeddings`` and the gRPC ``Embed`` as clients call them: on the disaggregated server each input is
 routed alone to a prefill worker and its vector is the engine's on the same checkpoint (the official client's
-base64 default, JSON floats, Matryoshka dimensions); a repeated input finds its prefix cached; bad requests
+base64 default, JSON floats, Matryoshka dimensions); a repeated input finds its prefix cached, and an input's
+blocks go to the pool; bad requests
 are 400s (INVALID_ARGUMENT) naming the field; and a checkpoint of the base model alone, whose LM head it lacks,
 serves embeddings and refuses generation."""
 
@@ -15,7 +16,9 @@ import openai
 import pytest
 import torch
 import transformers
+from live_helpers import wait_until
 from test_gateway_grpc import status_of, stub
+from test_kv_sharing import _pooled_blocks
 from test_openai_features import client
 
 from engine.config import EngineConfig, ModelConfig
@@ -77,6 +80,12 @@ def test_grpc_embed_returns_the_same_vectors_and_a_repeated_input_finds_its_pref
     assert again.usage.cached_tokens >= first.usage.prompt_tokens - 16  # all but the last block's tokens
     np.testing.assert_allclose(again.embeddings[0].values, first.embeddings[0].values, atol=1e-5)
     np.testing.assert_allclose(http.data[0].embedding, first.embeddings[0].values, atol=1e-5)
+
+
+def test_an_inputs_blocks_go_to_the_pool_as_a_prompts_do(live_server):
+    ids = [(7 * i) % 250 + 3 for i in range(70)]  # four full blocks of 16
+    client(live_server).embeddings.create(model=live_server.model_id, input=[ids])
+    assert wait_until(lambda: _pooled_blocks(live_server, ids) == 4, 30)
 
 
 @pytest.mark.parametrize("body, param", [
