@@ -20,7 +20,14 @@ from engine.loader import load_model
 from engine.pooling import Pooling, read_pooling
 from engine.sampling_params import SamplingParams
 from router.conductor import Conductor, Decision, Reject, RouteRequest, WorkerLoad
-from router.estimator import DEFAULT_PEER_LINK, DEFAULT_POOL_LINK, DecodeModel, Estimator, PrefillModel, TransferModel
+from router.estimator import (
+    DEFAULT_PEER_LINK,
+    DEFAULT_POOL_LINK,
+    DecodeModel,
+    Estimator,
+    PrefillModel,
+    TransferModel,
+)
 from router.view import SLO
 
 pytestmark = pytest.mark.timeout(120)
