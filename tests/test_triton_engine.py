@@ -1,7 +1,7 @@
 """The Triton attention backend wired into the engine (engine/triton_attention.py), run on CPU by the
 Triton interpreter: greedy tokens equal the torch path's token for token through the whole engine
 (mixed decode and prefill rows in one step, chunked prefill, prefix-cache hits, GQA, speculative decoding's
-drafts, a mixture of experts), the runner's logits
+drafts, a mixture of experts), embeddings equal the torch path's, the runner's logits
 equal the torch path's on one mixed step, how "auto" resolves, and which configurations are refused.
 Also the KV-cache sizing arithmetic of engine/device_memory.py (plain numbers; the CUDA profiling pass
 is in test_gpu)."""
@@ -95,6 +95,33 @@ def test_engine_greedy_tokens_equal_torch_backend(model_dir, kv_cache_dtype: str
     assert any(pos > 0 for _, prefills in steps for _, pos in prefills)
     # b's two full blocks of 8; kivi2 recomputes its residual block (the second), kept exact as a cold run has it
     assert cached["b-again"] == (8 if kv_cache_dtype == "kivi2" else 16)
+
+
+@needs_interpreter
+def test_embeddings_on_triton_equal_torch_beside_decoding_rows_chunked_and_after_a_cached_prefix(model_dir):
+    """Embedding requests (``Engine.add_embedding_request``) read the final-norm hidden rows of a step the
+    kernels computed: one chunked past the token budget while a generation decodes, one after its prefix
+    cached, one of a single token."""
+    long = prompt(37, 10)
+    arrivals = {0: [("g", prompt(9, 11), None), ("e-long", long, 12)], 3: [("e-again", long + prompt(4, 12), None),
+                                                                         ("e-one", prompt(1, 13), None)]}
+    vectors = {}
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model=str(model_dir), block_size=8, num_blocks=64, max_num_batched_tokens=32,
+                                     attention_backend=backend))
+        out, step = {}, 0
+        while step <= max(arrivals) or engine.has_unfinished():
+            for rid, ids, dims in arrivals.get(step, []):
+                if rid == "g":
+                    engine.add_request(rid, ids, SamplingParams(max_tokens=8, **GREEDY))
+                else:
+                    engine.add_embedding_request(rid, ids, dims)
+            out |= {o.request_id: o for o in engine.step() if o.finished}
+            step += 1
+        vectors[backend] = {rid: o.embedding for rid, o in out.items() if rid != "g"}
+        assert out["e-again"].num_cached_tokens == 32 and len(out["e-long"].embedding) == 12
+    for rid, want in vectors["torch"].items():
+        torch.testing.assert_close(torch.tensor(vectors["triton"][rid]), torch.tensor(want), atol=1e-5, rtol=0)
 
 
 @needs_interpreter
