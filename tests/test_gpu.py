@@ -111,6 +111,41 @@ def ran_in_a_compiling_process(test: str) -> bool:
 
 
 @pytest.mark.timeout(600)
+def test_embeddings_on_cuda_beside_graph_replayed_decoding_equal_the_cpu_engines(tmp_path):
+    """Compiled kernels, decode steps replayed from CUDA graphs between the embedding steps: float32 vectors
+    (one chunked, one after its prefix cached) equal the CPU engine's."""
+    if ran_in_a_compiling_process("test_embeddings_on_cuda_beside_graph_replayed_decoding_equal_the_cpu_engines"):
+        return
+    from test_engine_loop import GREEDY, prompt, write_model
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    model_dir = write_model(tmp_path)
+    long = prompt(45, 3)
+    vectors, replays = {}, 0
+    for config in (EngineConfig(model=str(model_dir), block_size=8, num_blocks=128, max_num_batched_tokens=32),
+                   _engine_config(model_dir, num_blocks=128, max_num_batched_tokens=32)):
+        engine = Engine(config)
+        engine.add_request("g", prompt(7, 1), SamplingParams(max_tokens=24, **GREEDY))
+        engine.add_embedding_request("e-long", long)
+        done, step = {}, 0
+        while engine.has_unfinished():
+            if step == 6:
+                engine.add_embedding_request("e-again", long + prompt(3, 4))
+            done |= {o.request_id: o for o in engine.step() if o.finished}
+            step += 1
+        vectors[config.device] = {rid: torch.tensor(o.embedding) for rid, o in done.items() if rid != "g"}
+        assert done["e-again"].num_cached_tokens == 40
+        if engine.runner.graphs is not None:
+            replays = sum(engine.runner.graphs.replays.values())
+    assert replays > 0
+    for rid, want in vectors["cpu"].items():
+        torch.testing.assert_close(vectors["cuda"][rid], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.timeout(600)
 def test_triton_backend_on_cuda_matches_torch_backend(tmp_path):
     """Compiled kernels (not the interpreter): float32 greedy tokens equal the torch path's for mixed
     lengths, chunked prefill and a prefix-cache hit, eagerly and with decode steps replayed from CUDA
