@@ -21,7 +21,7 @@ from engine.errors import CheckpointError, InvalidRequestError
 
 _POOLING_MODULE = "sentence_transformers.models.Pooling"
 _NORMALIZE_MODULE = "sentence_transformers.models.Normalize"
-# what the last-token pooling ignores in a Pooling config (the input width, and flags that are off)
+# a Pooling module config's mode flags, by the name a refusal gives them
 _MODE_NAMES = {"pooling_mode_lasttoken": "last token", "pooling_mode_mean_tokens": "mean",
                "pooling_mode_cls_token": "CLS token", "pooling_mode_max_tokens": "max",
                "pooling_mode_mean_sqrt_len_tokens": "mean / sqrt(length)", "pooling_mode_weightedmean_tokens":
@@ -69,4 +69,3 @@ def read_pooling(model_dir: Path) -> Pooling:
         return Pooling(normalize, f"its sentence-transformers modules include {', '.join(extra)}, which Tidepool "
                                   f"does not run")
     return Pooling(normalize)
-
