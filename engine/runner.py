@@ -227,17 +227,22 @@ class ModelRunner:
         the device."""
         if self.graphs is not None and self.graphs.fits(chunks):  # completes no prompt: no layer hook
             return self.graphs.run(chunks, feed)
-        return self.model.logits(self.final_hidden(chunks, on_layer_done, feed))
+        return self.model(*self._pass(chunks, feed), on_layer_done)
 
     @torch.inference_mode()
-    def final_hidden(self, chunks: list[SeqChunk], on_layer_done: Callable[[int], None] | None = None,
-                     feed: TokenFeed | None = None) -> torch.Tensor:
+    def final_hidden(self, chunks: list[SeqChunk], on_layer_done: Callable[[int], None] | None = None
+                     ) -> torch.Tensor:
         """The final-norm hidden states of the rows ``run`` returns logits of (``model.logits`` makes them
         those logits), in the model's dtype; never replayed from a decode graph."""
+        return self.model.final_hidden(*self._pass(chunks, None), on_layer_done)
+
+    def _pass(self, chunks: list[SeqChunk], feed: TokenFeed | None) -> tuple:
+        """The model's inputs for one pass over ``chunks``: input ids, positions, attention metadata, each
+        layer's K/V for the step, and the rows it returns."""
         input_ids, positions, meta, rows = self.prepare(chunks, feed)
         kv_layers = self.kv_cache.for_step(meta.slot_mapping, [(c.block_table, c.start_pos,
                                                                  c.start_pos + len(c.token_ids)) for c in chunks])
-        return self.model.final_hidden(input_ids, positions, meta, kv_layers, rows, on_layer_done)
+        return input_ids, positions, meta, kv_layers, rows
 
 
 def _to(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

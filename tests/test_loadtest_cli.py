@@ -194,7 +194,10 @@ def test_bad_input_fails_before_sending(server, tmp_path, capsys):
     assert "reads no file" in capsys.readouterr().err
     assert bench("--port", str(port), "--model", "m", "--tokenizer", str(tmp_path)) == 2
     assert "no tokenizer.json" in capsys.readouterr().err
-    assert bench("--port", str(port), "--model", "m", "--endpoint", "/v1/embeddings") == 2
+    assert bench("--port", str(port), "--model", "m", "--endpoint", "/v1/rerank") == 2
+    assert "expected a .../completions, .../chat/completions or .../embeddings path" in capsys.readouterr().err
+    assert bench("--port", str(port), "--model", "m", "--backend", "openai-embeddings", "--dataset-name", "chat") == 2
+    assert "the chat workload needs the chat endpoint" in capsys.readouterr().err
     # Counts and lengths of nothing: once an empty run's report, or prompts and answers of no tokens.
     for flags, named in ((["--num-prompts", "0"], "num_prompts"), (["--random-input-len", "0"], "input_len"),
                          (["--random-output-len", "0"], "output_len"),

@@ -4,6 +4,7 @@ weights the codes stand for, each matmul's input quantized a row at a time as th
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -95,14 +96,18 @@ def test_a_w8a8_checkpoint_generates_as_transformers_with_its_inputs_quantized_a
     """Llama, Qwen2 (q/k/v biases, added in float32), Qwen3, Qwen2-MoE (a shared expert beside the routed ones),
     Qwen3-MoE and Mixtral: greedy tokens equal the reference's and the first logits are within float rounding of
     it, ten times nearer than to the same weights with unquantized inputs (the activations really are
-    quantized)."""
+    quantized).
+
+    The reference runs in float32 and in float64, and each prompt must match one of them: a value that lands on
+    a code boundary takes a neighbouring code in one and not the other, and which of the two the engine's own
+    float32 sums agree with depends on the CPU's kernels (Qwen3-MoE's 40-token prompt went each way on two
+    machines)."""
     build_hf_checkpoint(tmp_path, arch)
     original = load_file(tmp_path / "model.safetensors")
     reference = transformers_with(tmp_path, {**original, **quantize_checkpoint(tmp_path, "compressed_w8a8")})
-    # float64: a float32 reference rounds differently from the engine, and a value that lands on a code
-    # boundary takes a neighbouring code in one and not the other (seen in Qwen3-MoE's 40-token prompt)
-    reference = reference.double()
-    reference.set_experts_implementation("eager")  # each expert's matmuls by F.linear, which the reference patches
+    references = [reference, copy.deepcopy(reference).double()]
+    for ref in references:
+        ref.set_experts_implementation("eager")  # each expert's matmuls by F.linear, which the reference patches
     runner, cfg = make_runner(tmp_path)
     assert cfg.weight_quant.int8_activations
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
@@ -112,13 +117,17 @@ def test_a_w8a8_checkpoint_generates_as_transformers_with_its_inputs_quantized_a
     with torch.no_grad():
         for i, p in enumerate(batch):
             ids = torch.tensor([p])
-            unquantized = reference(ids).logits[0, -1].float()
-            with inputs_quantized(reference):
-                want = reference(ids).logits[0, -1].float()
-                ref = reference.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
-            assert rel_err(logits[i], want) < 1e-4
-            assert rel_err(logits[i], unquantized) > 10 * rel_err(logits[i], want)
-            assert tokens[i] == ref, f"{arch} prompt {i}"
+            runs = []  # (error against the quantized reference, against the unquantized one, its greedy tokens)
+            for ref in references:
+                unquantized = ref(ids).logits[0, -1].float()
+                with inputs_quantized(ref):
+                    want = ref(ids).logits[0, -1].float()
+                    greedy = ref.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                runs.append((rel_err(logits[i], want), rel_err(logits[i], unquantized), greedy))
+            error, unquantized_error, greedy = min(runs, key=lambda run: run[0])
+            assert error < 1e-4, f"{arch} prompt {i}: {[run[0] for run in runs]}"
+            assert unquantized_error > 10 * error
+            assert tokens[i] == greedy, f"{arch} prompt {i}"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
