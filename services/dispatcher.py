@@ -303,8 +303,8 @@ class Dispatcher:
                     priority: int = 0) -> EmbeddingResult:
         """One prompt's embedding (``dimensions`` values; None: the hidden size): the prompt is routed alone to the
         prefill (or colocated) worker that ends it first after the prefix it holds (``Conductor.route_prompt``)
-        and computed there; a worker that dies meanwhile costs a new route."""
-        self.pooling.check(dimensions, self.hidden_size)
+        and computed there; a worker that dies meanwhile costs a new route. (The worker's engine checks
+        ``dimensions`` and the model's pooling; the gateway before it tokenizes.)"""
         if not prompt_ids:
             raise InvalidRequestError("input", "the input is empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -319,7 +319,7 @@ class Dispatcher:
                                  self.max_kv_tokens)
         excluded: set[str] = set()
         try:
-            for attempt in range(_MAX_ATTEMPTS):
+            for attempt in itertools.count():
                 decision = (self._route(route_req, excluded, prompt_only=True) if attempt == 0
                             else await self._route_again(route_req, excluded, prompt_only=True))
                 routed = time.monotonic()
@@ -341,7 +341,6 @@ class Dispatcher:
                 self.conductor.observe_ttft(decision, time.monotonic() - routed)
                 self.metrics.observe_embedding(result.num_prompt_tokens, time.monotonic() - arrived)
                 return result
-            raise AssertionError("unreachable: the last attempt returns or raises")
         finally:
             self._active.discard(task)
             self._last_active = time.monotonic()

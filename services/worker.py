@@ -188,12 +188,11 @@ class Worker(FeedServer):
         after the prefix this worker holds or reads from the pool; the prompt's new blocks then go to the pool, as
         a prefill's do. PrefillTimeoutError past ``deadline_s``; a
         cancelled caller aborts it."""
-        deadline = time.monotonic() + deadline_s
         salt = self.engine.prefix_salt(None, len(prompt_ids))
         queue = self.loop.open_queue(request_id)
         done = False
         try:
-            async with asyncio.timeout(deadline_s):  # (the fetch too: a copy that never comes ends it)
+            async with asyncio.timeout(deadline_s) as deadline:  # (the fetch too: a read that never ends ends it)
                 fetched = await self._fetch_prefix(prompt_ids, False, None, deadline_s, salt)
 
                 def admit() -> None:
@@ -208,7 +207,7 @@ class Worker(FeedServer):
             if not done:  # an abort reached the engine first
                 raise WorkerFailedError(f"embedding request {request_id} was aborted on {self.spec.worker_id}")
         except TimeoutError as exc:
-            if time.monotonic() < deadline:
+            if not deadline.expired():
                 raise  # (not this deadline's)
             raise PrefillTimeoutError(deadline_s) from exc
         finally:
